@@ -1,0 +1,3 @@
+from k3launch.cli import main
+
+main()

@@ -1,0 +1,25 @@
+"""The one error type that reaches users.
+
+Every refusal k3launch makes — bad input, a combination that cannot work, a deployment that
+does not fit — is a :class:`K3Error` with a stable ``code``, a one-line ``message`` and a
+``hint`` saying what to do next. The CLI turns it into exit code 2 (and, under ``--json``,
+``{"error": {"code", "message", "hint"}}``); nothing else prints a traceback to users.
+"""
+
+from __future__ import annotations
+
+
+class K3Error(Exception):
+    """A user-facing refusal: ``code`` is stable and machine-readable."""
+
+    def __init__(self, code: str, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.hint = hint
+
+    def as_dict(self) -> dict[str, str]:
+        return {"code": self.code, "message": self.message, "hint": self.hint}
+
+    def __str__(self) -> str:
+        return self.message

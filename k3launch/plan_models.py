@@ -1,0 +1,105 @@
+"""The Plan: a frozen, JSON-serialisable description of every process of a deployment.
+
+Executors consume Plans only (never recipes). The JSON shape is the contract of DESIGN.md §4:
+``recipe, variant, hardware, strategy, nodes, gpus_per_node, verified, capacity, notices,
+processes[{id, role, node, address, head, http_port, argv, env, image, provenance}]``; the other
+keys are additive.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class NoticeOut(Frozen):
+    code: str
+    message: str
+
+
+class ProvenanceEntry(Frozen):
+    layer: str
+    value: str
+    origin: str
+
+
+class Process(Frozen):
+    id: str
+    role: str  # serve | prefill | decode | router
+    node: str
+    address: str
+    head: bool
+    http_port: int | None
+    argv: list[str]
+    env: dict[str, str]
+    image: str | None
+    provenance: dict[str, list[ProvenanceEntry]]
+    pool: str | None = None
+    node_rank: int | None = None
+    dp_start_rank: int | None = None
+    gpus: int = 0
+
+
+class PoolCapacity(Frozen):
+    role: str
+    parallelism: str
+    nodes: int
+    gpus: int
+    gpu_memory_gb: float
+    weights_gb: float
+    fits: bool
+    tp: int
+    dp: int
+    pp: int
+
+
+class KvOffloadCapacity(Frozen):
+    option: str
+    host_gib_per_rank: float
+    ranks_per_node: int
+    host_gib_per_node: float
+
+
+class Capacity(Frozen):
+    weights_gb: float
+    formula: str
+    gpu_memory_gb: float
+    fits: bool
+    pools: list[PoolCapacity]
+    kv_offload: KvOffloadCapacity | None = None
+
+
+class Host(Frozen):
+    name: str
+    address: str
+    role: str
+    gpus: int
+    placeholder: bool
+
+
+class Plan(Frozen):
+    recipe: str
+    recipe_file: str
+    model: str
+    variant: str
+    hardware: str
+    strategy: str
+    nodes: int
+    gpus_per_node: int
+    verified: bool
+    vllm_version: str
+    features: list[str]
+    kv_offload: str
+    advanced: list[str]
+    sets: list[str]
+    capacity: Capacity
+    notices: list[NoticeOut]
+    hosts: list[Host]
+    endpoint: str
+    processes: list[Process]
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)

@@ -1,0 +1,303 @@
+"""Pydantic models of the vLLM recipes schema (recipes.vllm.ai), plus k3launch's additive keys.
+
+The schema is the one of the vLLM recipes project: ``models/<org>/<Model>.yaml``,
+``strategies/*.yaml``, ``kv_store/*.yaml`` and ``taxonomy.yaml``. Every model forbids unknown
+keys, so a typo in a recipe is an error that names the file and line instead of a setting that
+silently does nothing. Keys k3launch adds are marked "k3launch extension" and are optional, so
+upstream trees load unchanged.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+Env = dict[str, str | int]
+
+
+# ---------------------------------------------------------------------------- taxonomy
+class HardwareProfile(Strict):
+    brand: str
+    generation: str
+    display_name: str = ""
+    description: str = ""
+    gpu_count: int = Field(ge=1)
+    vram_gb: int = Field(ge=1)  # per node
+    multi_node: bool = False
+    scalable: bool = True
+    restricted: bool = False
+    # k3launch extensions
+    platform: Literal["cuda", "rocm", "other"] | None = None
+    image: str | None = None  # default container image when the model names none
+
+    @property
+    def gpu_memory_gb(self) -> float:
+        return self.vram_gb / self.gpu_count
+
+    @property
+    def vendor_platform(self) -> str:
+        if self.platform:
+            return self.platform
+        return {"nvidia": "cuda", "amd": "rocm"}.get(self.brand.lower(), "other")
+
+
+class Task(Strict):
+    id: str
+    display_name: str = ""
+    description: str = ""
+
+
+class Companion(Strict):
+    label: str
+    description: str = ""
+    command: str
+
+
+class KvOffloadOption(Strict):
+    display_name: str = ""
+    label: str = ""
+    order: int = 0
+    description: str = ""
+    args: list[str] = []
+    env: Env = {}
+    strategies: list[str] | None = None
+    brands: list[str] | None = None
+    group: str | None = None
+    requires_opt_in: bool = False
+    install: str | None = None
+    docs_url: str | None = None
+    companion: Companion | None = None
+    # k3launch extension: host RAM each GPU rank pins (Simple: ~220 GiB)
+    host_memory_gib_per_rank: float | None = None
+
+
+class KvOffloadGroup(Strict):
+    display_name: str = ""
+    label: str = ""
+    order: int = 0
+    sub_row_label: str = ""
+    docs_url: str = ""
+    tooltip: str = ""
+    description: str = ""
+
+
+class AdvancedPreset(Strict):
+    """k3launch extension: one Advanced knob (the recipe page's Advanced row)."""
+
+    description: str = ""
+    args: list[str]
+
+
+class Taxonomy(Strict):
+    hardware_profiles: dict[str, HardwareProfile]
+    tasks: list[Task] = []
+    strategies: list[str] = []
+    kv_offload: dict[str, KvOffloadOption] = {}
+    kv_offload_groups: dict[str, KvOffloadGroup] = {}
+    advanced: dict[str, AdvancedPreset] = {}  # k3launch extension
+
+
+# -------------------------------------------------------------------------- strategies
+class HardwareMatch(Strict):
+    min_gpus: int = 1
+    max_gpus: int | None = None
+    multi_node: bool = False
+    architecture: str | None = None
+
+
+class RoleArgs(Strict):
+    vllm_args: list[str] = []
+    env: Env = {}
+
+
+class RouterPolicy(Strict):
+    policy: str = "round_robin"
+
+
+class Strategy(Strict):
+    name: str
+    deploy_type: str
+    display_name: str = ""
+    orientation: str | None = None
+    description: str = ""
+    hardware_match: HardwareMatch = HardwareMatch()
+    parallelism: str | None = None
+    vllm_args: list[str] = []
+    parallel_flag: str = "--tensor-parallel-size"
+    env: Env = {}
+    prefill: RoleArgs | None = None
+    decode: RoleArgs | None = None
+    router: RouterPolicy | None = None
+
+
+# ---------------------------------------------------------------------------- kv_store
+class ArgsBlock(Strict):
+    args: list[str] = []
+
+
+class KvStoreRouter(Strict):
+    policy: str = ""
+    install: str = ""
+    port: int | None = None
+
+
+class KvStoreVllm(Strict):
+    vllm_args: list[str] = []
+    env: Env = {}
+    install: dict[str, str] = {}
+    port: int | None = None
+
+
+class KvStore(Strict):
+    name: str
+    deploy_type: str = ""
+    display_name: str = ""
+    label: str = ""
+    order: int = 0
+    description: str = ""
+    router: KvStoreRouter | None = None
+    vllm: KvStoreVllm = KvStoreVllm()
+    pd: dict[str, ArgsBlock] = {}
+    # Service set-up the upstream page renders as extra tabs; k3launch refuses Mooncake for
+    # the bundled recipes, so these are carried, validated as JSON, and not interpreted.
+    mooncake_master: dict[str, JsonValue] | None = None
+    mooncake_store_config: dict[str, JsonValue] | None = None
+    mooncake_vllm_config: dict[str, JsonValue] | None = None
+    min_vllm_version: str | None = None
+    default_instances: int | None = None
+
+
+# ------------------------------------------------------------------------------ models
+class Meta(Strict):
+    title: str
+    slug: str = ""
+    provider: str = ""
+    description: str = ""
+    date_added: dt.date | str | None = None
+    date_updated: dt.date | str | None = None
+    difficulty: str = ""
+    tasks: list[str] = []
+    performance_headline: str = ""
+    related_recipes: list[str] = []
+    default_hardware: str | None = None
+    hardware: dict[str, str] = {}  # hardware id -> "verified"
+
+
+class InstallNote(Strict):
+    note: str = ""
+
+
+class ModelSpec(Strict):
+    model_id: str
+    min_vllm_version: str | None = None
+    docker_image: dict[str, str] = {}  # brand (nvidia/amd) -> image
+    nightly_required: bool = False
+    install: dict[str, InstallNote] = {}
+    architecture: str = "dense"
+    parameter_count: str | None = None
+    active_parameters: str | None = None
+    context_length: int | None = None
+    base_args: list[str] = []
+    base_env: Env = {}
+    supports_dcp: bool = False
+
+
+class FeatureHardware(Strict):
+    args: list[str] = []
+
+
+class Feature(Strict):
+    description: str = ""
+    args: list[str] = []
+    hardware_overrides: dict[str, FeatureHardware] = {}
+    strategies: list[str] | None = None
+
+
+class VariantHardware(Strict):
+    extra_args: list[str] = []
+    extra_env: Env = {}
+    docker_image: str | None = None
+
+
+class Variant(Strict):
+    precision: str = ""
+    vram_minimum_gb: float | None = None
+    description: str = ""
+    extra_args: list[str] = []
+    extra_env: Env = {}
+    hardware_overrides: dict[str, VariantHardware] = {}
+    model_id: str | None = None
+    supported_hardware: list[str] | None = None
+    tp: int | None = None
+
+
+class HardwareOverride(Strict):
+    extra_args: list[str] = []
+    extra_env: Env = {}
+
+
+class RoleOverride(Strict):
+    parallelism: Literal["tp", "tep", "dep"] | None = None
+    tp: int | None = None
+    nodes: int | None = None
+    vllm_args: list[str] = []
+    env: Env = {}
+    hardware_overrides: dict[str, HardwareOverride] = {}
+
+
+class StrategyOverride(Strict):
+    extra_args: list[str] = []
+    vllm_args: list[str] = []
+    env: Env = {}
+    extra_env: Env = {}
+    hardware_overrides: dict[str, HardwareOverride] = {}
+    prefill: RoleOverride | None = None
+    decode: RoleOverride | None = None
+    router: dict[str, int] = {}
+
+
+class Dependency(Strict):
+    command: str
+    note: str = ""
+    optional: bool = False
+
+
+class Lock(Strict):
+    """k3launch extension: a hardware-mandated value ``--set`` may not change.
+
+    ``flag`` is a flag (``--moe-backend``) or a JSON sub-key of one
+    (``--attention-config.mla_prefill_backend``); ``env`` an environment variable.
+    """
+
+    flag: str | None = None
+    env: str | None = None
+    reason: str
+
+
+class Recipe(Strict):
+    meta: Meta
+    model: ModelSpec
+    features: dict[str, Feature] = {}
+    opt_in_features: list[str] = []
+    hardware_opt_in_features: dict[str, list[str]] = {}
+    variants: dict[str, Variant] = {"default": Variant()}
+    compatible_strategies: list[str] = []
+    default_strategy: str | None = None
+    strategy_min_gpus: dict[str, int] = {}
+    kv_cache_strategy_hardware: dict[str, dict[str, str]] = {}
+    strategy_hardware: dict[str, dict[str, str]] = {}
+    hardware_overrides: dict[str, HardwareOverride] = {}
+    strategy_overrides: dict[str, StrategyOverride] = {}
+    kv_offload_support: dict[str, str] = {}
+    dependencies: list[Dependency] = []
+    guide: str = ""
+    # k3launch extensions
+    locked: dict[str, list[Lock]] = {}
+    advanced: dict[str, AdvancedPreset] = {}

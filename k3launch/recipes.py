@@ -1,0 +1,162 @@
+"""Load a recipes tree (vLLM recipes layout) with file-and-line errors.
+
+A tree is ``taxonomy.yaml``, ``strategies/*.yaml``, optional ``kv_store/*.yaml`` and
+``models/<org>/<Model>.yaml``. Files are read lazily: ``plan`` reads the taxonomy, the
+strategies and the one model it needs, so one broken model file elsewhere in a tree does not
+block another model's plan (``k3launch recipes`` lists every file and reports broken ones).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from k3launch.errors import K3Error
+from k3launch.recipe_models import KvStore, Recipe, Strategy, Taxonomy
+
+M = TypeVar("M", bound=BaseModel)
+
+ENV_RECIPES_DIR = "K3LAUNCH_RECIPES_DIR"
+
+
+def default_recipes_dir() -> Path:
+    """``$K3LAUNCH_RECIPES_DIR``, else the tree shipped with k3launch."""
+    env = os.environ.get(ENV_RECIPES_DIR)
+    if env:
+        return Path(env)
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "_recipes", here.parent / "recipes"):
+        if (candidate / "taxonomy.yaml").is_file():
+            return candidate
+    raise K3Error(
+        "no-recipes",
+        "the bundled recipes tree is missing from this installation",
+        f"reinstall k3launch or pass --recipes-dir DIR (or set {ENV_RECIPES_DIR})",
+    )
+
+
+def _line_of(node: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
+    """Best line (1-based) for a pydantic error location inside a composed YAML node."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            nxt = None
+            for k, v in node.value:
+                if k.value == str(part):
+                    nxt = v
+                    line = k.start_mark.line + 1
+                    break
+            if nxt is None:
+                return line
+            node = nxt
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+            line = node.start_mark.line + 1
+        else:
+            return line
+    return line
+
+
+def load_yaml_model(path: Path, model: type[M]) -> M:
+    """Parse ``path`` into ``model``; every failure is a one-line :class:`K3Error`."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise K3Error("missing-file", f"{path}: no such file", "check the path") from None
+    except OSError as exc:
+        raise K3Error("unreadable-file", f"{path}: {exc.strerror}", "check permissions") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise K3Error("bad-yaml", f"{path}{where}: malformed YAML: {problem}", "fix the YAML syntax") from None
+    if not isinstance(data, dict):
+        raise K3Error("bad-recipe", f"{path}: expected a mapping at the top level", "")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        line = _line_of(node, loc)
+        dotted = ".".join(str(p) for p in loc)
+        if err["type"] == "extra_forbidden":
+            msg = f"{path}:{line}: unknown key {dotted!r}"
+            hint = "remove it or fix its spelling (unknown keys are errors, never ignored)"
+        else:
+            msg = f"{path}:{line}: {dotted}: {err['msg']}"
+            hint = "see README 'Recipe format' for the expected shape"
+        more = len(exc.errors()) - 1
+        if more:
+            msg += f" (and {more} more)"
+        raise K3Error("bad-recipe", msg, hint) from None
+
+
+class RecipeTree:
+    """One recipes tree on disk."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = Path(root) if root is not None else default_recipes_dir()
+        if not (self.root / "taxonomy.yaml").is_file():
+            raise K3Error(
+                "no-recipes",
+                f"{self.root}: not a recipes tree (no taxonomy.yaml)",
+                "point --recipes-dir at a checkout of the vLLM recipes layout",
+            )
+        self._models: dict[str, Recipe] = {}
+
+    @cached_property
+    def taxonomy(self) -> Taxonomy:
+        return load_yaml_model(self.root / "taxonomy.yaml", Taxonomy)
+
+    @cached_property
+    def strategies(self) -> dict[str, Strategy]:
+        out: dict[str, Strategy] = {}
+        for path in sorted((self.root / "strategies").glob("*.yaml")):
+            strat = load_yaml_model(path, Strategy)
+            out[strat.name] = strat
+        return out
+
+    @cached_property
+    def kv_stores(self) -> dict[str, KvStore]:
+        out: dict[str, KvStore] = {}
+        for path in sorted((self.root / "kv_store").glob("*.yaml")):
+            store = load_yaml_model(path, KvStore)
+            out[store.name] = store
+        return out
+
+    def model_ids(self) -> list[str]:
+        base = self.root / "models"
+        return sorted(str(p.relative_to(base).with_suffix("")) for p in base.glob("*/*.yaml"))
+
+    def model_path(self, recipe_id: str) -> Path:
+        return self.root / "models" / f"{recipe_id}.yaml"
+
+    def resolve(self, name: str) -> str:
+        """Accept ``org/Model``, ``Model``, the slug, or the HF model id (case-insensitive)."""
+        ids = self.model_ids()
+        low = name.lower()
+        for rid in ids:
+            if rid.lower() == low or rid.split("/")[-1].lower() == low:
+                return rid
+        for rid in ids:
+            rec = self.model(rid)
+            if rec.meta.slug.lower() == low or rec.model.model_id.lower() == low:
+                return rid
+        import difflib
+
+        close = difflib.get_close_matches(name, ids, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]}?" if close else "list them with `k3launch recipes`"
+        raise K3Error("unknown-recipe", f"no recipe named {name!r} in {self.root}", hint)
+
+    def model(self, recipe_id: str) -> Recipe:
+        if recipe_id not in self._models:
+            self._models[recipe_id] = load_yaml_model(self.model_path(recipe_id), Recipe)
+        return self._models[recipe_id]

@@ -1,0 +1,345 @@
+"""vLLM's ``vllm serve`` flag schema, vendored per vLLM version, and the argv tokenizer built on it.
+
+The schema files under ``k3launch/data/vllm/<version>/`` are dumps of vLLM's own argparse
+actions (options, dest, action class, nargs, type, choices) and of the environment variable
+names ``vllm/envs.py`` reads. Everything that parses, checks or re-emits a ``vllm serve`` argv
+goes through :class:`FlagSchema`, so k3launch never guesses which flags take values.
+
+Key decisions:
+
+* A flag's identity is its argparse ``dest``. Every spelling of one dest (``-tp`` and
+  ``--tensor-parallel-size``; ``--enable-prefix-caching`` and ``--disable-prefix-caching``) is
+  one *key*, so last-writer-wins composition can never leave two spellings of one setting.
+* Boolean pairs: vLLM 0.33 spells the negative of ``--enable-x`` as ``--disable-x`` (and of
+  ``--x`` as ``--no-x``). Older recipes write ``--no-enable-x`` / ``--no-disable-x``; those are
+  understood as the same key with inverted polarity (``legacy`` spellings) and re-emitted in the
+  form the selected schema knows.
+* Dotted config flags (``-cc.pass_config.fuse_allreduce_rms=False``) are vLLM's way to set one
+  field of a JSON config flag; their key is ``<canonical>.<path>``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Literal
+
+from k3launch.errors import K3Error
+
+DEFAULT_VLLM_VERSION = "0.33.0"
+
+Kind = Literal["value", "bool", "store_true", "multi", "optional", "other"]
+
+# argparse ``type`` names whose values we can check without importing vLLM.
+_JSON_TYPES = frozenset({"loads", "parse_dataclass"})
+_DICT_TYPES = frozenset({"parse_dataclass", "loads", "union_dict_and_str"})
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """One argparse action of ``vllm serve``."""
+
+    dest: str
+    options: tuple[str, ...]
+    kind: Kind
+    type: str | None
+    choices: tuple[str, ...] | None
+
+    @property
+    def canonical(self) -> str:
+        """The long option used as this flag's key and emitted spelling (for value flags)."""
+        own = "--" + self.dest.replace("_", "-")
+        if own in self.options:
+            return own
+        longs = [o for o in self.options if o.startswith("--")]
+        return longs[0] if longs else self.options[0]
+
+    def bool_form(self, value: bool) -> str:
+        """The spelling of a boolean flag that sets it to ``value`` in this schema."""
+        if self.kind == "store_true":
+            if not value:
+                raise K3Error(
+                    "flag-no-negative",
+                    f"{self.canonical} has no negative form in vLLM's schema",
+                    "drop the flag instead of negating it",
+                )
+            return self.canonical
+        for opt in self.options:
+            if opt.startswith("--") and _polarity(self, opt) is value:
+                return opt
+        raise K3Error("flag-no-form", f"{self.canonical} cannot be set to {value}", "")
+
+    @property
+    def takes_dict(self) -> bool:
+        return self.type in _DICT_TYPES
+
+
+def _polarity(spec: FlagSpec, option: str) -> bool:
+    """Which boolean value a spelling of a boolean flag sets.
+
+    vLLM names the dest after the positive spelling (``enable_prefix_caching``,
+    ``disable_custom_all_reduce``, ``trust_remote_code``); short aliases (``-ep``, ``-dph``)
+    alias the positive spelling. Every other long spelling is the negative.
+    """
+    if not option.startswith("--"):
+        return True
+    return option == "--" + spec.dest.replace("_", "-") or (
+        spec.kind == "store_true"
+    )
+
+
+@dataclass(frozen=True)
+class Arg:
+    """One parsed flag occurrence of a ``vllm serve`` argv."""
+
+    spec: FlagSpec
+    written: str  # the option as written (before normalisation)
+    value: str | None  # None for booleans
+    polarity: bool | None  # booleans only
+    path: str = ""  # dotted sub-key of a JSON config flag, e.g. "pass_config.fuse_allreduce_rms"
+    legacy: bool = False  # a spelling the schema does not list (``--no-enable-x``)
+
+    @property
+    def key(self) -> str:
+        return f"{self.spec.canonical}.{self.path}" if self.path else self.spec.canonical
+
+    def tokens(self) -> list[str]:
+        """This flag as the selected schema spells it."""
+        if self.spec.kind in ("bool", "store_true"):
+            assert self.polarity is not None
+            return [self.spec.bool_form(self.polarity)]
+        assert self.value is not None
+        if self.path:
+            return [f"{self.spec.canonical}.{self.path}={self.value}"]
+        return [self.spec.canonical, self.value]
+
+    @property
+    def shown(self) -> str:
+        """A short human form: the value, or the spelling for booleans."""
+        if self.spec.kind in ("bool", "store_true"):
+            return " ".join(self.tokens())
+        return self.value or ""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A schema finding on an argv: ``code`` is stable, ``message`` is one line."""
+
+    code: str
+    message: str
+    hint: str = ""
+
+
+class FlagSchema:
+    """The flags of ``vllm serve`` for one vLLM version."""
+
+    def __init__(self, version: str, specs: list[FlagSpec], env_vars: frozenset[str]) -> None:
+        self.version = version
+        self.specs = specs
+        self.env_vars = env_vars
+        self._by_option: dict[str, FlagSpec] = {}
+        for spec in specs:
+            for opt in spec.options:
+                self._by_option[opt] = spec
+
+    # -- lookup -------------------------------------------------------------------------
+    def lookup(self, option: str) -> tuple[FlagSpec, bool | None, bool] | None:
+        """Resolve a spelling to ``(spec, polarity, legacy)``; ``None`` if unknown."""
+        option = _normalise(option)
+        spec = self._by_option.get(option)
+        if spec is not None:
+            pol = _polarity(spec, option) if spec.kind in ("bool", "store_true") else None
+            return spec, pol, False
+        if option.startswith("--no-"):
+            inner = self._by_option.get("--" + option[5:])
+            if inner is not None and inner.kind == "bool":
+                return inner, not _polarity(inner, "--" + option[5:]), True
+        return None
+
+    def spec_for(self, option: str) -> FlagSpec:
+        found = self.lookup(option)
+        if found is None:
+            raise K3Error(
+                "unknown-flag",
+                f"{option} is not a flag of vllm serve {self.version}",
+                f"check the spelling; `k3launch lint -- vllm serve MODEL {option}` suggests fixes",
+            )
+        return found[0]
+
+    def suggest(self, option: str) -> str:
+        import difflib
+
+        names = [o for o in self._by_option if o.startswith("--")]
+        close = difflib.get_close_matches(_normalise(option), names, n=1, cutoff=0.75)
+        return f"did you mean {close[0]}?" if close else "see `vllm serve --help=all`"
+
+    # -- parsing ------------------------------------------------------------------------
+    def parse(self, tokens: list[str]) -> tuple[list[Arg], list[Problem]]:
+        """Tokenize flags (no program, no positional model) into :class:`Arg` items.
+
+        Never raises for bad input: problems are returned so ``lint`` can report them all.
+        """
+        args: list[Arg] = []
+        problems: list[Problem] = []
+        i = 0
+        while i < len(tokens):
+            tok = tokens[i]
+            i += 1
+            if not tok.startswith("-") or tok == "-":
+                problems.append(Problem("stray-value", f"unexpected value {tok!r}", "quote it or drop it"))
+                continue
+            name, eq, inline = tok.partition("=")
+            base, dot, path = name.partition(".")
+            if dot and not base.startswith("--") and not base.startswith("-"):
+                base, path = name, ""
+            found = self.lookup(base)
+            if found is None:
+                problems.append(Problem("unknown-flag", f"{base} is not a flag of vllm serve {self.version}", self.suggest(base)))
+                # Skip a following value so one typo is one problem.
+                if not eq and i < len(tokens) and not tokens[i].startswith("-"):
+                    i += 1
+                continue
+            spec, pol, legacy = found
+            if path:
+                if not spec.takes_dict:
+                    problems.append(Problem("bad-dotted", f"{base} takes no dotted sub-keys ({name})", f"pass {spec.canonical} VALUE"))
+                    continue
+                value = inline if eq else (tokens[i] if i < len(tokens) else None)
+                if not eq:
+                    i += 1
+                if value is None:
+                    problems.append(Problem("missing-value", f"{name} needs a value", ""))
+                    continue
+                args.append(Arg(spec, base, value, None, path, legacy))
+                continue
+            if spec.kind in ("bool", "store_true"):
+                if eq:
+                    problems.append(Problem("bad-value", f"{base} takes no value (got {inline!r})", f"write {base} alone"))
+                    continue
+                args.append(Arg(spec, base, None, pol, "", legacy))
+                continue
+            if spec.kind == "multi":
+                vals: list[str] = [inline] if eq else []
+                while not eq and i < len(tokens) and not tokens[i].startswith("--"):
+                    vals.append(tokens[i])
+                    i += 1
+                if not vals:
+                    problems.append(Problem("missing-value", f"{base} needs at least one value", ""))
+                    continue
+                args.append(Arg(spec, base, " ".join(vals), None, "", legacy))
+                continue
+            if eq:
+                value = inline
+            elif i < len(tokens) and (not tokens[i].startswith("-") or _numeric(tokens[i])):
+                value = tokens[i]
+                i += 1
+            elif spec.kind == "optional":
+                value = ""
+            else:
+                problems.append(Problem("missing-value", f"{base} needs a value", f"write {base} VALUE"))
+                continue
+            err = self.check_value(spec, value)
+            if err:
+                problems.append(err)
+                continue
+            args.append(Arg(spec, base, value, None, "", legacy))
+        return args, problems
+
+    def check_value(self, spec: FlagSpec, value: str) -> Problem | None:
+        """Check ``value`` against the flag's choices and (where knowable) its type."""
+        opt = spec.canonical
+        if spec.choices is not None and value not in spec.choices:
+            return Problem(
+                "bad-choice",
+                f"{opt} {value!r} is not one of vLLM {self.version}'s choices",
+                "choose one of: " + ", ".join(spec.choices),
+            )
+        try:
+            if spec.type == "int":
+                int(value)
+            elif spec.type == "float":
+                float(value)
+            elif spec.type == "human_readable_int_or_auto":
+                if value.strip().lower() not in ("auto", "-1"):
+                    _human_int(value)
+            elif spec.type == "human_readable_int":
+                _human_int(value)
+            elif spec.type in _JSON_TYPES and value.lstrip().startswith(("{", "[")):
+                json.loads(value)
+        except (ValueError, json.JSONDecodeError) as exc:
+            kind = "JSON" if spec.type in _JSON_TYPES else (spec.type or "value")
+            return Problem("bad-value", f"{opt} {value!r} is not a valid {kind}: {exc}", "")
+        return None
+
+
+def _numeric(tok: str) -> bool:
+    try:
+        float(tok)
+    except ValueError:
+        return False
+    return True
+
+
+def _human_int(value: str) -> int:
+    v = value.strip()
+    if v and v[-1] in "kKmMgGtT":
+        return int(float(v[:-1]))
+    return int(v)
+
+
+def _normalise(option: str) -> str:
+    """vLLM accepts underscores in long option names (``--max_model_len``)."""
+    if option.startswith("--"):
+        return "--" + option[2:].replace("_", "-")
+    return option
+
+
+def _kind(action: str | None, nargs: object) -> Kind:
+    if action == "EnableDisableAction" or action == "BooleanOptionalAction":
+        return "bool"
+    if action in ("_StoreTrueAction", "_StoreFalseAction"):
+        return "store_true"
+    if nargs in ("+", "*") or action in ("_AppendAction", "LoRAParserAction"):
+        return "multi" if nargs in ("+", "*") else "value"
+    if nargs == "?":
+        return "optional"
+    if action in ("_HelpAction",):
+        return "other"
+    return "value"
+
+
+@cache
+def load_schema(version: str = DEFAULT_VLLM_VERSION) -> FlagSchema:
+    """The vendored schema of one vLLM version (``--vllm-version``)."""
+    root = resources.files("k3launch") / "data" / "vllm"
+    known = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if version not in known:
+        raise K3Error(
+            "unknown-vllm-version",
+            f"no vLLM flag schema for version {version}",
+            "vendored versions: " + ", ".join(known),
+        )
+    raw = json.loads((root / version / "serve-flags.json").read_text())
+    envs = json.loads((root / version / "env-vars.json").read_text())
+    specs: list[FlagSpec] = []
+    for act in raw["actions"]:
+        if "options" not in act or act.get("action") == "_HelpAction":
+            continue
+        choices = act.get("choices")
+        specs.append(
+            FlagSpec(
+                dest=act["dest"],
+                options=tuple(act["options"]),
+                kind=_kind(act.get("action"), act.get("nargs")),
+                type=act.get("type"),
+                choices=tuple(str(c) for c in choices) if choices else None,
+            )
+        )
+    return FlagSchema(version, specs, frozenset(envs["env_vars"]))
+
+
+def vendored_versions() -> list[str]:
+    root = resources.files("k3launch") / "data" / "vllm"
+    return sorted(p.name for p in root.iterdir() if p.is_dir())
