@@ -10,12 +10,18 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 
 from k3launch import __version__
 from k3launch.errors import K3Error
+
+if TYPE_CHECKING:  # heavy imports stay lazy so `--help` and `plan` start fast
+    from rich.console import Console
+
+    from k3launch.recipes import RecipeTree
+    from k3launch.selection import Selection
 
 app = typer.Typer(
     name="k3launch",
@@ -53,13 +59,13 @@ def _main(
     STATE.debug = debug
 
 
-def _console():  # type: ignore[no-untyped-def]
+def _console() -> Console:
     from rich.console import Console
 
     return Console(soft_wrap=False)
 
 
-def _tree(recipes_dir: Path | None):  # type: ignore[no-untyped-def]
+def _tree(recipes_dir: Path | None) -> RecipeTree:
     from k3launch.recipes import RecipeTree
 
     return RecipeTree(recipes_dir)
@@ -75,22 +81,28 @@ def fail(err: K3Error) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _selection(**kw: object):  # type: ignore[no-untyped-def]
+ADVANCED_ALL = ("max-num-batched-tokens", "max-num-seqs", "gpu-memory-utilization", "max-model-len")
+
+
+def _selection(
+    *, recipe: str | None, variant: str | None, hardware: str | None, strategy: str | None, nodes: int | None,
+    prefill_strategy: str | None, prefill_nodes: int | None, decode_strategy: str | None, decode_nodes: int | None,
+    feature: list[str] | None, no_feature: list[str] | None, kv_offload: str, sets: list[str] | None,
+    advanced: list[str] | None, vllm_version: str,
+) -> Selection:
     from k3launch.selection import Selection
 
-    sets = tuple(kw.pop("sets") or ())  # type: ignore[arg-type]
-    for s in sets:
+    for s in sets or ():
         if "=" not in s and not s.lstrip("-").startswith(("enable-", "disable-", "no-")):
             raise K3Error("bad-set", f"--set {s!r} has no '='", "write --set FLAG=VALUE, e.g. --set max-num-seqs=64")
-    advanced = tuple(kw.pop("advanced") or ())  # type: ignore[arg-type]
-    if "all" in advanced:
-        advanced = ("max-num-batched-tokens", "max-num-seqs", "gpu-memory-utilization", "max-model-len")
+    adv = tuple(advanced or ())
+    if "all" in adv:
+        adv = ADVANCED_ALL
     return Selection(
-        recipe=kw["recipe"], variant=kw["variant"], hardware=kw["hardware"], strategy=kw["strategy"],  # type: ignore[arg-type]
-        nodes=kw["nodes"], prefill_strategy=kw["prefill_strategy"], prefill_nodes=kw["prefill_nodes"],  # type: ignore[arg-type]
-        decode_strategy=kw["decode_strategy"], decode_nodes=kw["decode_nodes"],  # type: ignore[arg-type]
-        features=tuple(kw["feature"] or ()), no_features=tuple(kw["no_feature"] or ()),  # type: ignore[arg-type]
-        kv_offload=kw["kv_offload"], sets=sets, advanced=advanced, vllm_version=kw["vllm_version"],  # type: ignore[arg-type]
+        recipe=recipe, variant=variant, hardware=hardware, strategy=strategy, nodes=nodes,
+        prefill_strategy=prefill_strategy, prefill_nodes=prefill_nodes, decode_strategy=decode_strategy,
+        decode_nodes=decode_nodes, features=tuple(feature or ()), no_features=tuple(no_feature or ()),
+        kv_offload=kv_offload, sets=tuple(sets or ()), advanced=adv, vllm_version=vllm_version,
     )
 
 
@@ -123,7 +135,6 @@ def plan(
     """Compose every process of a deployment: argv, env, ranks, ports, provenance."""
     STATE.json = json_out
     from k3launch.plan import build_plan
-    from k3launch import show
 
     try:
         sel = _selection(recipe=recipe, variant=variant, hardware=hardware, strategy=strategy, nodes=nodes,
@@ -136,6 +147,8 @@ def plan(
     if json_out:
         typer.echo(p.to_json())
     else:
+        from k3launch import show
+
         show.plan(_console(), p)
 
 
@@ -278,7 +291,7 @@ def main() -> None:
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         sys.exit(130)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence against tracebacks
+    except Exception as exc:  # the last line of defence against tracebacks
         if debug:
             raise
         typer.echo(f"internal error: {type(exc).__name__}: {exc}", err=True)

@@ -62,7 +62,9 @@ def plan(console: Console, p: Plan) -> None:
                       str(proc.http_port or ""), str(proc.gpus or ""), proc.image or "")
     console.print(table)
     for proc in p.processes:
-        console.print(Panel(Text(command_lines(proc)), title=f"{proc.id} on {proc.node}", title_align="left", expand=False))
+        # Plain text (no box) so a command can be copied straight into a shell.
+        console.rule(f"{proc.id} on {proc.node} ({proc.address})", align="left")
+        console.print(Text(command_lines(proc)), soft_wrap=True)
 
 
 def history(console: Console, items: list[FlagHistory], key: str) -> None:

@@ -1,0 +1,33 @@
+"""The code style gates run as part of the suite: ruff clean and mypy --strict clean."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.prefix) / "bin" / "ruff").exists(), reason="ruff not installed")
+def test_ruff_clean() -> None:
+    out = _run("ruff", "check", "k3launch", "tests", "benchmarks")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_mypy_strict_clean() -> None:
+    out = _run("mypy")
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_modules_stay_small() -> None:
+    """Modules stay under ~400 lines so each reads in one sitting."""
+    big = {p.name: n for p in (ROOT / "k3launch").rglob("*.py") if (n := len(p.read_text().splitlines())) > 420}
+    assert not big, big
