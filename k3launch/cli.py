@@ -261,18 +261,21 @@ def recipes_show(ctx: typer.Context, recipe_id: Annotated[str, typer.Argument(he
     json_out = json_out or parent_json
     STATE.json = json_out
     from k3launch import show
+    from k3launch.resolve import kv_offload_matrix
 
     try:
         tree = _tree(recipes_dir)
         rid = tree.resolve(recipe_id)
         rec = tree.model(rid)
         taxonomy = tree.taxonomy
+        kv_hw = rec.meta.default_hardware or next(iter(taxonomy.hardware_profiles))
+        kv = kv_offload_matrix(tree, rec, kv_hw)
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"id": rid, "recipe": rec.model_dump(mode="json")}, indent=2))
+        typer.echo(json.dumps({"id": rid, "recipe": rec.model_dump(mode="json"), "kv_offload_support": {kv_hw: kv}}, indent=2))
     else:
-        show.recipe_detail(_console(), rid, rec, taxonomy)
+        show.recipe_detail(_console(), rid, rec, taxonomy, kv, kv_hw)
 
 
 def main() -> None:

@@ -253,5 +253,6 @@ def _fold_dotted(state: dict[str, Arg], prov: dict[str, list[ProvEntry]], notice
             merged = json.dumps(doc, separators=(",", ":"))
             state[base] = Arg(whole.spec, whole.written, merged, None)
             del state[key]
-            prov.setdefault(base, []).append(ProvEntry("fold", merged, f"merged {key}"))
+            layer = prov[key][-1].layer if prov.get(key) else "strategy"
+            prov.setdefault(base, []).append(ProvEntry(layer, merged, f"merged {key} into {base}"))
             notices.append(Notice("folded", f"{key} merged into {base} (vLLM would drop one of the two)"))

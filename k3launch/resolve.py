@@ -247,3 +247,23 @@ def _kv_offload(tree: RecipeTree, recipe: Recipe, kv: str, strategy: Strategy, h
     if opt.companion is not None:
         notices.append(Notice("kv-offload-companion", f"{kv} needs its {opt.companion.label} running on each node before vllm serve"))
     return kv
+
+
+def kv_offload_matrix(tree: RecipeTree, recipe: Recipe, hw_id: str) -> dict[str, dict[str, bool]]:
+    """Which KV offload option works with which strategy of ``recipe`` on ``hw_id``."""
+    hw = tree.taxonomy.hardware_profiles[hw_id]
+    options = [KV_OFFLOAD_OFF, *tree.taxonomy.kv_offload, "mooncake"]
+    out: dict[str, dict[str, bool]] = {}
+    for sname in recipe.compatible_strategies or sorted(tree.strategies):
+        strategy = tree.strategies.get(sname)
+        if strategy is None:
+            continue
+        row: dict[str, bool] = {}
+        for opt in options:
+            try:
+                _kv_offload(tree, recipe, opt, strategy, hw_id, hw, [])
+                row[opt] = True
+            except K3Error:
+                row[opt] = False
+        out[sname] = row
+    return out

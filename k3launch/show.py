@@ -107,7 +107,7 @@ def recipes_list(console: Console, rows: list[tuple[str, str, str]], taxonomy: T
     console.print("strategies: " + ", ".join(strategies))
 
 
-def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy) -> None:
+def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, kv: dict[str, dict[str, bool]], kv_hw: str) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -120,7 +120,7 @@ def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy) -
     head.add_row("features", ", ".join(f"{k}{' (opt-in)' if k in rec.opt_in_features else ''}" for k in rec.features))
     console.print(Panel(head, title=rid, expand=False))
     hw = Table(title="hardware")
-    for col in ("id", "nodes x GPU memory", "verified", "single node holds weights"):
+    for col in ("id", "GPUs x memory", "verified", "one node holds the weights"):
         hw.add_column(col)
     need = rec.variants[next(iter(rec.variants))].vram_minimum_gb or 0
     for hid, prof in taxonomy.hardware_profiles.items():
@@ -128,3 +128,12 @@ def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy) -
             continue
         hw.add_row(hid, f"{prof.gpu_count} x {prof.gpu_memory_gb:g} GB = {prof.vram_gb} GB", rec.meta.hardware.get(hid, "no"), "yes" if prof.vram_gb >= need else "no")
     console.print(Group(hw))
+    if kv:
+        opts = list(next(iter(kv.values())))
+        t = Table(title=f"KV offload on {kv_hw}")
+        t.add_column("strategy")
+        for o in opts:
+            t.add_column(o)
+        for sname, row in kv.items():
+            t.add_row(sname, *("yes" if row[o] else "-" for o in opts))
+        console.print(t)
