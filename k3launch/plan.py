@@ -1,4 +1,4 @@
-"""Selection (+ nodes) → :class:`Plan`: every process of the deployment, fully composed.
+"""Selection (+ inventory) → :class:`Plan`: every process of the deployment, fully composed.
 
 Placement rules (README "Placement"): nodes are taken in order; a P/D deployment puts the
 prefill pool first and the decode pool on the next, disjoint nodes; within a pool node 0 is the
@@ -10,53 +10,28 @@ i·g``; with hybrid load balancing every node serves HTTP, so a router fronts th
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 
 from k3launch.compose import Composed, Notice, Source, compose
 from k3launch.errors import K3Error
+from k3launch.inventory import Inventory
 from k3launch.layers import RESERVED, locks_for, pool_sources
-from k3launch.plan_models import (
-    Capacity,
-    Host,
-    KvOffloadCapacity,
-    NoticeOut,
-    Plan,
-    PoolCapacity,
-    Process,
-    ProvenanceEntry,
-)
+from k3launch.placement import LOGIN, PLACEHOLDER_IFACE, NodeSpec, Ports, inventory_hardware, placeholder_nodes, router_node, select_nodes
+from k3launch.plan_models import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry
+from k3launch.porttable import port_table
 from k3launch.recipes import RecipeTree
 from k3launch.resolve import resolve
+from k3launch.router import router_process
 from k3launch.schema import load_schema
 from k3launch.selection import Pool, Resolved, Selection
 
-MASTER_PORT = 29501
-DP_RPC_PORT = 13345
-SERVE_PORT = 8000
-ROUTER_PORT = 8000
-ROUTER_PROMETHEUS_PORT = 29000
-DEFAULT_READY_TIMEOUT_S = 1800
-PLACEHOLDER_IFACE = "ib0"
+__all__ = ["LOGIN", "NodeSpec", "build_plan", "placeholder_nodes"]
 
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """A machine to place processes on (an inventory node, or a placeholder)."""
-
-    name: str
-    address: str
-    iface: str = PLACEHOLDER_IFACE
-    placeholder: bool = False
-
-
-def placeholder_nodes(count: int) -> list[NodeSpec]:
-    return [NodeSpec(f"node-{i}", f"node-{i}", PLACEHOLDER_IFACE, True) for i in range(count)]
-
-
-LOGIN = NodeSpec("login", "login", PLACEHOLDER_IFACE, True)
-
+GIB_PER_GB = 1e9 / 2**30
 _PLACEHOLDER = re.compile(r"\$\{?([A-Z_][A-Z0-9_]*)\}?")
 
 
@@ -66,7 +41,7 @@ def _substitute(text: str, values: dict[str, str], origin: str) -> str:
         if name in values:
             return values[name]
         if re.fullmatch(r"(PREFILL|DECODE)_NODE_\d+", name):
-            return values["NODE_IP"]
+            return values["NODE_IP"]  # upstream's per-rank placeholder: this node's own address
         raise K3Error("unresolved-placeholder", f"{origin}: ${name} has no value in a k3launch plan",
                       "replace the placeholder in the recipe with a literal value")
 
@@ -79,27 +54,24 @@ def _resolve_source(src: Source, values: dict[str, str]) -> Source:
     return Source(src.layer, src.origin, args, env, src.user)
 
 
-def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool) -> tuple[list[str], bool, int | None, int | None]:
+def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool, ports: Ports) -> tuple[list[str], bool, int | None, int | None]:
     """Placement flags of node ``i`` of ``pool``: (tokens, serves_http, node_rank, dp_start_rank)."""
     g, n, par = pool.gpus_per_node, pool.nodes, pool.parallelism
     if par in ("tp", "tep", "tp_pp"):
-        tp = g if par == "tp_pp" else g * n
-        toks = ["--tensor-parallel-size", str(tp)]
+        toks = ["--tensor-parallel-size", str(g if par == "tp_pp" else g * n)]
         if par == "tp_pp":
             toks += ["--pipeline-parallel-size", str(n)]
         if n == 1:
             return toks, True, None, None
-        toks += ["--nnodes", str(n), "--node-rank", str(i), "--master-addr", head.address, "--master-port", str(MASTER_PORT)]
+        toks += ["--nnodes", str(n), "--node-rank", str(i), "--master-addr", head.address, "--master-port", str(ports.master)]
         if i > 0:
             toks.append("--headless")
         return toks, i == 0, i, None
     local = g if par == "dep" else 1
-    tp = 1 if par == "dep" else g
-    dp = local * n
-    toks = ["--tensor-parallel-size", str(tp), "--data-parallel-size", str(dp), "--data-parallel-size-local", str(local)]
+    toks = ["--tensor-parallel-size", str(1 if par == "dep" else g), "--data-parallel-size", str(local * n), "--data-parallel-size-local", str(local)]
     if n == 1:
         return toks, True, None, 0
-    toks += ["--data-parallel-address", head.address, "--data-parallel-rpc-port", str(DP_RPC_PORT)]
+    toks += ["--data-parallel-address", head.address, "--data-parallel-rpc-port", str(ports.dp_rpc)]
     if i > 0:
         toks += ["--data-parallel-start-rank", str(i * local)]
         if not hybrid:
@@ -107,34 +79,46 @@ def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool) -> tuple[list[str]
     return toks, i == 0 or hybrid, None, i * local
 
 
-def _hybrid(pre: Sequence[Source]) -> bool:
-    return any(t in ("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe") for s in pre for t in s.args)
+def _last(pre: Sequence[Source], flag: str) -> str | None:
+    val = None
+    for s in pre:
+        for j, t in enumerate(s.args):
+            if t == flag and j + 1 < len(s.args):
+                val = s.args[j + 1]
+    return val
 
 
-def _image(r: Resolved) -> str | None:
+def _image(r: Resolved, node: NodeSpec) -> str | None:
+    if node.image:
+        return node.image
     vb = r.variant.hardware_overrides.get(r.hardware_id)
     if vb is not None and vb.docker_image:
         return vb.docker_image
-    brand = r.hardware.brand.lower()
-    return r.recipe.model.docker_image.get(brand) or r.hardware.image
+    return r.recipe.model.docker_image.get(r.hardware.brand.lower()) or r.hardware.image
 
 
-def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None) -> Plan:
+def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None, *,
+               inventory: Inventory | None = None, exclude: Sequence[str] = (), port_base: int | None = None,
+               name: str | None = None) -> Plan:
+    if inventory is not None:
+        sel = replace(sel, hardware=inventory_hardware(inventory, sel.hardware))
     r = resolve(tree, sel)
     schema = load_schema(sel.vllm_version)
-    rf = f"models/{r.recipe_id}.yaml"
-    sf = f"strategies/{r.strategy.name}.yaml"
+    ports = Ports.shifted(port_base)
+    rf, sf = f"models/{r.recipe_id}.yaml", f"strategies/{r.strategy.name}.yaml"
     kv = tree.taxonomy.kv_offload.get(r.kv_offload) if r.kv_offload != "off" else None
-    kv_args = (kv.args, kv.env) if kv is not None else None
     locks = locks_for(r.recipe, r.hardware_id, r.hardware)
     model_id = r.variant.model_id or r.recipe.model.model_id
-    program = ["vllm", "serve", model_id]
-    placed = list(nodes) if nodes is not None else placeholder_nodes(r.nodes)
-    if len(placed) < r.nodes:
-        raise K3Error("too-few-nodes", f"the plan needs {r.nodes} nodes, {len(placed)} given", "add nodes or shrink the selection")
     notices = list(r.notices)
-    if nodes is None:
-        notices.append(Notice("placeholder-nodes", f"placed on placeholder nodes node-0..node-{r.nodes - 1} with NIC {PLACEHOLDER_IFACE}; pass --inventory for real addresses"))
+    if inventory is not None:
+        placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude)
+    elif nodes is not None:
+        placed = list(nodes)
+        if len(placed) < r.nodes:
+            raise K3Error("too-few-nodes", f"the plan needs {r.nodes} nodes, {len(placed)} given", "add nodes or shrink the selection")
+    else:
+        placed = placeholder_nodes(r.nodes)
+        notices.append(Notice("placeholder-nodes", f"placed on placeholder nodes ({', '.join(n.name for n in placed)}) with NIC {PLACEHOLDER_IFACE}; pass --inventory for real machines"))
     reserved = dict(RESERVED)
     if r.is_pd:
         reserved["--kv-transfer-config"] = "P/D pools own the NIXL KV transfer config"
@@ -142,55 +126,63 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
     hosts: list[Host] = []
     pool_caps: list[PoolCapacity] = []
     cursor = 0
-    image = _image(r)
     for pool in r.pools:
-        pool_nodes = placed[cursor:cursor + pool.nodes]
-        cursor += pool.nodes
-        pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, kv_args)
-        hybrid = _hybrid(pre)
+        pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
+        pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None)
+        hybrid = any(t in ("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe") for s in pre for t in s.args)
+        recipe_port = _last(pre, "--port")
+        http = int(recipe_port) + ports.offset if recipe_port else ports.serve
+        nixl_env = next((v for s in pre for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
         head = pool_nodes[0]
         for i, node in enumerate(pool_nodes):
-            toks, serves, node_rank, dp_start = _layout(pool, i, head, hybrid)
+            toks, serves, node_rank, dp_start = _layout(pool, i, head, hybrid, ports)
             env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
             if pool.nodes > 1:
                 env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
-            if serves and not any(t == "--port" for s in pre for t in s.args):
-                toks += ["--port", str(SERVE_PORT)]
+            if nixl_env is not None and ports.offset:
+                env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(int(nixl_env) + ports.offset)))
+            if serves and (recipe_port is None or ports.offset):
+                toks += ["--port", str(http)]
             placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
             values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
-            sources = [_resolve_source(s, values) for s in (*pre, placement, *post, *tail)]
-            c = compose(schema, program, sources, locks, reserved)
+            c = compose(schema, ["vllm", "serve", model_id], [_resolve_source(s, values) for s in (*pre, placement, *post, *tail)], locks, reserved)
             notices.extend(c.notices)
-            port = c.value("--port")
-            procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, int(port) if serves and port else None,
-                                  c, image, node_rank, dp_start, pool.gpus_per_node))
-            hosts.append(Host(name=node.name, address=node.address, role=pool.role, gpus=pool.gpus_per_node, placeholder=node.placeholder))
-        tp, dp, pp = _sizes(pool)
+            procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, http if serves else None, c, _image(r, node), node_rank, dp_start, pool.gpus_per_node))
+            hosts.append(_host(node, pool.role, pool.gpus_per_node))
+        tp, dp, pp = {"tp": (pool.gpus, 1, 1), "tep": (pool.gpus, 1, 1), "dep": (1, pool.gpus, 1),
+                      "tp_pp": (pool.gpus_per_node, 1, pool.nodes), "tp_dp": (pool.gpus_per_node, pool.nodes, 1)}[pool.parallelism]
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
                                       gpu_memory_gb=pool.nodes * r.hardware.vram_gb, weights_gb=r.weights_gb,
                                       fits=pool.nodes * r.hardware.vram_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
-    router = _router(r, procs, notices)
+    rnode = router_node(inventory)
+    router = router_process(r, procs, notices, rnode, ports)
     if router is not None:
         procs.append(router)
-    endpoint = _endpoint(procs)
-    cap = Capacity(
-        weights_gb=r.weights_gb, formula=r.weights_formula,
-        gpu_memory_gb=min(p.gpu_memory_gb for p in pool_caps), fits=all(p.fits for p in pool_caps), pools=pool_caps,
-        kv_offload=_kv_capacity(r, kv.host_memory_gib_per_rank if kv else None),
-    )
+        if not any(h.name == rnode.name for h in hosts):
+            hosts.append(_host(rnode, "router", 0))
+    kv_cap = _kv_capacity(r, kv.host_memory_gib_per_rank if kv else None, placed[:r.nodes], notices)
+    cap = Capacity(weights_gb=r.weights_gb, formula=r.weights_formula, gpu_memory_gb=min(p.gpu_memory_gb for p in pool_caps),
+                   fits=all(p.fits for p in pool_caps), pools=pool_caps, kv_offload=kv_cap)
+    table = port_table(procs, ports)
+    front = next((p for p in procs if p.role == "router"), None) or next(p for p in procs if p.http_port is not None)
+    digest = hashlib.sha256(json.dumps([[p.node, p.argv, p.env] for p in procs], sort_keys=True).encode()).hexdigest()[:6]
+    short = {"pd_cluster": "pd"}.get(r.strategy.name, r.strategy.name.replace("single_node_", "").replace("multi_node_", "").replace("_", ""))
+    slug = (r.recipe.meta.slug or r.recipe_id.split("/")[-1]).lower()
     return Plan(
-        recipe=r.recipe_id, recipe_file=rf, model=model_id, variant=r.variant_name, hardware=r.hardware_id,
-        strategy=r.strategy.name, nodes=r.nodes, gpus_per_node=r.hardware.gpu_count, verified=r.verified,
-        vllm_version=schema.version, features=r.features, kv_offload=r.kv_offload, advanced=list(sel.advanced),
-        sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=endpoint, processes=procs,
+        name=name or f"{slug}-{short}-{r.hardware_id}-{digest}", recipe=r.recipe_id, recipe_file=rf, model=model_id,
+        variant=r.variant_name, hardware=r.hardware_id, strategy=r.strategy.name, nodes=r.nodes, gpus_per_node=r.hardware.gpu_count,
+        verified=r.verified, vllm_version=schema.version, features=r.features, kv_offload=r.kv_offload, advanced=list(sel.advanced),
+        sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
+        processes=procs, ports=table, inventory=inventory.name if inventory else None,
+        backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
+        platform=r.hardware.vendor_platform,
     )
 
 
-def _sizes(pool: Pool) -> tuple[int, int, int]:
-    g, n = pool.gpus_per_node, pool.nodes
-    return {
-        "tp": (g * n, 1, 1), "tep": (g * n, 1, 1), "dep": (1, g * n, 1), "tp_pp": (g, 1, n), "tp_dp": (g, n, 1),
-    }[pool.parallelism]
+def _host(node: NodeSpec, role: str, gpus: int) -> Host:
+    return Host(name=node.name, address=node.address, role=role, gpus=gpus, placeholder=node.placeholder, hardware=node.hardware,
+                runtime=node.runtime, iface=node.iface, user=node.user, ssh_port=node.ssh_port, identity_file=node.identity_file,
+                cpu_memory_gb=node.cpu_memory_gb, hf_cache=node.hf_cache, shm_size=node.shm_size, workdir=node.workdir, python=node.python)
 
 
 def _process(pid: str, role: str, node: NodeSpec, head: bool, port: int | None, c: Composed, image: str | None,
@@ -200,50 +192,21 @@ def _process(pid: str, role: str, node: NodeSpec, head: bool, port: int | None, 
                    env=c.env, image=image, provenance=prov, pool=role, node_rank=node_rank, dp_start_rank=dp_start, gpus=gpus)
 
 
-def _router(r: Resolved, procs: list[Process], notices: list[Notice]) -> Process | None:
-    serving = [p for p in procs if p.http_port is not None]
-    if not r.is_pd and len(serving) <= 1:
-        return None
-    timeout = next((p.env["VLLM_ENGINE_READY_TIMEOUT_S"] for p in procs if "VLLM_ENGINE_READY_TIMEOUT_S" in p.env), str(DEFAULT_READY_TIMEOUT_S))
-    policy = r.strategy.router.policy if r.strategy.router else "round_robin"
-    argv = ["vllm-router"]
-    prov: dict[str, list[ProvenanceEntry]] = {}
-
-    def add(flag: str, *vals: str, origin: str = "k3launch placement") -> None:
-        argv.append(flag)
-        argv.extend(vals)
-        prov.setdefault(flag, []).append(ProvenanceEntry(layer="strategy", value=" ".join(vals) or flag, origin=origin))
-
-    if r.is_pd:
-        add("--vllm-pd-disaggregation", origin=f"strategies/{r.strategy.name}.yaml")
-        for p in serving:
-            add("--prefill" if p.role == "prefill" else "--decode", f"http://{p.address}:{p.http_port}")
-    else:
-        add("--worker-urls", *[f"http://{p.address}:{p.http_port}" for p in serving])
-        notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP (hybrid load balancing); a vllm-router on the login node fronts all {len(serving)}"))
-    add("--policy", policy, origin=f"strategies/{r.strategy.name}.yaml" if r.strategy.router else "k3launch placement")
-    add("--host", "0.0.0.0")
-    add("--port", str(ROUTER_PORT))
-    add("--prometheus-port", str(ROUTER_PROMETHEUS_PORT))
-    # The router probes workers every 30 s by default: a deployment would look unready for
-    # up to 30 s after the last engine came up.
-    add("--worker-startup-check-interval", "1")
-    add("--worker-startup-timeout-secs", timeout)
-    return Process(id="router", role="router", node=LOGIN.name, address=LOGIN.address, head=True, http_port=ROUTER_PORT,
-                   argv=argv, env={}, image=None, provenance=prov, pool=None, gpus=0)
-
-
-def _endpoint(procs: list[Process]) -> str:
-    router = next((p for p in procs if p.role == "router"), None)
-    front = router or next(p for p in procs if p.http_port is not None)
-    return f"http://{front.address}:{front.http_port}"
-
-
-def _kv_capacity(r: Resolved, gib: float | None) -> KvOffloadCapacity | None:
+def _kv_capacity(r: Resolved, gib: float | None, nodes: Sequence[NodeSpec], notices: list[Notice]) -> KvOffloadCapacity | None:
     if gib is None:
         return None
     ranks = r.hardware.gpu_count
-    return KvOffloadCapacity(option=r.kv_offload, host_gib_per_rank=gib, ranks_per_node=ranks, host_gib_per_node=gib * ranks)
+    need = gib * ranks
+    for node in nodes:
+        if node.cpu_memory_gb is None:
+            if not node.placeholder:
+                notices.append(Notice("kv-offload-host-ram", f"{node.name}: host RAM unknown (cpu_memory_gb); {r.kv_offload} KV offload pins {need:g} GiB"))
+            continue
+        have = node.cpu_memory_gb * GIB_PER_GB
+        if have < need:
+            raise K3Error("kv-offload-host-ram", f"{node.name}: {r.kv_offload} KV offload pins {ranks} ranks x {gib:g} GiB = {need:g} GiB of host RAM, the node has {have:.0f} GiB",
+                          "use --kv-offload off, or nodes with more cpu_memory_gb")
+    return KvOffloadCapacity(option=r.kv_offload, host_gib_per_rank=gib, ranks_per_node=ranks, host_gib_per_node=need)
 
 
 def _dedupe(notices: list[Notice]) -> list[NoticeOut]:

@@ -73,14 +73,38 @@ class Capacity(Frozen):
 
 
 class Host(Frozen):
+    """A machine of the plan and how to reach and run on it (inventory settings merged)."""
+
     name: str
     address: str
     role: str
     gpus: int
     placeholder: bool
+    hardware: str | None = None
+    runtime: str = "docker"
+    iface: str | None = None
+    user: str | None = None
+    ssh_port: int | None = None
+    identity_file: str | None = None
+    cpu_memory_gb: float | None = None
+    hf_cache: str | None = None
+    shm_size: str | None = None
+    workdir: str | None = None
+    python: str | None = None
+
+
+class PortUse(Frozen):
+    """One planned listening port: (address, port) is unique across the plan."""
+
+    node: str
+    address: str
+    port: int
+    purpose: str
+    process: str
 
 
 class Plan(Frozen):
+    name: str
     recipe: str
     recipe_file: str
     model: str
@@ -100,6 +124,12 @@ class Plan(Frozen):
     hosts: list[Host]
     endpoint: str
     processes: list[Process]
+    ports: list[PortUse] = []
+    inventory: str | None = None
+    backend: str = "none"
+    engine: str = "vllm"
+    port_base: int = 8000
+    platform: str = "cuda"  # cuda | rocm: which container device flags the engines need
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

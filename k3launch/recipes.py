@@ -65,7 +65,7 @@ def _line_of(node: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
     return line
 
 
-def load_yaml_model(path: Path, model: type[M]) -> M:
+def load_yaml_model(path: Path, model: type[M], doc: str = "README 'Recipe format'") -> M:
     """Parse ``path`` into ``model``; every failure is a one-line :class:`K3Error`."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -95,7 +95,7 @@ def load_yaml_model(path: Path, model: type[M]) -> M:
             hint = "remove it or fix its spelling (unknown keys are errors, never ignored)"
         else:
             msg = f"{path}:{line}: {dotted}: {err['msg']}"
-            hint = "see README 'Recipe format' for the expected shape"
+            hint = f"see {doc} for the expected shape"
         more = len(exc.errors()) - 1
         if more:
             msg += f" (and {more} more)"

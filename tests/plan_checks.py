@@ -8,6 +8,7 @@ the layout, so a placement bug cannot hide behind a matching bookkeeping bug.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 from k3launch.lint import ERROR, lint
 from k3launch.plan_models import Plan, Process
@@ -107,6 +108,10 @@ def check_plan(schema: FlagSchema, plan: Plan) -> None:
 
     _check_router(plan, engines)
 
+    # Planned listening ports: (address, port) unique across the plan.
+    used = [(u.address, u.port) for u in getattr(plan, "ports", [])]
+    assert len(used) == len(set(used)), f"port clash: {[u for u in used if used.count(u) > 1]}"
+
 
 def _check_pool(plan: Plan, role: str, n: int, procs: list[Process], parsed: dict[str, dict[str, Arg]],
                 reported: tuple[int, int, int]) -> None:
@@ -174,7 +179,7 @@ def _check_router(plan: Plan, engines: list[Process]) -> None:
         return
     argv = routers[0].argv
     urls: dict[str, list[str]] = {}
-    for flag, value in zip(argv, argv[1:], strict=False):
+    for flag, value in pairwise(argv):
         if flag in ("--prefill", "--decode"):
             urls.setdefault(flag[2:], []).append(value)
     if plan.strategy == "pd_cluster":

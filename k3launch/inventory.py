@@ -1,0 +1,162 @@
+"""Inventories: the machines a deployment may use (``inventories/*.yaml``).
+
+An inventory names a backend (``ssh``, ``slurm`` or ``local``), the hardware of its nodes, and
+the nodes themselves in the order they are taken. ``defaults`` apply to every node and each node
+may override them. Unknown keys are errors with file and line; node names and addresses must be
+plain host names or IP addresses (they reach ssh and shell command lines, so anything else is
+refused here instead of being quoted later). Free-form values (paths, images, NIC names) are
+data and are quoted wherever they reach a shell.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from k3launch.errors import K3Error
+from k3launch.recipe_models import Strict
+from k3launch.recipes import load_yaml_model
+
+# RFC 1123 host names, IPv4 and bracket-less IPv6; also ~/.ssh/config aliases (same charset).
+_HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._:-]{0,252})$")
+_IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+
+Runtime = Literal["docker", "podman", "apptainer", "bare"]
+
+
+def _check_host(value: str, what: str) -> str:
+    if not _HOST.match(value) or ".." in value:
+        raise ValueError(f"{what} {value!r} is not a plain host name or IP address")
+    return value
+
+
+class NodeSettings(Strict):
+    """Per-node settings; every one may be given in ``defaults`` or on a node."""
+
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity_file: str | None = None
+    runtime: Runtime | None = None
+    iface: str | None = None
+    cpu_memory_gb: float | None = Field(default=None, gt=0)
+    hf_cache: str | None = None
+    shm_size: str | None = None
+    image: str | None = None
+    workdir: str | None = None
+    python: str | None = None  # interpreter for the simulated engine on bare runtimes
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}\$?", v):
+            raise ValueError(f"user {v!r} is not a valid login name")
+        return v
+
+    @field_validator("iface")
+    @classmethod
+    def _iface(cls, v: str | None) -> str | None:
+        if v is not None and not _IFACE.match(v):
+            raise ValueError(f"iface {v!r} is not a network interface name")
+        return v
+
+
+class InventoryNode(NodeSettings):
+    name: str
+    address: str | None = None  # default: the name (a DNS name or ~/.ssh/config alias)
+    hardware: str | None = None
+    drain: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_host(v, "node name")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        return None if v is None else _check_host(v, "address")
+
+
+class SlurmSection(Strict):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    reservation: str | None = None
+    constraint: str | None = None
+    nodelist: str | None = None  # Slurm hostlist syntax, e.g. "gpu-[01-16]"
+    exclude: str | None = None
+    container: Literal["pyxis", "apptainer", "bare"] = "pyxis"
+    time_limit: str = "04:00:00"
+    exclusive: bool = True
+    gres: Literal["gres", "gpus-per-node"] = "gres"
+    extra_sbatch: list[str] = []
+
+
+class RouterSection(Strict):
+    node: str = "login"  # "login" (where k3launch runs) or an inventory node name
+    address: str | None = None  # how clients reach it; default 127.0.0.1 on the login node
+    port: int | None = Field(default=None, ge=1, le=65535)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        return None if v is None else _check_host(v, "router address")
+
+
+class Inventory(Strict):
+    name: str
+    backend: Literal["ssh", "slurm", "local"]
+    hardware: str | None = None
+    engine: Literal["vllm", "sim"] = "vllm"
+    description: str = ""
+    defaults: NodeSettings = NodeSettings()
+    nodes: list[InventoryNode] = []
+    slurm: SlurmSection | None = None
+    router: RouterSection = RouterSection()
+    hf_token_file: str | None = None  # read on the login node at launch; never copied into plans
+    ssh_config: str | None = None
+    known_hosts: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Inventory:
+        names = [n.name for n in self.nodes]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"node names repeat: {', '.join(sorted(dup))}")
+        addrs = [n.address or n.name for n in self.nodes]
+        dup = {a for a in addrs if addrs.count(a) > 1}
+        if dup:
+            raise ValueError(f"nodes share an address ({', '.join(sorted(dup))}); ports are planned per address")
+        if self.backend == "slurm" and self.slurm is None:
+            raise ValueError("backend slurm needs a 'slurm:' section (partition, ...)")
+        if self.backend != "slurm" and not self.nodes:
+            raise ValueError(f"backend {self.backend} needs at least one node under 'nodes:'")
+        if self.router.node != "login" and self.router.node not in names:
+            raise ValueError(f"router.node {self.router.node!r} is neither 'login' nor a node of this inventory")
+        return self
+
+
+def load_inventory(path: Path | str) -> Inventory:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise K3Error("missing-inventory", f"{p}: no such inventory file", "see inventories/ for examples")
+    return load_yaml_model(p, Inventory, doc="README 'Inventories'")
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm hostlist syntax (``gpu-[01-04,07]``) → names, with python-hostlist."""
+    import hostlist
+
+    try:
+        names: list[str] = hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as exc:
+        raise K3Error("bad-nodelist", f"nodelist {nodelist!r}: {exc}", "use Slurm hostlist syntax, e.g. gpu-[01-16]") from None
+    for n in names:
+        try:
+            _check_host(n, "node name")
+        except ValueError as exc:
+            raise K3Error("bad-nodelist", str(exc), "use plain host names") from None
+    return names

@@ -1,0 +1,157 @@
+"""Plan → the commands that start each process, and per-node shell scripts (pure string builders).
+
+This is the only place values meet a shell, and every value goes through :func:`shlex.quote`;
+a hostile value in an inventory or recipe (spaces, ``;``, ``$(...)``, quotes) ends up as data.
+
+Runtimes:
+
+* ``docker``: ``docker run -d`` with ``--gpus all`` (CUDA) or ``/dev/kfd`` + ``/dev/dri`` +
+  ``video`` group (ROCm), ``--ipc=host --network host --shm-size``, the HF cache mounted at
+  ``/root/.cache/huggingface``, ``--entrypoint`` + the plan's argv so the engine command line is
+  exactly the plan's, and labels ``k3launch.deployment/process/role`` so a deployment's
+  containers are found even without local state.
+* ``podman``: the same, with CDI (``--device nvidia.com/gpu=all``) for CUDA GPUs.
+* ``apptainer``: ``apptainer exec --nv|--rocm`` of ``docker://IMAGE``, started in the background.
+* ``bare``: the engine on the host (an installed vLLM, or the simulated engine).
+
+Secrets never appear: ``HF_TOKEN`` is passed by name (``-e HF_TOKEN``; ``APPTAINERENV_HF_TOKEN``),
+its value comes from the environment of whoever runs the script, or from ``hf_token_file`` read
+at run time.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from k3launch.plan_models import Host, Plan, Process
+
+CONTAINER_HF_CACHE = "/root/.cache/huggingface"
+LABEL = "k3launch.deployment"
+SECRET_ENV = ("HF_TOKEN",)
+
+
+class Raw(str):
+    """A word already quoted for the shell (only built here, from quoted pieces)."""
+
+
+def home_path(path: str) -> str:
+    """``~/x`` → ``"$HOME"/'x'`` so the home directory expands while the rest stays data."""
+    if path == "~" or path.startswith("~/"):
+        return Raw('"$HOME"' + (("/" + shlex.quote(path[2:])) if path[2:] else ""))
+    return path
+
+
+def _mount(src: str, dst: str) -> str:
+    word = home_path(src)
+    if isinstance(word, Raw):
+        return Raw(word + shlex.quote(":" + dst))
+    return f"{src}:{dst}"
+
+
+def container_name(plan: Plan, proc: Process) -> str:
+    return f"k3-{plan.name}-{proc.id}"
+
+
+def markers(plan: Plan, proc: Process) -> dict[str, str]:
+    """Env markers on every process, so a bare process is found from /proc even without state."""
+    return {"K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
+
+
+def engine_argv(plan: Plan, proc: Process, host: Host) -> list[str]:
+    """The program to exec for ``proc`` (``vllm serve ...``, or the simulated engine)."""
+    if plan.engine == "sim" and proc.argv[:2] == ["vllm", "serve"]:
+        if host.runtime == "bare":
+            return [host.python or "python3", "-m", "k3launch.sim", *proc.argv[1:]]
+        return list(proc.argv)  # the image's `vllm` is the simulated engine
+    return list(proc.argv)
+
+
+def _gpu_flags(runtime: str, platform: str) -> list[str]:
+    if platform == "rocm":
+        return ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video", "--security-opt", "seccomp=unconfined"]
+    return ["--device", "nvidia.com/gpu=all"] if runtime == "podman" else ["--gpus", "all"]
+
+
+def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> list[str]:
+    # Words of type Raw are pre-quoted shell words; everything else is quoted by shell_join.
+    """argv that starts ``proc`` detached on ``host`` (joined with shlex by :func:`script`)."""
+    env = {**proc.env, **markers(plan, proc)}
+    argv = engine_argv(plan, proc, host)
+    runtime = host.runtime if proc.role != "router" else "bare"
+    if runtime in ("docker", "podman"):
+        cmd = [runtime, "run", "-d", "--name", container_name(plan, proc),
+               "--label", f"{LABEL}={plan.name}", "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}"]
+        if proc.gpus:
+            cmd += _gpu_flags(runtime, plan.platform)
+        cmd += ["--ipc=host", "--network", "host", "--shm-size", host.shm_size or "64g",
+                "-v", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        for k, v in env.items():
+            cmd += ["-e", f"{k}={v}"]
+        for k in SECRET_ENV:
+            cmd += ["-e", k]  # by name: the value stays in the caller's environment
+        return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
+    log = home_path(f"{log_dir or '/tmp/k3launch'}/{plan.name}/{proc.id}.log")
+    if runtime == "apptainer":
+        gpu = "--rocm" if plan.platform == "rocm" else "--nv"
+        inner = ["apptainer", "exec", gpu, "--cleanenv", "--bind", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        for k, v in env.items():
+            inner += ["--env", f"{k}={v}"]
+        inner += [f"docker://{proc.image}", *argv]
+    else:
+        inner = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    return ["k3launch_background", log, *inner]
+
+
+_PRELUDE = """#!/usr/bin/env bash
+# Generated by k3launch from plan {name} ({recipe}, {strategy} on {hardware}). Runnable by hand.
+set -euo pipefail
+{token}
+# Processes without a container run detached, with their output in a log file.
+k3launch_background() {{
+  local log=$1; shift
+  mkdir -p "$(dirname "$log")"
+  nohup setsid "$@" >"$log" 2>&1 </dev/null &
+  echo "started pid $! (log $log)"
+}}
+"""
+
+_TOKEN = """# HF_TOKEN is passed by name; read it from a file when it is not in the environment.
+if [ -z "${{HF_TOKEN:-}}" ] && [ -r {file} ]; then HF_TOKEN=$(cat {file}); export HF_TOKEN; fi
+export APPTAINERENV_HF_TOKEN="${{HF_TOKEN:-}}"
+"""
+
+
+def token_snippet(hf_token_file: str | None) -> str:
+    if not hf_token_file:
+        return 'export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"\n'
+    return _TOKEN.format(file=shlex.quote(hf_token_file))
+
+
+def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str = "") -> str:
+    """The launch script of every process of ``plan`` on ``node``."""
+    host = next(h for h in plan.hosts if h.name == node)
+    procs = [p for p in plan.processes if p.node == node]
+    out = [_PRELUDE.format(name=plan.name, recipe=plan.recipe, strategy=plan.strategy, hardware=plan.hardware, token=token_snippet(hf_token_file))]
+    for proc in procs:
+        out.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on {node} ({host.address})")
+        out.append(shell_join(start_command(plan, proc, host, log_dir)))
+        out.append("")
+    return "\n".join(out)
+
+
+def shell_join(argv: Sequence[str]) -> str:
+    """One flag per line with continuation backslashes; every word quoted."""
+    parts: list[str] = []
+    for tok in argv:
+        q = tok if isinstance(tok, Raw) else shlex.quote(tok)
+        if tok.startswith("-") or not parts:
+            parts.append(q)
+        else:
+            parts[-1] += " " + q
+    return " \\\n  ".join(parts)
+
+
+def script_names(plan: Plan) -> dict[str, str]:
+    """node name → script file name."""
+    return {h.name: f"{h.name}.sh" for h in plan.hosts}

@@ -1,0 +1,57 @@
+"""The router process of a plan: ``vllm-router`` in front of several HTTP-serving engines.
+
+P/D: ``--vllm-pd-disaggregation`` with one ``--prefill``/``--decode`` URL per serving process
+of each pool (the head of a TP/TEP pool, every node of a hybrid-LB DEP pool). Aggregated
+deployments whose nodes all serve HTTP (DEP with hybrid load balancing) get a round-robin
+router too, so one endpoint reaches every DP rank.
+"""
+
+from __future__ import annotations
+
+from k3launch.compose import Notice
+from k3launch.placement import NodeSpec, Ports
+from k3launch.plan_models import Process, ProvenanceEntry
+from k3launch.porttable import free_port, process_ports
+from k3launch.selection import Resolved
+
+DEFAULT_READY_TIMEOUT_S = 1800
+
+
+def router_process(r: Resolved, procs: list[Process], notices: list[Notice], node: NodeSpec, ports: Ports) -> Process | None:
+    serving = [p for p in procs if p.http_port is not None]
+    if not r.is_pd and len(serving) <= 1:
+        return None
+    taken = {(p.address, port) for p in procs for port, _ in process_ports(p)}
+    http = free_port(taken, node.address, ports.router)
+    if http != ports.router:
+        notices.append(Notice("router-port", f"router on {node.name}: port {ports.router} is taken by an engine there; using {http}"))
+    taken.add((node.address, http))
+    metrics = free_port(taken, node.address, ports.router_metrics)
+    timeout = next((p.env["VLLM_ENGINE_READY_TIMEOUT_S"] for p in procs if "VLLM_ENGINE_READY_TIMEOUT_S" in p.env), str(DEFAULT_READY_TIMEOUT_S))
+    policy = r.strategy.router.policy if r.strategy.router else "round_robin"
+    argv = ["vllm-router"]
+    prov: dict[str, list[ProvenanceEntry]] = {}
+    sfile = f"strategies/{r.strategy.name}.yaml"
+
+    def add(flag: str, *vals: str, origin: str = "k3launch placement") -> None:
+        argv.append(flag)
+        argv.extend(vals)
+        prov.setdefault(flag, []).append(ProvenanceEntry(layer="strategy", value=" ".join(vals) or flag, origin=origin))
+
+    if r.is_pd:
+        add("--vllm-pd-disaggregation", origin=sfile)
+        for p in serving:
+            add("--prefill" if p.role == "prefill" else "--decode", f"http://{p.address}:{p.http_port}")
+    else:
+        add("--worker-urls", *[f"http://{p.address}:{p.http_port}" for p in serving])
+        notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP (hybrid load balancing); a vllm-router on {node.name} fronts all {len(serving)}"))
+    add("--policy", policy, origin=sfile if r.strategy.router else "k3launch placement")
+    add("--host", "0.0.0.0")
+    add("--port", str(http))
+    add("--prometheus-port", str(metrics))
+    # The router probes workers every 30 s by default: a deployment would look unready for up to
+    # 30 s after its last engine came up.
+    add("--worker-startup-check-interval", "1")
+    add("--worker-startup-timeout-secs", timeout, origin="VLLM_ENGINE_READY_TIMEOUT_S of the engines" if any("VLLM_ENGINE_READY_TIMEOUT_S" in p.env for p in procs) else "k3launch placement")
+    return Process(id="router", role="router", node=node.name, address=node.address, head=True, http_port=http,
+                   argv=argv, env={}, image=None, provenance=prov, pool=None, gpus=0)
