@@ -113,9 +113,6 @@ class PlanArgs:
         from k3launch.selection import Selection
 
         v = self.values
-        for s in v["set_"] or ():
-            if "=" not in s and not s.lstrip("-").startswith(("enable-", "disable-", "no-")):
-                raise K3Error("bad-set", f"--set {s!r} has no '='", "write --set FLAG=VALUE, e.g. --set max-num-seqs=64")
         name = v["name"]
         if name is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
             raise K3Error("bad-name", f"--name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. --name k3-tep-lab")

@@ -110,12 +110,22 @@ def _json_get(value: str | None, path: str) -> object:
     return cur
 
 
+def _json_value(text: str | None) -> object:
+    """A dotted sub-key's value as vLLM reads it: JSON if it parses, else the raw string."""
+    try:
+        return json.loads(text or "")
+    except json.JSONDecodeError:
+        return text
+
+
 def _locked_value(state: Mapping[str, Arg], env: Mapping[str, str], key: str) -> object:
     if key.startswith("env:"):
         return env.get(key[4:])
     if key in state:
         arg = state[key]
-        return arg.polarity if arg.polarity is not None else arg.value
+        if arg.polarity is not None:
+            return arg.polarity
+        return _json_value(arg.value) if arg.path else arg.value
     base, _, path = key.partition(".")
     while path:
         if base in state:
@@ -174,7 +184,8 @@ def compose(
             old = state.get(arg.key)
             if old is not None:
                 if _same(old, arg):
-                    notices.append(Notice("unchanged", f"{arg.key} {arg.shown} set again by {src.layer}: no change"))
+                    shown = arg.shown if arg.polarity is not None else f"{arg.key} {arg.shown}"
+                    notices.append(Notice("unchanged", f"{shown} set again by {src.layer}: no change"))
                 else:
                     notices.append(
                         Notice(
@@ -235,10 +246,9 @@ def _fold_dotted(state: dict[str, Arg], prov: dict[str, list[ProvEntry]], notice
             continue
         try:
             doc = json.loads(whole.value or "")
-            val: object = json.loads(dotted.value)
         except json.JSONDecodeError:
-            val = dotted.value
             doc = None
+        val = _json_value(dotted.value)
         if not isinstance(doc, dict):
             continue
         cur = doc

@@ -18,7 +18,8 @@ from collections.abc import Mapping
 
 from k3launch.compose import Locked, Source
 from k3launch.errors import K3Error
-from k3launch.recipe_models import AdvancedPreset, Env, HardwareOverride, HardwareProfile, Recipe
+from k3launch.recipe_models import AdvancedPreset, Env, HardwareOverride, HardwareProfile, Recipe, Strategy
+from k3launch.schema import FlagSchema
 from k3launch.selection import Pool, Resolved
 
 # The seed's four Advanced knobs, used when neither the taxonomy nor the recipe defines its own.
@@ -66,7 +67,8 @@ def advanced_presets(recipe: Recipe, taxonomy_presets: Mapping[str, AdvancedPres
 
 
 def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_presets: Mapping[str, AdvancedPreset],
-                 kv_args: tuple[list[str], Env] | None) -> tuple[list[Source], list[Source], list[Source]]:
+                 kv_args: tuple[list[str], Env] | None, schema: FlagSchema,
+                 pool_strategies: Mapping[str, Strategy] | None = None) -> tuple[list[Source], list[Source], list[Source]]:
     """Sources before placement (base, variant, strategy), and after (hardware..kv_offload).
 
     Returned as (pre, post, user) so placement flags can be inserted at the end of the strategy
@@ -85,6 +87,13 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
     role_args = getattr(st, role, None) if role in ("prefill", "decode") else None
     if role_args is not None:
         pre.append(Source("strategy", f"{strategy_file} {role}", tuple(role_args.vllm_args), _env(role_args.env)))
+        # A P/D pool laid out as TEP or DEP takes that strategy's args (expert parallelism,
+        # hybrid load balancing); its env (NIC names) comes from placement.
+        ps = (pool_strategies or {}).get(pool.parallelism)
+        if ps is not None:
+            pre.append(Source("strategy", f"strategies/{ps.name}.yaml ({role} pool)", tuple(ps.vllm_args)))
+        elif pool.parallelism in ("tep", "dep"):
+            pre.append(Source("strategy", f"k3launch placement ({role} pool is {pool.parallelism})", ("--enable-expert-parallel",)))
     else:
         pre.append(Source("strategy", strategy_file, tuple(st.vllm_args), _env(st.env)))
     ov = rec.strategy_overrides.get(sname)
@@ -122,7 +131,7 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
         if name not in presets:
             raise K3Error("unknown-advanced", f"unknown Advanced preset {name!r}", "choose one of: " + ", ".join(presets))
         post.append(Source("advanced", f"advanced preset {name}", tuple(presets[name].args)))
-    user = [Source("advanced", f"--set {s}", _set_tokens(s), user=True) for s in r.selection.sets]
+    user = [Source("advanced", f"--set {s}", set_tokens(s, schema), user=True) for s in r.selection.sets]
 
     feats: list[Source] = []
     for name in r.features:
@@ -139,17 +148,30 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
     return pre, post, user + tail
 
 
-def _set_tokens(text: str) -> tuple[str, ...]:
-    """``FLAG=VALUE`` (or a bare boolean ``FLAG``) as typed after ``--set``."""
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def set_tokens(text: str, schema: FlagSchema) -> tuple[str, ...]:
+    """``FLAG=VALUE`` as typed after ``--set``; booleans as ``FLAG``, ``no-FLAG`` or ``FLAG=true|false``."""
     name, eq, value = text.partition("=")
     name = name.strip()
     if not name:
         raise K3Error("bad-set", f"--set {text!r}: no flag name", "write --set FLAG=VALUE, e.g. --set max-num-seqs=64")
     flag = name if name.startswith("-") else "--" + name
-    if not eq:
-        if flag.startswith(("--enable-", "--disable-", "--no-")):
+    found = schema.lookup(flag.partition(".")[0])
+    if found is None:
+        raise K3Error("unknown-flag", f"--set {text!r}: {flag} is not a flag of vllm serve {schema.version}", schema.suggest(flag))
+    spec, polarity, _ = found
+    if spec.kind in ("bool", "store_true"):
+        if not eq:
             return (flag,)
-        raise K3Error("bad-set", f"--set {text!r} has no '='", "write --set FLAG=VALUE (booleans: --set enable-x / --set disable-x)")
+        if value.lower() in _TRUE + _FALSE:
+            want = (value.lower() in _TRUE) == bool(polarity)
+            return (spec.bool_form(want),)
+        raise K3Error("bad-set", f"--set {text!r}: {spec.canonical} is a boolean", f"write --set {name} or --set {name}=false")
+    if not eq:
+        raise K3Error("bad-set", f"--set {text!r} has no '='", f"write --set {name}=VALUE")
     return (flag, value)
 
 

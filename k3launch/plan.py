@@ -122,13 +122,14 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
     reserved = dict(RESERVED)
     if r.is_pd:
         reserved["--kv-transfer-config"] = "P/D pools own the NIXL KV transfer config"
+    pool_strats = {par: tree.strategies[s] for par, s in (("tep", "multi_node_tep"), ("dep", "multi_node_dep")) if s in tree.strategies}
     procs: list[Process] = []
     hosts: list[Host] = []
     pool_caps: list[PoolCapacity] = []
     cursor = 0
     for pool in r.pools:
         pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
-        pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None)
+        pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strats)
         hybrid = any(t in ("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe") for s in pre for t in s.args)
         recipe_port = _last(pre, "--port")
         http = int(recipe_port) + ports.offset if recipe_port else ports.serve
@@ -151,6 +152,9 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
             hosts.append(_host(node, pool.role, pool.gpus_per_node))
         tp, dp, pp = {"tp": (pool.gpus, 1, 1), "tep": (pool.gpus, 1, 1), "dep": (1, pool.gpus, 1),
                       "tp_pp": (pool.gpus_per_node, 1, pool.nodes), "tp_dp": (pool.gpus_per_node, pool.nodes, 1)}[pool.parallelism]
+        if tp & (tp - 1):
+            notices.append(Notice("tp-not-power-of-two", f"{pool.role} pool: TP {tp} must divide the model's attention heads or vLLM refuses it; "
+                                  "a power of two (other node count, multi_node_tp_pp or DEP) is the safe choice"))
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
                                       gpu_memory_gb=pool.nodes * r.hardware.vram_gb, weights_gb=r.weights_gb,
                                       fits=pool.nodes * r.hardware.vram_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))

@@ -161,5 +161,24 @@ class RecipeTree:
 
     def model(self, recipe_id: str) -> Recipe:
         if recipe_id not in self._models:
-            self._models[recipe_id] = load_yaml_model(self.model_path(recipe_id), Recipe)
+            path = self.model_path(recipe_id)
+            rec = load_yaml_model(path, Recipe)
+            self._check_references(path, rec)
+            self._models[recipe_id] = rec
         return self._models[recipe_id]
+
+    def _check_references(self, path: Path, rec: Recipe) -> None:
+        """Names a recipe uses must exist in its tree: a typo there is the recipe's error."""
+        hw = self.taxonomy.hardware_profiles
+        strategies = self.strategies
+        problems: list[str] = []
+        if rec.meta.default_hardware and rec.meta.default_hardware not in hw:
+            problems.append(f"meta.default_hardware {rec.meta.default_hardware!r} is not in taxonomy.yaml")
+        problems += [f"meta.hardware {h!r} is not in taxonomy.yaml" for h in rec.meta.hardware if h not in hw]
+        problems += [f"compatible_strategies {s!r} has no strategies/{s}.yaml" for s in rec.compatible_strategies if s not in strategies]
+        if rec.default_strategy and rec.default_strategy not in strategies:
+            problems.append(f"default_strategy {rec.default_strategy!r} has no strategies/{rec.default_strategy}.yaml")
+        problems += [f"opt_in_features {f!r} is not a feature of this recipe" for f in rec.opt_in_features if f not in rec.features]
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise K3Error("bad-recipe", f"{path}: {problems[0]}{more}", "fix the name, or add the missing taxonomy/strategy entry")

@@ -154,6 +154,13 @@ def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
         floor, why = floor_nodes(recipe, sname, strategy, hw_id, hw, multi)
         if not multi and sel.nodes is not None and sel.nodes > 1:
             raise K3Error("single-node-strategy", f"{sname} runs on one node (got --nodes {sel.nodes})", f"use {MULTI_NODE_SIBLING.get(sname, 'a multi_node_* strategy')} for several nodes")
+        if not multi and not capacity.fits(w.gb, hw, 1):
+            sib = MULTI_NODE_SIBLING.get(sname, "a multi_node_* strategy")
+            raise K3Error("does-not-fit", f"1 x {hw_id} = {hw.vram_gb} GB cannot hold the {w.gb:g} GB of weights ({sname} runs on one node)",
+                          f"use --strategy {sib} (smallest that fits: {max(fit, 2)} nodes); KV offload moves KV cache, never weights")
+        if not multi and floor > 1:
+            raise K3Error("single-node-strategy", f"{sname} needs {why.split(' needs ')[-1]}, more than one {hw_id} node ({hw.gpu_count} GPUs)",
+                          f"use {MULTI_NODE_SIBLING.get(sname, 'a multi_node_* strategy')}")
         n = _size(sel.nodes, floor, why, fit if multi else 1, sname, notices, auto_fit=True)
         pools = [Pool("serve", parallelism_of(strategy), n, hw.gpu_count)]
 
@@ -200,6 +207,9 @@ def _features(recipe: Recipe, sel: Selection, sname: str, hw_id: str, hw: Hardwa
     for f in (*sel.features, *sel.no_features):
         if f not in recipe.features:
             raise _unknown("feature", f, known)
+    both = set(sel.features) & set(sel.no_features)
+    if both:
+        raise K3Error("feature-conflict", f"--feature and --no-feature both name {', '.join(sorted(both))}", "keep one of them")
     opt_in = set(recipe.opt_in_features)
     for key in (hw_id, hw.generation, hw.brand.lower()):
         opt_in |= set(recipe.hardware_opt_in_features.get(key, []))

@@ -47,14 +47,13 @@ class FlagSpec:
     type: str | None
     choices: tuple[str, ...] | None
 
-    @property
-    def canonical(self) -> str:
-        """The long option used as this flag's key and emitted spelling (for value flags)."""
+    canonical: str = ""  # the long option used as key and emitted spelling; derived below
+
+    def __post_init__(self) -> None:
         own = "--" + self.dest.replace("_", "-")
-        if own in self.options:
-            return own
         longs = [o for o in self.options if o.startswith("--")]
-        return longs[0] if longs else self.options[0]
+        # frozen dataclass: computed once here, read on every flag of every process
+        object.__setattr__(self, "canonical", own if own in self.options else (longs[0] if longs else self.options[0]))
 
     def bool_form(self, value: bool) -> str:
         """The spelling of a boolean flag that sets it to ``value`` in this schema."""

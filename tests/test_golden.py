@@ -6,8 +6,6 @@ Each case is one selection; its ``plan.model_dump(mode="json")`` is stored prett
     K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_golden.py
 
 and read the diff: every golden was checked by hand against the seed when it was frozen.
-Known-wrong values frozen in a golden are listed in ``KNOWN_WRONG`` and pinned by a strict xfail,
-so fixing the bug (and regenerating) turns that xfail into a failure that asks for its removal.
 """
 
 from __future__ import annotations
@@ -71,23 +69,21 @@ def test_no_stale_goldens() -> None:
     assert stored == set(CASES), f"goldens without a case: {stored - set(CASES)}; cases without a golden: {set(CASES) - stored}"
 
 
-# ------------------------------------------------------------------ known-wrong values
+# ------------------------------------------------------------------ P/D expert parallelism
 def _golden(name: str) -> dict[str, object]:
     return json.loads((GOLDEN / f"{name}.json").read_text(encoding="utf-8"))  # type: ignore[no-any-return]
 
 
-KNOWN_WRONG = {
-    # P/D pools of parallelism tep/dep run without expert parallelism: TEP/DEP are TP/DP plus
-    # --enable-expert-parallel (README "Parallel flags"; the flag is reserved for placement).
+EP_POOLS = {
+    # TEP/DEP pools of a P/D deployment are TP/DP plus --enable-expert-parallel.
     "pd_cluster_default": ("prefill", "decode"),
     "pd_cluster_h200_prefill_tp2_decode_dep2": ("decode",),
 }
 
 
-@pytest.mark.xfail(strict=True, reason="bug: P/D tep/dep pools lack --enable-expert-parallel (frozen as-is in these goldens)")
-@pytest.mark.parametrize("name", sorted(KNOWN_WRONG))
+@pytest.mark.parametrize("name", sorted(EP_POOLS))
 def test_golden_pd_expert_parallel_pools(name: str) -> None:
     plan = _golden(name)
     for proc in plan["processes"]:  # type: ignore[attr-defined]
-        if proc["role"] in KNOWN_WRONG[name]:
+        if proc["role"] in EP_POOLS[name]:
             assert "--enable-expert-parallel" in proc["argv"], f"{proc['id']} of {name}"

@@ -3,7 +3,7 @@
 Every selection either composes a plan that satisfies :func:`plan_checks.check_plan` (schema-clean,
 no duplicate/contradictory flags, a layout that uses exactly the GPUs of its nodes, consistent
 ranks and rendezvous addresses, disjoint P/D pools, weights that fit, complete provenance), or is
-refused with a :class:`K3Error` that says why. Known bugs are pinned by the ``xfail(strict=True)``
+refused with a :class:`K3Error` that says why. Regressions of bugs found here keep their own tests
 tests at the bottom instead of being left in the random domain.
 """
 
@@ -54,7 +54,7 @@ REFUSALS = {
     "does-not-fit", "single-node-strategy", "pd-options", "pd-nodes", "pool-too-large", "bad-nodes",
     "unknown-prefill-strategy", "unknown-decode-strategy", "feature-strategy",
     "kv-offload-pd", "kv-offload-strategy", "kv-offload-unsupported",
-    "bad-set", "reserved-flag", "locked-by-hardware", "bad-choice", "bad-value", "unknown-flag", "missing-value",
+    "bad-set", "feature-conflict", "reserved-flag", "locked-by-hardware", "bad-choice", "bad-value", "unknown-flag", "missing-value",
 }
 
 TREE = RecipeTree()
@@ -144,7 +144,6 @@ def _args(plan: Plan, proc_id: str) -> dict[str, object]:
     return {k: (a.polarity if a.polarity is not None else a.value) for k, a in flags(SCHEMA, proc).items()}
 
 
-@pytest.mark.xfail(strict=True, reason="P/D pools of parallelism tep/dep get no --enable-expert-parallel (plan._layout / layers.pool_sources)")
 @pytest.mark.parametrize("role,par", [("prefill", "tep"), ("decode", "dep"), ("prefill", "dep"), ("decode", "tep")])
 def test_pd_expert_parallel_pools_enable_expert_parallel(role: str, par: str) -> None:
     kw = {f"{role}_strategy": par}
@@ -154,7 +153,6 @@ def test_pd_expert_parallel_pools_enable_expert_parallel(role: str, par: str) ->
             assert _args(plan, p.id).get("--enable-expert-parallel") is True, f"{p.id} runs {par} without expert parallelism"
 
 
-@pytest.mark.xfail(strict=True, reason="single_node_tp on a 4-GPU tray (gb300) is silently planned on 2 nodes with multi-node flags")
 @pytest.mark.parametrize("hw", ["gb300"])
 def test_single_node_strategy_never_spans_nodes(hw: str) -> None:
     try:
@@ -165,7 +163,6 @@ def test_single_node_strategy_never_spans_nodes(hw: str) -> None:
     assert plan.nodes == 1, f"{plan.strategy} planned on {plan.nodes} nodes"
 
 
-@pytest.mark.xfail(strict=True, reason="compose._fold_dotted drops the whole-JSON doc when the dotted value is not JSON, so both forms reach argv")
 @pytest.mark.parametrize("strategy,dotted", [
     (None, "attention-config.mla_prefill_backend=TRTLLM_RAGGED"),
     ("pd_cluster", "compilation-config.cudagraph_mode=FULL"),
@@ -176,20 +173,17 @@ def test_dotted_set_with_bare_string_value_is_folded(strategy: str | None, dotte
     assert lint_errors(SCHEMA, plan) == []
 
 
-@pytest.mark.xfail(strict=True, reason="lock check compares the raw dotted text ('\"TRTLLM_RAGGED\"') to the decoded JSON value")
 def test_setting_a_locked_value_to_its_own_value_is_allowed() -> None:
     plan = build_plan(TREE, Selection(hardware="b300", sets=('attention-config.mla_prefill_backend="TRTLLM_RAGGED"',)))
     check_plan(SCHEMA, plan)
 
 
-@pytest.mark.xfail(strict=True, reason="--set cannot switch on a boolean without an enable-/disable-/no- prefix (--set enforce-eager is 'bad-set', =true is 'stray-value'), yet --set no-enforce-eager works")
 @pytest.mark.parametrize("text", ["enforce-eager", "enforce-eager=true"])
 def test_set_can_enable_a_plain_boolean(text: str) -> None:
     plan = build_plan(TREE, Selection(sets=(text,)))
     assert _args(plan, "serve-0").get("--enforce-eager") is True
 
 
-@pytest.mark.xfail(strict=True, reason="--feature X --no-feature X silently drops X (no refusal, no notice)")
 def test_feature_both_enabled_and_disabled_is_not_silent() -> None:
     try:
         plan = build_plan(TREE, Selection(features=("text_only",), no_features=("text_only",)))

@@ -150,14 +150,12 @@ def test_same_value_twice_in_one_layer_is_not_a_contradiction(broken: Callable[.
     assert build_plan(RecipeTree(root), Selection()).processes
 
 
-@pytest.mark.xfail(strict=True, reason="recipe cross-references are not validated: a bad default_strategy is reported as if the user typed it")
 def test_bad_default_strategy_names_the_recipe_file(broken: Callable[..., Path]) -> None:
     root = broken(K3, lambda t: t.replace("default_strategy: single_node_tp", "default_strategy: multi_node_tpp", 1))
     err = _refusal(root)
     assert err.code == "bad-recipe" and str(K3) in err.message, err.as_dict()
 
 
-@pytest.mark.xfail(strict=True, reason="recipe cross-references are not validated: an unknown opt_in_features entry is silently ignored")
 def test_unknown_opt_in_feature_is_a_recipe_error(broken: Callable[..., Path]) -> None:
     root = broken(K3, lambda t: t.replace("opt_in_features: [spec_decoding, text_only]", "opt_in_features: [spec_decoding, text_only, vision]", 1))
     err = _refusal(root)

@@ -158,7 +158,7 @@ def test_gb200_and_gb300_are_4_gpu_nvl4_units() -> None:
 
 SINGLE_NODE_GB300_BUG = pytest.mark.xfail(
     strict=True,
-    reason="resolve.py:94/154-157: single_node_tp's 8-GPU floor becomes 2 GB300 trays, so 'single_node_tp' is placed on "
+    reason="resolve.py floor_nodes()/resolve() (~l.94, 154-160): single_node_tp's 8-GPU floor becomes 2 GB300 trays, so 'single_node_tp' is placed on "
            "2 nodes with --nnodes 2 (2304 GB) instead of being refused; yet --nodes 2 with single_node_tp is refused",
 )
 
@@ -187,7 +187,7 @@ def test_two_h100_or_two_gb200_are_refused_with_smallest_fitting_count(hw: str, 
     assert plan(hardware=hw, strategy="multi_node_tp", nodes=nodes_to_fit(hw)).capacity.fits
 
 
-@pytest.mark.xfail(strict=True, reason="resolve.py:161-170 hints '--nodes 3' even for single_node_tp, which refuses --nodes > 1")
+@pytest.mark.xfail(strict=True, reason="resolve.py resolve() does-not-fit (~l.164-172) hints '--nodes 3' even for single_node_tp, which refuses --nodes > 1")
 def test_single_node_refusal_hint_is_actionable() -> None:
     """'All other hardware requires multiple nodes or multiple NVL4 units': the refusal of one H100 node
     must point at a multi-node layout, since single_node_tp cannot take --nodes 3."""

@@ -27,7 +27,7 @@ if not UPSTREAM.is_dir():
 pytestmark = pytest.mark.upstream
 
 ERAS = ("seed-era", "latest")
-EXPECTED_REFUSALS = {"does-not-fit", "incompatible-strategy"}
+EXPECTED_REFUSALS = {"does-not-fit", "incompatible-strategy", "single-node-strategy"}
 SCHEMA = load_schema()
 
 
