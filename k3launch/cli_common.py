@@ -108,7 +108,7 @@ class PlanArgs:
         """Load recipes and inventory, build the plan; raises K3Error."""
         import re
 
-        from k3launch.inventory import load_inventory
+        from k3launch.inventory import apply_ssh_config, load_inventory, read_ssh_config
         from k3launch.plan import build_plan
         from k3launch.selection import Selection
 
@@ -125,6 +125,8 @@ class PlanArgs:
             vllm_version=v["vllm_version"],
         )
         inv = load_inventory(v["inventory"]) if v["inventory"] is not None else None
+        if inv is not None and inv.backend == "ssh":
+            inv = apply_ssh_config(inv, read_ssh_config(inv))
         return build_plan(tree(v["recipes_dir"]), sel, inventory=inv, exclude=tuple(v["exclude"] or ()),
                           port_base=v["port_base"], name=name)
 

@@ -65,7 +65,8 @@ class NodeSettings(Strict):
 
 class InventoryNode(NodeSettings):
     name: str
-    address: str | None = None  # default: the name (a DNS name or ~/.ssh/config alias)
+    address: str | None = None  # engines' address; default: ~/.ssh/config HostName of the name, else the name
+    ssh_host: str | None = None  # what ssh connects to; default: the name when it is an ssh alias, else address
     hardware: str | None = None
     drain: bool = False
 
@@ -74,7 +75,7 @@ class InventoryNode(NodeSettings):
     def _name(cls, v: str) -> str:
         return _check_host(v, "node name")
 
-    @field_validator("address")
+    @field_validator("address", "ssh_host")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
         return None if v is None else _check_host(v, "address")
@@ -144,6 +145,44 @@ def load_inventory(path: Path | str) -> Inventory:
     if not p.is_file():
         raise K3Error("missing-inventory", f"{p}: no such inventory file", "see inventories/ for examples")
     return load_yaml_model(p, Inventory, doc="README 'Inventories'")
+
+
+def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
+    """Resolve ``~/.ssh/config`` aliases: engines need a real address, ssh keeps the alias.
+
+    A node with no ``address`` whose name the ssh config maps to another ``HostName`` gets that
+    HostName as its address and its name as ``ssh_host``. Pure: the caller reads the file.
+    """
+    if not ssh_config_text:
+        return inv
+    import paramiko
+
+    cfg = paramiko.SSHConfig.from_text(ssh_config_text)
+    nodes = []
+    for n in inv.nodes:
+        if n.address is None:
+            host = cfg.lookup(n.name).get("hostname", n.name)
+            if host != n.name:
+                try:
+                    host = _check_host(host, f"ssh config HostName of {n.name}")
+                except ValueError as exc:
+                    raise K3Error("bad-ssh-config", str(exc), "fix the HostName in the ssh config") from None
+                n = n.model_copy(update={"address": host, "ssh_host": n.ssh_host or n.name})
+        nodes.append(n)
+    return inv.model_copy(update={"nodes": nodes})
+
+
+def read_ssh_config(inv: Inventory) -> str | None:
+    """The text of the inventory's ``ssh_config`` (default ``~/.ssh/config``), if it exists."""
+    path = Path(inv.ssh_config or "~/.ssh/config").expanduser()
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        if inv.ssh_config:
+            raise K3Error("missing-file", f"ssh_config {path}: no such file", "fix the inventory's ssh_config path") from None
+        return None
+    except OSError as exc:
+        raise K3Error("unreadable-file", f"{path}: {exc.strerror}", "check permissions") from None
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

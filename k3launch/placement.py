@@ -38,6 +38,7 @@ class NodeSpec:
     image: str | None = None
     workdir: str | None = None
     python: str | None = None
+    ssh_host: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ def inventory_hardware(inv: Inventory, asked: str | None) -> str | None:
     return next(iter(kinds), None)
 
 
-def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: object | None, placeholder: bool) -> NodeSpec:
+def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: object | None, placeholder: bool,
+          ssh_host: str | None = None) -> NodeSpec:
     d = inv.defaults
 
     def pick(field: str, default: object) -> object:
@@ -106,7 +108,7 @@ def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: 
         user=pick("user", None), ssh_port=pick("port", None), identity_file=pick("identity_file", None),  # type: ignore[arg-type]
         cpu_memory_gb=pick("cpu_memory_gb", None), hf_cache=str(pick("hf_cache", "~/.cache/huggingface")),  # type: ignore[arg-type]
         shm_size=str(pick("shm_size", "64g")), image=pick("image", None), workdir=pick("workdir", None),  # type: ignore[arg-type]
-        python=pick("python", None),  # type: ignore[arg-type]
+        python=pick("python", None), ssh_host=ssh_host,  # type: ignore[arg-type]
     )
 
 
@@ -137,7 +139,7 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
         elif hw is not None and hw != hardware:
             other += 1
         else:
-            usable.append(_spec(inv, n.name, n.address, hw or hardware, n, False))
+            usable.append(_spec(inv, n.name, n.address, hw or hardware, n, False, n.ssh_host))
     if len(usable) < count:
         why = ", ".join(f"{k} {v}" for k, v in (("drained", drained), ("excluded", excluded), ("of other hardware", other)) if v)
         raise K3Error(
@@ -154,5 +156,5 @@ def router_node(inv: Inventory | None) -> NodeSpec:
     if inv.router.node == "login":
         return replace(LOGIN, address=inv.router.address or "127.0.0.1", placeholder=False)
     node = next(n for n in inv.nodes if n.name == inv.router.node)
-    spec = _spec(inv, node.name, node.address, node.hardware or inv.hardware, node, False)
+    spec = _spec(inv, node.name, node.address, node.hardware or inv.hardware, node, False, node.ssh_host)
     return replace(spec, address=inv.router.address or spec.address)

@@ -186,7 +186,8 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
 def _host(node: NodeSpec, role: str, gpus: int) -> Host:
     return Host(name=node.name, address=node.address, role=role, gpus=gpus, placeholder=node.placeholder, hardware=node.hardware,
                 runtime=node.runtime, iface=node.iface, user=node.user, ssh_port=node.ssh_port, identity_file=node.identity_file,
-                cpu_memory_gb=node.cpu_memory_gb, hf_cache=node.hf_cache, shm_size=node.shm_size, workdir=node.workdir, python=node.python)
+                cpu_memory_gb=node.cpu_memory_gb, hf_cache=node.hf_cache, shm_size=node.shm_size, workdir=node.workdir, python=node.python,
+                ssh_host=node.ssh_host)
 
 
 def _process(pid: str, role: str, node: NodeSpec, head: bool, port: int | None, c: Composed, image: str | None,

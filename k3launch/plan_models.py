@@ -91,6 +91,7 @@ class Host(Frozen):
     shm_size: str | None = None
     workdir: str | None = None
     python: str | None = None
+    ssh_host: str | None = None  # what ssh connects to (an ~/.ssh/config alias), when not the address
 
 
 class PortUse(Frozen):

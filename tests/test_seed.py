@@ -3,8 +3,7 @@ English translation 001_*) about composition, capacity, floors, P/D, KV offload,
 Advanced and hardware.
 
 Expected values are derived from the seed's own text and tables (quoted in each docstring),
-never copied from k3launch's output. Where k3launch disagrees with the seed the test still
-asserts the seed and is marked ``xfail(strict=True)`` with the reason.
+never copied from k3launch's output.
 """
 
 from __future__ import annotations
@@ -156,14 +155,7 @@ def test_gb200_and_gb300_are_4_gpu_nvl4_units() -> None:
     assert four == {"gb200", "gb300"}
 
 
-SINGLE_NODE_GB300_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="resolve.py floor_nodes()/resolve() (~l.94, 154-160): single_node_tp's 8-GPU floor becomes 2 GB300 trays, so 'single_node_tp' is placed on "
-           "2 nodes with --nnodes 2 (2304 GB) instead of being refused; yet --nodes 2 with single_node_tp is refused",
-)
-
-
-@pytest.mark.parametrize("hw", [pytest.param(h, marks=SINGLE_NODE_GB300_BUG) if h == "gb300" else h for h in ALL_HW])
+@pytest.mark.parametrize("hw", ALL_HW)
 def test_only_b300_mi325x_mi355x_hold_the_weights_on_one_node(hw: str) -> None:
     """'only B300, MI325X, and MI355X exceed this threshold with a single node's VRAM'."""
     single = node_gb(hw) >= WEIGHTS_GB
@@ -187,7 +179,6 @@ def test_two_h100_or_two_gb200_are_refused_with_smallest_fitting_count(hw: str, 
     assert plan(hardware=hw, strategy="multi_node_tp", nodes=nodes_to_fit(hw)).capacity.fits
 
 
-@pytest.mark.xfail(strict=True, reason="resolve.py resolve() does-not-fit (~l.164-172) hints '--nodes 3' even for single_node_tp, which refuses --nodes > 1")
 def test_single_node_refusal_hint_is_actionable() -> None:
     """'All other hardware requires multiple nodes or multiple NVL4 units': the refusal of one H100 node
     must point at a multi-node layout, since single_node_tp cannot take --nodes 3."""
@@ -265,8 +256,6 @@ def test_amd_uses_the_aiter_path_in_every_strategy(hw: str) -> None:
             assert pr.env.get("VLLM_ROCM_USE_AITER") == "1", (case, pr.id)
 
 
-@pytest.mark.xfail(strict=True, reason="Kimi-K3.yaml strategy_overrides.pd_cluster.decode writes --moe-backend deep_gemm_mega_moe "
-                                       "(and a flashinfer all2all backend) and nothing in the AMD hardware layer replaces them")
 def test_amd_pd_decode_keeps_the_aiter_moe_path() -> None:
     """'AMD uses the AITER path ... recipe-level hardware overrides that users cannot modify': the AMD
     decode pool must not run the NVIDIA-only DeepGEMM / FlashInfer MoE kernels."""
@@ -395,8 +384,6 @@ def test_pd_defaults_prefill_tep_decode_dep() -> None:
     assert [(c.role, c.parallelism) for c in p.capacity.pools] == [("prefill", "tep"), ("decode", "dep")]
 
 
-@pytest.mark.xfail(strict=True, reason="P/D pools take role args from pd_cluster.yaml/Kimi-K3.yaml only: neither plan._layout "
-                                       "nor layers.pool_sources adds --enable-expert-parallel for tep/dep pools")
 def test_pd_tep_and_dep_pools_enable_expert_parallel() -> None:
     """'TEP ... additionally applying EP' and DEP's '--enable-expert-parallel' hold for P/D pools too."""
     p = plan(hardware="b300", strategy="pd_cluster")
@@ -499,8 +486,6 @@ def test_pd_pools_choose_their_strategy_independently() -> None:
     assert {flag(pr.argv, "--data-parallel-size") for pr in engines(p, "prefill")} == {"16"}
 
 
-@pytest.mark.xfail(strict=True, reason="Kimi-K3.yaml strategy_overrides.pd_cluster.decode.vllm_args hard-codes "
-                                       "--data-parallel-hybrid-lb, so a TP decode pool still carries a DP flag")
 def test_pd_tp_decode_pool_has_no_data_parallel_flags() -> None:
     """'Both Prefill and Decode can independently choose TP, TEP, or DEP': a TP decode pool is TP only."""
     p = plan(hardware="b300", strategy="pd_cluster", decode_strategy="tp", decode_nodes=1)

@@ -1,0 +1,75 @@
+"""HTTP probes from the login node: ``/health`` of every endpoint, and one real completion.
+
+Stdlib only (urllib), short timeouts, no retries here: the readiness loop decides when to ask
+again. A probe never raises for a network problem; it returns what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+PROBE_PROMPT = "k3launch readiness probe: say hello"
+
+
+@dataclass(frozen=True)
+class Probe:
+    url: str
+    ok: bool
+    status: int | None
+    detail: str
+    seconds: float
+
+
+def get(url: str, timeout: float = 2.0) -> Probe:
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return Probe(url, r.status == 200, r.status, "", time.monotonic() - t0)
+    except urllib.error.HTTPError as exc:
+        return Probe(url, False, exc.code, exc.reason or "", time.monotonic() - t0)
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return Probe(url, False, None, str(reason), time.monotonic() - t0)
+
+
+def health(base: str, timeout: float = 2.0) -> Probe:
+    return get(base.rstrip("/") + "/health", timeout)
+
+
+@dataclass(frozen=True)
+class Completion:
+    ok: bool
+    detail: str
+    completion_tokens: int
+    text: str
+    seconds: float
+
+
+def completion(base: str, model: str, max_tokens: int = 8, timeout: float = 60.0) -> Completion:
+    """One real ``/v1/completions`` request; ok only with 200, choices and completion tokens > 0."""
+    body = json.dumps({"model": model, "prompt": PROBE_PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(base.rstrip("/") + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            data = json.loads(r.read().decode() or "{}")
+    except urllib.error.HTTPError as exc:
+        try:
+            msg = exc.read().decode(errors="replace")[:200]
+        except OSError:
+            msg = ""
+        return Completion(False, f"HTTP {exc.code}: {msg}".strip(), 0, "", time.monotonic() - t0)
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+        return Completion(False, str(getattr(exc, "reason", exc)), 0, "", time.monotonic() - t0)
+    dt = time.monotonic() - t0
+    choices = data.get("choices") or []
+    usage = data.get("usage") or {}
+    tokens = int(usage.get("completion_tokens") or 0)
+    text = str(choices[0].get("text", "")) if choices else ""
+    if not choices or tokens <= 0:
+        return Completion(False, f"no tokens generated (choices={len(choices)}, completion_tokens={tokens})", tokens, text, dt)
+    return Completion(True, "", tokens, text, dt)
