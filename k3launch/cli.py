@@ -15,12 +15,13 @@ from typing import Annotated
 import typer
 
 from k3launch import __version__
+from k3launch import cli_deploy as _cli_deploy  # registers up/status/logs/down/list
 from k3launch import cli_recipes as _cli_recipes  # registers `recipes` and `lint`
 from k3launch.cli_common import STATE, JsonOut, PlanArgs, app, console, fail, with_selection
 from k3launch.errors import K3Error
 
 __all__ = ["app", "main"]
-_ = _cli_recipes
+_ = (_cli_recipes, _cli_deploy)
 
 
 def _version(value: bool) -> None:

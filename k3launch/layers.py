@@ -47,6 +47,7 @@ RESERVED: dict[str, str] = {
     "--master-port": "ports are planned",
     "--headless": "head/headless follows the node rank",
     "--port": "ports are planned",
+    "--host": "each engine binds its node's planned address",
     "--enable-expert-parallel": "expert parallelism is what distinguishes TP from TEP/DEP; pick the strategy",
 }
 

@@ -144,6 +144,9 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
                 env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(int(nixl_env) + ports.offset)))
             if serves and (recipe_port is None or ports.offset):
                 toks += ["--port", str(http)]
+            if serves:
+                # Bind the planned address, not every interface: ports are planned per address.
+                toks += ["--host", node.address]
             placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
             values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
             c = compose(schema, ["vllm", "serve", model_id], [_resolve_source(s, values) for s in (*pre, placement, *post, *tail)], locks, reserved)

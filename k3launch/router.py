@@ -46,7 +46,7 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
         add("--worker-urls", *[f"http://{p.address}:{p.http_port}" for p in serving])
         notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP (hybrid load balancing); a vllm-router on {node.name} fronts all {len(serving)}"))
     add("--policy", policy, origin=sfile if r.strategy.router else "k3launch placement")
-    add("--host", "0.0.0.0")
+    add("--host", node.address)
     add("--port", str(http))
     add("--prometheus-port", str(metrics))
     # The router probes workers every 30 s by default: a deployment would look unready for up to

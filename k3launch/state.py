@@ -46,6 +46,8 @@ class DeploymentRecord(BaseModel):
     created: float
     updated: float
     inventory: str | None = None
+    ssh_config: str | None = None
+    known_hosts: str | None = None
     endpoint: str
     plan: Plan
     processes: dict[str, ProcessRecord] = {}

@@ -1,0 +1,269 @@
+"""What one sim process was told: the ``vllm serve`` flags it acts on, its env, and its knobs.
+
+The flags arrive already tokenized by the vendored schema (:mod:`k3launch.schema`), so the sim
+accepts exactly the flags of the selected vLLM version; here they become typed settings and
+go through the consistency checks vLLM itself makes before it touches a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from k3launch.schema import DEFAULT_VLLM_VERSION, Arg
+
+FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready")
+
+# vLLM's defaults for the settings below when the flag is absent (ParallelConfig, envs.py).
+DEFAULT_PORT = 8000
+DEFAULT_MASTER_PORT = 29501
+DEFAULT_DP_RPC_PORT = 29550
+DEFAULT_NIXL_PORT = 5600
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_READY_TIMEOUT_S = 600.0
+
+
+class SimConfigError(Exception):
+    """A setting vLLM would refuse at startup (it raises ``ValueError``; exit code 1)."""
+
+
+class KnobError(Exception):
+    """A ``K3LAUNCH_SIM_*`` variable the sim cannot use (a test-harness mistake; exit code 2)."""
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    """The parts of ``--kv-transfer-config`` the sim acts on."""
+
+    connector: str
+    role: str  # kv_producer | kv_consumer | kv_both
+    load_failure_policy: str
+
+    @property
+    def nixl(self) -> bool:
+        return self.connector == "NixlConnector"
+
+    @property
+    def producer(self) -> bool:
+        return self.nixl and self.role in ("kv_producer", "kv_both")
+
+    @property
+    def consumer(self) -> bool:
+        return self.nixl and self.role in ("kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The sim's own settings (``K3LAUNCH_SIM_*``) and the process marker it was started with."""
+
+    version: str
+    load_s: float
+    ttft_ms: float
+    itl_ms: float
+    gpus: int
+    rendezvous_timeout_s: float
+    fault: str | None  # the fault that applies to *this* process, after FAIL_PROCESS filtering
+    fail_after_s: float
+    process: str | None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Knobs:
+        load_s = _num(env, "K3LAUNCH_SIM_LOAD_S", 2.0)
+        ready = _num(env, "VLLM_ENGINE_READY_TIMEOUT_S", DEFAULT_READY_TIMEOUT_S)
+        fault = env.get("K3LAUNCH_SIM_FAIL") or None
+        if fault is not None and fault not in FAULTS:
+            raise KnobError(f"K3LAUNCH_SIM_FAIL={fault!r} is not one of: {', '.join(FAULTS)}")
+        process = env.get("K3LAUNCH_PROCESS") or None
+        target = env.get("K3LAUNCH_SIM_FAIL_PROCESS") or None
+        if target is not None and target != process:
+            fault = None  # one env for every rank, one process hit
+        return cls(
+            version=env.get("K3LAUNCH_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION,
+            load_s=load_s,
+            ttft_ms=_num(env, "K3LAUNCH_SIM_TTFT_MS", 20.0),
+            itl_ms=_num(env, "K3LAUNCH_SIM_ITL_MS", 2.0),
+            gpus=int(_num(env, "K3LAUNCH_SIM_GPUS", 8)),
+            rendezvous_timeout_s=_num(env, "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S", ready),
+            fault=fault,
+            fail_after_s=_num(env, "K3LAUNCH_SIM_FAIL_AFTER_S", load_s / 2),
+            process=process,
+        )
+
+
+def _num(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise KnobError(f"{name}={raw!r} is not a number") from None
+    if value < 0 or math.isnan(value):
+        raise KnobError(f"{name}={raw!r} must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """The flags and env of one ``vllm serve`` process that the sim acts on."""
+
+    model: str
+    served_names: tuple[str, ...]
+    host: str | None
+    port: int
+    headless: bool
+    tp: int
+    pp: int
+    dp: int
+    dp_local: int
+    dp_start: int
+    dp_address: str
+    dp_rpc_port: int
+    hybrid_lb: bool
+    external_lb: bool
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    kv: KVConfig | None
+    max_num_seqs: int
+    max_model_len: int | None
+    host_ip: str | None  # VLLM_HOST_IP: how peers reach this node
+    nixl_host: str
+    nixl_port: int
+
+    @property
+    def name(self) -> str:
+        """The model name the API reports (first ``--served-model-name``)."""
+        return self.served_names[0]
+
+    @property
+    def multi_node_tp(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def multi_node_dp(self) -> bool:
+        return self.dp > self.dp_local
+
+    @property
+    def dp_head(self) -> bool:
+        return self.dp_start == 0
+
+    @property
+    def local_dp_ranks(self) -> range:
+        return range(self.dp_start, self.dp_start + self.dp_local)
+
+    @property
+    def gpus_needed(self) -> int:
+        """GPUs this node's processes occupy: its share of TP x PP, times its local DP ranks."""
+        return (self.tp * self.pp) // self.nnodes * self.dp_local
+
+
+def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
+    """Typed settings from parsed flags (last occurrence wins, as with argparse)."""
+    vals: dict[str, str] = {}
+    flags: dict[str, bool] = {}
+    for a in args:
+        if a.path:
+            continue  # dotted sub-keys of JSON configs do not change what the sim does
+        if a.polarity is not None:
+            flags[a.spec.dest] = a.polarity
+        elif a.value is not None:
+            vals[a.spec.dest] = a.value
+
+    def num(dest: str, default: int) -> int:
+        return int(vals[dest]) if dest in vals else default
+
+    dp = num("data_parallel_size", 1)
+    names = tuple(vals["served_model_name"].split()) if vals.get("served_model_name") else (model,)
+    return ServeOptions(
+        model=model,
+        served_names=names,
+        host=vals.get("host") or None,
+        port=num("port", DEFAULT_PORT),
+        headless=flags.get("headless", False),
+        tp=num("tensor_parallel_size", 1),
+        pp=num("pipeline_parallel_size", 1),
+        dp=dp,
+        dp_local=num("data_parallel_size_local", dp),
+        dp_start=num("data_parallel_start_rank", 0),
+        dp_address=vals.get("data_parallel_address") or "127.0.0.1",
+        dp_rpc_port=num("data_parallel_rpc_port", DEFAULT_DP_RPC_PORT),
+        hybrid_lb=flags.get("data_parallel_hybrid_lb", False),
+        external_lb=flags.get("data_parallel_external_lb", False),
+        nnodes=num("nnodes", 1),
+        node_rank=num("node_rank", 0),
+        master_addr=vals.get("master_addr") or "127.0.0.1",
+        master_port=num("master_port", DEFAULT_MASTER_PORT),
+        kv=_kv_config(vals.get("kv_transfer_config")),
+        max_num_seqs=num("max_num_seqs", DEFAULT_MAX_NUM_SEQS),
+        max_model_len=_model_len(vals.get("max_model_len")),
+        host_ip=env.get("VLLM_HOST_IP") or None,
+        nixl_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost",
+        nixl_port=int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_NIXL_PORT),
+    )
+
+
+def _kv_config(raw: str | None) -> KVConfig | None:
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SimConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise SimConfigError("--kv-transfer-config must be a JSON object")
+    role = str(data.get("kv_role") or "")
+    if role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise SimConfigError(f"Unsupported kv_role: {role!r}. Supported roles are ['kv_producer', 'kv_consumer', 'kv_both']")
+    return KVConfig(str(data.get("kv_connector") or ""), role, str(data.get("kv_load_failure_policy") or "recompute"))
+
+
+def _model_len(raw: str | None) -> int | None:
+    """``--max-model-len``: an int, ``128k``/``1m`` (decimal) or ``128K`` (binary), or auto/-1."""
+    if raw is None or raw.strip().lower() in ("auto", "-1"):
+        return None
+    v = raw.strip()
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}
+    if v[-1] in scale:
+        return int(float(v[:-1]) * scale[v[-1]])
+    return int(v)
+
+
+def check(opts: ServeOptions, knobs: Knobs) -> None:
+    """The startup checks vLLM makes on these settings; raises :class:`SimConfigError`."""
+    for what, value in (("tensor_parallel_size", opts.tp), ("pipeline_parallel_size", opts.pp),
+                        ("data_parallel_size", opts.dp), ("nnodes", opts.nnodes), ("max_num_seqs", opts.max_num_seqs)):
+        if value < 1:
+            raise SimConfigError(f"{what} must be >= 1, got {value}")
+    if not 0 <= opts.node_rank < opts.nnodes:
+        raise SimConfigError(f"node_rank ({opts.node_rank}) must be in [0, nnodes) with nnodes={opts.nnodes}")
+    if opts.multi_node_tp and (opts.tp * opts.pp) % opts.nnodes:
+        raise SimConfigError(
+            f"world_size (tensor_parallel_size {opts.tp} x pipeline_parallel_size {opts.pp}) "
+            f"must be divisible by nnodes ({opts.nnodes})")
+    if opts.headless and opts.multi_node_tp and opts.node_rank == 0:
+        raise SimConfigError("--headless is not allowed on node_rank 0: node 0 runs the API server of the TP/PP group "
+                             "(drop --headless there, or give this node its --node-rank)")
+    if opts.multi_node_tp and opts.node_rank > 0 and not opts.headless:
+        raise SimConfigError(f"node_rank {opts.node_rank} > 0 requires --headless: only node_rank 0 serves the API")
+    if opts.dp_local > opts.dp:
+        raise SimConfigError(f"data_parallel_size_local ({opts.dp_local}) must be <= data_parallel_size ({opts.dp})")
+    if opts.dp_local < 1:
+        raise SimConfigError(f"data_parallel_size_local must be >= 1, got {opts.dp_local}")
+    if opts.dp_start < 0 or opts.dp_start + opts.dp_local > opts.dp:
+        raise SimConfigError(
+            f"data_parallel_start_rank ({opts.dp_start}) + data_parallel_size_local ({opts.dp_local}) "
+            f"must be <= data_parallel_size ({opts.dp})")
+    if opts.dp_start > 0 and not (opts.headless or opts.hybrid_lb or opts.external_lb):
+        raise SimConfigError("data_parallel_start_rank is only applicable in headless or hybrid/external LB mode; "
+                             "add --headless (or --data-parallel-hybrid-lb) on this node")
+    if opts.gpus_needed > knobs.gpus:
+        raise SimConfigError(
+            f"this node needs {opts.gpus_needed} GPUs (tp {opts.tp} x pp {opts.pp} / nnodes {opts.nnodes} "
+            f"x data_parallel_size_local {opts.dp_local}) but only {knobs.gpus} are available "
+            "(the world size is greater than the number of available GPUs)")
+    if opts.kv is not None and opts.kv.nixl and not 0 < opts.nixl_port + opts.dp_start + opts.dp_local <= 65535:
+        raise SimConfigError(f"VLLM_NIXL_SIDE_CHANNEL_PORT {opts.nixl_port} + DP rank is not a valid port")
