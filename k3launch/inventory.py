@@ -25,6 +25,10 @@ _HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._:-]{0,252})$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 
 Runtime = Literal["docker", "podman", "apptainer", "bare"]
+SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "OPENAI_API_KEY"})
+NOT_SECRETS = frozenset({"TOKENIZERS_PARALLELISM"})
+PLACEMENT_ENV = frozenset({"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                           "VLLM_NIXL_SIDE_CHANNEL_PORT", "K3LAUNCH_DEPLOYMENT", "K3LAUNCH_PROCESS"})
 
 
 def _check_host(value: str, what: str) -> str:
@@ -47,12 +51,34 @@ class NodeSettings(Strict):
     image: str | None = None
     workdir: str | None = None
     python: str | None = None  # interpreter for the simulated engine on bare runtimes
+    env: dict[str, str] | None = None  # extra environment of every engine process (e.g. NCCL_DEBUG)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for k in v or {}:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"env name {k!r} is not a valid variable name")
+            up = k.upper()
+            if up in SECRET_NAMES or (any(w in up for w in ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY")) \
+                    and up not in NOT_SECRETS and not up.endswith(("_PATH", "_FILE", "_DIR"))):
+                raise ValueError(f"env {k} looks like a secret; secrets never go into inventories or plans (use hf_token_file)")
+            if up in PLACEMENT_ENV:
+                raise ValueError(f"env {k} is set by k3launch's placement for each process; it cannot be set in an inventory")
+        return v
 
     @field_validator("user")
     @classmethod
     def _user(cls, v: str | None) -> str | None:
         if v is not None and not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}\$?", v):
             raise ValueError(f"user {v!r} is not a valid login name")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*", v):
+            raise ValueError(f"image {v!r} is not a container image reference")
         return v
 
     @field_validator("iface")
@@ -144,7 +170,7 @@ def load_inventory(path: Path | str) -> Inventory:
     p = Path(path).expanduser()
     if not p.is_file():
         raise K3Error("missing-inventory", f"{p}: no such inventory file", "see inventories/ for examples")
-    return load_yaml_model(p, Inventory, doc="README 'Inventories'")
+    return load_yaml_model(p, Inventory, doc="README 'Inventories'", code="bad-inventory")
 
 
 def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
@@ -169,7 +195,13 @@ def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
                     raise K3Error("bad-ssh-config", str(exc), "fix the HostName in the ssh config") from None
                 n = n.model_copy(update={"address": host, "ssh_host": n.ssh_host or n.name})
         nodes.append(n)
-    return inv.model_copy(update={"nodes": nodes})
+    from pydantic import ValidationError
+
+    try:  # re-validate: two aliases may resolve to one HostName
+        return Inventory.model_validate({**inv.model_dump(), "nodes": [n.model_dump(exclude_unset=False) for n in nodes]})
+    except ValidationError as exc:
+        raise K3Error("bad-inventory", f"inventory {inv.name} after resolving ssh aliases: {exc.errors()[0]['msg']}",
+                      "give the nodes distinct HostNames or explicit addresses") from None
 
 
 def read_ssh_config(inv: Inventory) -> str | None:

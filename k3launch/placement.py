@@ -39,11 +39,21 @@ class NodeSpec:
     workdir: str | None = None
     python: str | None = None
     ssh_host: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
 class Ports:
-    """Every port k3launch plans; ``shifted`` moves them all together."""
+    """Every port k3launch plans.
+
+    Without ``--port-base`` the conventional ports are used (vLLM 8000, P/D 8001/8002, NIXL
+    5557/5558 + DP rank, DP RPC 13345, TP master 29501, router 8000 + metrics 29000). With
+    ``--port-base B`` every port of the deployment lies in one block ``B .. B+511``: HTTP B,
+    prefill B+1, decode B+2, router B+3, router metrics B+4, TP master B+5, DP RPC B+6, NIXL
+    prefill B+16 + rank, NIXL decode B+144 + rank (P/D pools have at most 16 x 8 ranks). Two
+    deployments whose bases are at least 512 apart never collide, and a block may not overlap
+    the conventional ports of a default deployment.
+    """
 
     serve: int = 8000
     prefill: int = 8001
@@ -54,22 +64,32 @@ class Ports:
     nixl_decode: int = 5558
     router: int = 8000
     router_metrics: int = 29000
+    compact: bool = False  # True: every port from --port-base's block, recipe ports overridden
 
-    @property
-    def offset(self) -> int:
-        return self.serve - 8000
+    BLOCK = 512
+
+    def http_for(self, role: str) -> int:
+        return {"prefill": self.prefill, "decode": self.decode}.get(role, self.serve)
+
+    def nixl_for(self, role: str) -> int:
+        return self.nixl_decode if role == "decode" else self.nixl_prefill
 
     @classmethod
     def shifted(cls, base: int | None) -> Ports:
-        off = (base if base is not None else DEFAULT_PORT_BASE) - DEFAULT_PORT_BASE
-        if off == 0:
+        if base is None:
             return cls()
+        if base < 1024 or base + cls.BLOCK - 1 > 65535:
+            raise K3Error("bad-port-base", f"--port-base {base}: its block {base}-{base + cls.BLOCK - 1} leaves 1024-65535",
+                          f"choose a base between 1024 and {65536 - cls.BLOCK}")
         d = cls()
-        top = max(d.serve, d.prefill, d.decode, d.master, d.dp_rpc, d.router_metrics) + off + 512
-        if d.nixl_prefill + off < 1024 or top > 65535:
-            raise K3Error("bad-port-base", f"--port-base {base} puts planned ports outside 1024-65535",
-                          "choose a base between 8000 and 36000")
-        return cls(*(getattr(d, f) + off for f in ("serve", "prefill", "decode", "master", "dp_rpc", "nixl_prefill", "nixl_decode", "router", "router_metrics")))
+        conventional = {d.serve, d.prefill, d.decode, d.master, d.dp_rpc, d.router_metrics, *range(d.nixl_prefill, d.nixl_prefill + 130)}
+        block = range(base, base + cls.BLOCK)
+        clash = sorted(p for p in conventional if p in block)
+        if clash:
+            raise K3Error("bad-port-base", f"--port-base {base}: its block {base}-{base + cls.BLOCK - 1} overlaps the default ports ({clash[0]})",
+                          "choose a base whose 512-port block avoids 5557-5686, 8000-8002, 13345, 29000 and 29501, e.g. 9000 or 20000")
+        return cls(serve=base, prefill=base + 1, decode=base + 2, router=base + 3, router_metrics=base + 4, master=base + 5,
+                   dp_rpc=base + 6, nixl_prefill=base + 16, nixl_decode=base + 144, compact=True)
 
 
 def placeholder_nodes(count: int) -> list[NodeSpec]:
@@ -109,6 +129,7 @@ def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: 
         cpu_memory_gb=pick("cpu_memory_gb", None), hf_cache=str(pick("hf_cache", "~/.cache/huggingface")),  # type: ignore[arg-type]
         shm_size=str(pick("shm_size", "64g")), image=pick("image", None), workdir=pick("workdir", None),  # type: ignore[arg-type]
         python=pick("python", None), ssh_host=ssh_host,  # type: ignore[arg-type]
+        env=tuple({**(d.env or {}), **((getattr(over, "env", None) or {}) if over is not None else {})}.items()),
     )
 
 
@@ -120,7 +141,11 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
     if inv.backend == "slurm" and not inv.nodes:
         assert inv.slurm is not None
         if inv.slurm.nodelist:
-            names = [n for n in expand_nodelist(inv.slurm.nodelist) if n not in exclude]
+            all_names = expand_nodelist(inv.slurm.nodelist)
+            bad = [x for x in exclude if x not in all_names]
+            if bad:
+                raise K3Error("unknown-node", f"--exclude {bad[0]}: not in slurm.nodelist {inv.slurm.nodelist}", "exclude nodes of the nodelist")
+            names = [n for n in all_names if n not in exclude]
             nodes = [_spec(inv, n, None, hardware, None, False) for n in names]
         else:
             nodes = [_spec(inv, f"slurm-node-{i}", None, hardware, None, True) for i in range(count)]
@@ -132,12 +157,12 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
     drained = excluded = other = 0
     for n in inv.nodes:
         hw = n.hardware or inv.hardware
-        if n.drain:
+        if hw is not None and hw != hardware:
+            other += 1
+        elif n.drain:
             drained += 1
         elif n.name in exclude:
             excluded += 1
-        elif hw is not None and hw != hardware:
-            other += 1
         else:
             usable.append(_spec(inv, n.name, n.address, hw or hardware, n, False, n.ssh_host))
     if len(usable) < count:
@@ -150,11 +175,14 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
     return usable[:count]
 
 
-def router_node(inv: Inventory | None) -> NodeSpec:
+def router_node(inv: Inventory | None, exclude: Sequence[str] = ()) -> NodeSpec:
     if inv is None:
         return LOGIN
     if inv.router.node == "login":
         return replace(LOGIN, address=inv.router.address or "127.0.0.1", placeholder=False)
     node = next(n for n in inv.nodes if n.name == inv.router.node)
+    if node.drain or node.name in exclude:
+        raise K3Error("router-node-unavailable", f"router.node {node.name} is {'drained' if node.drain else 'excluded'}",
+                      "set router.node to another node or to login")
     spec = _spec(inv, node.name, node.address, node.hardware or inv.hardware, node, False, node.ssh_host)
     return replace(spec, address=inv.router.address or spec.address)

@@ -112,6 +112,8 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
     notices = list(r.notices)
     if inventory is not None:
         placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude)
+        if any(n.placeholder for n in placed):
+            notices.append(Notice("placeholder-nodes", f"slurm inventory {inventory.name} has no nodelist: nodes ({placed[0].name}, ...) are bound to the allocation at launch"))
     elif nodes is not None:
         placed = list(nodes)
         if len(placed) < r.nodes:
@@ -132,7 +134,7 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
         pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strats)
         hybrid = any(t in ("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe") for s in pre for t in s.args)
         recipe_port = _last(pre, "--port")
-        http = int(recipe_port) + ports.offset if recipe_port else ports.serve
+        http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
         nixl_env = next((v for s in pre for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
         head = pool_nodes[0]
         for i, node in enumerate(pool_nodes):
@@ -140,16 +142,17 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
             env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
             if pool.nodes > 1:
                 env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
-            if nixl_env is not None and ports.offset:
-                env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(int(nixl_env) + ports.offset)))
-            if serves and (recipe_port is None or ports.offset):
+            if nixl_env is not None and ports.compact:
+                env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(ports.nixl_for(pool.role))))
+            if serves and (recipe_port is None or ports.compact):
                 toks += ["--port", str(http)]
             if serves:
                 # Bind the planned address, not every interface: ports are planned per address.
                 toks += ["--host", node.address]
             placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
+            extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
             values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
-            c = compose(schema, ["vllm", "serve", model_id], [_resolve_source(s, values) for s in (*pre, placement, *post, *tail)], locks, reserved)
+            c = compose(schema, ["vllm", "serve", model_id], [*[_resolve_source(s, values) for s in (*pre, placement)], *extra, *[_resolve_source(s, values) for s in (*post, *tail)]], locks, reserved)
             notices.extend(c.notices)
             procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, http if serves else None, c, _image(r, node), node_rank, dp_start, pool.gpus_per_node))
             hosts.append(_host(node, pool.role, pool.gpus_per_node))
@@ -161,8 +164,9 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
                                       gpu_memory_gb=pool.nodes * r.hardware.vram_gb, weights_gb=r.weights_gb,
                                       fits=pool.nodes * r.hardware.vram_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
-    rnode = router_node(inventory)
-    router = router_process(r, procs, notices, rnode, ports)
+    rnode = router_node(inventory, exclude)
+    router_port = inventory.router.port if inventory is not None and inventory.router.port else None
+    router = router_process(r, procs, notices, rnode, ports, router_port)
     if router is not None:
         procs.append(router)
         if not any(h.name == rnode.name for h in hosts):

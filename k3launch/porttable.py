@@ -53,11 +53,13 @@ def port_table(procs: Sequence[Process], ports: Ports) -> list[PortUse]:
     for p in procs:
         for port, purpose in process_ports(p):
             use = PortUse(node=p.node, address=p.address, port=port, purpose=purpose, process=p.id)
-            clash = seen.get((p.address, port))
+            # per address (several nodes may share a machine) and per node (one machine, any address)
+            clash = seen.get((p.address, port)) or seen.get(("node:" + p.node, port))
             if clash is not None:
                 raise K3Error("port-conflict", f"{p.address}:{port} is planned twice: {clash.process} ({clash.purpose}) and {p.id} ({purpose})",
                               "use --port-base to move this deployment's ports, or give the nodes distinct addresses")
             seen[(p.address, port)] = use
+            seen[("node:" + p.node, port)] = use
             table.append(use)
     return table
 

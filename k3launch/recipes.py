@@ -65,7 +65,7 @@ def _line_of(node: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
     return line
 
 
-def load_yaml_model(path: Path, model: type[M], doc: str = "README 'Recipe format'") -> M:
+def load_yaml_model(path: Path, model: type[M], doc: str = "README 'Recipe format'", code: str = "bad-recipe") -> M:
     """Parse ``path`` into ``model``; every failure is a one-line :class:`K3Error`."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -82,7 +82,7 @@ def load_yaml_model(path: Path, model: type[M], doc: str = "README 'Recipe forma
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise K3Error("bad-yaml", f"{path}{where}: malformed YAML: {problem}", "fix the YAML syntax") from None
     if not isinstance(data, dict):
-        raise K3Error("bad-recipe", f"{path}: expected a mapping at the top level", "")
+        raise K3Error(code, f"{path}: expected a mapping at the top level", "")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -99,7 +99,7 @@ def load_yaml_model(path: Path, model: type[M], doc: str = "README 'Recipe forma
         more = len(exc.errors()) - 1
         if more:
             msg += f" (and {more} more)"
-        raise K3Error("bad-recipe", msg, hint) from None
+        raise K3Error(code, msg, hint) from None
 
 
 class RecipeTree:

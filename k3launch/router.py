@@ -11,22 +11,35 @@ from __future__ import annotations
 from k3launch.compose import Notice
 from k3launch.placement import NodeSpec, Ports
 from k3launch.plan_models import Process, ProvenanceEntry
-from k3launch.porttable import free_port, process_ports
+from k3launch.porttable import process_ports
 from k3launch.selection import Resolved
 
 DEFAULT_READY_TIMEOUT_S = 1800
 
 
-def router_process(r: Resolved, procs: list[Process], notices: list[Notice], node: NodeSpec, ports: Ports) -> Process | None:
+def router_process(r: Resolved, procs: list[Process], notices: list[Notice], node: NodeSpec, ports: Ports,
+                   port: int | None = None) -> Process | None:
     serving = [p for p in procs if p.http_port is not None]
     if not r.is_pd and len(serving) <= 1:
         return None
-    taken = {(p.address, port) for p in procs for port, _ in process_ports(p)}
-    http = free_port(taken, node.address, ports.router)
-    if http != ports.router:
-        notices.append(Notice("router-port", f"router on {node.name}: port {ports.router} is taken by an engine there; using {http}"))
-    taken.add((node.address, http))
-    metrics = free_port(taken, node.address, ports.router_metrics)
+    # A node is one machine whatever address a process binds, and one address may be shared by
+    # several nodes of a local inventory: a port is taken if either its node or its address uses it.
+    taken = {("node:" + p.node, q) for p in procs for q, _ in process_ports(p)} | {(p.address, q) for p in procs for q, _ in process_ports(p)}
+    want = ports.router if ports.compact or not port else port
+    if port and ports.compact:
+        notices.append(Notice("router-port", f"router.port {port} of the inventory ignored: --port-base puts the router at {ports.router}"))
+
+    def free(start: int) -> int:
+        q = start
+        while ("node:" + node.name, q) in taken or (node.address, q) in taken:
+            q += 1
+        return q
+
+    http = free(want)
+    if http != want:
+        notices.append(Notice("router-port", f"router on {node.name}: port {want} is taken by an engine there; using {http}"))
+    taken |= {("node:" + node.name, http), (node.address, http)}
+    metrics = free(ports.router_metrics)
     timeout = next((p.env["VLLM_ENGINE_READY_TIMEOUT_S"] for p in procs if "VLLM_ENGINE_READY_TIMEOUT_S" in p.env), str(DEFAULT_READY_TIMEOUT_S))
     policy = r.strategy.router.policy if r.strategy.router else "round_robin"
     argv = ["vllm-router"]

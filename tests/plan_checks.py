@@ -16,6 +16,8 @@ from k3launch.schema import Arg, FlagSchema
 
 ENGINE_ROLES = ("serve", "prefill", "decode")
 NIXL_PORT = {"prefill": "5557", "decode": "5558"}
+# With --port-base B the side channels are B+16 (prefill) and B+144 (decode), + DP rank.
+NIXL_BLOCK_OFFSET = {"prefill": 16, "decode": 144}
 
 
 def engine_processes(plan: Plan) -> list[Process]:
@@ -137,7 +139,9 @@ def _check_pool(plan: Plan, role: str, n: int, procs: list[Process], parsed: dic
             assert p.env.get("GLOO_SOCKET_IFNAME") and p.env.get("NCCL_SOCKET_IFNAME"), f"{p.id}: no fabric NIC env"
         if plan.strategy == "pd_cluster":
             assert p.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") == p.address, f"{p.id}: NIXL host is not the node's own address"
-            assert p.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") == NIXL_PORT[role]
+            # The recipe's side channel (5557/5558), or its slot of the --port-base block.
+            want = NIXL_PORT[role] if plan.port_base == 8000 else str(plan.port_base + NIXL_BLOCK_OFFSET[role])
+            assert p.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") == want, f"{p.id}: NIXL side channel port"
             kv = _str(a, "--kv-transfer-config") or ""
             assert "NixlConnector" in kv and ("kv_producer" if role == "prefill" else "kv_consumer") in kv, kv
     assert len(layouts) == 1, f"{role}: processes disagree on the layout {layouts}"

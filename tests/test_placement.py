@@ -52,11 +52,11 @@ SELECTIONS: dict[str, list[str]] = {
 OUTCOME: dict[tuple[str, str], str] = {}
 _FITS = {
     "b300-single": ("single_node_tp",),
-    "gb300-nvl4x4": ("multi_node_tp", "multi_node_tep", "multi_node_dep"),
     "h200-pair": ("multi_node_tp", "multi_node_tep", "multi_node_dep"),
     "local": ("single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster", "pd_cluster_p1_d1_tep"),
     "mi355x-pair": ("single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster_p1_d1_tep"),
     "slurm-b200": ("multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster"),
+    "gb300-nvl4x4": ("multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster_p1_d1_tep"),  # floors raise 1+1 to 2+2
 }
 # The strategy (and node count) each inventory's default selection lands on.
 DEFAULT = {"b300-single": ("single_node_tp", 1), "gb300-nvl4x4": ("multi_node_tp", 2), "h200-pair": ("multi_node_tp", 2),
@@ -71,7 +71,7 @@ for _inv in EXAMPLES:
             OUTCOME[(_inv, _sel)] = "incompatible-strategy"  # K3 lists no TP+PP
         elif _sel == "single_node_tp":
             OUTCOME[(_inv, _sel)] = "does-not-fit"  # one node of this GPU cannot hold 1680 GB
-        elif _sel == "pd_cluster_p1_d1_tep" and _inv in ("gb300-nvl4x4", "h200-pair", "slurm-b200"):
+        elif _sel == "pd_cluster_p1_d1_tep" and _inv in ("h200-pair", "slurm-b200"):
             OUTCOME[(_inv, _sel)] = "does-not-fit"  # one node per pool cannot hold the weights
         else:
             OUTCOME[(_inv, _sel)] = "too-few-nodes"
@@ -230,13 +230,16 @@ def test_too_few_nodes_skips_drained_and_excluded_and_says_what_is_missing(tmp_p
     assert [p["node"] for p in plan["processes"] if p["role"] != "router"] == ["a3", "a4"]
 
 
-@pytest.mark.xfail(strict=True, reason="placement.select_nodes counts a drained/excluded node before looking at its hardware, "
-                   "so an h200 refusal blames a drained b300 node ('drained 1')")
-def test_too_few_nodes_message_counts_only_nodes_of_the_wanted_hardware(tmp_path: Path) -> None:
+@pytest.mark.parametrize("exclude", [[], ["--exclude", "a1"], ["--exclude", "h2"]])
+def test_too_few_nodes_message_counts_only_nodes_of_the_wanted_hardware(tmp_path: Path, exclude: list[str]) -> None:
+    """A node of other hardware counts as that, even when it is also drained or excluded."""
     inv = write_yaml(tmp_path, MIXED)
-    err = run_cli(["plan", "--json", "-i", str(inv), "--hardware", "h200", "--strategy", "pd_cluster"], tmp_path).error()
-    assert err["code"] == "too-few-nodes" and "needs 4 h200 nodes" in err["message"] and "2 usable" in err["message"]
-    assert "drained" not in err["message"], err
+    err = run_cli(["plan", "--json", "-i", str(inv), "--hardware", "h200", "--strategy", "pd_cluster", *exclude], tmp_path).error()
+    usable = 1 if "h2" in exclude else 2
+    assert err["code"] == "too-few-nodes" and "needs 4 h200 nodes" in err["message"] and f"{usable} usable" in err["message"], err
+    assert "drained" not in err["message"] and "of other hardware 4" in err["message"], err
+    assert ("excluded 1" in err["message"]) == ("h2" in exclude), err
+    assert f"add {4 - usable} more h200" in err["hint"], err
 
 
 def test_mixed_hardware_needs_hardware(tmp_path: Path) -> None:
@@ -252,8 +255,8 @@ POOL_TOO_SMALL = {
     "single-node-h200": ("h200-pair", ["--strategy", "single_node_tp"], "1 x h200 = 1128 GB", "multi_node_tp"),
     "pd-prefill-one-b200": ("slurm-b200", ["--strategy", "pd_cluster", "--prefill-strategy", "tp", "--prefill-nodes", "1"],
                             "prefill pool", "--prefill-nodes 2"),
-    "pd-decode-one-gb300": ("gb300-nvl4x4", ["--strategy", "pd_cluster", "--prefill-nodes", "2", "--decode-strategy", "tep",
-                                             "--decode-nodes", "1"], "decode pool", "--decode-nodes 2"),
+    "pd-decode-one-h200": ("h200-pair", ["--strategy", "pd_cluster", "--prefill-strategy", "tp", "--prefill-nodes", "2",
+                                         "--decode-strategy", "tep", "--decode-nodes", "1"], "decode pool", "--decode-nodes 2"),
 }
 
 
@@ -298,11 +301,10 @@ def test_unknown_exclude_is_refused(home: Path) -> None:
     assert err["code"] == "unknown-node" and "h200-z" in err["message"] and "h200-a, h200-b" in err["hint"]
 
 
-@pytest.mark.xfail(strict=True, reason="placement.select_nodes validates --exclude only against inventory.nodes; a slurm "
-                   "nodelist inventory silently ignores an --exclude name that is not in its nodelist")
 def test_unknown_exclude_is_refused_on_a_slurm_nodelist(home: Path) -> None:
-    err = run_cli(["plan", "--json", "-i", str(example("slurm-b200")), "--exclude", "gpu-99"], home).error()
-    assert err["code"] == "unknown-node"
+    err = run_cli(["plan", "--json", "-i", str(example("slurm-b200")), "--exclude", "gpu-02", "--exclude", "gpu-99"], home).error()
+    assert err["code"] == "unknown-node" and "gpu-99" in err["message"] and "gpu-[01-16]" in err["message"], err
+    assert err["hint"]
 
 
 def test_slurm_exclude_skips_nodelist_names(home: Path) -> None:
@@ -312,25 +314,13 @@ def test_slurm_exclude_skips_nodelist_names(home: Path) -> None:
     assert err["code"] == "too-few-nodes" and "17 b200" in err["message"] and "16 usable" in err["message"]
 
 
-@pytest.mark.xfail(strict=True, reason="placement.select_nodes gives a slurm inventory without nodelist placeholder nodes "
-                   "(slurm-node-i, also in --master-addr) without any notice; nothing may change silently")
 def test_slurm_without_nodelist_says_its_addresses_are_placeholders(tmp_path: Path) -> None:
     inv = write_yaml(tmp_path, "name: s\nbackend: slurm\nhardware: b200\nslurm: {partition: gpu}\n")
     plan = plan_json(inv, [], tmp_path)
-    assert any("slurm-node-0" in n["message"] for n in plan["notices"]), plan["notices"]
-
-
-@pytest.mark.parametrize("base", ["0", "-1", "1000", "3466", "43523", "70000"])
-def test_port_base_out_of_range_is_refused(base: str, home: Path) -> None:
-    err = run_cli(["plan", "--json", "-i", str(example("local")), "--strategy", "pd_cluster", "--port-base", base], home).error()
-    assert err["code"] == "bad-port-base" and base in err["message"] and "1024-65535" in err["message"]
-
-
-@pytest.mark.parametrize("base", [3467, 9000, 43522])
-def test_port_base_at_the_edges_keeps_every_port_in_range(base: int, home: Path) -> None:
-    plan = _plan("local__pd_cluster", home, ("--port-base", str(base)))
-    ports = [u["port"] for u in plan["ports"]]
-    assert 1024 <= min(ports) and max(ports) <= 65535 and plan["port_base"] == base
+    notes = [n["message"] for n in plan["notices"] if n["code"] == "placeholder-nodes"]
+    assert len(notes) == 1 and "slurm-node-0" in notes[0] and "nodelist" in notes[0], plan["notices"]
+    assert [h["name"] for h in plan["hosts"] if h["placeholder"]] == ["slurm-node-0", "slurm-node-1"], plan["hosts"]
+    # With a nodelist the names are real: no such notice (test_real_addresses_everywhere_a_placeholder_used_to_be).
 
 
 # ------------------------------------------------------------------ port table
@@ -371,48 +361,163 @@ def test_port_table_lists_every_listening_port(case: str, plans: dict[str, dict[
     assert len(per_node) == len(set(per_node)) and len(per_addr) == len(set(per_addr))
 
 
+# ------------------------------------------------------------------ --port-base
+# Without --port-base the conventional ports; with --port-base B every port lies in B..B+511.
+BLOCK = 512
+SLOT = {"router http": 3, "router metrics": 4, "tp master": 5, "dp rpc": 6}
+HTTP_SLOT = {"serve": 0, "prefill": 1, "decode": 2}
+NIXL_SLOT = {"prefill": 16, "decode": 144}
+# The ports a default deployment uses (NIXL: 5557/5558 + DP rank, at most 16 x 8 ranks per pool).
+DEFAULT_PORTS = {8000, 8001, 8002, 13345, 29000, 29501, *range(5557, 5558 + 128)}
+PORT_FLAGS = ("--port", "--master-port", "--data-parallel-rpc-port", "--prometheus-port")
 SHIFT_CASES = ["local__pd_cluster", "local__multi_node_dep", "mi355x-pair__multi_node_dep", "h200-pair__multi_node_tp", "slurm-b200__pd_cluster"]
+# Accepted bases at the edges of what is allowed: the range ends and both sides of every default port.
+EDGE_BASES = [1024, 5045, 5688, 7488, 8003, 12833, 13346, 28488, 29502, 65024]
+
+
+def _slot(u: dict[str, Any], role: str) -> int:
+    """Where a port of ``purpose`` sits in the --port-base block (the documented layout)."""
+    purpose = u["purpose"]
+    if purpose == "http":
+        return HTTP_SLOT[role]
+    if purpose.startswith("nixl side channel (dp rank "):
+        return NIXL_SLOT[role] + int(purpose.rsplit(" ", 1)[1].rstrip(")"))
+    return SLOT[purpose]
+
+
+def _flag_values(argv: list[str]) -> dict[str, list[str]]:
+    """flag -> the words after each of its occurrences (``--prefill`` repeats)."""
+    out: dict[str, list[str]] = {}
+    for i, tok in enumerate(argv):
+        if tok.startswith("--"):
+            vals = []
+            for nxt in argv[i + 1:]:
+                if nxt.startswith("--"):
+                    break
+                vals.append(nxt)
+            out.setdefault(tok, []).append(" ".join(vals))
+    return out
+
+
+def _url_ports(words: str) -> list[tuple[str, int]]:
+    return [(a, int(p)) for a, p in re.findall(r"http://([^:/\s]+):(\d+)", words)]
+
+
+@pytest.mark.parametrize("base", ["0", "-1", "1000", "1023", "65025", "70000"])
+def test_port_base_whose_block_leaves_the_port_range_is_refused(base: str, home: Path) -> None:
+    err = run_cli(["plan", "--json", "-i", str(example("local")), "--strategy", "pd_cluster", "--port-base", base], home).error()
+    assert err["code"] == "bad-port-base" and base in err["message"] and "1024-65535" in err["message"], err
+    assert "65024" in err["hint"], err  # the highest base whose block still fits
+
+
+@pytest.mark.parametrize(("base", "clash"), [(5046, 5557), (5557, 5557), (5600, 5600), (5685, 5685), (7489, 8000), (8000, 8000),
+                                             (8002, 8002), (12834, 13345), (13345, 13345), (28489, 29000), (28990, 29000),
+                                             (29000, 29000), (29501, 29501)])
+def test_port_base_whose_block_overlaps_the_default_ports_is_refused(base: int, clash: int, home: Path) -> None:
+    """A compact deployment may never collide with a default one, so its block avoids every default port."""
+    assert base <= clash < base + BLOCK and clash in DEFAULT_PORTS
+    err = run_cli(["plan", "--json", "-i", str(example("local")), "--strategy", "multi_node_tp", "--port-base", str(base)], home).error()
+    assert err["code"] == "bad-port-base" and str(base) in err["message"] and "overlaps" in err["message"], err
+    assert str(clash) in err["message"], err
+    # The bases the hint suggests are themselves accepted.
+    suggested = re.findall(r"\b\d{4,5}\b(?!-)", err["hint"].split("e.g.", 1)[1])
+    assert suggested, err["hint"]
+    for good in suggested:
+        assert plan_json(example("local"), ["--strategy", "multi_node_tp", "--port-base", good], home)["port_base"] == int(good)
+
+
+@pytest.mark.parametrize("base", EDGE_BASES)
+def test_port_base_at_the_edges_keeps_every_port_in_its_block(base: int, home: Path) -> None:
+    assert not DEFAULT_PORTS & set(range(base, base + BLOCK)) and 1024 <= base and base + BLOCK - 1 <= 65535
+    plan = _plan("local__pd_cluster", home, ("--port-base", str(base)))
+    assert plan["port_base"] == base
+    assert all(base <= u["port"] < base + BLOCK for u in plan["ports"]), plan["ports"]
 
 
 @pytest.mark.parametrize("case", SHIFT_CASES)
-def test_port_base_shifts_the_whole_table(case: str, plans: dict[str, dict[str, Any]], home: Path) -> None:
-    base, moved = plans[case], _plan(case, home, ("--port-base", "9000"))
-    assert moved["port_base"] == 9000
-    key = [(u["process"], u["purpose"]) for u in base["ports"]]
-    assert key == [(u["process"], u["purpose"]) for u in moved["ports"]]
-    assert all(b["port"] + 1000 == m["port"] for b, m in zip(base["ports"], moved["ports"], strict=True))
-    # The argv moves with the table: only port numbers differ.
-    for b, m in zip(base["processes"], moved["processes"], strict=True):
-        diff = [(x, y) for x, y in zip(b["argv"], m["argv"], strict=True) if x != y]
-        assert all(y == str(int(x) + 1000) or y.endswith(f":{int(x.rsplit(':', 1)[1]) + 1000}") for x, y in diff), diff
+@pytest.mark.parametrize("base", [1024, 9000, 65024])
+def test_port_base_puts_the_whole_deployment_in_one_block(case: str, base: int, plans: dict[str, dict[str, Any]], home: Path) -> None:
+    default, compact = plans[case], _plan(case, home, ("--port-base", str(base)))
+    assert compact["port_base"] == base
+    # The same listeners, each at its documented slot of the block.
+    assert [(u["process"], u["purpose"]) for u in default["ports"]] == [(u["process"], u["purpose"]) for u in compact["ports"]]
+    role = {p["id"]: p["role"] for p in compact["processes"]}
+    for u in compact["ports"]:
+        assert u["port"] == base + _slot(u, role[u["process"]]), u
+    assert not any(n["code"] == "router-port" for n in compact["notices"]), compact["notices"]
+    http = {(p["address"], p["http_port"]): p["role"] for p in compact["processes"] if p["role"] != "router" and p["http_port"]}
+    # argv and env change only in port numbers (and the router's URLs); every port word lies in the block.
+    for b, m in zip(default["processes"], compact["processes"], strict=True):
+        assert (b["id"], b["node"], b["address"]) == (m["id"], m["node"], m["address"])
+        fb, fm = _flag_values(b["argv"]), _flag_values(m["argv"])
+        head = 1 if m["role"] == "router" else 3  # vllm-router | vllm serve MODEL
+        assert m["argv"][:head] == b["argv"][:head] and fb.keys() == fm.keys(), m["id"]
+        assert sorted(b["env"]) == sorted(m["env"]), m["id"]
+        changed = {k for k in fb if fb[k] != fm[k]}
+        env_changed = {k for k in b["env"] if b["env"][k] != m["env"][k]}
+        if m["role"] == "router":
+            assert changed <= {"--port", "--prometheus-port", "--prefill", "--decode", "--worker-urls"}, changed
+            urls = _url_ports(" ".join(v for k in ("--prefill", "--decode", "--worker-urls") for v in fm.get(k, [])))
+            assert urls and all(http[(a, p)] in HTTP_SLOT and p == base + HTTP_SLOT[http[(a, p)]] for a, p in urls), urls
+            assert [a for a, _ in urls] == [a for a, _ in _url_ports(" ".join(v for k in ("--prefill", "--decode", "--worker-urls")
+                                                                              for v in fb.get(k, [])))]
+        else:
+            assert changed <= set(PORT_FLAGS), (m["id"], changed)
+            assert env_changed <= {"VLLM_NIXL_SIDE_CHANNEL_PORT"}, (m["id"], env_changed)
+            if "VLLM_NIXL_SIDE_CHANNEL_PORT" in m["env"]:
+                assert m["env"]["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(base + NIXL_SLOT[m["role"]]), m["id"]
+            for flag, want in (("--master-port", 5), ("--data-parallel-rpc-port", 6)):  # heads and the nodes joining them
+                assert all(v == str(base + want) for v in fm.get(flag, [])), (m["id"], flag)
+            if m["http_port"] is not None:
+                assert fm["--port"] == [str(base + HTTP_SLOT[m["role"]])], m["id"]
+            else:  # a headless node serves no HTTP: a recipe's --port on it is inert and left as it was
+                assert fm.get("--port") == fb.get("--port"), m["id"]
+        for flag in PORT_FLAGS:
+            listens = flag != "--port" or m["http_port"] is not None
+            assert not listens or all(base <= int(v) < base + BLOCK for v in fm.get(flag, [])), (m["id"], flag)
+    # The recipe's own P/D ports (8001/8002, NIXL 5557/5558) are overridden, with notices.
+    if compact["strategy"] == "pd_cluster":
+        notes = [n["message"] for n in compact["notices"] if n["code"] == "overridden"]
+        for old, slot in (("--port: 8001", 1), ("--port: 8002", 2), ("VLLM_NIXL_SIDE_CHANNEL_PORT: 5557", 16),
+                          ("VLLM_NIXL_SIDE_CHANNEL_PORT: 5558", 144)):
+            assert any(old in n and f"by {base + slot}" in n for n in notes), (old, notes)
 
 
 @pytest.mark.parametrize("case", SHIFT_CASES)
-@pytest.mark.parametrize("bases", [(8000, 9000), (8000, 10000), (9000, 20000), (4000, 43000)])
-def test_two_deployments_with_different_bases_do_not_share_a_port(case: str, bases: tuple[int, int], home: Path) -> None:
-    a, b = (_plan(case, home, ("--port-base", str(x))) for x in bases)
-    used_a = {(u["address"], u["port"]) for u in a["ports"]}
-    used_b = {(u["address"], u["port"]) for u in b["ports"]}
+@pytest.mark.parametrize("bases", [*((None, b) for b in EDGE_BASES), (1024, 1536), (9000, 9512), (9000, 30000), (20000, 65024)])
+def test_deployments_share_no_port_number_default_or_bases_512_apart(case: str, bases: tuple[int | None, int],
+                                                                    plans: dict[str, dict[str, Any]], home: Path) -> None:
+    """Compared by port number alone: on the local backend every "node" is this one machine."""
+    a, b = (plans[case] if x is None else _plan(case, home, ("--port-base", str(x))) for x in bases)
+    used_a, used_b = {u["port"] for u in a["ports"]}, {u["port"] for u in b["ports"]}
     assert not used_a & used_b, sorted(used_a & used_b)
+    if bases[0] is None:
+        assert used_a <= DEFAULT_PORTS, sorted(used_a - DEFAULT_PORTS)  # the default deployment keeps the conventional ports
 
 
-@pytest.mark.xfail(strict=True, reason="placement.Ports spreads the table over 5557..29501+base offset, so two valid bases "
-                   "21000 apart collide (router metrics 29000 of base 8000 == HTTP port of base 29000)")
 def test_bases_21000_apart_do_not_share_a_port(home: Path) -> None:
-    a, b = (_plan("local__multi_node_dep", home, ("--port-base", str(x))) for x in (8000, 29000))
-    used_a = {(u["address"], u["port"]) for u in a["ports"]}
-    assert not used_a & {(u["address"], u["port"]) for u in b["ports"]}
+    """Once a collision: router metrics 29000 of one base was the HTTP port of a base 21000 higher."""
+    a, b = (_plan("local__multi_node_dep", home, ("--port-base", str(x))) for x in (9000, 30000))
+    assert not {u["port"] for u in a["ports"]} & {u["port"] for u in b["ports"]}
 
 
-@pytest.mark.parametrize(("base", "want"), [(None, 8001), (9000, 9001)])
-def test_router_on_a_node_that_serves_its_port_moves_with_a_notice(base: int | None, want: int, home: Path) -> None:
-    plan = _plan("mi355x-pair__multi_node_dep", home, () if base is None else ("--port-base", str(base)))
+# ------------------------------------------------------------------ the router's port and node
+def test_router_on_a_node_that_serves_its_port_moves_with_a_notice(plans: dict[str, dict[str, Any]]) -> None:
+    plan = plans["mi355x-pair__multi_node_dep"]
     router = next(p for p in plan["processes"] if p["role"] == "router")
-    assert (router["node"], router["http_port"]) == ("mi355x-01", want)
-    assert router["argv"][router["argv"].index("--port") + 1] == str(want)
-    assert plan["endpoint"] == f"http://10.3.0.21:{want}"
+    assert (router["node"], router["http_port"]) == ("mi355x-01", 8001)
+    assert router["argv"][router["argv"].index("--port") + 1] == "8001"
+    assert plan["endpoint"] == "http://10.3.0.21:8001"
     notes = [n["message"] for n in plan["notices"] if n["code"] == "router-port"]
-    assert len(notes) == 1 and str(want - 1) in notes[0] and str(want) in notes[0], notes
+    assert len(notes) == 1 and "8000" in notes[0] and "8001" in notes[0], notes
+
+
+def test_compact_router_has_its_own_slot_on_an_engine_node(home: Path) -> None:
+    plan = _plan("mi355x-pair__multi_node_dep", home, ("--port-base", "9000"))
+    router = next(p for p in plan["processes"] if p["role"] == "router")
+    assert (router["node"], router["http_port"]) == ("mi355x-01", 9003) and plan["endpoint"] == "http://10.3.0.21:9003"
+    assert router["argv"][router["argv"].index("--prometheus-port") + 1] == "9004"
+    assert not any(n["code"] == "router-port" for n in plan["notices"])
 
 
 def test_pd_router_on_the_prefill_head_keeps_its_port(home: Path) -> None:
@@ -428,27 +533,52 @@ def _mi355x(router: str, home: Path) -> Path:
     return write_yaml(home, example("mi355x-pair").read_text().replace("router:\n  node: mi355x-01\n", router), "mi.yaml")
 
 
-@pytest.mark.xfail(strict=True, reason="inventory.RouterSection.port is accepted but never read: router.router_process always "
-                   "starts from Ports.router (8000 + offset)")
+def _local(router: str, home: Path) -> Path:
+    return write_yaml(home, example("local").read_text().replace("router:\n  node: login\n  address: 127.0.0.1\n", router), "lo.yaml")
+
+
 def test_pd_router_port_from_the_inventory_moves_off_an_engine_port(tmp_path: Path) -> None:
     inv = _mi355x("router:\n  node: mi355x-01\n  port: 8001\n", tmp_path)
     plan = plan_json(inv, SELECTIONS["pd_cluster_p1_d1_tep"], tmp_path)
     router = next(p for p in plan["processes"] if p["role"] == "router")
     assert router["http_port"] == 8002  # 8001 is the prefill head's HTTP port on mi355x-01
-    assert any(n["code"] == "router-port" for n in plan["notices"])
+    assert router["argv"][router["argv"].index("--port") + 1] == "8002" and plan["endpoint"] == "http://10.3.0.21:8002"
+    notes = [n["message"] for n in plan["notices"] if n["code"] == "router-port"]
+    assert len(notes) == 1 and "8001" in notes[0] and "8002" in notes[0], notes
 
 
-@pytest.mark.xfail(strict=True, reason="placement.router_node replaces the router's address with router.address, and the port "
-                   "table/free_port key on address: the router (--host 0.0.0.0) and serve-0 both get port 8000 on mi355x-01")
+@pytest.mark.parametrize("port", [8100, 8001])
+def test_router_port_from_the_inventory_is_honoured(port: int, tmp_path: Path) -> None:
+    """On the login node nothing else listens: router.port is used as given (8001 is prefill's port on local-1, another node)."""
+    inv = _local(f"router:\n  node: login\n  address: 127.0.0.1\n  port: {port}\n", tmp_path)
+    plan = plan_json(inv, ["--strategy", "pd_cluster"], tmp_path)
+    router = next(p for p in plan["processes"] if p["role"] == "router")
+    assert (router["node"], router["http_port"]) == ("login", port) and plan["endpoint"] == f"http://127.0.0.1:{port}"
+    assert router["argv"][router["argv"].index("--port") + 1] == str(port)
+    assert not any(n["code"] == "router-port" for n in plan["notices"])
+    check_plan(SCHEMA, Plan.model_validate(plan))
+
+
 def test_router_address_override_still_avoids_the_nodes_ports(tmp_path: Path) -> None:
+    """router.address names how clients reach the router; its node is still one machine with serve-0 on 8000."""
     inv = _mi355x("router:\n  node: mi355x-01\n  address: mi355x-01-public\n", tmp_path)
     plan = plan_json(inv, ["--strategy", "multi_node_dep"], tmp_path)
+    router = next(p for p in plan["processes"] if p["role"] == "router")
+    assert (router["node"], router["address"], router["http_port"]) == ("mi355x-01", "mi355x-01-public", 8001)
+    assert plan["endpoint"] == "http://mi355x-01-public:8001"
+    assert any(n["code"] == "router-port" for n in plan["notices"])
     used = [(u["node"], u["port"]) for u in plan["ports"]]
     assert len(used) == len(set(used)), used
 
 
-@pytest.mark.xfail(strict=True, reason="placement.router_node places the router on router.node even when that node is "
-                   "drained or --exclude'd")
+def test_login_router_sharing_an_engine_address_moves_off_its_port(tmp_path: Path) -> None:
+    inv = _mi355x("router:\n  node: login\n  address: 10.3.0.21\n", tmp_path)
+    plan = plan_json(inv, ["--strategy", "multi_node_dep"], tmp_path)
+    router = next(p for p in plan["processes"] if p["role"] == "router")
+    assert (router["address"], router["http_port"]) == ("10.3.0.21", 8001)
+    assert any(n["code"] == "router-port" for n in plan["notices"])
+
+
 @pytest.mark.parametrize("how", ["drain", "exclude"])
 def test_router_never_lands_on_a_drained_or_excluded_node(how: str, tmp_path: Path) -> None:
     data = load_example("local").model_dump(exclude_none=True)
@@ -456,18 +586,25 @@ def test_router_never_lands_on_a_drained_or_excluded_node(how: str, tmp_path: Pa
     if how == "drain":
         data["nodes"][3]["drain"] = True
     inv = Inventory.model_validate(data)
-    try:
-        plan = build_plan(TREE, Selection(strategy="multi_node_dep"), inventory=inv, exclude=("local-4",) if how == "exclude" else ())
-    except K3Error as err:
-        assert "local-4" in err.message
-        return
-    assert all(p.node != "local-4" for p in plan.processes)
+    exclude = ("local-4",) if how == "exclude" else ()
+    with pytest.raises(K3Error) as exc:
+        build_plan(TREE, Selection(strategy="multi_node_dep"), inventory=inv, exclude=exclude)
+    assert exc.value.code == "router-node-unavailable", exc.value.as_dict()
+    assert "local-4" in exc.value.message and ("drained" if how == "drain" else "excluded") in exc.value.message
+    assert "router.node" in exc.value.hint
+    # The same through the CLI (exit 2, one JSON error), and the router's node is fine when neither.
+    path = write_yaml(tmp_path, example("local").read_text().replace("router:\n  node: login\n  address: 127.0.0.1\n", "router:\n  node: local-4\n")
+                      .replace("address: 127.0.0.14}", "address: 127.0.0.14, drain: true}" if how == "drain" else "address: 127.0.0.14}"))
+    err = run_cli(["plan", "--json", "-i", str(path), "--strategy", "multi_node_dep", *(["--exclude", "local-4"] if exclude else [])], tmp_path).error()
+    assert err["code"] == "router-node-unavailable" and "local-4" in err["message"], err
+    plan = build_plan(TREE, Selection(strategy="multi_node_dep"), inventory=inv.model_copy(update={"nodes": load_example("local").nodes}))
+    assert next(p for p in plan.processes if p.role == "router").node == "local-4"
 
 
-@pytest.mark.xfail(strict=True, reason="plan._layout never passes --host: on the local backend every 'node' is this machine, "
-                   "so engines (and the router's --host 0.0.0.0) bind all interfaces and DEP/P-D ranks collide on one HTTP port")
-@pytest.mark.parametrize("case", ["local__multi_node_dep", "local__pd_cluster"])
-def test_local_backend_listeners_bind_their_own_address(case: str, plans: dict[str, dict[str, Any]]) -> None:
+@pytest.mark.parametrize("case", GOLDEN_CASES)
+def test_every_listener_binds_its_own_address(case: str, plans: dict[str, dict[str, Any]]) -> None:
+    """Ports are planned per address, so every HTTP listener binds exactly its address (not 0.0.0.0):
+    on the local backend all "nodes" are one machine and DEP/P-D ranks share a port number."""
     for p in plans[case]["processes"]:
         if p["http_port"] is not None:
             argv = p["argv"]

@@ -56,32 +56,47 @@ class Metrics:
         self.kv_pulls = 0
         self.kv_failures = 0
 
-    def render(self, model: str, engine: str = "0") -> str:
-        labels = f'engine="{engine}",model_name="{model}"'
-        with self.lock:
-            out: list[str] = []
 
-            def metric(name: str, kind: str, help_: str, lines: list[str]) -> None:
-                out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *lines])
 
-            metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
-                   [f"vllm:num_requests_running{{{labels}}} {float(self.running)}"])
-            metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
-                   [f"vllm:num_requests_waiting{{{labels}}} {float(self.waiting)}"])
-            metric("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
-                   [f"vllm:prompt_tokens_total{{{labels}}} {float(self.prompt_tokens)}"])
-            metric("vllm:generation_tokens", "counter", "Number of generation tokens processed.",
-                   [f"vllm:generation_tokens_total{{{labels}}} {float(self.generation_tokens)}"])
-            metric("vllm:request_success", "counter", "Count of successfully processed requests.",
-                   [f'vllm:request_success_total{{{labels},finished_reason="{r}"}} {float(n)}' for r, n in sorted(self.finished.items())])
-            metric("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
-                   self.ttft.lines("vllm:time_to_first_token_seconds", labels))
-            metric("vllm:inter_token_latency_seconds", "histogram", "Histogram of inter-token latency in seconds.",
-                   self.itl.lines("vllm:inter_token_latency_seconds", labels))
-            metric("vllm:e2e_request_latency_seconds", "histogram", "Histogram of e2e request latency in seconds.",
-                   self.e2e.lines("vllm:e2e_request_latency_seconds", labels))
-            metric("vllm:nixl_kv_pulls", "counter", "KV transfers pulled from a remote prefill (sim).",
-                   [f"vllm:nixl_kv_pulls_total{{{labels}}} {float(self.kv_pulls)}"])
-            metric("vllm:nixl_kv_pull_failures", "counter", "KV transfers that failed (sim).",
-                   [f"vllm:nixl_kv_pull_failures_total{{{labels}}} {float(self.kv_failures)}"])
-        return "\n".join(out) + "\n"
+def _metric(out: list[str], name: str, kind: str, help_: str, lines: list[str]) -> None:
+    out.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}", *lines])
+
+
+def render(model: str, engines: dict[int, Metrics]) -> str:
+    """Prometheus text for every local engine, labelled ``engine="<global DP rank>"`` as vLLM does.
+
+    vllm-router counts the distinct ``engine`` labels to learn how many DP ranks a server
+    fronts, so each local rank gets its own series even when it served nothing.
+    """
+    out: list[str] = []
+    snap: list[tuple[str, Metrics]] = [(f'engine="{rank}",model_name="{model}"', m) for rank, m in sorted(engines.items())]
+    for _, m in snap:
+        m.lock.acquire()
+    try:
+        _metric(out, "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+                [f"vllm:num_requests_running{{{lb}}} {float(m.running)}" for lb, m in snap])
+        _metric(out, "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+                [f"vllm:num_requests_waiting{{{lb}}} {float(m.waiting)}" for lb, m in snap])
+        _metric(out, "vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
+                [f"vllm:prompt_tokens_total{{{lb}}} {float(m.prompt_tokens)}" for lb, m in snap])
+        _metric(out, "vllm:generation_tokens", "counter", "Number of generation tokens processed.",
+                [f"vllm:generation_tokens_total{{{lb}}} {float(m.generation_tokens)}" for lb, m in snap])
+        _metric(out, "vllm:request_success", "counter", "Count of successfully processed requests.",
+                [f'vllm:request_success_total{{{lb},finished_reason="{r}"}} {float(n)}'
+                 for lb, m in snap for r, n in sorted(m.finished.items())])
+        for name, attr, help_ in (("vllm:time_to_first_token_seconds", "ttft", "Histogram of time to first token in seconds."),
+                                  ("vllm:inter_token_latency_seconds", "itl", "Histogram of inter-token latency in seconds."),
+                                  ("vllm:e2e_request_latency_seconds", "e2e", "Histogram of e2e request latency in seconds.")):
+            hist_lines: list[str] = []
+            for lb, m in snap:
+                hist: Histogram = getattr(m, attr)
+                hist_lines += hist.lines(name, lb)
+            _metric(out, name, "histogram", help_, hist_lines)
+        _metric(out, "vllm:nixl_kv_pulls", "counter", "KV transfers pulled from a remote prefill (sim).",
+                [f"vllm:nixl_kv_pulls_total{{{lb}}} {float(m.kv_pulls)}" for lb, m in snap])
+        _metric(out, "vllm:nixl_kv_pull_failures", "counter", "KV transfers that failed (sim).",
+                [f"vllm:nixl_kv_pull_failures_total{{{lb}}} {float(m.kv_failures)}" for lb, m in snap])
+    finally:
+        for _, m in snap:
+            m.lock.release()
+    return "\n".join(out) + "\n"

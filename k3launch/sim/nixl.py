@@ -11,6 +11,7 @@ engine fails the request (``kv_load_failure_policy: fail``) exactly where a real
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import socket
@@ -59,7 +60,7 @@ class Prefilled:
 class SideChannel:
     """The listeners of one process's local DP ranks, and the blocks its prefills hold."""
 
-    def __init__(self, host: str, base_port: int, ranks: range, tp_size: int, log: Logger) -> None:
+    def __init__(self, host: str, base_port: int, ranks: range, dp_size: int, tp_size: int, log: Logger) -> None:
         self.host = host
         self.base_port = base_port
         self.ranks = ranks
@@ -67,11 +68,10 @@ class SideChannel:
         self.log = log
         base_id = str(uuid.uuid4())
         # vLLM suffixes the engine id with the DP rank so each DP engine is its own NIXL agent.
-        self.engine_ids = {r: (f"{base_id}_dp{r}" if len(ranks) > 1 or r else base_id) for r in ranks}
+        self.engine_ids = {r: (f"{base_id}_dp{r}" if dp_size > 1 else base_id) for r in ranks}
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
         self._held: OrderedDict[str, tuple[int, list[int]]] = OrderedDict()
-        self._rr = itertools.cycle(ranks)
         self._next_block = itertools.count(1)
 
     def start(self) -> None:
@@ -84,15 +84,14 @@ class SideChannel:
                 self.close()
                 raise OSError(exc.errno, f"NIXL side channel cannot bind tcp://{self.host}:{port} (DP rank {rank}): {exc.strerror}") from None
             self._socks.append(sock)
-            serve_accepts(sock, lambda conn, r=rank: self._serve(conn, r), f"nixl-dp{rank}")
+            serve_accepts(sock, functools.partial(self._serve, rank=rank), f"nixl-dp{rank}")
         ports = ", ".join(str(self.base_port + r) for r in self.ranks)
         self.log.info(f"NIXL side channel listening on {self.host} port(s) {ports}", src="nixl_connector.py")
 
-    def hold(self, request_id: str, prompt_tokens: int) -> Prefilled:
-        """A prefill finished: keep its blocks for the decode and say where to fetch them."""
+    def hold(self, request_id: str, prompt_tokens: int, rank: int) -> Prefilled:
+        """A prefill finished on DP ``rank``: keep its blocks and say where to fetch them."""
         n = max(1, math.ceil(prompt_tokens / BLOCK_SIZE))
         with self._lock:
-            rank = next(self._rr)
             blocks = [next(self._next_block) for _ in range(n)]
             self._held[request_id] = (rank, blocks)
             while len(self._held) > _KEEP:

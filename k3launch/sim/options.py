@@ -211,10 +211,10 @@ def _kv_config(raw: str | None) -> KVConfig | None:
         return None
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise SimConfigError(f"--kv-transfer-config is not valid JSON: {exc}") from None
+    except json.JSONDecodeError:
+        raise SimConfigError(f"invalid loads value: {raw!r}") from None
     if not isinstance(data, dict):
-        raise SimConfigError("--kv-transfer-config must be a JSON object")
+        raise SimConfigError(f"invalid parse_dataclass value: {raw!r} (a JSON object is required)")
     role = str(data.get("kv_role") or "")
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise SimConfigError(f"Unsupported kv_role: {role!r}. Supported roles are ['kv_producer', 'kv_consumer', 'kv_both']")

@@ -24,6 +24,11 @@ from k3launch.sim.wire import Json, Peer, Stopped, close_socket, connect_retry, 
 class RendezvousError(Exception):
     """The group cannot form; the message is what vLLM/torch would log."""
 
+    def __init__(self, group: Group, message: str) -> None:
+        super().__init__(message)
+        # torch's TCPStore raises DistStoreError; vLLM's DP engine handshake (ZMQ) a RuntimeError
+        self.exc_type = "torch.distributed.DistStoreError" if group.kind == "tp" else "RuntimeError"
+
 
 @dataclass(frozen=True)
 class Group:
@@ -36,6 +41,7 @@ class Group:
 
 
 Callback = Callable[[str], None]
+_MEMBER_GRACE_S = 2.0
 
 
 class Coordinator:
@@ -72,7 +78,7 @@ class Coordinator:
                     break
                 self._cond.wait(min(0.1, max(0.0, deadline - time.monotonic())))
             if self._failed is not None:
-                raise RendezvousError(self._failed)
+                raise RendezvousError(self.group, self._failed)
 
     def _timeout_message(self) -> str:
         n = len(self.group.expected)
@@ -93,6 +99,9 @@ class Coordinator:
             return
         with self._cond:
             self._peers.append(peer)
+            if self._failed is not None:
+                peer.send({"kind": "abort", "reason": self._failed})
+                return
             problem = self._fail_reason(hello)
             if problem is not None:
                 self._fail_locked(problem)
@@ -119,8 +128,6 @@ class Coordinator:
             if theirs.get(key) != mine:
                 return (f"{label} was started with {key}={theirs.get(key)} but the group "
                         f"has {key}={mine}: every node must get the same parallel sizes")
-        if self._complete:
-            return f"{label} joined a group that is already complete"
         for i in _claims(hello):
             if i not in self.group.expected:
                 return (f"{label} claims {self.group.noun} {i}, out of range "
@@ -192,25 +199,28 @@ class Member:
         try:
             sock = connect_retry(host, port, deadline, stop)
         except TimeoutError as exc:
-            raise RendezvousError(
+            raise RendezvousError(self.group,
                 f"The client socket has timed out while trying to connect to ({host}, {port}): {exc}. "
                 f"Is the {self.group.kind.upper()} head running at {where}?") from None
         self._peer = Peer(sock)
         self._peer.send({"kind": self.group.kind, "claims": list(self.claims), "params": self.group.params, "label": self.label})
+        # Outwait the head by a little: its timeout names the missing ranks, which a member
+        # giving up at the same instant would replace with a vaguer "disconnected" failure.
+        deadline += _MEMBER_GRACE_S
         while True:
             if stop.is_set():
                 raise Stopped
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RendezvousError(f"Timed out waiting for the {self.group.kind.upper()} group at {where} to complete")
+                raise RendezvousError(self.group, f"Timed out waiting for the {self.group.kind.upper()} group at {where} to complete")
             try:
                 msg = self._peer.recv(timeout=min(0.2, remaining))
             except TimeoutError:
                 continue
             if msg is None:
-                raise RendezvousError(f"connection to the {self.group.kind.upper()} head at {where} closed during rendezvous")
+                raise RendezvousError(self.group, f"connection to the {self.group.kind.upper()} head at {where} closed during rendezvous")
             if msg.get("kind") == "abort":
-                raise RendezvousError(f"rendezvous at {where} failed: {msg.get('reason')}")
+                raise RendezvousError(self.group, f"rendezvous at {where} failed: {msg.get('reason')}")
             if msg.get("kind") == "go":
                 break
         threading.Thread(target=self._watch, args=(where,), name=f"{self.group.kind}-member", daemon=True).start()

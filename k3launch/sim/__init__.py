@@ -1,0 +1,24 @@
+"""k3launch's stand-in for ``vllm serve``: same argv and env, real rendezvous, OpenAI API, no GPUs.
+
+Run as ``python -m k3launch.sim serve MODEL [flags]`` (or ``k3launch-sim serve ...``). It
+accepts exactly the flags of the vendored vLLM schema, makes vLLM's startup checks, performs
+the TP/PP master, DP coordinator and NIXL side-channel exchanges over real TCP (so a wrong
+address, rank or port fails as on GPUs), then serves ``/health``, ``/v1/models``,
+``/v1/completions``, ``/v1/chat/completions`` (plain and SSE), ``/metrics`` and ``/version``.
+It depends on the standard library and ``k3launch.schema``/``k3launch.errors`` only, so it runs
+in a minimal container image.
+
+Environment knobs (besides vLLM's own VLLM_HOST_IP, VLLM_NIXL_SIDE_CHANNEL_HOST/PORT,
+VLLM_ENGINE_READY_TIMEOUT_S and k3launch's K3LAUNCH_PROCESS marker):
+
+=====================================  =======================================================
+K3LAUNCH_SIM_VLLM_VERSION              flag schema version (default: k3launch's default, 0.33.0)
+K3LAUNCH_SIM_LOAD_S                    simulated weight-loading time before ready (default 2)
+K3LAUNCH_SIM_TTFT_MS / _ITL_MS         time to first token / between tokens (default 20 / 2)
+K3LAUNCH_SIM_GPUS                      GPUs per node (default 8)
+K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S      how long groups wait for members (default: the ready timeout)
+K3LAUNCH_SIM_FAIL                      exit-during-load | hang | zero-tokens | crash-after-ready
+K3LAUNCH_SIM_FAIL_AFTER_S              when the exit faults fire (default: half the load time)
+K3LAUNCH_SIM_FAIL_PROCESS              apply the fault only where K3LAUNCH_PROCESS equals this
+=====================================  =======================================================
+"""

@@ -1,0 +1,183 @@
+"""The simulated engine: admission bounded by --max-num-seqs, a latency model, and P/D roles.
+
+Latency model: a request's first token arrives ``K3LAUNCH_SIM_TTFT_MS`` after it is admitted,
+each further token ``K3LAUNCH_SIM_ITL_MS`` later; requests beyond ``--max-num-seqs`` wait for
+a slot (and count as ``num_requests_waiting``), so concurrency behaves like a batch limit.
+Each request runs in its own HTTP thread, sleeping instead of computing. Like vLLM, every
+local DP rank is its own engine with its own --max-num-seqs and its own metric series; a
+request goes to the rank named by ``X-data-parallel-rank`` (vllm-router's DP-aware routing) or
+round-robin otherwise.
+
+P/D: a ``kv_producer`` given ``do_remote_decode`` prefills (one token), holds the request's KV
+blocks and answers with ``kv_transfer_params`` naming its side channel; a ``kv_consumer``
+given ``do_remote_prefill`` must reach that side channel (:func:`nixl.fetch`) before decoding.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+
+from k3launch.sim import nixl
+from k3launch.sim.logs import Logger
+from k3launch.sim.metrics import Metrics, render
+from k3launch.sim.openai import ApiError, GenRequest
+from k3launch.sim.options import Knobs, ServeOptions
+from k3launch.sim.wire import Json
+
+FILLER = ("Kimi", " is", " a", " simulated", " mixture", " of", " experts", " answering", " with", " filler",
+          " words", " while", " the", " real", " engine", " sleeps")
+
+
+class Rank:
+    """One DP engine: its batch slots and its statistics."""
+
+    def __init__(self, rank: int, max_num_seqs: int) -> None:
+        self.rank = rank
+        self.slots = threading.Semaphore(max_num_seqs)
+        self.metrics = Metrics()
+
+
+class Session:
+    """One admitted request: holds a --max-num-seqs slot of its rank until :meth:`close`."""
+
+    def __init__(self, engine: Engine, rank: Rank, req: GenRequest, arrival: float, n: int, kv_out: Json | None) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.req = req
+        self.arrival = arrival
+        self.n = n
+        self.kv_out = kv_out
+        self.produced = 0
+        self._first: float | None = None
+        self._closed = False
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.n and self.n >= self.req.max_tokens else "stop"
+
+    def tokens(self) -> Iterator[str]:
+        """Yield the output tokens at the model's pace."""
+        e = self.engine
+        time.sleep(e.ttft_s)  # prefill (or KV load) of the whole prompt
+        self._first = time.monotonic()
+        for i in range(self.n):
+            if i:
+                time.sleep(e.itl_s)
+            self.produced += 1
+            yield FILLER[i % len(FILLER)]
+
+    def text(self) -> str:
+        return "".join(self.tokens())
+
+    def close(self) -> None:
+        """Release the slot and record the request (also when the client went away)."""
+        if self._closed:
+            return
+        self._closed = True
+        done = time.monotonic()
+        m = self.rank.metrics
+        with m.lock:
+            m.running -= 1
+            m.generation_tokens += self.produced
+            if self._first is not None:
+                m.ttft.observe(self._first - self.arrival)
+                if self.produced > 1:
+                    m.itl.observe((done - self._first) / (self.produced - 1))
+            if self.produced == self.n:
+                m.finished[self.finish_reason] = m.finished.get(self.finish_reason, 0) + 1
+            m.e2e.observe(done - self.arrival)
+        self.rank.slots.release()
+
+
+class Engine:
+    """Admission, timing and the KV-transfer role of one API server's local DP ranks."""
+
+    def __init__(self, opts: ServeOptions, knobs: Knobs, log: Logger, side: nixl.SideChannel | None) -> None:
+        self.opts = opts
+        self.log = log
+        self.side = side
+        self.ranks = {r: Rank(r, opts.max_num_seqs) for r in opts.local_dp_ranks}
+        self._rr = itertools.cycle(list(self.ranks))
+        self._rr_lock = threading.Lock()
+        self.ttft_s = knobs.ttft_ms / 1000.0
+        self.itl_s = knobs.itl_ms / 1000.0
+        self.zero_tokens = knobs.fault == "zero-tokens"
+        self.label = f"{opts.host_ip or opts.nixl_host} ({knobs.process or 'vllm serve'})"
+
+    def metrics_text(self) -> str:
+        return render(self.opts.name, {r: s.metrics for r, s in self.ranks.items()})
+
+    def load(self) -> int:
+        total = 0
+        for s in self.ranks.values():
+            with s.metrics.lock:
+                total += s.metrics.running + s.metrics.waiting
+        return total
+
+    def pick(self, header: str | None) -> Rank:
+        """The engine for a request: the one the router named, else the next in turn.
+
+        vLLM indexes ``X-data-parallel-rank`` into the engines this API server manages, in
+        rank order (``core_engines[i]``): on a hybrid-LB node with ranks 8-15, header 0 is
+        rank 8. That is what vllm-router 0.1.17 sends (0..n-1, n = engine labels counted).
+        """
+        if header is None:
+            with self._rr_lock:
+                return self.ranks[next(self._rr)]
+        local = list(self.ranks)
+        try:
+            index = int(header)
+        except ValueError:
+            raise ApiError(400, f"X-data-parallel-rank {header!r} is not an integer") from None
+        if not 0 <= index < len(local):
+            raise ApiError(400, f"data_parallel_rank {index} is out of range [0, {len(local)}) of the engines this server manages")
+        return self.ranks[local[index]]
+
+    def open(self, req: GenRequest, dp_rank: str | None = None) -> Session:
+        """Admit ``req`` (waiting for a slot), then do its KV transfer; raises :class:`ApiError`."""
+        arrival = time.monotonic()
+        rank = self.pick(dp_rank)
+        m = rank.metrics
+        with m.lock:
+            m.waiting += 1
+        rank.slots.acquire()
+        with m.lock:
+            m.waiting -= 1
+            m.running += 1
+            m.prompt_tokens += req.prompt_tokens
+        try:
+            n, kv_out = self._kv(req, rank)
+        except BaseException:
+            with m.lock:
+                m.running -= 1
+            rank.slots.release()
+            raise
+        return Session(self, rank, req, arrival, 0 if self.zero_tokens else n, kv_out)
+
+    def _kv(self, req: GenRequest, rank: Rank) -> tuple[int, Json | None]:
+        kv, params = self.opts.kv, req.kv_params
+        if kv is None or params is None:
+            return req.max_tokens, None
+        if kv.producer and params.get("do_remote_decode") is True and self.side is not None:
+            # A remote decode will continue this request: prefill only, one token, keep the blocks.
+            held = self.side.hold(req.request_id, req.prompt_tokens, rank.rank)
+            return min(req.max_tokens, 1), held.params()
+        if kv.consumer and params.get("do_remote_prefill") is True:
+            try:
+                nixl.fetch(params, self.label, self.log)
+            except nixl.KVTransferError as exc:
+                with rank.metrics.lock:
+                    rank.metrics.kv_failures += 1
+                if kv.load_failure_policy == "fail":
+                    self.log.error(f"KV load failed for request {req.request_id} (kv_load_failure_policy=fail): {exc}",
+                                   src="nixl_connector.py")
+                    raise ApiError(500, f"KV transfer failed for request {req.request_id}: {exc}", "InternalServerError") from None
+                self.log.warning(f"KV load failed for request {req.request_id}; recomputing the prefill locally "
+                                 f"(kv_load_failure_policy={kv.load_failure_policy}): {exc}", src="nixl_connector.py")
+                return req.max_tokens, None
+            with rank.metrics.lock:
+                rank.metrics.kv_pulls += 1
+        return req.max_tokens, None

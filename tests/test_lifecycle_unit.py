@@ -1,0 +1,127 @@
+"""Launch, teardown and doctor logic against a fake runner (no processes, no network)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fakes import FakeRunner
+
+from k3launch import remote
+from k3launch.doctor import doctor
+from k3launch.errors import K3Error
+from k3launch.inventory import load_inventory
+from k3launch.launch import Launch, LaunchFailed
+from k3launch.nodes import Fleet
+from k3launch.plan import build_plan
+from k3launch.recipes import RecipeTree
+from k3launch.runners import Target
+from k3launch.selection import Selection
+from k3launch.state import DeploymentRecord, ProcessRecord, StateStore
+from k3launch.teardown import teardown
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _plan(**kw):  # type: ignore[no-untyped-def]
+    return build_plan(RecipeTree(), Selection(**kw), inventory=load_inventory(ROOT / "inventories" / "local.yaml"))
+
+
+def _record(plan, procs):  # type: ignore[no-untyped-def]
+    rec = DeploymentRecord(name=plan.name, state="ready", created=0, updated=0, endpoint=plan.endpoint, plan=plan)
+    for p in plan.processes:
+        rec.processes[p.id] = ProcessRecord(id=p.id, node=p.node, runtime="bare", handle=procs[p.id], log=f"/tmp/{p.id}.log", started=True)
+    return rec
+
+
+def test_teardown_stops_router_then_heads_then_headless(tmp_path: Path) -> None:
+    plan = _plan(strategy="pd_cluster", prefill_nodes=2)  # prefill TEP on 2 nodes: one headless rank
+    pids = {p.id: str(1000 + i) for i, p in enumerate(plan.processes)}
+    alive = set(pids.values())
+    order: list[list[str]] = []
+
+    def handler(t: Target, cmd: str) -> tuple[int, str, str]:
+        if "K3LAUNCH_DEPLOYMENT=$K3_NAME" in cmd:
+            return 0, "".join(f"{pid} {p}\n" for p, pid in pids.items() if pid in alive), ""
+        if cmd.startswith("for p in") and "kill -TERM" in cmd:
+            hit = [w for w in cmd.split("for p in ", 1)[1].split(";")[0].split() if w.isdigit()]
+            order.append([p for p, pid in pids.items() if pid in hit])
+            alive.difference_update(hit)
+            return 0, "", ""
+        return 0, "", ""
+
+    store = StateStore(tmp_path)
+    rec = _record(plan, pids)
+    report = teardown(rec, Fleet.for_plan(plan, FakeRunner(handler), FakeRunner(handler)), store, grace_s=1)
+    assert report.clean
+    flat = [p for grp in order for p in grp]
+    assert flat.index("router") < flat.index("prefill-0") < flat.index("prefill-1")
+    assert flat.index("decode-0") < flat.index("prefill-1")  # heads before any headless rank
+    assert set(flat) == set(pids)
+
+
+def test_teardown_escalates_to_sigkill_and_reports_unreachable(tmp_path: Path) -> None:
+    plan = _plan()
+    pids = {p.id: str(2000 + i) for i, p in enumerate(plan.processes)}
+    signals: list[str] = []
+
+    def handler(t: Target, cmd: str) -> tuple[int, str, str]:
+        if "K3LAUNCH_DEPLOYMENT=$K3_NAME" in cmd:
+            return (0, "".join(f"{pid} {p}\n" for p, pid in pids.items()), "") if "KILL" not in signals else (0, "", "")
+        if "kill -TERM" in cmd:
+            signals.append("TERM")  # ignored: the process traps SIGTERM
+        if "kill -KILL" in cmd:
+            signals.append("KILL")
+        return 0, "", ""
+
+    store = StateStore(tmp_path)
+    report = teardown(_record(plan, pids), Fleet.for_plan(plan, FakeRunner(handler), FakeRunner(handler)), store, grace_s=0.3)
+    assert "TERM" in signals and "KILL" in signals and signals.index("TERM") < signals.index("KILL")
+    assert report.clean
+
+
+def test_dead_processes_and_unreachable_node(tmp_path: Path) -> None:
+    plan = _plan(strategy="multi_node_tp", nodes=2)
+    pids = {p.id: str(3000 + i) for i, p in enumerate(plan.processes)}
+
+    def handler(t: Target, cmd: str) -> tuple[int, str, str]:
+        return 0, "".join(f"{pid} {'down' if p == 'serve-1' else 'up'}\n" for p, pid in pids.items()), ""
+
+    launch = Launch(plan, Fleet.for_plan(plan, FakeRunner(handler), FakeRunner(handler)), StateStore(tmp_path))
+    assert launch.dead_processes(_record(plan, pids)) == ["serve-1"]
+
+    class Broken(FakeRunner):
+        def run(self, target: Target, command: str, *, timeout: float = 60.0):  # type: ignore[no-untyped-def]
+            raise K3Error("unreachable", f"{target.name}: cannot connect", "")
+
+    launch = Launch(plan, Fleet.for_plan(plan, Broken(handler), Broken(handler)), StateStore(tmp_path))
+    with pytest.raises(LaunchFailed) as e:
+        launch.dead_processes(_record(plan, pids))
+    assert "stopped answering" in e.value.message
+
+
+def test_doctor_judges_ports_leftovers_and_skips_gpus_for_sim() -> None:
+    plan = _plan()
+    node = plan.processes[0].node
+    addr = plan.processes[0].address
+    port = plan.processes[0].http_port
+    # a foreign listener on the planned HTTP port of that address, and an engine of a dead deployment
+    hex_addr = "".join(f"{int(x):02X}" for x in reversed(addr.split(".")))
+    listening = f"{hex_addr}:{port:04X}\n"
+
+    def handler(t: Target, cmd: str) -> tuple[int, str, str]:
+        out = f"@@listening\n{listening}@@procs\n4242 old-deployment serve-0\n@@runtime\nok\n@@shm\n"
+        return 0, out, ""
+
+    report = doctor(plan, Fleet.for_plan(plan, FakeRunner(handler), FakeRunner(handler)), live_deployments=[])
+    by = {(c.node, c.name): c for c in report.checks}
+    assert by[(node, "ports")].status == "fail" and str(port) in by[(node, "ports")].detail
+    assert by[(node, "leftovers")].status == "fail" and "old-deployment" in by[(node, "leftovers")].detail
+    assert by[(node, "gpus")].status == "skip"
+    assert not report.ok and node in report.failed_nodes()
+
+
+def test_parse_listening_ipv4_and_wildcard() -> None:
+    got = remote.parse_listening("0B00007F:1F40 00000000:0050 00000000000000000000000000000000:1F90")
+    assert ("127.0.0.11", 8000) in got and ("0.0.0.0", 80) in got and ("0.0.0.0", 8080) in got
+    assert remote.port_busy(got, "10.0.0.1", 80) and not remote.port_busy(got, "127.0.0.12", 8000)

@@ -1,0 +1,254 @@
+"""The simulated engine on one node: argv checks, the OpenAI API, metrics, faults, shutdown.
+
+Every sim runs as a real subprocess on a loopback "node" address with a free port and a short
+load time; the ``procs`` fixture kills whatever a test started.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from simproc import FAST_ENV, MODEL, SIM, Proc, Procs, free_port, get, port_open, post, stream, wait_healthy
+
+HOST = "127.0.0.11"
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    pool = Procs(tmp_path)
+    yield pool
+    pool.kill_all()
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SIM, MODEL, *args], capture_output=True, text=True, timeout=20, env={**FAST_ENV, **(env or {})})
+
+
+def serve(procs: Procs, *args: str, env: dict[str, str] | None = None, name: str = "sim") -> tuple[int, Proc]:
+    port = free_port()
+    proc = procs.sim(["--port", str(port), *args], {"VLLM_HOST_IP": HOST, **(env or {})}, name)
+    return port, proc
+
+
+# -- argv ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+    (["--no-enable-prefix-caching"], "unrecognized arguments: --no-enable-prefix-caching"),  # legacy, not in 0.33
+    (["--dtype", "fp9"], "argument --dtype: invalid choice: 'fp9' (choose from 'auto', "),
+    (["--port", "http"], "argument --port: invalid int value: 'http'"),
+    (["--tensor-parallel-size"], "argument --tensor-parallel-size/-tp: expected one argument"),
+    (["--kv-transfer-config", "{nope"], "argument --kv-transfer-config: invalid loads value"),
+])
+def test_bad_flag_is_an_argparse_error(args: list[str], message: str) -> None:
+    out = _run(*args)
+    assert out.returncode == 2
+    assert out.stderr.startswith("usage: vllm serve ")
+    assert f"vllm serve: error: {message}" in out.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--nnodes", "2", "--node-rank", "2", "-tp", "16"], "node_rank (2) must be in [0, nnodes)"),
+    (["--nnodes", "2", "--node-rank", "0", "-tp", "16", "--headless"], "--headless is not allowed on node_rank 0"),
+    (["--nnodes", "2", "--node-rank", "1", "-tp", "16"], "node_rank 1 > 0 requires --headless"),
+    (["-dp", "4", "-dpl", "8"], "data_parallel_size_local (8) must be <= data_parallel_size (4)"),
+    (["-dp", "16", "-dpl", "8", "-dpr", "12", "--headless"], "data_parallel_start_rank (12) + data_parallel_size_local (8)"),
+    (["-dp", "16", "-dpl", "8", "-dpr", "8"], "data_parallel_start_rank is only applicable in headless"),
+    (["-tp", "16"], "this node needs 16 GPUs"),
+    (["-tp", "4", "-dp", "4"], "this node needs 16 GPUs"),
+])
+def test_settings_vllm_refuses_exit_1(args: list[str], message: str) -> None:
+    out = _run(*args)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert message in out.stdout
+    assert "ValueError: " in out.stderr
+
+
+def test_gpu_count_comes_from_the_knob() -> None:
+    out = _run("-tp", "8", env={"K3LAUNCH_SIM_GPUS": "4"})
+    assert out.returncode == 1 and "only 4 are available" in out.stdout
+
+
+def test_sim_imports_only_the_stdlib_and_the_schema() -> None:
+    """The sim runs inside minimal engine images: no third-party import may creep in."""
+    code = ("import sys; before = set(sys.modules); import k3launch.sim.cli, k3launch.sim.runner; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    new = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True).stdout.split()
+    third_party = {m for m in new if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "k3launch"}
+    ours = {m for m in new if m.startswith("k3launch") and not m.startswith("k3launch.sim")}
+    assert not third_party
+    assert ours == {"k3launch", "k3launch.schema", "k3launch.errors"}
+
+
+def test_unknown_fault_knob_is_refused() -> None:
+    out = _run(env={"K3LAUNCH_SIM_FAIL": "explode"})
+    assert out.returncode == 2 and "K3LAUNCH_SIM_FAIL='explode'" in out.stderr
+
+
+# -- serving ------------------------------------------------------------------------------------
+
+def test_single_node_serves_the_openai_api(procs: Procs) -> None:
+    port, proc = serve(procs, "--served-model-name", "k3", "--max-model-len", "4096", env={"K3LAUNCH_SIM_LOAD_S": "0.5"})
+    proc.wait_log("Loading weights of")
+    assert not port_open(HOST, port), "the API port must stay closed while the engine loads"
+    wait_healthy(HOST, port, proc)
+    proc.wait_log(rf"Starting vLLM API server on http://{HOST}:{port}")
+    base = f"http://{HOST}:{port}"
+
+    models = json.loads(get(f"{base}/v1/models")[1])
+    assert [m["id"] for m in models["data"]] == ["k3"] and models["data"][0]["max_model_len"] == 4096
+    assert json.loads(get(f"{base}/version")[1]) == {"version": "0.33.0"}
+
+    status, body = post(f"{base}/v1/completions", {"model": "k3", "prompt": "one two three", "max_tokens": 7})
+    assert status == 200
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and len(choice["text"].split()) == 7
+
+    status, body = post(f"{base}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200 and body["object"] == "chat.completion"
+    assert body["usage"]["completion_tokens"] == 16  # default max_tokens
+    assert body["choices"][0]["message"]["role"] == "assistant"
+
+    # SGLang-style extras that vllm-router injects are ignored, not refused
+    status, _ = post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 1, "no_stop_trim": True, "separate_reasoning": True})
+    assert status == 200
+    assert post(f"{base}/v1/completions", {"model": "other", "prompt": "x"})[0] == 404
+    assert post(f"{base}/v1/completions", {"prompt": "x " * 4000, "max_tokens": 200})[0] == 400  # over --max-model-len
+    assert get(f"{base}/nope")[0] == 404
+
+
+def test_streaming_and_usage(procs: Procs) -> None:
+    port, proc = serve(procs)
+    wait_healthy(HOST, port, proc)
+    events = stream(HOST, port, "/v1/completions",
+                    {"prompt": "a b", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).split() == ["Kimi", "is", "a", "simulated", "mixture"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+    events = stream(HOST, port, "/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    chat = [json.loads(e) for e in events[:-1]]
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert sum(1 for c in chat if c["choices"][0]["delta"].get("content")) == 3
+    assert all("usage" not in c for c in chat)  # no include_usage: no usage chunk
+
+
+def test_keep_alive_connection_serves_several_requests(procs: Procs) -> None:
+    port, proc = serve(procs)
+    wait_healthy(HOST, port, proc)
+    conn = http.client.HTTPConnection(HOST, port, timeout=5)
+    try:
+        for n in (1, 2, 3):
+            conn.request("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": n}), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == n
+    finally:
+        conn.close()
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_metrics_and_max_num_seqs(procs: Procs) -> None:
+    port, proc = serve(procs, "--max-num-seqs", "2", env={"K3LAUNCH_SIM_ITL_MS": "40"})
+    wait_healthy(HOST, port, proc)
+    base = f"http://{HOST}:{port}"
+    results: list[int] = []
+    workers = [threading.Thread(target=lambda: results.append(post(f"{base}/v1/completions", {"prompt": "p q", "max_tokens": 10})[0]))
+               for _ in range(4)]
+    for w in workers:
+        w.start()
+    seen = (0.0, 0.0)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and seen != (2.0, 2.0):
+        text = get(f"{base}/metrics")[1].decode()
+        seen = (_metric(text, "vllm:num_requests_running"), _metric(text, "vllm:num_requests_waiting"))
+    for w in workers:
+        w.join(10)
+    assert seen == (2.0, 2.0), "4 requests with --max-num-seqs 2: two run, two wait"
+    assert results == [200] * 4
+    text = get(f"{base}/metrics")[1].decode()
+    assert _metric(text, "vllm:prompt_tokens_total") == 8
+    assert _metric(text, "vllm:generation_tokens_total") == 40
+    assert _metric(text, "vllm:time_to_first_token_seconds_count") == 4
+    assert _metric(text, "vllm:e2e_request_latency_seconds_count") == 4
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert _metric(text, "vllm:num_requests_running") == 0
+
+
+# -- faults -------------------------------------------------------------------------------------
+
+def test_fault_exit_during_load(procs: Procs) -> None:
+    _, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_LOAD_S": "0.6"})
+    assert proc.wait_exit(10) == 1
+    log = proc.log()
+    assert "EngineCore failed to start" in log and "Starting vLLM API server" not in log
+
+
+def test_fault_hang_never_ready_until_sigterm(procs: Procs) -> None:
+    port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "hang"})
+    proc.wait_log("simulated hang")
+    time.sleep(0.3)
+    assert proc.alive() and not port_open(HOST, port)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait_exit(3) == 0
+
+
+def test_fault_zero_tokens(procs: Procs) -> None:
+    port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "zero-tokens"})
+    wait_healthy(HOST, port, proc)
+    status, body = post(f"http://{HOST}:{port}/v1/completions", {"prompt": "x", "max_tokens": 8})
+    assert status == 200
+    assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
+
+
+def test_fault_crash_after_ready(procs: Procs) -> None:
+    port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "crash-after-ready", "K3LAUNCH_SIM_FAIL_AFTER_S": "0.5"})
+    wait_healthy(HOST, port, proc)
+    assert proc.wait_exit(10) == 1
+    assert "EngineDeadError" in proc.log()
+    assert not port_open(HOST, port)
+
+
+def test_fault_targets_one_process(procs: Procs) -> None:
+    env = {"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_FAIL_PROCESS": "serve-1"}
+    p0, a = serve(procs, env={**env, "K3LAUNCH_PROCESS": "serve-0"}, name="serve-0")
+    _, b = serve(procs, env={**env, "K3LAUNCH_PROCESS": "serve-1"}, name="serve-1")
+    assert b.wait_exit(10) == 1
+    wait_healthy(HOST, p0, a)
+
+
+def test_side_channel_on_an_address_not_of_this_node_fails_startup(procs: Procs) -> None:
+    kv = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"fail"}'
+    _, proc = serve(procs, "--kv-transfer-config", kv,
+                    env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.255.255.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+    assert proc.wait_exit(10) == 1
+    assert "NIXL side channel cannot bind tcp://10.255.255.1:" in proc.log()
+
+
+# -- shutdown -----------------------------------------------------------------------------------
+
+def test_sigterm_exits_0_and_frees_the_port(procs: Procs) -> None:
+    port, proc = serve(procs)
+    wait_healthy(HOST, port, proc)
+    proc.signal(signal.SIGTERM)
+    assert proc.wait_exit(1.5) == 0
+    assert "Shutting down: received SIGTERM" in proc.log()
+    with socket.socket() as s:  # the port is free for the next deployment right away
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((HOST, port))
