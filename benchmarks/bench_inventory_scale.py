@@ -39,7 +39,7 @@ def main() -> None:
     print(f"{'nodes':>6} {'load inventory':>15} {'plan (all nodes, DEP)':>22} {'per node':>10}")
     base = None
     with tempfile.TemporaryDirectory() as d:
-        for n in (16, 256, 4096):
+        for n in (16, 256, 1024, 4096):
             p = Path(d) / f"inv{n}.yaml"
             write_inventory(p, n)
             runs = 5 if n < 4096 else 2

@@ -11,6 +11,7 @@ data and are quoted wherever they reach a shell.
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Literal
 
@@ -150,11 +151,11 @@ class Inventory(Strict):
     @model_validator(mode="after")
     def _consistent(self) -> Inventory:
         names = [n.name for n in self.nodes]
-        dup = {n for n in names if names.count(n) > 1}
+        dup = {n for n, c in Counter(names).items() if c > 1}
         if dup:
             raise ValueError(f"node names repeat: {', '.join(sorted(dup))}")
         addrs = [n.address or n.name for n in self.nodes]
-        dup = {a for a in addrs if addrs.count(a) > 1}
+        dup = {a for a, c in Counter(addrs).items() if c > 1}
         if dup:
             raise ValueError(f"nodes share an address ({', '.join(sorted(dup))}); ports are planned per address")
         if self.backend == "slurm" and self.slurm is None:

@@ -10,6 +10,7 @@ i·g``; with hybrid load balancing every node serves HTTP, so a router fronts th
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import re
@@ -100,6 +101,19 @@ def _image(r: Resolved, node: NodeSpec) -> str | None:
 def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None, *,
                inventory: Inventory | None = None, exclude: Sequence[str] = (), port_base: int | None = None,
                name: str | None = None) -> Plan:
+    # A plan is a burst of small acyclic objects (one composed command per node); the cyclic
+    # GC would rescan all of them again and again on large inventories, so it waits until done.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _build_plan(tree, sel, nodes, inventory, exclude, port_base, name)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None, inventory: Inventory | None,
+                exclude: Sequence[str], port_base: int | None, name: str | None) -> Plan:
     if inventory is not None:
         sel = replace(sel, hardware=inventory_hardware(inventory, sel.hardware))
     r = resolve(tree, sel)
