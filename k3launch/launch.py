@@ -56,10 +56,9 @@ def _start_line(plan: Plan, proc: Process, fleet: Fleet, hf_token_file: str | No
     # The same helper the rendered scripts define, so a manual run and `up` start identically.
     prelude = (
         "k3launch_background() { local log=$1; shift; mkdir -p \"$(dirname \"$log\")\"; "
-        "nohup setsid \"$@\" >\"$log\" 2>&1 </dev/null & echo \"started pid $!\"; }\n"
+        "(cd \"$(dirname \"$log\")\" || exit 1; nohup setsid \"$@\" >\"$log\" 2>&1 </dev/null & echo \"started pid $!\"); }\n"
     )
-    cd = f"cd {shell_join([host.workdir])}\n" if host.workdir else ""
-    return prelude + token_snippet(hf_token_file) + cd + shell_join(cmd)
+    return prelude + token_snippet(hf_token_file) + shell_join(cmd)
 
 
 def _record_for(plan: Plan, proc: Process, fleet: Fleet, out: str, log_dir: str) -> ProcessRecord:

@@ -12,14 +12,21 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-# Prints "PID PROCESS_ID" for every process whose environment carries the deployment marker.
+# Prints "PID PROCESS_ID" for every live process of deployment $K3_NAME: by the environment
+# marker, or — when the environment was clobbered by setproctitle (vLLM, vllm-router) — by a
+# working directory inside the deployment's run directory (.../k3launch/NAME/PROCESS).
 _FIND = r"""for d in /proc/[0-9]*; do
+  s=$(awk '{print $3}' "$d/stat" 2>/dev/null) || continue
+  [ -n "$s" ] && [ "$s" != Z ] || continue
   e=$(tr '\0' '\n' < "$d/environ" 2>/dev/null) || continue
-  case "$e" in *"K3LAUNCH_DEPLOYMENT=$K3_NAME"*) ;; *) continue;; esac
-  printf '%s\n' "$e" | grep -qx "K3LAUNCH_DEPLOYMENT=$K3_NAME" || continue
-  p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
-  s=$(awk '{print $3}' "$d/stat" 2>/dev/null)
-  [ "$s" = Z ] && continue
+  if printf '%s\n' "$e" | grep -qx "K3LAUNCH_DEPLOYMENT=$K3_NAME"; then
+    p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
+  elif ! printf '%s' "$e" | grep -q '='; then
+    c=$(readlink "$d/cwd" 2>/dev/null) || continue
+    case "$c" in */k3launch/"$K3_NAME"/*) p=${c##*/} ;; *) continue ;; esac
+  else
+    continue
+  fi
   echo "${d#/proc/} $p"
 done"""
 
@@ -32,11 +39,18 @@ def find_processes(name: str) -> str:
 def find_any_deployment() -> str:
     """Lines ``PID DEPLOYMENT PROCESS_ID`` of every k3launch-started process on the node."""
     return r"""for d in /proc/[0-9]*; do
+  s=$(awk '{print $3}' "$d/stat" 2>/dev/null) || continue
+  [ -n "$s" ] && [ "$s" != Z ] || continue
   e=$(tr '\0' '\n' < "$d/environ" 2>/dev/null) || continue
   n=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_DEPLOYMENT=//p' | head -n1)
-  [ -n "$n" ] || continue
-  s=$(awk '{print $3}' "$d/stat" 2>/dev/null); [ "$s" = Z ] && continue
-  p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
+  if [ -n "$n" ]; then
+    p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
+  elif ! printf '%s' "$e" | grep -q '='; then
+    c=$(readlink "$d/cwd" 2>/dev/null) || continue
+    case "$c" in */k3launch/*/*) p=${c##*/}; n=${c%/*}; n=${n##*/} ;; *) continue ;; esac
+  else
+    continue
+  fi
   echo "${d#/proc/} $n $p"
 done"""
 

@@ -49,6 +49,17 @@ def _mount(src: str, dst: str) -> str:
     return f"{src}:{dst}"
 
 
+def run_dir(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> str:
+    """The process's working directory and log home: ``<workdir>/k3launch/<deployment>/<process>``.
+
+    Being the cwd matters: tools like setproctitle (vLLM and vllm-router use it) clobber
+    ``/proc/PID/environ``, so a process whose environment markers vanished is still recognised
+    by its working directory.
+    """
+    root = (log_dir or host.workdir or "/tmp").rstrip("/")
+    return f"{root}/k3launch/{plan.name}/{proc.id}"
+
+
 def container_name(plan: Plan, proc: Process) -> str:
     return f"k3-{plan.name}-{proc.id}"
 
@@ -82,7 +93,7 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> l
     if runtime in ("docker", "podman"):
         cmd = [runtime, "run", "-d", "--name", container_name(plan, proc),
                "--label", f"{LABEL}={plan.name}", "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}"]
-        if proc.gpus:
+        if proc.gpus and plan.engine != "sim":  # the simulated engine needs (and has) no GPUs
             cmd += _gpu_flags(runtime, plan.platform)
         cmd += ["--ipc=host", "--network", "host", "--shm-size", host.shm_size or "64g",
                 "-v", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
@@ -91,7 +102,7 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> l
         for k in SECRET_ENV:
             cmd += ["-e", k]  # by name: the value stays in the caller's environment
         return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
-    log = home_path(f"{log_dir or '/tmp/k3launch'}/{plan.name}/{proc.id}.log")
+    log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
     if runtime == "apptainer":
         gpu = "--rocm" if plan.platform == "rocm" else "--nv"
         inner = ["apptainer", "exec", gpu, "--cleanenv", "--bind", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
@@ -111,8 +122,8 @@ set -euo pipefail
 k3launch_background() {{
   local log=$1; shift
   mkdir -p "$(dirname "$log")"
-  nohup setsid "$@" >"$log" 2>&1 </dev/null &
-  echo "started pid $! (log $log)"
+  # the run directory is the process's cwd (it identifies the process even after setproctitle)
+  (cd "$(dirname "$log")" || exit 1; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo "started pid $! (log $log)")
 }}
 """
 

@@ -214,7 +214,7 @@ def test_local_bare_scripts_start_exactly_the_planned_argv(tmp_path: Path, deplo
             assert (prog, argv) == ("python3", ["-m", "k3launch.sim", *proc.argv[1:]])
         assert {k: env.get(k) for k in proc.env} == proc.env
         assert env["K3LAUNCH_DEPLOYMENT"] == deployment
-        assert (Path("/tmp/k3launch") / deployment / f"{proc.id}.log").is_file()
+        assert (Path("/tmp/k3launch") / deployment / proc.id / f"{proc.id}.log").is_file()
 
 
 # Inventory env values (defaults, node override): `env K=V` on a bare runtime.

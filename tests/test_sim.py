@@ -98,7 +98,7 @@ def test_unknown_fault_knob_is_refused() -> None:
 # -- serving ------------------------------------------------------------------------------------
 
 def test_single_node_serves_the_openai_api(procs: Procs) -> None:
-    port, proc = serve(procs, "--served-model-name", "k3", "--max-model-len", "4096", env={"K3LAUNCH_SIM_LOAD_S": "0.5"})
+    port, proc = serve(procs, "--served-model-name", "k3", "--max-model-len", "4096", env={"K3LAUNCH_SIM_LOAD_S": "1.0"})
     proc.wait_log("Loading weights of")
     assert not port_open(HOST, port), "the API port must stay closed while the engine loads"
     wait_healthy(HOST, port, proc)
@@ -165,7 +165,7 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_metrics_and_max_num_seqs(procs: Procs) -> None:
-    port, proc = serve(procs, "--max-num-seqs", "2", env={"K3LAUNCH_SIM_ITL_MS": "40"})
+    port, proc = serve(procs, "--max-num-seqs", "2", env={"K3LAUNCH_SIM_ITL_MS": "80"})
     wait_healthy(HOST, port, proc)
     base = f"http://{HOST}:{port}"
     results: list[int] = []
@@ -185,6 +185,7 @@ def test_metrics_and_max_num_seqs(procs: Procs) -> None:
     text = get(f"{base}/metrics")[1].decode()
     assert _metric(text, "vllm:prompt_tokens_total") == 8
     assert _metric(text, "vllm:generation_tokens_total") == 40
+    assert _metric(text, 'vllm:request_success_total') == 4
     assert _metric(text, "vllm:time_to_first_token_seconds_count") == 4
     assert _metric(text, "vllm:e2e_request_latency_seconds_count") == 4
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
@@ -218,7 +219,7 @@ def test_fault_zero_tokens(procs: Procs) -> None:
 
 
 def test_fault_crash_after_ready(procs: Procs) -> None:
-    port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "crash-after-ready", "K3LAUNCH_SIM_FAIL_AFTER_S": "0.5"})
+    port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "crash-after-ready", "K3LAUNCH_SIM_FAIL_AFTER_S": "1.0"})
     wait_healthy(HOST, port, proc)
     assert proc.wait_exit(10) == 1
     assert "EngineDeadError" in proc.log()

@@ -46,6 +46,7 @@ class Runner:
         self._lock = threading.Lock()
         self._closers: list[Closer] = []
         self._signal: int | None = None
+        self._closed = False
 
     # -- outcome ------------------------------------------------------------------------------
     def finish(self, code: int, reason: str, exc_type: str = "RuntimeError") -> None:
@@ -71,7 +72,11 @@ class Runner:
 
     def _closer(self, close: Closer) -> None:
         with self._lock:
-            self._closers.append(close)
+            late = self._closed
+            if not late:
+                self._closers.append(close)
+        if late:  # opened while the main thread was already closing: close it here
+            close(False)
 
     # -- main thread ------------------------------------------------------------------------
     def run(self) -> int:
@@ -89,6 +94,7 @@ class Runner:
             if self._signal is not None:
                 self.finish(0, f"received {signal.Signals(self._signal).name}")
         with self._lock:
+            self._closed = True
             closers = list(reversed(self._closers))
         for close in closers:
             close(self.code == 0)
@@ -134,9 +140,9 @@ class Runner:
                 self.done.wait()
                 return
             if self.opts.headless:
-                self.log.info(f"Headless node ready (node rank {self.opts.node_rank}, DP ranks "
-                              f"{self.opts.local_dp_ranks.start}-{self.opts.local_dp_ranks.stop - 1}); no API server on this node",
-                              src="launcher.py")
+                o = self.opts
+                where = f"node rank {o.node_rank}" if o.multi_node_tp else f"DP ranks {o.dp_start}-{o.dp_start + o.dp_local - 1}"
+                self.log.info(f"Headless node ready ({where}); no API server on this node", src="launcher.py")
             else:
                 self._serve(side)
             self.ready.set()

@@ -39,6 +39,7 @@ class App:
 class SimHTTPServer(ThreadingHTTPServer):
     daemon_threads = True  # in-flight requests must not hold up a SIGTERM exit
     allow_reuse_address = True
+    request_queue_size = 2048  # socketserver's default backlog of 5 resets bursts of connections (uvicorn: 2048)
 
     def __init__(self, host: str, port: int, app: App) -> None:
         self.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -7,12 +7,12 @@ export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"
 k3launch_background() {
   local log=$1; shift
   mkdir -p "$(dirname "$log")"
-  nohup setsid "$@" >"$log" 2>&1 </dev/null &
-  echo "started pid $! (log $log)"
+  # the run directory is the process's cwd (it identifies the process even after setproctitle)
+  (cd "$(dirname "$log")" || exit 1; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo "started pid $! (log $log)")
 }
 
 # router: router (head) on login (127.0.0.1)
-k3launch_background /tmp/k3launch/kimi-k3-dep-gb300-8bfbfb/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-gb300-8bfbfb K3LAUNCH_PROCESS=router vllm-router \
+k3launch_background /tmp/k3launch/kimi-k3-dep-gb300-8bfbfb/router/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-gb300-8bfbfb K3LAUNCH_PROCESS=router vllm-router \
   --worker-urls http://tray-1:8000 http://tray-2:8000 http://tray-3:8000 http://tray-4:8000 \
   --policy round_robin \
   --host 127.0.0.1 \

@@ -7,8 +7,8 @@ export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"
 k3launch_background() {
   local log=$1; shift
   mkdir -p "$(dirname "$log")"
-  nohup setsid "$@" >"$log" 2>&1 </dev/null &
-  echo "started pid $! (log $log)"
+  # the run directory is the process's cwd (it identifies the process even after setproctitle)
+  (cd "$(dirname "$log")" || exit 1; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo "started pid $! (log $log)")
 }
 
 # serve-0: serve (head) on tray-1 (tray-1)

@@ -7,12 +7,12 @@ export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"
 k3launch_background() {
   local log=$1; shift
   mkdir -p "$(dirname "$log")"
-  nohup setsid "$@" >"$log" 2>&1 </dev/null &
-  echo "started pid $! (log $log)"
+  # the run directory is the process's cwd (it identifies the process even after setproctitle)
+  (cd "$(dirname "$log")" || exit 1; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo "started pid $! (log $log)")
 }
 
 # prefill-0: prefill (head) on local-1 (127.0.0.11)
-k3launch_background /tmp/k3launch/kimi-k3-pd-b300-0a9bf4/prefill-0.log env UCX_NET_DEVICES=all VLLM_NIXL_SIDE_CHANNEL_PORT=5557 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.11 NCCL_CUMEM_ENABLE=1 NCCL_MNNVL_ENABLE=1 NCCL_NVLS_ENABLE=0 VLLM_SSM_CONV_STATE_LAYOUT=DS VLLM_HOST_IP=127.0.0.11 VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION=1 UCX_TLS=rc,cuda_copy K3LAUNCH_DEPLOYMENT=kimi-k3-pd-b300-0a9bf4 K3LAUNCH_PROCESS=prefill-0 python3 \
+k3launch_background /tmp/k3launch/kimi-k3-pd-b300-0a9bf4/prefill-0/prefill-0.log env UCX_NET_DEVICES=all VLLM_NIXL_SIDE_CHANNEL_PORT=5557 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.11 NCCL_CUMEM_ENABLE=1 NCCL_MNNVL_ENABLE=1 NCCL_NVLS_ENABLE=0 VLLM_SSM_CONV_STATE_LAYOUT=DS VLLM_HOST_IP=127.0.0.11 VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION=1 UCX_TLS=rc,cuda_copy K3LAUNCH_DEPLOYMENT=kimi-k3-pd-b300-0a9bf4 K3LAUNCH_PROCESS=prefill-0 python3 \
   -m k3launch.sim serve moonshotai/Kimi-K3 \
   --trust-remote-code \
   --load-format fastsafetensors \

@@ -7,12 +7,12 @@ export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"
 k3launch_background() {
   local log=$1; shift
   mkdir -p "$(dirname "$log")"
-  nohup setsid "$@" >"$log" 2>&1 </dev/null &
-  echo "started pid $! (log $log)"
+  # the run directory is the process's cwd (it identifies the process even after setproctitle)
+  (cd "$(dirname "$log")" || exit 1; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo "started pid $! (log $log)")
 }
 
 # router: router (head) on login (127.0.0.1)
-k3launch_background /tmp/k3launch/kimi-k3-pd-b300-0a9bf4/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-pd-b300-0a9bf4 K3LAUNCH_PROCESS=router vllm-router \
+k3launch_background /tmp/k3launch/kimi-k3-pd-b300-0a9bf4/router/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-pd-b300-0a9bf4 K3LAUNCH_PROCESS=router vllm-router \
   --vllm-pd-disaggregation \
   --prefill http://127.0.0.11:8001 \
   --decode http://127.0.0.12:8002 \

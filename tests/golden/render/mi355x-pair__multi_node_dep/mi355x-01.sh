@@ -7,8 +7,8 @@ export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"
 k3launch_background() {
   local log=$1; shift
   mkdir -p "$(dirname "$log")"
-  nohup setsid "$@" >"$log" 2>&1 </dev/null &
-  echo "started pid $! (log $log)"
+  # the run directory is the process's cwd (it identifies the process even after setproctitle)
+  (cd "$(dirname "$log")" || exit 1; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo "started pid $! (log $log)")
 }
 
 # serve-0: serve (head) on mi355x-01 (10.3.0.21)
@@ -60,7 +60,7 @@ podman run \
   --reasoning-parser kimi_k3
 
 # router: router (head) on mi355x-01 (10.3.0.21)
-k3launch_background /tmp/k3launch/kimi-k3-dep-mi355x-0aa1d8/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-mi355x-0aa1d8 K3LAUNCH_PROCESS=router vllm-router \
+k3launch_background /tmp/k3launch/kimi-k3-dep-mi355x-0aa1d8/router/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-mi355x-0aa1d8 K3LAUNCH_PROCESS=router vllm-router \
   --worker-urls http://10.3.0.21:8000 http://10.3.0.22:8000 \
   --policy round_robin \
   --host 10.3.0.21 \
