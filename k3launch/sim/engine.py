@@ -27,8 +27,8 @@ from k3launch.sim.openai import ApiError, GenRequest
 from k3launch.sim.options import Knobs, ServeOptions
 from k3launch.sim.wire import Json
 
-FILLER = ("Kimi", " is", " a", " simulated", " mixture", " of", " experts", " answering", " with", " filler",
-          " words", " while", " the", " real", " engine", " sleeps")
+FILLER = (" Kimi", " is", " a", " simulated", " mixture", " of", " experts", " answering", " with", " filler",
+          " words", " while", " the", " real", " engine", " sleeps.")
 
 
 class Rank:
@@ -67,7 +67,8 @@ class Session:
             if i:
                 time.sleep(e.itl_s)
             self.produced += 1
-            yield FILLER[i % len(FILLER)]
+            tok = FILLER[i % len(FILLER)]
+            yield tok.lstrip() if i == 0 else tok  # words keep their spaces when the filler wraps
 
     def text(self) -> str:
         return "".join(self.tokens())
