@@ -1,0 +1,360 @@
+"""The container path for real: `k3launch up/down` with podman (Debian 4.3, runc) on a locally built
+image whose `vllm` is the simulated engine (tests/infra/podman-image.sh).
+
+Needs root and a podman that can run containers here; skipped otherwise, with the reason. The
+image is built once and cached between sessions (K3LAUNCH_PODMAN_REBUILD=1 rebuilds it,
+K3LAUNCH_PODMAN_RMI=1 removes it at the end). k3launch runs as a CLI subprocess through
+tests/podman_shim.py, which applies the podman fixes k3launch does not have yet (and nothing once
+it has them); `test_k3launch_needs_no_podman_shim` tracks that. Every wait is bounded; every
+container, secret, router process and bridge made here is removed here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3launch.plan_models import Plan
+from k3launch.state import StateStore
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "infra" / "podman-image.sh"
+SHIM = HERE / "podman_shim.py"
+TAG = "localhost/k3launch-sim:test"
+MODEL = "moonshotai/Kimi-K3"
+PREFIX = "k3pt-"  # every deployment made here; cleanup sweeps it
+
+INVENTORY = """\
+name: local-podman
+backend: local
+hardware: b300
+engine: sim
+defaults:
+  runtime: podman
+  image: {image}
+  iface: lo
+  cpu_memory_gb: 4096
+  hf_cache: {hf_cache}
+  env: {env}
+nodes:
+  - {{name: local-1, address: 127.0.0.11}}
+  - {{name: local-2, address: 127.0.0.12}}
+  - {{name: local-3, address: 127.0.0.13}}
+  - {{name: local-4, address: 127.0.0.14}}
+router:
+  node: login
+  address: 127.0.0.1
+"""
+FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "5", "K3LAUNCH_SIM_ITL_MS": "1", "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "20"}
+
+
+def podman(*args: str, timeout: float = 60, check: bool = True) -> str:
+    p = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"podman {' '.join(args)} exited {p.returncode}: {p.stderr.strip()}")
+    return p.stdout
+
+
+def _bridges() -> set[str]:
+    return {n for n in os.listdir("/sys/class/net") if n.startswith("cni-podman") or n.startswith("podman")}
+
+
+def _marked_pids(prefix: str) -> list[int]:
+    """Host processes whose environment marks them as part of a deployment named prefix*."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(e.startswith(b"K3LAUNCH_DEPLOYMENT=" + prefix.encode()) for e in env):
+            out.append(int(d.name))
+    return out
+
+
+def _sweep(prefix: str) -> None:
+    """Remove whatever a deployment named prefix* left: containers (any state), secrets, processes."""
+    ids = podman("ps", "-a", "--filter", "label=k3launch.deployment", "--format", '{{.ID}} {{index .Labels "k3launch.deployment"}}', check=False)
+    for line in ids.splitlines():
+        cid, _, dep = line.partition(" ")
+        if dep.startswith(prefix):
+            podman("rm", "-f", "-t", "0", cid, check=False)
+    for name in podman("secret", "ls", "--format", "{{.Name}}", check=False).split():
+        if name.startswith("k3-" + prefix):
+            podman("secret", "rm", name, check=False)
+    for pid in _marked_pids(prefix):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _skip(reason: str) -> None:
+    """Skip, unless CI requires the container path (K3LAUNCH_TEST_PODMAN_REQUIRED=1): then fail."""
+    if os.environ.get("K3LAUNCH_TEST_PODMAN_REQUIRED") == "1":
+        pytest.fail(f"podman is required here: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def podman_env() -> Iterator[str]:
+    """Build (or reuse) the image; CONTAINERS_CONF in os.environ for every k3launch started here."""
+    if os.geteuid() != 0:
+        _skip("podman tests need root (apt install, rootful podman storage)")
+    if shutil.which("podman") is None and shutil.which("apt-get") is None:
+        _skip("podman is not installed and there is no apt-get to install it")
+    before = _bridges() if Path("/sys/class/net").is_dir() else set()
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(["bash", str(SCRIPT), TAG], capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "PYTHON": sys.executable})  # the image gets this interpreter
+    except subprocess.TimeoutExpired:
+        _skip("podman cannot run containers here: tests/infra/podman-image.sh took over 900 s")
+    if r.returncode != 0:
+        tail = "\n".join((r.stderr + r.stdout).strip().splitlines()[-5:])
+        _skip(f"podman cannot run containers here: tests/infra/podman-image.sh exited {r.returncode}:\n{tail}")
+    conf = r.stdout.strip().splitlines()[-1].removeprefix("export CONTAINERS_CONF=")
+    sys.stderr.write(f"\n[podman image ready in {time.monotonic() - t0:.1f}s] {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ''}\n")
+    old = os.environ.get("CONTAINERS_CONF")
+    os.environ["CONTAINERS_CONF"] = conf  # k3launch's local runner (and podman below) inherit it
+    try:
+        yield conf
+    finally:
+        _sweep(PREFIX)
+        for b in _bridges() - before:  # none expected (host network only); never leave one behind
+            subprocess.run(["ip", "link", "del", b], capture_output=True, timeout=30)
+        if os.environ.get("K3LAUNCH_PODMAN_RMI") == "1":
+            podman("rmi", "-f", TAG, check=False)
+        if old is None:
+            os.environ.pop("CONTAINERS_CONF", None)
+        else:
+            os.environ["CONTAINERS_CONF"] = old
+
+
+class K3:
+    """The k3launch CLI (through the shim) with its own state dir and inventory."""
+
+    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
+        self.tmp = tmp
+        self.state = tmp / "state"
+        self.hf_cache = tmp / "hf-cache"  # does not exist yet: `up` must create it (podman refuses missing mounts)
+        self.token = f"hf_k3pt_{uuid.uuid4().hex}"
+        self.names: list[str] = []
+        self.inventory = self.write_inventory(env or {})
+
+    def write_inventory(self, env: dict[str, str]) -> Path:
+        path = self.tmp / "podman.yaml"
+        path.write_text(INVENTORY.format(image=TAG, hf_cache=self.hf_cache, env=json.dumps({**FAST, **env})), encoding="utf-8")
+        return path
+
+    def run(self, *args: str, timeout: float = 120, token: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "K3LAUNCH_STATE_DIR": str(self.state), "HOME": os.environ.get("HOME", "/root")}
+        if token:
+            env["HF_TOKEN"] = self.token  # set in the caller's environment; must never show up in a container's config
+        else:
+            env.pop("HF_TOKEN", None)
+        return subprocess.run([sys.executable, str(SHIM), *args], capture_output=True, text=True, timeout=timeout, env=env,
+                              stdin=subprocess.DEVNULL, cwd=self.tmp)
+
+    def up(self, name: str, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
+        self.names.append(name)
+        return self.run("up", "-i", str(self.inventory), "--name", name, "--ready-timeout", "60", *args, timeout=180, token=token)
+
+    def down(self, name: str) -> dict[str, Any]:
+        r = self.run("down", name, "--grace", "5", "--json", timeout=120)
+        try:
+            out: dict[str, Any] = json.loads(r.stdout)
+        except json.JSONDecodeError:
+            raise AssertionError(f"down {name}: exit {r.returncode}\n{r.stdout}\n{r.stderr}") from None
+        return out
+
+    def plan(self, name: str) -> Plan:
+        return StateStore(self.state).load(name).plan
+
+    def cleanup(self) -> None:
+        for name in self.names:
+            if StateStore(self.state).exists(name):
+                self.run("down", name, "--grace", "2", timeout=120)
+            _sweep(name)
+
+
+@pytest.fixture
+def k3(podman_env: str, tmp_path: Path) -> Iterator[K3]:
+    k = K3(tmp_path)
+    try:
+        yield k
+    finally:
+        k.cleanup()
+
+
+def _containers(name: str) -> list[dict[str, Any]]:
+    out = podman("ps", "-a", "--filter", f"label=k3launch.deployment={name}", "--format", "json")
+    return list(json.loads(out or "[]"))
+
+
+def _complete(endpoint: str) -> dict[str, Any]:
+    body = json.dumps({"model": MODEL, "prompt": "Hello from a container", "max_tokens": 8}).encode()
+    req = urllib.request.Request(f"{endpoint}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+    assert out["usage"]["completion_tokens"] > 0, out
+    return out
+
+
+def _port_free(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=0.5).close()
+    except OSError:
+        return True
+    return False
+
+
+def _check_containers(k3: K3, name: str) -> Plan:
+    """Labels, exact argv (entrypoint + cmd) and env of every engine container; the token only by file."""
+    plan = k3.plan(name)
+    engines = {p.id: p for p in plan.processes if p.role != "router"}
+    listed = {c["Names"][0]: c for c in _containers(name)}
+    assert set(listed) == {f"k3-{name}-{pid}" for pid in engines}, listed.keys()
+    for pid, proc in engines.items():
+        cname = f"k3-{name}-{pid}"
+        assert listed[cname]["State"] == "running", listed[cname]
+        assert {k: v for k, v in listed[cname]["Labels"].items() if k.startswith("k3launch.") and k != "k3launch.sim-hash"
+                and k != "k3launch.purpose"} == {"k3launch.deployment": name, "k3launch.process": pid, "k3launch.role": proc.role}
+        raw = podman("inspect", cname)
+        info = json.loads(raw)[0]
+        ep = info["Config"]["Entrypoint"]
+        ep = [ep] if isinstance(ep, str) else list(ep)
+        assert ep + list(info["Config"]["Cmd"]) == list(proc.argv), (ep, info["Config"]["Cmd"], proc.argv)
+        assert [info["Path"], *info["Args"]] == list(proc.argv)
+        env = dict(e.split("=", 1) for e in info["Config"]["Env"])
+        want = {**proc.env, "K3LAUNCH_DEPLOYMENT": name, "K3LAUNCH_PROCESS": pid}
+        assert {k: env.get(k) for k in want} == want
+        assert k3.token not in raw and "HF_TOKEN" not in env, "HF_TOKEN's value is in the container config"
+        # ... yet the engine can read it (huggingface_hub: HF_TOKEN, else the file HF_TOKEN_PATH names)
+        got = podman("exec", cname, "python3", "-c",
+                     "import os; t = os.environ.get('HF_TOKEN') or open(os.environ['HF_TOKEN_PATH']).read(); print(t)").strip()
+        assert got == k3.token
+    return plan
+
+
+def _check_down(k3: K3, name: str, plan: Plan) -> None:
+    t0 = time.monotonic()
+    out = k3.down(name)
+    assert out["clean"], out
+    assert time.monotonic() - t0 < 60
+    assert _containers(name) == []
+    assert not [s for s in podman("secret", "ls", "--format", "{{.Name}}").split() if s.startswith(f"k3-{name}-")]
+    assert not _marked_pids(name)
+    busy = [f"{u.address}:{u.port}" for u in plan.ports if not _port_free(u.address, u.port)]
+    assert not busy, busy
+    assert not StateStore(k3.state).exists(name)
+
+
+def _assert_secret_free(k3: K3, *texts: str) -> None:
+    for t in texts:
+        assert k3.token not in t
+    for f in k3.state.rglob("*"):
+        if f.is_file():
+            assert k3.token not in f.read_text(errors="replace"), f
+
+
+def test_single_node_tp_in_a_container(k3: K3) -> None:
+    name = f"{PREFIX}tp-{uuid.uuid4().hex[:6]}"
+    r = k3.up(name, "--port-base", "18300", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(r.stdout)
+    assert res["state"] == "ready"
+    plan = k3.plan(name)
+    assert plan.strategy == "single_node_tp" and [h.runtime for h in plan.hosts] == ["podman"]
+    _complete(res["endpoint"])
+    _check_containers(k3, name)
+    _assert_secret_free(k3, r.stdout, r.stderr)
+    _check_down(k3, name, plan)
+
+
+def test_pd_engines_in_containers_router_bare(k3: K3) -> None:
+    if shutil.which("vllm-router") is None:
+        pytest.skip("vllm-router is not installed (pip install vllm-router)")
+    name = f"{PREFIX}pd-{uuid.uuid4().hex[:6]}"
+    r = k3.up(name, "--strategy", "pd_cluster", "--port-base", "18400", "--json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(r.stdout)
+    plan = _check_containers(k3, name)
+    roles = sorted(p.role for p in plan.processes)
+    assert "router" in roles and "prefill" in roles and "decode" in roles, roles
+    rec = StateStore(k3.state).load(name)
+    assert rec.processes["router"].runtime == "bare" and rec.processes["router"].handle.isdigit()
+    assert res["endpoint"].startswith("http://127.0.0.1:")
+    for _ in range(3):
+        _complete(res["endpoint"])
+    # a stopped container is still removed by down
+    victim = next(p.id for p in plan.processes if p.role == "decode")
+    podman("stop", "-t", "2", f"k3-{name}-{victim}", timeout=30)
+    assert any(c["State"] == "exited" for c in _containers(name))
+    _assert_secret_free(k3, r.stdout, r.stderr)
+    _check_down(k3, name, plan)
+
+
+def test_engine_exiting_during_load_fails_fast_and_leaves_nothing(k3: K3) -> None:
+    k3.inventory = k3.write_inventory({"K3LAUNCH_SIM_LOAD_S": "1", "K3LAUNCH_SIM_FAIL": "exit-during-load"})
+    name = f"{PREFIX}fail-{uuid.uuid4().hex[:6]}"
+    t0 = time.monotonic()
+    r = k3.up(name, "--port-base", "18500", token=False)
+    took = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert took < 30, f"up took {took:.1f}s to notice"
+    assert "exited during" in out and "serve-0" in out
+    assert "simulated: K3LAUNCH_SIM_FAIL=exit-during-load" in out  # the container's log tail
+    assert _containers(name) == []
+    assert not [s for s in podman("secret", "ls", "--format", "{{.Name}}").split() if s.startswith(f"k3-{name}-")]
+    assert not StateStore(k3.state).exists(name)
+    assert _port_free("127.0.0.11", 18500)
+
+
+def test_doctor_sees_a_stopped_leftover_container(k3: K3) -> None:
+    ghost = f"{PREFIX}ghost-{uuid.uuid4().hex[:6]}"
+    podman("create", "--name", f"k3-{ghost}-serve-0", "--label", f"k3launch.deployment={ghost}", "--network", "none", TAG)
+    try:
+        name = f"{PREFIX}doc-{uuid.uuid4().hex[:6]}"
+        r = k3.up(name, "--port-base", "18600")
+        assert r.returncode != 0, r.stdout + r.stderr
+        assert "leftovers" in r.stdout + r.stderr and ghost in r.stdout + r.stderr
+        assert _containers(name) == []
+    finally:
+        podman("rm", "-f", f"k3-{ghost}-serve-0", check=False)
+
+
+@pytest.mark.xfail(strict=True, reason="k3launch still needs tests/podman_shim.py for podman (see its docstring); "
+                                       "when this passes, drop the shim and run k3launch directly")
+def test_k3launch_needs_no_podman_shim(tmp_path: Path) -> None:
+    from k3launch import doctor, render
+
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(INVENTORY.format(image=TAG, hf_cache=tmp_path / "hf", env="{}"), encoding="utf-8")
+    r = subprocess.run(["k3launch", "plan", "--json", "-i", str(inv), "--name", "shimcheck"], capture_output=True, text=True, timeout=60)
+    plan = Plan.model_validate_json(r.stdout)
+    proc = plan.processes[0]
+    host = next(h for h in plan.hosts if h.name == proc.node)
+    cmd = render.start_command(plan, proc, host)
+    assert not ("--ipc=host" in cmd and "--shm-size" in cmd), "podman refuses --shm-size with --ipc=host"
+    assert not any(cmd[i : i + 2] == ["-e", "HF_TOKEN"] for i in range(len(cmd))), "-e HF_TOKEN puts the value in `podman inspect`"
+    assert '.Label "k3launch.deployment"' not in doctor._probe_script(plan, host, router_only=False), "podman ps has no .Label"
