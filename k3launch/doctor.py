@@ -8,7 +8,8 @@ One shell round trip per node collects everything, then Python judges it:
 * the runtime (and for containers the image) is present; ``vllm-router`` on the router's host;
 * every planned port of the node's address is free;
 * no leftover engine: no process or container marked by k3launch whose deployment is not live
-  (or that carries this deployment's own name);
+  (or that carries this deployment's own name) — only a warning on a router-only host (the
+  login node is shared: other deployments' routers hold no GPU, and their ports are checked);
 * no stale vLLM/NCCL files in ``/dev/shm`` (a warning);
 * the fabric NIC of a multi-node pool exists.
 """
@@ -23,6 +24,7 @@ from k3launch import remote
 from k3launch.errors import K3Error
 from k3launch.nodes import Fleet
 from k3launch.plan_models import Host, Plan
+from k3launch.runners import HOST_KEY_HINT
 
 PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
 
@@ -33,6 +35,7 @@ class Check:
     name: str
     status: str
     detail: str = ""
+    code: str = ""  # the error code of a failed connection (host-key-unknown, unreachable, ...)
 
 
 @dataclass
@@ -48,6 +51,23 @@ class DoctorReport:
 
     def failed_nodes(self) -> list[str]:
         return sorted({c.node for c in self.failures()})
+
+    def error(self) -> K3Error:
+        """The refusal to raise when not ok: connection problems first, with their own codes."""
+        bad = self.failures()
+        keys = [c for c in bad if c.code in ("host-key-unknown", "host-key-mismatch")]
+        if keys:
+            nodes = ", ".join(sorted({c.node for c in keys}))
+            if any(c.code == "host-key-mismatch" for c in keys):
+                return K3Error("host-key-mismatch", f"host key mismatch on {nodes}: {keys[0].detail}",
+                               "the host's key changed: check why before fixing known_hosts")
+            return K3Error("host-key-unknown", f"host key of {nodes} not in known_hosts ({keys[0].detail})", HOST_KEY_HINT)
+        unreach = [c for c in bad if c.name == "reachable"]
+        if unreach:
+            return K3Error("unreachable", f"cannot reach {', '.join(sorted({c.node for c in unreach}))}: {unreach[0].detail}",
+                           "check the address, ssh config and that sshd runs there; or --exclude the node")
+        return K3Error("doctor-failed", f"pre-flight checks failed on {', '.join(self.failed_nodes())}: {bad[0].name}: {bad[0].detail}",
+                       "fix the nodes or --exclude them; --skip-doctor to launch anyway")
 
 
 def _section(name: str, body: str) -> str:
@@ -116,7 +136,8 @@ def _judge(plan: Plan, host: Host, sec: dict[str, list[str]], live: set[str], ro
     checks.append(Check(n, "ports", FAIL if busy else PASS, ("in use: " + ", ".join(busy)) if busy else "planned ports free"))
     stale = sorted({ln.split()[1] for ln in sec.get("procs", []) if len(ln.split()) >= 2 and (ln.split()[1] not in live or ln.split()[1] == plan.name)})
     stale += sorted({c for c in sec.get("containers", []) if c not in live or c == plan.name})
-    checks.append(Check(n, "leftovers", FAIL if stale else PASS, ("engines of " + ", ".join(sorted(set(stale))) + " still run") if stale else "none"))
+    what = ("routers" if router_only else "engines") + " of " + ", ".join(sorted(set(stale))) + " still run"
+    checks.append(Check(n, "leftovers", (WARN if router_only else FAIL) if stale else PASS, what if stale else "none"))
     if sec.get("shm"):
         checks.append(Check(n, "shm", WARN, f"{len(sec['shm'])} stale file(s) in /dev/shm: {', '.join(sec['shm'][:3])}"))
     if "nic" in sec:
@@ -137,7 +158,7 @@ def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorR
     checks: list[Check] = []
     for name, o in fleet.run_many(scripts, timeout=60).items():
         if isinstance(o, K3Error):
-            checks.append(Check(name, "reachable", FAIL, o.message))
+            checks.append(Check(name, "reachable", FAIL, o.message, o.code))
             continue
         sec = _parse(o.stdout)
         gpus = max((p.gpus for p in plan.processes if p.node == name), default=0)

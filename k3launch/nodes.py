@@ -8,7 +8,8 @@ difference, so executors just say "run this on node X" or "run these on their no
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from k3launch.plan_models import Host, Plan
 from k3launch.runners import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, LocalRunner, Outcome, Result, Runner, Target, run_many
@@ -26,6 +27,7 @@ class Fleet:
     remote: Runner
     local: Runner
     concurrency: int = DEFAULT_CONCURRENCY
+    _targets: dict[str, Target] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_plan(cls, plan: Plan, remote: Runner | None = None, local: Runner | None = None, concurrency: int = DEFAULT_CONCURRENCY) -> Fleet:
@@ -33,8 +35,10 @@ class Fleet:
         return cls(plan, remote or loc, loc, concurrency)
 
     def target(self, node: str) -> Target:
-        host = next(h for h in self.plan.hosts if h.name == node)
-        return target_for(self.plan, host)
+        t = self._targets.get(node)
+        if t is None:
+            t = self._targets[node] = target_for(self.plan, self.host(node))
+        return t
 
     def host(self, node: str) -> Host:
         return next(h for h in self.plan.hosts if h.name == node)
@@ -52,10 +56,16 @@ class Fleet:
     def run_many(self, commands: Mapping[str, str] | Iterable[tuple[str, str]], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Outcome]:
         """One command per node, in parallel (bounded); one outcome per node, errors included."""
         items = list(commands.items()) if isinstance(commands, Mapping) else list(commands)
-        loc = [(self.target(n), c) for n, c in items if self.target(n).local]
-        rem = [(self.target(n), c) for n, c in items if not self.target(n).local]
-        out = run_many(self.local, loc, timeout=timeout, concurrency=self.concurrency)
-        out.update(run_many(self.remote, rem, timeout=timeout, concurrency=self.concurrency))
+        jobs = [(self.target(n), c) for n, c in items]
+        loc = [(t, c) for t, c in jobs if t.local]
+        rem = [(t, c) for t, c in jobs if not t.local]
+        if not loc or not rem:
+            return run_many(self.local if loc else self.remote, loc or rem, timeout=timeout, concurrency=self.concurrency)
+        # the login node's commands (router) run alongside the remote fan-out, not after it
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            local_future = pool.submit(run_many, self.local, loc, timeout=timeout, concurrency=self.concurrency)
+            out = run_many(self.remote, rem, timeout=timeout, concurrency=self.concurrency)
+            out.update(local_future.result())
         return out
 
     def close(self) -> None:

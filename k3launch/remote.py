@@ -12,56 +12,104 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable
 
-# Prints "PID PROCESS_ID" for every live process of deployment $K3_NAME: by the environment
-# marker, or — when the environment was clobbered by setproctitle (vLLM, vllm-router) — by a
-# working directory inside the deployment's run directory (.../k3launch/NAME/PROCESS).
-_FIND = r"""for d in /proc/[0-9]*; do
-  s=$(awk '{print $3}' "$d/stat" 2>/dev/null) || continue
-  [ -n "$s" ] && [ "$s" != Z ] || continue
-  e=$(tr '\0' '\n' < "$d/environ" 2>/dev/null) || continue
-  if printf '%s\n' "$e" | grep -qx "K3LAUNCH_DEPLOYMENT=$K3_NAME"; then
-    p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
-  elif ! printf '%s' "$e" | grep -q '='; then
-    c=$(readlink "$d/cwd" 2>/dev/null) || continue
-    case "$c" in */k3launch/"$K3_NAME"/*) p=${c##*/} ;; *) continue ;; esac
+# Finding a deployment's processes on a node. Lines "PID DEPLOYMENT PROCESS_ID", by the
+# environment marker, or -- when setproctitle (vLLM, vllm-router) clobbered the environment --
+# by a working directory inside a run directory (.../k3launch/DEPLOYMENT/PROCESS).
+#
+# Only processes in the scanning shell's network namespace count: that is the node. Every
+# process k3launch starts shares it (bare processes, `--network host` containers), while test
+# hosts that share one kernel (tests/infra: one netns per host) or unrelated containers do not
+# -- without this, a node would report (and signal) another node's processes.
+#
+# Fast path (GNU grep/find): one grep over every environ and one find over every cwd, instead
+# of several forks per process (0.3 s per scan on an idle machine, seconds on a busy one).
+# Without them (busybox), the portable per-process loop.
+_SCAN = r"""k3_scan() {
+  if printf 'x\0' | grep -qz x 2>/dev/null && find / -maxdepth 0 -printf '' 2>/dev/null; then
+    grep -a -s -z -H -e '^K3LAUNCH_DEPLOYMENT=' -e '^K3LAUNCH_PROCESS=' /proc/[0-9]*/environ | tr '\0' '\n' | awk '
+      { i = index($0, ":"); split(substr($0, 1, i - 1), a, "/"); kv = substr($0, i + 1); j = index(kv, "=")
+        k = substr(kv, 1, j - 1); v = substr(kv, j + 1)
+        if (k == "K3LAUNCH_DEPLOYMENT") d[a[3]] = v; else if (!(a[3] in p)) p[a[3]] = v }
+      END { for (x in d) print x, d[x], p[x] }'
+    find /proc/[0-9]*/cwd -maxdepth 0 -lname '*/k3launch/*/*' -printf '%h %l\n' 2>/dev/null | while read -r d c; do
+      e=$(tr -d '\0' 2>/dev/null < "$d/environ") || continue
+      case "$e" in *=*) continue ;; esac
+      n=${c%/*}; echo "${d#/proc/} ${n##*/} ${c##*/}"
+    done
   else
-    continue
-  fi
-  echo "${d#/proc/} $p"
-done"""
+    for d in /proc/[0-9]*; do
+      e=$(tr '\0' '\n' 2>/dev/null < "$d/environ") || continue
+      n=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_DEPLOYMENT=//p' | head -n1)
+      if [ -n "$n" ]; then
+        p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
+      elif ! printf '%s' "$e" | grep -q '='; then
+        c=$(readlink "$d/cwd" 2>/dev/null) || continue
+        case "$c" in */k3launch/*/*) p=${c##*/}; n=${c%/*}; n=${n##*/} ;; *) continue ;; esac
+      else
+        continue
+      fi
+      echo "${d#/proc/} $n $p"
+    done
+  fi | while read -r pid n p; do
+    [ -z "$K3_NAME" ] || [ "$n" = "$K3_NAME" ] || continue
+    s=; { read -r s < "/proc/$pid/stat"; } 2>/dev/null || continue
+    s=${s##*) }; s=${s%% *}
+    [ "$s" != Z ] && [ "$s" != X ] || continue
+    [ -z "$K3_NETNS" ] || [ "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" = "$K3_NETNS" ] || continue
+    echo "$pid $n $p"
+  done
+}
+K3_NETNS=$(readlink /proc/self/ns/net 2>/dev/null || true)
+"""
+
+
+def _scan(name: str) -> str:
+    return f"K3_NAME={shlex.quote(name)}\n{_SCAN}"
 
 
 def find_processes(name: str) -> str:
-    """Lines ``PID PROCESS_ID`` of live (non-zombie) processes of deployment ``name``."""
-    return f"K3_NAME={shlex.quote(name)}\n{_FIND}"
+    """Lines ``PID PROCESS_ID`` of live (non-zombie) processes of deployment ``name`` on this node."""
+    return _scan(name) + "k3_scan | while read -r pid n p; do echo \"$pid $p\"; done"
 
 
 def find_any_deployment() -> str:
     """Lines ``PID DEPLOYMENT PROCESS_ID`` of every k3launch-started process on the node."""
-    return r"""for d in /proc/[0-9]*; do
-  s=$(awk '{print $3}' "$d/stat" 2>/dev/null) || continue
-  [ -n "$s" ] && [ "$s" != Z ] || continue
-  e=$(tr '\0' '\n' < "$d/environ" 2>/dev/null) || continue
-  n=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_DEPLOYMENT=//p' | head -n1)
-  if [ -n "$n" ]; then
-    p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
-  elif ! printf '%s' "$e" | grep -q '='; then
-    c=$(readlink "$d/cwd" 2>/dev/null) || continue
-    case "$c" in */k3launch/*/*) p=${c##*/}; n=${c%/*}; n=${n##*/} ;; *) continue ;; esac
-  else
-    continue
-  fi
-  echo "${d#/proc/} $n $p"
-done"""
+    return _scan("") + "k3_scan"
 
 
-def alive(pids: Iterable[str]) -> str:
-    """Prints ``PID up|down`` for each pid (zombies count as down: they have exited)."""
-    ids = " ".join(shlex.quote(p) for p in pids)
-    return f"""for p in {ids}; do
-  s=$(awk '{{print $3}}' /proc/$p/stat 2>/dev/null || true)
-  if [ -n "$s" ] && [ "$s" != Z ]; then echo "$p up"; else echo "$p down"; fi
-done"""
+def find_and_signal(name: str, ids: Iterable[str], sig: str | None, skip: Iterable[str] = ()) -> str:
+    """One round trip of teardown: print ``PID PROCESS_ID`` of every live process of deployment
+    ``name`` whose process id is in ``ids``, and send ``sig`` (if any) to its process group
+    (engines are started with setsid, so the pid leads its group) -- except to pids in ``skip``,
+    which were signalled before (a second SIGTERM makes vLLM skip its graceful shutdown)."""
+    want = " ".join(shlex.quote(i) for i in ids)
+    skipped = " ".join(shlex.quote(p) for p in skip)
+    kill = "" if not sig else (
+        f'case " {skipped} " in *" $pid "*) continue ;; esac\n'
+        f"  kill -s {shlex.quote(sig)} -- -$pid 2>/dev/null || kill -s {shlex.quote(sig)} $pid 2>/dev/null || true")
+    return (_scan(name) + f"k3_scan | while read -r pid n p; do\n  case \" {want} \" in *\" $p \"*) ;; *) continue ;; esac\n"
+            f"  echo \"$pid $p\"\n  {kill or 'true'}\ndone")
+
+
+def process_status(items: Iterable[tuple[str, str]], tail_lines: int = 0) -> str:
+    """For each ``(pid, log)``: ``PID up``, or ``PID down CODE TIME`` -- exit code and time (ns)
+    from ``.k3launch-exit`` beside the log (written by ``up``'s start helper), else ``?`` and
+    the log's mtime. Of ranks that died between two polls the first to die is the cause, the
+    others followed it. With ``tail_lines``, a dead process's last log lines follow, prefixed
+    ``@@PID `` (a failure is reported without another round trip). Builtins only while
+    everything is up: this runs every poll."""
+    lines = []
+    for pid, log in items:
+        q = shlex.quote(pid)
+        down = f"echo {q} down ?"
+        if log:
+            down = (f"l={path_word(log)}; e=$(cat \"${{l%/*}}/.k3launch-exit\" 2>/dev/null) || e=; "
+                    f"[ -n \"$e\" ] || e=\"? $(stat -c %.3Y \"$l\" 2>/dev/null || stat -c %Y \"$l\" 2>/dev/null || echo 0)\"; echo {q} down $e")
+            if tail_lines:
+                down += f"; tail -n {int(tail_lines)} \"$l\" 2>/dev/null | sed 's/^/@@{pid} /'"
+        lines.append(f"s=; {{ read -r s < /proc/{q}/stat; }} 2>/dev/null; s=${{s##*) }}; s=${{s%% *}}\n"
+                     f"case \"$s\" in ''|Z|X) {down} ;; *) echo {q} up ;; esac")
+    return "\n".join(lines) or "true"
 
 
 def containers_alive(runtime: str, names: Iterable[str]) -> str:
@@ -71,12 +119,6 @@ def containers_alive(runtime: str, names: Iterable[str]) -> str:
   s=$({rt} inspect -f '{{{{.State.Running}}}}' "$c" 2>/dev/null || echo false)
   if [ "$s" = true ]; then echo "$c up"; else echo "$c down"; fi
 done"""
-
-
-def signal_groups(pids: Iterable[str], sig: str) -> str:
-    """Signal each pid's process group (started with setsid: the pid leads its group)."""
-    ids = " ".join(shlex.quote(p) for p in pids)
-    return f"for p in {ids}; do kill -{shlex.quote(sig)} -- -$p 2>/dev/null || kill -{shlex.quote(sig)} $p 2>/dev/null || true; done; true"
 
 
 def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
@@ -89,8 +131,14 @@ def labelled_containers(runtime: str, name: str) -> str:
     return f"{shlex.quote(runtime)} ps -a --filter label=k3launch.deployment={shlex.quote(name)} --format '{{{{.Names}}}}' 2>/dev/null || true"
 
 
+def path_word(path: str) -> str:
+    """A recorded log path as one shell word. Paths under ``~`` are recorded the way render writes
+    them, ``"$HOME"/'rest'`` (already quoted, so that $HOME expands on the node): kept as is."""
+    return path if path.startswith('"$HOME"/') else shlex.quote(path)
+
+
 def log_tail(path: str, lines: int = 30) -> str:
-    return f"tail -n {int(lines)} {shlex.quote(path)} 2>/dev/null || echo '(no log file)'"
+    return f"tail -n {int(lines)} {path_word(path)} 2>/dev/null || echo '(no log file)'"
 
 
 def container_log_tail(runtime: str, name: str, lines: int = 30) -> str:

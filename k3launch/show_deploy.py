@@ -11,18 +11,33 @@ from rich.text import Text
 
 from k3launch.doctor import DoctorReport
 from k3launch.plan_models import Plan
-from k3launch.render import script, script_names
 from k3launch.state import DeploymentRecord
 from k3launch.teardown import TeardownReport
 
 _ICON = {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]", "warn": "[yellow]warn[/]", "skip": "[dim]skipped[/]"}
 
 
-def dry_run(con: Console, plan: Plan, hf_token_file: str | None) -> None:
+def start_scripts(plan: Plan, hf_token_file: str | None) -> list[tuple[str, str, str]]:
+    """``(step, node, script)`` in the order ``up`` runs them: exactly the text ``up`` hands to
+    ``bash -c`` on each node (nothing is connected to or started to build them)."""
+    from k3launch.launch import node_script, start_steps
+    from k3launch.nodes import Fleet
+
+    fleet = Fleet.for_plan(plan)
+    out = []
+    for group in start_steps(plan):
+        step = "router" if group[0].role == "router" else "engines"
+        for node in dict.fromkeys(p.node for p in group):
+            out.append((step, node, node_script(plan, fleet, [p for p in group if p.node == node], hf_token_file)))
+    return out
+
+
+def dry_run(con: Console, plan: Plan, steps: list[tuple[str, str, str]]) -> None:
     con.print(f"[bold]dry run[/]: {plan.name} ({plan.strategy} on {plan.nodes} x {plan.hardware}); nothing is started")
-    for node in script_names(plan):
-        con.rule(f"{node}", align="left")
-        con.print(Text(script(plan, node, hf_token_file)), soft_wrap=True)
+    for step, node, text in steps:
+        host = next(h for h in plan.hosts if h.name == node)
+        con.rule(f"{node} ({host.address}) — {step}: `bash -c` of", align="left")
+        con.print(Text(text), soft_wrap=True)
 
 
 def doctor(con: Console, report: DoctorReport, quiet: bool) -> None:

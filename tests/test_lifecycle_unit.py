@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,16 @@ def _record(plan, procs):  # type: ignore[no-untyped-def]
     return rec
 
 
+def _signal_step(cmd: str) -> tuple[list[str], str | None, set[str]] | None:
+    """Parse remote.find_and_signal: (process ids of the phase, signal or None, pids skipped)."""
+    m = re.search(r'case " (.*?) " in \*" \$p "\*\)', cmd)
+    if m is None:
+        return None
+    sig = re.search(r"kill -s (\w+) -- ", cmd)
+    skip = re.search(r'case " (.*?) " in \*" \$pid "\*\) continue', cmd)
+    return m.group(1).split(), sig.group(1) if sig else None, set(skip.group(1).split()) if skip else set()
+
+
 def test_teardown_stops_router_then_heads_then_headless(tmp_path: Path) -> None:
     plan = _plan(strategy="pd_cluster", prefill_nodes=2)  # prefill TEP on 2 nodes: one headless rank
     pids = {p.id: str(1000 + i) for i, p in enumerate(plan.processes)}
@@ -41,42 +52,55 @@ def test_teardown_stops_router_then_heads_then_headless(tmp_path: Path) -> None:
     order: list[list[str]] = []
 
     def handler(t: Target, cmd: str) -> tuple[int, str, str]:
-        if "K3LAUNCH_DEPLOYMENT=$K3_NAME" in cmd:
-            return 0, "".join(f"{pid} {p}\n" for p, pid in pids.items() if pid in alive), ""
-        if cmd.startswith("for p in") and "kill -TERM" in cmd:
-            hit = [w for w in cmd.split("for p in ", 1)[1].split(";")[0].split() if w.isdigit()]
-            order.append([p for p, pid in pids.items() if pid in hit])
-            alive.difference_update(hit)
-            return 0, "", ""
+        step = _signal_step(cmd)
+        if step is not None:
+            ids, sig, skip = step
+            found = {p: pid for p, pid in pids.items() if p in ids and pid in alive}
+            if sig == "TERM" and found:
+                order.append(sorted(found))
+                alive.difference_update(pid for pid in found.values() if pid not in skip)
+            return 0, "".join(f"{pid} {p}\n" for p, pid in found.items()), ""
+        if "echo @@procs" in cmd:  # verify: whatever is still alive
+            return 0, "@@procs\n" + "".join(f"{pid} {p}\n" for p, pid in pids.items() if pid in alive) + "@@listening\n", ""
         return 0, "", ""
 
     store = StateStore(tmp_path)
     rec = _record(plan, pids)
     report = teardown(rec, Fleet.for_plan(plan, FakeRunner(handler), FakeRunner(handler)), store, grace_s=1)
-    assert report.clean
+    assert report.clean, report
     flat = [p for grp in order for p in grp]
     assert flat.index("router") < flat.index("prefill-0") < flat.index("prefill-1")
     assert flat.index("decode-0") < flat.index("prefill-1")  # heads before any headless rank
     assert set(flat) == set(pids)
 
 
-def test_teardown_escalates_to_sigkill_and_reports_unreachable(tmp_path: Path) -> None:
+def test_teardown_escalates_to_sigkill_and_signals_each_pid_once(tmp_path: Path) -> None:
     plan = _plan()
     pids = {p.id: str(2000 + i) for i, p in enumerate(plan.processes)}
-    signals: list[str] = []
+    signals: list[tuple[str, frozenset[str]]] = []
+    killed: set[str] = set()
 
     def handler(t: Target, cmd: str) -> tuple[int, str, str]:
-        if "K3LAUNCH_DEPLOYMENT=$K3_NAME" in cmd:
-            return (0, "".join(f"{pid} {p}\n" for p, pid in pids.items()), "") if "KILL" not in signals else (0, "", "")
-        if "kill -TERM" in cmd:
-            signals.append("TERM")  # ignored: the process traps SIGTERM
-        if "kill -KILL" in cmd:
-            signals.append("KILL")
+        step = _signal_step(cmd)
+        if step is not None:
+            ids, sig, skip = step
+            found = {p: pid for p, pid in pids.items() if p in ids and pid not in killed}
+            if sig:
+                signals.append((sig, frozenset(skip)))
+            if sig == "KILL":  # SIGTERM is ignored: the process traps it
+                killed.update(found.values())
+            return 0, "".join(f"{pid} {p}\n" for p, pid in found.items()), ""
+        if "echo @@procs" in cmd:
+            return 0, "@@procs\n@@listening\n", ""
         return 0, "", ""
 
     store = StateStore(tmp_path)
     report = teardown(_record(plan, pids), Fleet.for_plan(plan, FakeRunner(handler), FakeRunner(handler)), store, grace_s=0.3)
-    assert "TERM" in signals and "KILL" in signals and signals.index("TERM") < signals.index("KILL")
+    kinds = [k for k, _ in signals]
+    assert "TERM" in kinds and "KILL" in kinds and kinds.index("TERM") < kinds.index("KILL")
+    # after the first SIGTERM every later one skips the pids already signalled (vLLM treats a
+    # second SIGTERM as "exit now")
+    assert signals[0][1] == frozenset() and all(skip >= set(pids.values()) for k, skip in signals[1:] if k == "TERM")
     assert report.clean
 
 

@@ -1,0 +1,325 @@
+"""Helpers of the end-to-end tests over real sshd hosts (tests/test_e2e_ssh.py, tests/test_faults_ssh.py).
+
+* :class:`Cli` runs the real ``k3launch`` CLI in a subprocess of its own session, always bounded
+  (on timeout the whole group is killed and the test fails with the output so far).
+* :func:`lib_up` / :func:`lib_down` drive the same lifecycle through the library API.
+* :func:`leftovers` / :func:`busy_ports` look at *this machine's* ``/proc`` — the test hosts share
+  its kernel — for anything of a deployment still alive: a process carrying its
+  ``K3LAUNCH_DEPLOYMENT`` marker or running inside its run directory, a planned port still
+  listening in the host's network namespace.
+* :func:`cleanup` is the safety net of every test's ``finally``: ``k3launch down``, then SIGKILL
+  for anything that survived, so one failing test never leaks processes into the next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sshhosts import Hosts
+
+    from k3launch.state import DeploymentRecord
+
+CLI = [sys.executable, "-m", "k3launch"]
+# Short loads and latencies; rendezvous that give up within seconds if a rank is missing.
+FAST_ENV = {"K3LAUNCH_SIM_LOAD_S": "0.5", "K3LAUNCH_SIM_TTFT_MS": "5", "K3LAUNCH_SIM_ITL_MS": "1",
+            "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "30"}
+MODEL = "moonshotai/Kimi-K3"
+
+
+def session(hosts: Hosts) -> tuple[str, int]:
+    """(name suffix, port offset) of this set of hosts: two test sessions on one machine use
+    other slots of tests/infra (another host prefix), and must not share a deployment name (the
+    login node's processes are found by name) or the login node's router port."""
+    prefix = hosts.names[0].rstrip("0123456789")
+    return prefix, (zlib.crc32(prefix.encode()) % 8) * 2000  # tests use 21000-22999 + offset
+
+
+def inventory(hosts: Hosts, path: Path, env: Mapping[str, str] | None = None, names: Iterable[str] | None = None,
+              extra: Mapping[str, Any] | None = None) -> Path:
+    """An inventory of the test hosts whose engines get FAST_ENV (+ ``env``) through ``defaults.env``."""
+    merged: dict[str, Any] = {"defaults": {"env": {**FAST_ENV, **(env or {})}}}
+    for k, v in (extra or {}).items():
+        merged[k] = {**merged.get(k, {}), **v} if isinstance(v, Mapping) else v
+    return hosts.write_inventory(path, names=names, extra=merged)
+
+
+def sel_args(sel: Mapping[str, Any]) -> list[str]:
+    """Selection keyword arguments → the CLI's options."""
+    out: list[str] = []
+    for k, v in sel.items():
+        out += [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+@dataclass
+class Cli:
+    state_dir: Path
+
+    def env(self) -> dict[str, str]:
+        # wide lines: rich must not wrap the messages the tests look for
+        return {**os.environ, "K3LAUNCH_STATE_DIR": str(self.state_dir), "COLUMNS": "250", "NO_COLOR": "1"}
+
+    def run(self, *args: str, timeout: float = 90.0) -> subprocess.CompletedProcess[str]:
+        p = self.start(*args)
+        return self.wait(p, timeout, args)
+
+    def start(self, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([*CLI, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=self.env())
+
+    @staticmethod
+    def wait(p: subprocess.Popen[str], timeout: float, args: Iterable[str] = ()) -> subprocess.CompletedProcess[str]:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            raise AssertionError(f"k3launch {' '.join(args)} timed out after {timeout:g}s\nstdout:\n{out}\nstderr:\n{err}") from None
+        return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+    def json(self, *args: str, timeout: float = 90.0) -> Any:
+        r = self.run(*args, "--json", timeout=timeout)
+        try:
+            return json.loads(r.stdout)
+        except json.JSONDecodeError:
+            raise AssertionError(f"k3launch {' '.join(args)} --json: exit {r.returncode}, not JSON:\n{r.stdout}\n{r.stderr}") from None
+
+    def records(self) -> dict[str, str]:
+        """name → state of every deployment record in the state dir."""
+        return {r["name"]: r["state"] for r in self.json("list")}
+
+    def record(self, name: str) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads((self.state_dir / "deployments" / f"{name}.json").read_text())
+        return data
+
+    def plan_of(self, *args: str) -> dict[str, Any]:
+        """``k3launch plan ARGS --json`` shaped like a record (``name``, ``plan``) for leftovers()."""
+        plan = self.json("plan", *args)
+        assert "error" not in plan, plan
+        return {"name": plan["name"], "plan": plan}
+
+    def wait_started(self, name: str, count: int, proc: subprocess.Popen[str] | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        """Wait until ``up`` recorded ``count`` started processes (it is then in its readiness wait)."""
+        path = self.state_dir / "deployments" / f"{name}.json"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if path.exists():
+                rec = self.record(name)
+                if len(rec["processes"]) >= count:
+                    return rec
+            if proc is not None and proc.poll() is not None:
+                out, err = proc.communicate()
+                raise AssertionError(f"up exited {proc.returncode} before starting {count} processes:\n{out}\n{err}")
+            time.sleep(0.1)
+        raise AssertionError(f"{name}: {count} processes not started within {timeout:g}s")
+
+
+# ---- library API ---------------------------------------------------------------------------
+@dataclass
+class Recording:
+    """A runner wrapper that records (node, command) of every call (to compare with --dry-run)."""
+
+    inner: Any
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+    def run(self, target: Any, command: str, *, timeout: float = 60.0) -> Any:
+        self.calls.append((target.name, command))
+        return self.inner.run(target, command, timeout=timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def lib_fleet(inv_path: Path, port_base: int, wrap: Callable[[Any], Any] = lambda r: r, name: str | None = None, **sel: Any) -> Any:
+    """plan + Fleet the way a library user builds them (no CLI code involved)."""
+    from k3launch.inventory import load_inventory
+    from k3launch.nodes import Fleet
+    from k3launch.plan import build_plan
+    from k3launch.recipes import RecipeTree
+    from k3launch.runners import LocalRunner, SshRunner
+    from k3launch.selection import Selection
+
+    inv = load_inventory(inv_path)
+    plan = build_plan(RecipeTree(), Selection(**sel), inventory=inv, port_base=port_base, name=name)
+    ssh = SshRunner(known_hosts=inv.known_hosts, ssh_config=inv.ssh_config, connect_timeout=5)
+    return inv, Fleet.for_plan(plan, wrap(ssh), wrap(LocalRunner()))
+
+
+def lib_up(inv_path: Path, state_dir: Path, port_base: int, wrap: Callable[[Any], Any] = lambda r: r, name: str | None = None,
+           **sel: Any) -> tuple[DeploymentRecord, list[str], Any]:
+    """doctor + Launch.up through the library; (record, stages seen, fleet — closed)."""
+    from k3launch.doctor import doctor
+    from k3launch.launch import Launch
+    from k3launch.state import StateStore
+
+    inv, fleet = lib_fleet(inv_path, port_base, wrap, name, **sel)
+    store = StateStore(state_dir)
+    stages: list[str] = []
+    try:
+        report = doctor(fleet.plan, fleet, [r.name for r in store.list()])
+        assert report.ok, report.failures()
+        launch = Launch(fleet.plan, fleet, store, inventory=str(inv_path), ssh_config=inv.ssh_config, known_hosts=inv.known_hosts,
+                        on_stage=lambda s, m: stages.append(f"{s}: {m}"))
+        rec = launch.up(timeout=60)
+    finally:
+        fleet.close()
+    return rec, stages, fleet
+
+
+def lib_down(name: str, state_dir: Path) -> Any:
+    from k3launch.nodes import Fleet
+    from k3launch.runners import LocalRunner, SshRunner
+    from k3launch.state import StateStore
+    from k3launch.teardown import teardown
+
+    store = StateStore(state_dir)
+    rec = store.load(name)
+    fleet = Fleet.for_plan(rec.plan, SshRunner(known_hosts=rec.known_hosts, ssh_config=rec.ssh_config, connect_timeout=5), LocalRunner())
+    try:
+        report = teardown(rec, fleet, store)
+    finally:
+        fleet.close()
+    if report.clean:
+        store.delete(name)
+    return report
+
+
+# ---- what runs, seen from this machine ------------------------------------------------------
+def _state(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
+
+
+def processes(name: str) -> dict[int, str]:
+    """pid → process id of every live process of deployment ``name`` on this machine (all test
+    hosts share its kernel): by the environment marker, or by a cwd inside its run directory."""
+    found: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or _state(d.name) in ("Z", "X"):
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            env = []
+        proc = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"K3LAUNCH_PROCESS=")), "?")
+        if f"K3LAUNCH_DEPLOYMENT={name}".encode() in env:
+            found[int(d.name)] = proc
+            continue
+        try:
+            cwd = os.readlink(d / "cwd")
+        except OSError:
+            continue
+        if f"/k3launch/{name}/" in cwd + "/":
+            found[int(d.name)] = cwd.rstrip("/").rsplit("/", 1)[-1]
+    return found
+
+
+def netns(pid: int | str) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return ""
+
+
+def host_netns(hosts: Hosts, name: str) -> str:
+    """The network namespace of test host ``name`` (its sshd's)."""
+    pid = (hosts.dir / "run" / f"{name}.pid").read_text().split()[0]
+    return netns(pid)
+
+
+def _listening(pid: int | str) -> set[tuple[str, int]]:
+    out: set[tuple[str, int]] = set()
+    for f in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{f}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if cols[3] != "0A":
+                continue
+            addr, port = cols[1].rsplit(":", 1)
+            ip = ".".join(str(b) for b in bytes.fromhex(addr)[::-1]) if len(addr) == 8 else ("0.0.0.0" if set(addr) == {"0"} else addr)
+            out.add((ip, int(port, 16)))
+    return out
+
+
+def busy_ports(hosts: Hosts, rec: Mapping[str, Any]) -> list[str]:
+    """Planned ports of the record's plan that something still listens on (in the host's netns)."""
+    busy = []
+    for use in rec["plan"]["ports"]:
+        node = use["node"]
+        pid: int | str = os.getpid() if node not in hosts.addresses else (hosts.dir / "run" / f"{node}.pid").read_text().split()[0]
+        socks = _listening(pid)
+        if any(p == use["port"] and a in (use["address"], "0.0.0.0") for a, p in socks):
+            busy.append(f"{node} {use['address']}:{use['port']} ({use['purpose']})")
+    return busy
+
+
+def leftovers(hosts: Hosts, rec: Mapping[str, Any], wait_s: float = 5.0) -> tuple[dict[int, str], list[str]]:
+    """(processes, busy ports) still there after ``wait_s`` (ports may take a moment to close)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        procs, ports = processes(rec["name"]), busy_ports(hosts, rec)
+        if (not procs and not ports) or time.monotonic() > deadline:
+            return procs, ports
+        time.sleep(0.2)
+
+
+def kill_all(name: str) -> None:
+    for pid in processes(name):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def cleanup(cli: Cli, names: Iterable[str]) -> None:
+    """finally-block safety net: `k3launch down` every record, then SIGKILL whatever survived."""
+    for name in names:
+        if (cli.state_dir / "deployments" / f"{name}.json").exists():
+            try:
+                cli.run("down", name, "--grace", "2", "--connect-timeout", "3", timeout=60)
+            except AssertionError:
+                pass
+        kill_all(name)
+
+
+# ---- the public endpoint ---------------------------------------------------------------------
+def complete(endpoint: str, prompt: str = "Hello from the e2e test", max_tokens: int = 8) -> dict[str, Any]:
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(endpoint.rstrip("/") + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        data: dict[str, Any] = json.loads(r.read())
+    return data
+
+
+def log_sections(text: str) -> dict[str, list[str]]:
+    """`k3launch logs` output → process id → its lines."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    for line in text.splitlines():
+        if line.startswith("==> ") and line.endswith(" <=="):
+            cur = line[4:].split()[0]
+            out[cur] = []
+        elif cur is not None and line.strip():
+            out[cur].append(line)
+    return out
