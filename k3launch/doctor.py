@@ -87,7 +87,9 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
         image = next((p.image for p in plan.processes if p.node == host.name and p.image), None)
         if image and rt in ("docker", "podman"):
             parts.append(_section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
-            parts.append(_section("containers", f"{q} ps --filter label=k3launch.deployment --format '{{{{.Label \"k3launch.deployment\"}}}}' 2>/dev/null || true"))
+            # -a: a stopped leftover still holds its name; podman's ps has no .Label method
+            label = '{{index .Labels "k3launch.deployment"}}' if rt == "podman" else '{{.Label "k3launch.deployment"}}'
+            parts.append(_section("containers", f"{q} ps -a --filter label=k3launch.deployment --format {shlex.quote(label)} 2>/dev/null || true"))
     elif plan.engine == "sim":
         py = shlex.quote(host.python or "python3")
         parts.append(_section("runtime", f"{py} -c 'import k3launch.sim' >/dev/null 2>&1 && echo ok || echo missing"))

@@ -34,7 +34,7 @@ from k3launch.errors import K3Error
 from k3launch.nodes import Fleet
 from k3launch.observe import Poll, poll, probe_all
 from k3launch.plan_models import Plan, Process
-from k3launch.render import Raw, container_name, shell_join, start_command, token_snippet
+from k3launch.render import Raw, container_name, start_command, start_line, token_snippet
 from k3launch.state import DeploymentRecord, ProcessRecord, StateStore
 from k3launch.teardown import teardown
 
@@ -82,8 +82,7 @@ _BACKGROUND = (
 
 def _start_line(plan: Plan, proc: Process, fleet: Fleet, hf_token_file: str | None, log_dir: str) -> str:
     host = fleet.host(proc.node)
-    cmd = start_command(plan, proc, host, log_dir)
-    return _BACKGROUND + token_snippet(hf_token_file) + shell_join(cmd)
+    return _BACKGROUND + token_snippet(hf_token_file) + start_line(plan, proc, host, log_dir)
 
 
 def start_steps(plan: Plan) -> list[list[Process]]:

@@ -122,9 +122,11 @@ done"""
 
 
 def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
+    """Stop, remove, and (podman) drop the container's HF_TOKEN secret."""
     rt = shlex.quote(runtime)
     ids = " ".join(shlex.quote(n) for n in names)
-    return f"for c in {ids}; do {rt} stop -t {int(grace_s)} \"$c\" >/dev/null 2>&1 || true; {rt} rm -f \"$c\" >/dev/null 2>&1 || true; done; true"
+    sec = f' {rt} secret rm "$c-hf-token" >/dev/null 2>&1 || true;' if runtime == "podman" else ""
+    return f"for c in {ids}; do {rt} stop -t {int(grace_s)} \"$c\" >/dev/null 2>&1 || true; {rt} rm -f \"$c\" >/dev/null 2>&1 || true;{sec} done; true"
 
 
 def labelled_containers(runtime: str, name: str) -> str:

@@ -10,13 +10,17 @@ Runtimes:
   ``/root/.cache/huggingface``, ``--entrypoint`` + the plan's argv so the engine command line is
   exactly the plan's, and labels ``k3launch.deployment/process/role`` so a deployment's
   containers are found even without local state.
-* ``podman``: the same, with CDI (``--device nvidia.com/gpu=all``) for CUDA GPUs.
+* ``podman``: the same, with CDI (``--device nvidia.com/gpu=all``) for CUDA GPUs, minus
+  ``--shm-size`` (podman refuses it with ``--ipc=host``, where it means nothing), the HF cache
+  directory created first (podman refuses a missing bind source), and ``HF_TOKEN`` as a secret.
 * ``apptainer``: ``apptainer exec --nv|--rocm`` of ``docker://IMAGE``, started in the background.
 * ``bare``: the engine on the host (an installed vLLM, or the simulated engine).
 
 Secrets never appear: ``HF_TOKEN`` is passed by name (``-e HF_TOKEN``; ``APPTAINERENV_HF_TOKEN``),
 its value comes from the environment of whoever runs the script, or from ``hf_token_file`` read
-at run time.
+at run time. podman stores (and ``podman inspect`` prints) every ``-e`` value, even a by-name one,
+so there the token becomes a root-only podman secret mounted at ``/run/secrets/hf_token`` and
+named by ``HF_TOKEN_PATH`` (where huggingface_hub reads it); ``down`` removes the secret.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Sequence
 from k3launch.plan_models import Host, Plan, Process
 
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
+TOKEN_TARGET = "hf_token"  # podman: /run/secrets/hf_token
 LABEL = "k3launch.deployment"
 SECRET_ENV = ("HF_TOKEN",)
 
@@ -64,6 +69,11 @@ def container_name(plan: Plan, proc: Process) -> str:
     return f"k3-{plan.name}-{proc.id}"
 
 
+def token_secret(container: str) -> str:
+    """The podman secret holding a container's HF_TOKEN."""
+    return f"{container}-hf-token"
+
+
 def markers(plan: Plan, proc: Process) -> dict[str, str]:
     """Env markers on every process, so a bare process is found from /proc even without state."""
     return {"K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
@@ -95,12 +105,17 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> l
                "--label", f"{LABEL}={plan.name}", "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}"]
         if proc.gpus and plan.engine != "sim":  # the simulated engine needs (and has) no GPUs
             cmd += _gpu_flags(runtime, plan.platform)
-        cmd += ["--ipc=host", "--network", "host", "--shm-size", host.shm_size or "64g",
-                "-v", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        cmd += ["--ipc=host", "--network", "host"]
+        if runtime == "docker":  # podman refuses --shm-size with the host IPC namespace
+            cmd += ["--shm-size", host.shm_size or "64g"]
+        cmd += ["-v", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
         for k, v in env.items():
             cmd += ["-e", f"{k}={v}"]
-        for k in SECRET_ENV:
-            cmd += ["-e", k]  # by name: the value stays in the caller's environment
+        if runtime == "podman":
+            cmd.append(Raw('"${K3_SECRET[@]}"'))  # set by start_line: the token as a secret file
+        else:
+            for k in SECRET_ENV:
+                cmd += ["-e", k]  # by name: the value stays in the caller's environment
         return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
     log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
     if runtime == "apptainer":
@@ -112,6 +127,20 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> l
     else:
         inner = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
     return ["k3launch_background", log, *inner]
+
+
+def start_line(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> str:
+    """The shell text that starts ``proc``: :func:`start_command`, after what podman needs first."""
+    run = shell_join(start_command(plan, proc, host, log_dir))
+    if proc.role == "router" or host.runtime != "podman":
+        return run
+    cache = home_path(host.hf_cache or "~/.cache/huggingface")
+    sec = shlex.quote(token_secret(container_name(plan, proc)))
+    return (f"mkdir -p {cache if isinstance(cache, Raw) else shlex.quote(cache)}\n"
+            f"podman secret rm {sec} >/dev/null 2>&1 || true\nK3_SECRET=()\n"
+            f'if [ -n "${{HF_TOKEN:-}}" ]; then printf %s "$HF_TOKEN" | podman secret create {sec} - >/dev/null && '
+            f"K3_SECRET=(--secret {sec},type=mount,target={TOKEN_TARGET} -e HF_TOKEN_PATH=/run/secrets/{TOKEN_TARGET}); fi\n"
+            f"{run}")
 
 
 _PRELUDE = """#!/usr/bin/env bash
@@ -146,7 +175,7 @@ def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str
     out = [_PRELUDE.format(name=plan.name, recipe=plan.recipe, strategy=plan.strategy, hardware=plan.hardware, token=token_snippet(hf_token_file))]
     for proc in procs:
         out.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on {node} ({host.address})")
-        out.append(shell_join(start_command(plan, proc, host, log_dir)))
+        out.append(start_line(plan, proc, host, log_dir))
         out.append("")
     return "\n".join(out)
 

@@ -3,10 +3,8 @@ image whose `vllm` is the simulated engine (tests/infra/podman-image.sh).
 
 Needs root and a podman that can run containers here; skipped otherwise, with the reason. The
 image is built once and cached between sessions (K3LAUNCH_PODMAN_REBUILD=1 rebuilds it,
-K3LAUNCH_PODMAN_RMI=1 removes it at the end). k3launch runs as a CLI subprocess through
-tests/podman_shim.py, which applies the podman fixes k3launch does not have yet (and nothing once
-it has them); `test_k3launch_needs_no_podman_shim` tracks that. Every wait is bounded; every
-container, secret, router process and bridge made here is removed here.
+K3LAUNCH_PODMAN_RMI=1 removes it at the end). k3launch runs as a CLI subprocess. Every wait is
+bounded; every container, secret, router process and bridge made here is removed here.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ from k3launch.state import StateStore
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "infra" / "podman-image.sh"
-SHIM = HERE / "podman_shim.py"
 TAG = "localhost/k3launch-sim:test"
 MODEL = "moonshotai/Kimi-K3"
 PREFIX = "k3pt-"  # every deployment made here; cleanup sweeps it
@@ -150,7 +147,7 @@ def podman_env() -> Iterator[str]:
 
 
 class K3:
-    """The k3launch CLI (through the shim) with its own state dir and inventory."""
+    """The k3launch CLI with its own state dir and inventory."""
 
     def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
         self.tmp = tmp
@@ -171,7 +168,7 @@ class K3:
             env["HF_TOKEN"] = self.token  # set in the caller's environment; must never show up in a container's config
         else:
             env.pop("HF_TOKEN", None)
-        return subprocess.run([sys.executable, str(SHIM), *args], capture_output=True, text=True, timeout=timeout, env=env,
+        return subprocess.run([sys.executable, "-m", "k3launch", *args], capture_output=True, text=True, timeout=timeout, env=env,
                               stdin=subprocess.DEVNULL, cwd=self.tmp)
 
     def up(self, name: str, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
@@ -343,9 +340,8 @@ def test_doctor_sees_a_stopped_leftover_container(k3: K3) -> None:
         podman("rm", "-f", f"k3-{ghost}-serve-0", check=False)
 
 
-@pytest.mark.xfail(strict=True, reason="k3launch still needs tests/podman_shim.py for podman (see its docstring); "
-                                       "when this passes, drop the shim and run k3launch directly")
-def test_k3launch_needs_no_podman_shim(tmp_path: Path) -> None:
+def test_podman_start_commands_suit_podman(tmp_path: Path) -> None:
+    """podman specifics: no --shm-size with --ipc=host, HF_TOKEN never as -e, `ps` label format."""
     from k3launch import doctor, render
 
     inv = tmp_path / "inv.yaml"

@@ -36,6 +36,7 @@ SECRET = "secret-xyz"
 FAKES = ("vllm", "vllm-router", "python3", "docker", "podman", "apptainer")
 # A fake program: argv one per line (written atomically), then its environment.
 FAKE = """#!/bin/sh
+case "$1" in secret) cat >/dev/null ;; esac  # podman secret create reads stdin
 f="$K3_FAKE_OUT/$(basename "$0").$$"
 env > "$f.env"
 printf '%s\\n' "$@" > "$f.tmp"
@@ -282,7 +283,7 @@ IMAGES = ("reg.example:5000/team/img@sha256:" + "0f" * 32, "vllm/vllm-openai:v0.
 
 def _hostile_container(tmp: Path, marker: str, runtime: str) -> Path:
     m = f"/tmp/pwned-{marker}"
-    cache1, cache2 = f"~/hf cache/$(touch {m}-1)", f'/data/a b"c$(touch {m}-5)'
+    cache1, cache2 = f"~/hf cache/$(touch {m}-1)", f'{tmp}/data/a b"c$(touch {m}-5)'
     shm1, shm2 = f"64g' ; touch {m}-4 ; '", f"$((1+1))g | touch {m}-7"
     env1, env2 = f"INFO $(touch {m}-2) `touch {m}-3`", f"WARN'; touch {m}-6; '\" || touch {m}-8"
     return write_yaml(tmp, f"""name: hostile-{runtime}
@@ -320,10 +321,15 @@ def test_hostile_container_values_end_up_as_data(tmp_path: Path, pwned: str, dep
     for h in plan.hosts:
         bash_n(out / f"{h.name}.sh")
         run_script(out / f"{h.name}.sh", bindir, home, rec, tmp_path, {"HF_TOKEN": SECRET})
-    got = calls(rec, len(plan.processes))
     engines = {p.id: p for p in plan.processes if p.role != "router"}
+    got = calls(rec, len(plan.processes) + (2 * len(engines) if runtime == "podman" else 0))
+    secret_calls = [argv for prog, argv, env in got if argv[:1] == ["secret"]]
+    if runtime == "podman":  # per container: drop a stale HF_TOKEN secret, create it from the environment
+        assert sorted(a[:2] for a in secret_calls) == [["secret", "create"]] * len(engines) + [["secret", "rm"]] * len(engines)
     seen: set[str] = set()
     for prog, argv, env in got:
+        if argv[:1] == ["secret"]:
+            continue
         if prog == "vllm-router":
             router = next(p for p in plan.processes if p.role == "router")
             assert argv == router.argv[1:]
@@ -342,11 +348,15 @@ def test_hostile_container_values_end_up_as_data(tmp_path: Path, pwned: str, dep
         else:
             i = argv.index("--entrypoint")
             assert argv[i + 1:] == [proc.argv[0], proc.image, *proc.argv[1:]]
-            assert _after(argv, "--shm-size") == [host.shm_size]
+            assert _after(argv, "--shm-size") == ([host.shm_size] if runtime == "docker" else [])  # podman: not with --ipc=host
             assert _after(argv, "-v") == [f"{cache}:/root/.cache/huggingface"]
+            token = {"HF_TOKEN"} if runtime == "docker" else {"HF_TOKEN_PATH=/run/secrets/hf_token"}
             assert set(_after(argv, "-e")) == {f"{k}={v}" for k, v in proc.env.items()} | {
-                f"K3LAUNCH_DEPLOYMENT={deployment}", f"K3LAUNCH_PROCESS={proc.id}", "HF_TOKEN"}
-            assert env.get("HF_TOKEN") == SECRET  # passed by name from the caller's environment
+                f"K3LAUNCH_DEPLOYMENT={deployment}", f"K3LAUNCH_PROCESS={proc.id}"} | token
+            if runtime == "docker":
+                assert env.get("HF_TOKEN") == SECRET  # passed by name from the caller's environment
+            else:  # podman inspect would show an -e value: a secret file instead
+                assert _after(argv, "--secret") == [f"k3-{deployment}-{proc.id}-hf-token,type=mount,target=hf_token"]
         assert proc.image == IMAGES[proc.node == "n2"]
         # The inventory's env (node over defaults) is in the plan and reached the runtime as one word each.
         assert proc.env["NCCL_DEBUG"].startswith("WARN'" if proc.node == "n2" else "INFO $(") and pwned in proc.env["NCCL_DEBUG"]
@@ -355,7 +365,7 @@ def test_hostile_container_values_end_up_as_data(tmp_path: Path, pwned: str, dep
     assert seen == {p.id for p in plan.processes}
     assert not list(tmp_path.glob("pwned-*"))
     assert {hosts["n1"].shm_size, hosts["n2"].shm_size} == {f"64g' ; touch /tmp/pwned-{pwned}-4 ; '", f"$((1+1))g | touch /tmp/pwned-{pwned}-7"}
-    assert {hosts["n1"].hf_cache, hosts["n2"].hf_cache} == {f"~/hf cache/$(touch /tmp/pwned-{pwned}-1)", f'/data/a b"c$(touch /tmp/pwned-{pwned}-5)'}
+    assert {hosts["n1"].hf_cache, hosts["n2"].hf_cache} == {f"~/hf cache/$(touch /tmp/pwned-{pwned}-1)", f'{tmp_path}/data/a b"c$(touch /tmp/pwned-{pwned}-5)'}
     _assert_no_secret(out)
 
 

@@ -12,6 +12,10 @@ k3launch_background() {
 }
 
 # serve-0: serve (head) on mi355x-01 (10.3.0.21)
+mkdir -p /data/hf-cache
+podman secret rm k3-kimi-k3-dep-mi355x-0aa1d8-serve-0-hf-token >/dev/null 2>&1 || true
+K3_SECRET=()
+if [ -n "${HF_TOKEN:-}" ]; then printf %s "$HF_TOKEN" | podman secret create k3-kimi-k3-dep-mi355x-0aa1d8-serve-0-hf-token - >/dev/null && K3_SECRET=(--secret k3-kimi-k3-dep-mi355x-0aa1d8-serve-0-hf-token,type=mount,target=hf_token -e HF_TOKEN_PATH=/run/secrets/hf_token); fi
 podman run \
   -d \
   --name k3-kimi-k3-dep-mi355x-0aa1d8-serve-0 \
@@ -24,7 +28,6 @@ podman run \
   --security-opt seccomp=unconfined \
   --ipc=host \
   --network host \
-  --shm-size 64g \
   -v /data/hf-cache:/root/.cache/huggingface \
   -e GLOO_SOCKET_IFNAME=ens51np0 \
   -e NCCL_SOCKET_IFNAME=ens51np0 \
@@ -35,8 +38,7 @@ podman run \
   -e AITER_BF16_FP8_MOE_BOUND=0 \
   -e VLLM_USE_BREAKABLE_CUDAGRAPH=0 \
   -e K3LAUNCH_DEPLOYMENT=kimi-k3-dep-mi355x-0aa1d8 \
-  -e K3LAUNCH_PROCESS=serve-0 \
-  -e HF_TOKEN \
+  -e K3LAUNCH_PROCESS=serve-0 "${K3_SECRET[@]}" \
   --entrypoint vllm vllm/vllm-openai-rocm:kimi-k3 serve moonshotai/Kimi-K3 \
   --trust-remote-code \
   --moe-backend auto \
