@@ -196,7 +196,7 @@ def test_metrics_and_max_num_seqs(procs: Procs) -> None:
 
 def test_fault_exit_during_load(procs: Procs) -> None:
     _, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_LOAD_S": "0.6"})
-    assert proc.wait_exit(10) == 1
+    assert proc.wait_exit(30) == 1
     log = proc.log()
     assert "EngineCore failed to start" in log and "Starting vLLM API server" not in log
 
@@ -221,7 +221,7 @@ def test_fault_zero_tokens(procs: Procs) -> None:
 def test_fault_crash_after_ready(procs: Procs) -> None:
     port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "crash-after-ready", "K3LAUNCH_SIM_FAIL_AFTER_S": "1.0"})
     wait_healthy(HOST, port, proc)
-    assert proc.wait_exit(10) == 1
+    assert proc.wait_exit(30) == 1
     assert "EngineDeadError" in proc.log()
     assert not port_open(HOST, port)
 
@@ -230,7 +230,7 @@ def test_fault_targets_one_process(procs: Procs) -> None:
     env = {"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_FAIL_PROCESS": "serve-1"}
     p0, a = serve(procs, env={**env, "K3LAUNCH_PROCESS": "serve-0"}, name="serve-0")
     _, b = serve(procs, env={**env, "K3LAUNCH_PROCESS": "serve-1"}, name="serve-1")
-    assert b.wait_exit(10) == 1
+    assert b.wait_exit(30) == 1
     wait_healthy(HOST, p0, a)
 
 
@@ -238,7 +238,7 @@ def test_side_channel_on_an_address_not_of_this_node_fails_startup(procs: Procs)
     kv = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"fail"}'
     _, proc = serve(procs, "--kv-transfer-config", kv,
                     env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.255.255.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
-    assert proc.wait_exit(10) == 1
+    assert proc.wait_exit(30) == 1
     assert "NIXL side channel cannot bind tcp://10.255.255.1:" in proc.log()
 
 

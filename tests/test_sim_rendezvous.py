@@ -64,7 +64,7 @@ def test_tp_rank_death_takes_the_group_down(procs: Procs) -> None:
     wait_healthy(NODES[0], http, head)
     worker.wait_log("Headless node ready")
     worker.signal(signal.SIGKILL)
-    assert head.wait_exit(5) == 1
+    assert head.wait_exit(15) == 1
     assert "disconnected: the TP group lost a member" in head.log()
 
 
@@ -75,7 +75,7 @@ def test_tp_headless_with_wrong_master_fails(procs: Procs, wrong: str) -> None:
     head = tp_node(procs, 0, 3, master, http, env=SHORT)
     good = tp_node(procs, 1, 3, master, http, env=SHORT)
     bad = tp_node(procs, 2, 3, bad_master, http, env=SHORT)
-    assert [p.wait_exit(10) for p in (head, good, bad)] == [1, 1, 1]
+    assert [p.wait_exit(30) for p in (head, good, bad)] == [1, 1, 1]
     assert "missing node ranks: 2" in head.log()
     assert "timed out while trying to connect to" in bad.log()
     assert "rendezvous at" in good.log() and "failed" in good.log()
@@ -87,7 +87,7 @@ def test_tp_duplicate_node_rank_fails(procs: Procs) -> None:
     head = tp_node(procs, 0, 3, master, http)
     a = tp_node(procs, 1, 3, master, http)
     b = tp_node(procs, 1, 3, master, http, host=NODES[2])
-    assert [p.wait_exit(10) for p in (head, a, b)] == [1, 1, 1]
+    assert [p.wait_exit(30) for p in (head, a, b)] == [1, 1, 1]
     assert "node rank 1 joined twice" in head.log()
 
 
@@ -96,13 +96,13 @@ def test_tp_wrong_nnodes_fails(procs: Procs) -> None:
     head = tp_node(procs, 0, 3, master, http, tp=6)
     a = tp_node(procs, 1, 2, master, http, tp=6)  # told 2 nodes, the group has 3
     b = tp_node(procs, 2, 3, master, http, tp=6)
-    assert [p.wait_exit(10) for p in (head, a, b)] == [1, 1, 1]
+    assert [p.wait_exit(30) for p in (head, a, b)] == [1, 1, 1]
     assert "was started with nnodes=2 but the group has nnodes=3" in head.log()
 
 
 def test_tp_master_address_not_on_this_node_fails(procs: Procs) -> None:
     head = tp_node(procs, 0, 2, ("10.255.255.1", free_port()), free_port(), tp=16)
-    assert head.wait_exit(5) == 1
+    assert head.wait_exit(15) == 1
     assert "failed to bind to 10.255.255.1" in head.log()
 
 
@@ -139,14 +139,14 @@ def test_dep_duplicate_start_rank_fails(procs: Procs) -> None:
     coord, http = (NODES[0], free_port()), free_port()
     sims = [dp_node(procs, 0, 0, 24, 8, coord, http), dp_node(procs, 1, 8, 24, 8, coord, http),
             dp_node(procs, 2, 8, 24, 8, coord, http)]
-    assert [p.wait_exit(10) for p in sims] == [1, 1, 1]
+    assert [p.wait_exit(30) for p in sims] == [1, 1, 1]
     assert "DP rank 8 joined twice" in sims[0].log()
 
 
 def test_dep_missing_start_rank_fails(procs: Procs) -> None:
     coord, http = (NODES[0], free_port()), free_port()
     sims = [dp_node(procs, 0, 0, 24, 8, coord, http, SHORT), dp_node(procs, 1, 8, 24, 8, coord, http, SHORT)]
-    assert [p.wait_exit(10) for p in sims] == [1, 1]
+    assert [p.wait_exit(30) for p in sims] == [1, 1]
     assert "missing DP ranks: 16, 17, 18, 19, 20, 21, 22, 23" in sims[0].log()
     assert not port_open(NODES[1], http)
 
@@ -155,7 +155,7 @@ def test_dep_rank_out_of_range_fails(procs: Procs) -> None:
     coord, http = (NODES[0], free_port()), free_port()
     head = dp_node(procs, 0, 0, 16, 8, coord, http)
     other = dp_node(procs, 1, 8, 24, 8, coord, http)  # thinks DP is 24
-    assert [p.wait_exit(10) for p in (head, other)] == [1, 1]
+    assert [p.wait_exit(30) for p in (head, other)] == [1, 1]
     assert "data_parallel_size=24 but the group has data_parallel_size=16" in head.log()
 
 
