@@ -34,7 +34,7 @@ from k3launch.errors import K3Error
 from k3launch.nodes import Fleet
 from k3launch.observe import Poll, poll, probe_all
 from k3launch.plan_models import Plan, Process
-from k3launch.render import Raw, container_name, start_command, start_line, token_snippet
+from k3launch.render import BACKGROUND_HELPER, Raw, container_name, start_command, start_line, token_snippet
 from k3launch.state import DeploymentRecord, ProcessRecord, StateStore
 from k3launch.teardown import teardown
 
@@ -64,25 +64,9 @@ def ready_timeout(plan: Plan, override: float | None) -> float:
     return DEFAULT_READY_TIMEOUT_S
 
 
-# The helper the rendered scripts define, plus exit bookkeeping: the engine still leads its own
-# session (signals reach its whole tree) with the recorded pid, but its parent is a small waiter
-# that writes "CODE TIME" to .k3launch-exit when it ends (bash's $EPOCHREALTIME: µs, no fork
-# between the exit and the clock) -- log mtimes are too coarse to tell which of several ranks
-# that died within a millisecond of each other died first. The pid comes back
-# through a file: nothing of the background part may write to the caller's stdout.
-_BACKGROUND = (
-    "k3launch_background() { local log=$1 dir; shift; dir=$(dirname \"$log\"); mkdir -p \"$dir\"; "
-    "rm -f \"$dir/.k3launch-pid\" \"$dir/.k3launch-exit\"; "
-    "(cd \"$dir\" || exit 1; trap '' HUP; nohup setsid \"$@\" >\"$log\" 2>&1 </dev/null & echo $! >.k3launch-pid; "
-    "wait $!; echo \"$? ${EPOCHREALTIME:-$(date +%s.%N)}\" >.k3launch-exit) </dev/null >/dev/null 2>&1 & "
-    "local i=0; while [ ! -s \"$dir/.k3launch-pid\" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i + 1)); done; "
-    "echo \"started pid $(cat \"$dir/.k3launch-pid\" 2>/dev/null)\"; }\n"
-)
-
-
 def _start_line(plan: Plan, proc: Process, fleet: Fleet, hf_token_file: str | None, log_dir: str) -> str:
     host = fleet.host(proc.node)
-    return _BACKGROUND + token_snippet(hf_token_file) + start_line(plan, proc, host, log_dir)
+    return BACKGROUND_HELPER + token_snippet(hf_token_file) + start_line(plan, proc, host, log_dir)
 
 
 def start_steps(plan: Plan) -> list[list[Process]]:

@@ -3,13 +3,9 @@
 set -euo pipefail
 export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"
 
-# Processes without a container run detached, with their output in a log file.
-k3launch_background() {
-  local log=$1; shift
-  mkdir -p "$(dirname "$log")"
-  # the run directory is the process's cwd (it identifies the process even after setproctitle)
-  (cd "$(dirname "$log")" || exit 1; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo "started pid $! (log $log)")
-}
+# Processes without a container run detached, with their output (and exit code, in
+# .k3launch-exit) in their run directory.
+k3launch_background() { local log=$1 dir; shift; dir=$(dirname "$log"); mkdir -p "$dir"; rm -f "$dir/.k3launch-pid" "$dir/.k3launch-exit"; (cd "$dir" || exit 1; trap '' HUP; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo $! >.k3launch-pid; wait $!; echo "$? ${EPOCHREALTIME:-$(date +%s.%N)}" >.k3launch-exit) </dev/null >/dev/null 2>&1 & local i=0; while [ ! -s "$dir/.k3launch-pid" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i + 1)); done; echo "started pid $(cat "$dir/.k3launch-pid" 2>/dev/null)"; }
 
 # serve-1: serve on h200-b (10.2.0.12)
 docker run \
