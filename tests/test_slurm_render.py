@@ -1,0 +1,683 @@
+"""The Slurm backend's sbatch script (``k3launch.slurm_render.make_sbatch_string``).
+
+Three levels, like the ssh renderer's tests:
+
+* goldens: one script per strategy in ``tests/golden/slurm/<case>.sbatch``, built from slurm
+  inventories without a nodelist (plan nodes are ``slurm-node-i`` placeholders), across the pyxis,
+  apptainer and bare container modes. Regenerate with
+  ``K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py`` and read the diff.
+* execution with fakes: the whole script runs under bash with a fake ``scontrol`` (prints the
+  "allocated" host names) and a fake ``srun`` (records its argv NUL-separated and its environment,
+  then exits or sleeps as told). Each step's command after the srun options must be exactly the
+  plan's, every placeholder address replaced by the host bound to it; hostile values arrive as
+  data and no ``pwned-*`` file appears. The fail-fast tail names the failed process and exits 1.
+* one real job on the local Slurm cluster (``tests/slurmcluster.py``; skipped without it): the
+  simulated engine, bare, answers /health at its node's address; scancel ends job and process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import random
+import re
+import shlex
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from pydantic import ValidationError
+
+from k3launch.errors import K3Error
+from k3launch.inventory import Inventory, SlurmSection
+from k3launch.plan import build_plan
+from k3launch.plan_models import Plan, Process
+from k3launch.recipes import RecipeTree
+from k3launch.selection import Selection
+from k3launch.slurm_render import make_sbatch_string
+
+if TYPE_CHECKING:
+    from slurmcluster import Cluster
+
+# registers the slurm_cluster fixture once per session (see tests/slurmcluster.py)
+pytest_plugins = ["slurmcluster"]
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = Path(__file__).parent / "golden" / "slurm"
+UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
+TREE = RecipeTree()
+HF = "/root/.cache/huggingface"  # where the HF cache is mounted in containers
+SECRET = "secret-xyz"
+LOG_DIR = "/shared/k3logs"
+# "Allocated" host names the fake scontrol hands out (deliberately unlike the placeholders).
+FAKE_HOSTS = ("gpu-a07", "gpu-b11.cluster", "gpu-c03", "gpu-d19", "gpu-e02")
+
+FAKE_SRUN = r"""#!/bin/bash
+# fake srun: record argv (NUL-separated) and environment, wait until every step is recorded,
+# then exit 0, or (K3_FAKE_FAIL set) exit 7 if this is that step, else sleep like a server.
+d=$K3_FAKE_OUT f=$K3_FAKE_OUT/srun.$$
+env -0 >"$f.env"
+printf '%s\0' "$@" >"$f.tmp" && mv "$f.tmp" "$f.argv"
+name=
+for a in "$@"; do case $a in --job-name=*) name=${a#--job-name=}; break ;; esac; done
+shopt -s nullglob
+for _ in $(seq 500); do a=("$d"/*.argv); [ "${#a[@]}" -ge "$K3_FAKE_N" ] && break; /bin/sleep 0.01; done
+if [ -n "${K3_FAKE_FAIL:-}" ]; then
+  [ "$name" = "$K3_FAKE_FAIL" ] && exit 7
+  exec /bin/sleep 30
+fi
+exit 0
+"""
+FAKE_SCONTROL = r"""#!/bin/bash
+[ "$1 $2 $3" = "show hostnames $K3_FAKE_NODELIST" ] || { echo "fake scontrol: unexpected: $*" >&2; exit 2; }
+printf '%s\n' $K3_FAKE_HOSTS
+"""
+FAKE_SLEEP = "#!/bin/sh\necho \"$@\" >>\"$K3_FAKE_OUT/sleep.calls\"\n"  # the script's 5 s grace period, skipped
+
+
+# ------------------------------------------------------------------ inventories and cases
+def slurm_inventory(hardware: str, container: str, *, engine: str = "vllm", defaults: dict[str, Any] | None = None,
+                    **slurm: Any) -> Inventory:
+    """A slurm inventory without nodelist: the plan's nodes are slurm-node-i placeholders."""
+    return Inventory.model_validate({
+        "name": f"slurm-{hardware}", "backend": "slurm", "hardware": hardware, "engine": engine,
+        "defaults": {"iface": "ib0", **(defaults or {})}, "slurm": {"container": container, **slurm},
+    })
+
+
+@dataclass(frozen=True)
+class Case:
+    hardware: str
+    container: str
+    sel: Selection
+    slurm: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
+    extra_sbatch: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+
+    def inventory(self) -> Inventory:
+        return slurm_inventory(self.hardware, self.container, defaults=self.defaults, **self.slurm)
+
+
+CASES: dict[str, Case] = {
+    "single_node_tp": Case("b300", "pyxis", Selection(strategy="single_node_tp"),
+                           {"partition": "gpu", "account": "research", "time_limit": "01:30:00", "extra_sbatch": ["--mail-type=END,FAIL"]},
+                           {"hf_cache": "/lustre/hf-cache"}, extra_sbatch=("--comment=k3 golden $(not run)", "--signal=B:USR1@120")),
+    "multi_node_tp_2": Case("b200", "pyxis", Selection(strategy="multi_node_tp", nodes=2),
+                            {"partition": "gpu", "qos": "high", "reservation": "k3-launch", "constraint": "ib&b200", "gres": "gpus-per-node",
+                             "exclusive": False, "exclude": "gpu-13"},
+                            {"hf_cache": "/lustre/hf-cache", "image": "reg.example:5000/team/vllm@sha256:" + "0f" * 32,
+                             "env": {"NCCL_DEBUG": "INFO", "K3_PEER_URL": "http://slurm-node-1:9000/metrics?from=slurm-node-0"}},
+                            exclude=("gpu-07", "gpu-09")),
+    "multi_node_tp_3": Case("h100", "bare", Selection(strategy="multi_node_tp", nodes=3), {"partition": "h100", "account": "research"}),
+    "multi_node_tep_2": Case("gb300", "apptainer", Selection(strategy="multi_node_tep", nodes=2),
+                             {"partition": "gb300", "constraint": "nvl72"}, {"hf_cache": "/scratch/hf"}),
+    "multi_node_dep_2": Case("mi355x", "apptainer", Selection(strategy="multi_node_dep", nodes=2),
+                             {"partition": "mi355x", "account": "amd-lab"}, {"hf_cache": "/scratch/hf"}),
+    "multi_node_dep_4": Case("gb300", "pyxis", Selection(strategy="multi_node_dep", nodes=4),
+                             {"partition": "gb300", "time_limit": "2-00:00:00"}, {"hf_cache": "/lustre/hf-cache"}),
+    "pd_cluster": Case("b300", "pyxis", Selection(strategy="pd_cluster"), {"partition": "gpu", "account": "research"},
+                       {"hf_cache": "/lustre/hf-cache"}),
+}
+
+
+def deployment_name(case: str) -> str:
+    return "golden-" + case.replace("_", "-")
+
+
+def case_plan(case: str) -> tuple[Plan, SlurmSection, Case]:
+    c = CASES[case]
+    inv = c.inventory()
+    plan = build_plan(TREE, c.sel, inventory=inv, name=deployment_name(case))
+    assert inv.slurm is not None
+    return plan, inv.slurm, c
+
+
+def case_script(case: str, log_dir: str = LOG_DIR) -> str:
+    plan, slurm, c = case_plan(case)
+    return make_sbatch_string(plan, slurm, log_dir, c.extra_sbatch, c.exclude)
+
+
+# ------------------------------------------------------------------ reading plans and scripts
+def node_order(plan: Plan) -> list[str]:
+    """Plan nodes with GPUs, in plan order: plan node i is the i-th allocated host."""
+    return [h.name for h in plan.hosts if h.gpus]
+
+
+def node_index(plan: Plan, proc: Process) -> int:
+    order = node_order(plan)
+    return order.index(proc.node) if proc.node in order else 0  # the login router runs on node 0
+
+
+def substitute(plan: Plan, hosts: list[str]) -> Callable[[str], str]:
+    """Replace every plan-node address inside a word by the host bound to that node."""
+    addr = {h.address: hosts[i] for i, h in enumerate(next(x for x in plan.hosts if x.name == n) for n in node_order(plan))}
+    pattern = re.compile("|".join(re.escape(a) for a in sorted(addr, key=len, reverse=True)))
+    return lambda word: pattern.sub(lambda m: addr[m.group(0)], word)
+
+
+def directives(script: str) -> list[str]:
+    return [line[len("#SBATCH "):] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def steps(script: str) -> dict[str, list[str]]:
+    """process id -> the words of its srun line (shlex-split: "$K3_ADDR_0" stays $K3_ADDR_0)."""
+    out: dict[str, list[str]] = {}
+    lines = script.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"# ([a-z0-9-]+): \w+(?: \(head\))? on plan node \d+ ", line)
+        if m:
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("K3_STEP[$!]="))
+            out[m.group(1)] = shlex.split("\n".join(lines[i + 1:end]).replace("\\\n", " "))
+    return out
+
+
+def addr_words(plan: Plan) -> Callable[[str], str]:
+    """What the script's words look like before expansion: addresses -> $K3_ADDR_i."""
+    return substitute(plan, [f"$K3_ADDR_{i}" for i in range(len(node_order(plan)))])
+
+
+def bash_n(path: Path) -> None:
+    res = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, f"{path.name}: {res.stderr}"
+
+
+# ------------------------------------------------------------------ goldens
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden_sbatch(case: str) -> None:
+    path = GOLDEN / f"{case}.sbatch"
+    got = case_script(case)
+    if UPDATE:
+        GOLDEN.mkdir(parents=True, exist_ok=True)
+        path.write_text(got, encoding="utf-8")
+        return
+    assert path.is_file(), f"{path} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py and review it"
+    want = path.read_text(encoding="utf-8")
+    if got != want:
+        diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), f"golden/slurm/{case}.sbatch", "now"))
+        pytest.fail(f"{case} differs from its golden (K3LAUNCH_UPDATE_GOLDEN=1 to accept):\n{diff}")
+
+
+def test_no_stale_slurm_goldens() -> None:
+    assert sorted(p.stem for p in GOLDEN.glob("*.sbatch")) == sorted(CASES)
+
+
+def test_every_strategy_and_container_mode_has_a_golden() -> None:
+    strategies = {c.sel.strategy for c in CASES.values()}
+    assert strategies == {"single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster"}
+    assert {c.container for c in CASES.values()} == {"pyxis", "apptainer", "bare"}
+    assert {(c.sel.strategy, c.sel.nodes) for c in CASES.values()} >= {("multi_node_tp", 2), ("multi_node_tp", 3),
+                                                                      ("multi_node_dep", 2), ("multi_node_dep", 4)}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sbatch_structure(case: str, tmp_path: Path) -> None:
+    plan, slurm, c = case_plan(case)
+    text = case_script(case)
+    path = tmp_path / f"{case}.sbatch"
+    path.write_text(text)
+    bash_n(path)
+    assert all(h.placeholder and h.name == h.address == f"slurm-node-{i}" for i, h in enumerate(plan.hosts) if h.gpus)
+    order = node_order(plan)
+    # Directives: all before the first command (sbatch stops reading them there), extra ones verbatim and last.
+    lines = text.splitlines()
+    first_cmd = next(i for i, line in enumerate(lines) if line and not line.startswith("#"))
+    assert all(not line.startswith("#SBATCH") for line in lines[first_cmd:])
+    d = directives(text)
+    extra = [*slurm.extra_sbatch, *c.extra_sbatch]
+    assert d[len(d) - len(extra):] == extra
+    gpus = f"--gres=gpu:{plan.gpus_per_node}" if slurm.gres == "gres" else f"--gpus-per-node={plan.gpus_per_node}"
+    want = {f"--job-name=k3-{plan.name}", f"--nodes={len(order)}", "--ntasks-per-node=1", f"--output={LOG_DIR}/slurm-%j.out",
+            f"--time={slurm.time_limit}", gpus}
+    want |= {f"--{k}={getattr(slurm, k)}" for k in ("partition", "account", "qos", "reservation", "constraint") if getattr(slurm, k)}
+    want |= {"--exclusive"} if slurm.exclusive else set()
+    excl = [x for x in [slurm.exclude, *c.exclude] if x]
+    want |= {"--exclude=" + ",".join(excl)} if excl else set()
+    assert sorted(d[:len(d) - len(extra)]) == sorted(want)
+    assert len(order) == len({p.node for p in plan.processes if p.role != "router"})
+    # One srun step per process, on the host bound to its plan node; every address bound.
+    st = steps(text)
+    assert sorted(st) == sorted(p.id for p in plan.processes)
+    sub = addr_words(plan)
+    for proc in plan.processes:
+        words = st[proc.id]
+        i = node_index(plan, proc)
+        assert words[0] == "srun" and f"--nodelist=$K3_HOST_{i}" in words and f"--job-name={proc.id}" in words, proc.id
+        assert words[-3:] == [f">$K3_LOGDIR/{proc.id}.log", "2>&1", "&"], proc.id
+        assert words[-3 - len(proc.argv):-3] == [sub(w) for w in proc.argv], proc.id
+        assert not any("slurm-node-" in w for w in words), proc.id
+        env_words = {f"{k}={sub(v)}" for k, v in proc.env.items()}
+        assert env_words <= set(words), proc.id  # env values (VLLM_HOST_IP, URLs, ...) are bound too
+        if proc.role != "router" and c.container == "pyxis":
+            assert f"--container-image={proc.image}" in words and f"--container-mounts={c.defaults['hf_cache']}:{HF}" in words
+        if proc.role != "router" and c.container == "apptainer":
+            assert f"docker://{proc.image}" in words and ("--rocm" if plan.platform == "rocm" else "--nv") in words
+        if proc.role == "router" or c.container == "bare":
+            assert not any(w.startswith("--container") or w == "apptainer" for w in words), proc.id
+    assert any("$K3_ADDR_" in w for ws in st.values() for w in ws)
+    # Fail fast: after the last step, the first step to end stops everything and the job fails.
+    tail = lines[lines.index("# Fail fast: the first step to end takes the whole job down, naming the process."):]
+    assert tail[1] == "wait -n -p K3_DONE; rc=$?" and tail[-1] == "exit 1"
+    assert 'kill -TERM "${!K3_STEP[@]}"' in tail[3] and 'kill -KILL "${!K3_STEP[@]}"' in tail[3]
+    assert text.endswith("exit 1\n") and text.startswith("#!/bin/bash\n")
+    assert "HF_TOKEN=" not in text
+
+
+def test_multi_node_tp_2_golden_binds_addresses_inside_urls_and_env_values() -> None:
+    text = case_script("multi_node_tp_2")
+    assert "K3_PEER_URL=http://\"$K3_ADDR_1\"" in text
+    words = steps(text)["serve-0"]
+    assert "K3_PEER_URL=http://$K3_ADDR_1:9000/metrics?from=$K3_ADDR_0" in words
+    assert "VLLM_HOST_IP=$K3_ADDR_0" in words and "--master-addr" in words
+    assert words[words.index("--master-addr") + 1] == "$K3_ADDR_0"
+
+
+# ------------------------------------------------------------------ running scripts with fakes
+@dataclass
+class Call:
+    argv: list[str]
+    env: dict[str, str]
+    pid: int
+
+    @property
+    def options(self) -> list[str]:
+        return self.argv[:self._cut()]
+
+    @property
+    def command(self) -> list[str]:
+        return self.argv[self._cut():]
+
+    def _cut(self) -> int:
+        return next(i for i, w in enumerate(self.argv) if not w.startswith("-"))
+
+
+@dataclass
+class Run:
+    rc: int
+    stdout: str
+    stderr: str
+    calls: dict[str, Call]  # --job-name (process id) -> the srun call
+    out: Path
+
+
+def fake_bin(tmp: Path) -> Path:
+    bindir = tmp / "fakebin"
+    bindir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("sleep", FAKE_SLEEP)):
+        (bindir / name).write_text(text)
+        (bindir / name).chmod(0o755)
+    return bindir
+
+
+def run_fake(script: str, tmp: Path, want_steps: int, hosts: list[str], fail: str | None = None) -> Run:
+    """Run the whole sbatch script under bash with the fakes first on PATH, as its batch step would."""
+    path, out, cwd = tmp / "job.sbatch", tmp / "rec", tmp / "cwd"
+    for d in (out, cwd):
+        d.mkdir(exist_ok=True)
+    path.write_text(script)
+    bash_n(path)
+    env = {"PATH": f"{fake_bin(tmp)}:/usr/bin:/bin", "HOME": str(tmp / "home"), "SLURM_JOB_NODELIST": "fake[1-9]",
+           "SLURM_JOB_ID": "4242", "HF_TOKEN": SECRET, "K3_FAKE_OUT": str(out), "K3_FAKE_NODELIST": "fake[1-9]",
+           "K3_FAKE_HOSTS": " ".join(hosts), "K3_FAKE_N": str(want_steps), **({"K3_FAKE_FAIL": fail} if fail else {})}
+    try:
+        res = subprocess.run(["bash", str(path)], capture_output=True, text=True, cwd=cwd, env=env, timeout=30)
+    finally:
+        calls = _calls(out)
+        for c in calls:  # nothing the fakes started may outlive the test
+            _kill(c.pid)
+    by_name = {next(w.split("=", 1)[1] for w in c.options if w.startswith("--job-name=")): c for c in calls}
+    assert len(by_name) == len(calls)
+    return Run(res.returncode, res.stdout, res.stderr, by_name, out)
+
+
+def _calls(out: Path) -> list[Call]:
+    result = []
+    for p in sorted(out.glob("srun.*.argv")):
+        argv = [w.decode() for w in p.read_bytes().split(b"\0")[:-1]]
+        env = dict(e.decode().split("=", 1) for e in p.with_suffix(".env").read_bytes().split(b"\0") if b"=" in e)
+        result.append(Call(argv, env, int(p.name.split(".")[1])))
+    return result
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    """Not a zombie (this VM's PID 1 reaps late)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def expected_step(plan: Plan, proc: Process, container: str, hf_cache: str, sub: Callable[[str], str]) -> tuple[set[str], list[str]]:
+    """(srun options, command) a step of ``proc`` must receive, from the plan alone."""
+    host = FAKE_HOSTS[node_index(plan, proc)]
+    env = {**{k: sub(v) for k, v in proc.env.items()}, "K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
+    argv = [sub(w) for w in proc.argv]
+    opts = {"--nodes=1", "--ntasks=1", f"--nodelist={host}", "--kill-on-bad-exit=1", f"--job-name={proc.id}", "--overlap"}
+    if proc.role == "router" or container == "bare":
+        return opts, ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    if container == "pyxis":
+        opts |= {f"--container-image={proc.image}", f"--container-mounts={hf_cache}:{HF}", "--container-env=" + ",".join([*env, "HF_TOKEN"])}
+        return opts, ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    gpu = "--rocm" if plan.platform == "rocm" else "--nv"
+    return opts, ["apptainer", "exec", gpu, "--bind", f"{hf_cache}:{HF}", *(w for k, v in env.items() for w in ("--env", f"{k}={v}")),
+                  f"docker://{proc.image}", *argv]
+
+
+def check_steps(run: Run, plan: Plan, container: str, hf_cache: str) -> None:
+    assert sorted(run.calls) == sorted(p.id for p in plan.processes), run.stderr
+    sub = substitute(plan, list(FAKE_HOSTS))
+    for proc in plan.processes:
+        call = run.calls[proc.id]
+        opts, command = expected_step(plan, proc, container, hf_cache, sub)
+        assert set(call.options) == opts and len(call.options) == len(opts), proc.id
+        assert call.command == command, proc.id
+        assert call.command[-len(proc.argv):] == [sub(w) for w in proc.argv]  # the plan's argv, addresses bound
+        assert not any("slurm-node-" in w for w in call.argv), proc.id
+        assert call.env.get("HF_TOKEN") == SECRET  # by name, from the job's environment
+        assert call.env.get("K3_HOST_0") is None  # plain shell variables, not exported
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fake_run_binds_plan_nodes_to_allocated_hosts(case: str, tmp_path: Path) -> None:
+    plan, _, c = case_plan(case)
+    run = run_fake(case_script(case, str(tmp_path / "logs")), tmp_path, len(plan.processes), list(FAKE_HOSTS))
+    check_steps(run, plan, c.container, c.defaults.get("hf_cache", ""))
+    n = len(node_order(plan))
+    assert [f"k3launch: node {i} (slurm-node-{i}) = {FAKE_HOSTS[i]}" for i in range(n)] == run.stdout.splitlines()[:n]
+    # every step ending (here: all exit 0) ends the job, which fails and says so
+    assert run.rc == 1 and re.search(r"k3launch: \S+ on node \d+ exited with code 0; stopping the deployment", run.stderr), run.stderr
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(f"{p.id}.log" for p in plan.processes)
+
+
+def test_fail_fast_names_the_failed_process_and_node_and_stops_the_others(tmp_path: Path) -> None:
+    plan, _, _ = case_plan("pd_cluster")
+    victim = next(p for p in plan.processes if p.role == "decode")
+    t0 = time.monotonic()
+    run = run_fake(case_script("pd_cluster", str(tmp_path / "logs")), tmp_path, len(plan.processes), list(FAKE_HOSTS), fail=victim.id)
+    assert time.monotonic() - t0 < 15
+    assert run.rc == 1, run.stderr
+    i = node_index(plan, victim)
+    assert f"k3launch: {victim.id} on node {i} exited with code 7; stopping the deployment" in run.stderr, run.stderr
+    assert f"k3launch: node {i} (slurm-node-{i}) = {FAKE_HOSTS[i]}" in run.stdout  # node index -> host, printed at start
+    assert (run.out / "sleep.calls").read_text().split() == ["5"]  # the grace period between TERM and KILL
+    others = [c.pid for pid, c in run.calls.items() if pid != victim.id]
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in others) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not any(_alive(p) for p in others), "steps outlived the failed job"
+
+
+def test_an_allocation_smaller_than_the_plan_fails_before_any_step(tmp_path: Path) -> None:
+    plan, _, _ = case_plan("multi_node_tp_3")
+    assert len(node_order(plan)) == 3
+    run = run_fake(case_script("multi_node_tp_3", str(tmp_path / "logs")), tmp_path, 3, list(FAKE_HOSTS[:2]))
+    assert run.rc == 1 and run.calls == {}
+    assert "k3launch: allocation has 2 nodes, the plan needs 3" in run.stderr
+
+
+# ------------------------------------------------------------------ hostile values
+def hostile_inventory(tmp: Path, container: str) -> Inventory:
+    m = f"{tmp}/pwned"
+    return slurm_inventory("b300", container, partition="gpu", defaults={
+        "hf_cache": f"{tmp}/hf cache $(touch {m}-cache1) `touch {m}-cache2`; touch {m}-cache3 'q\"",
+        "image": "reg.example:5000/team/img@sha256:" + "0f" * 32,
+        "env": {
+            "NCCL_DEBUG": f"INFO $(touch {m}-env1) `touch {m}-env2`",
+            "K3_NOTE": f"b'; touch {m}-env3; '\" && touch {m}-env4\nline2 $(touch {m}-env5) $K3_HOST_0 ${{K3_ADDR_1}}",
+            "K3_PEER": f"http://slurm-node-1:9000/?a=$(touch {m}-env6)&b=slurm-node-0'x'\"y\" -v/:/host",
+        },
+    })
+
+
+@pytest.mark.parametrize("container", ["pyxis", "apptainer", "bare"])
+def test_hostile_values_end_up_as_data(container: str, tmp_path: Path) -> None:
+    inv = hostile_inventory(tmp_path, container)
+    assert inv.slurm is not None and inv.defaults.env is not None
+    plan = build_plan(TREE, Selection(strategy="multi_node_dep", nodes=2), inventory=inv, name=f"k3t-{uuid.uuid4().hex[:8]}")
+    log_dir = f"{tmp_path}/logs $(touch {tmp_path}/pwned-log) 'x"
+    extra = (f"--comment=$(touch {tmp_path}/pwned-sbatch1) `touch {tmp_path}/pwned-sbatch2`; touch {tmp_path}/pwned-sbatch3",)
+    script = make_sbatch_string(plan, inv.slurm, log_dir, extra)
+    run = run_fake(script, tmp_path, len(plan.processes), list(FAKE_HOSTS))
+    check_steps(run, plan, container, str(inv.defaults.hf_cache))
+    engines = [p for p in plan.processes if p.role != "router"]
+    sub = substitute(plan, list(FAKE_HOSTS))
+    for proc in engines:  # the inventory's env arrived verbatim, only the plan's addresses bound
+        words = run.calls[proc.id].command
+        for k, v in inv.defaults.env.items():
+            assert f"{k}={sub(v)}" in words, (proc.id, k)
+    assert f"K3_PEER=http://{FAKE_HOSTS[1]}:9000/?a=$(touch {tmp_path}/pwned-env6)&b={FAKE_HOSTS[0]}'x'\"y\" -v/:/host" \
+        in run.calls[engines[0].id].command
+    assert directives(script)[-1] == extra[0]  # passed through untouched: a directive line, never executed
+    assert (Path(log_dir) / f"{engines[0].id}.log").is_file()
+    assert SECRET not in script
+    pwned = list(tmp_path.glob("pwned*")) + list((tmp_path / "cwd").glob("pwned*"))
+    assert not pwned, f"shell injection: {pwned}"
+
+
+@pytest.mark.parametrize("image", ["--privileged", "img:1;touch x", "img:`id`", "reg/img:1 && id", "img\nx"])
+def test_an_image_that_is_not_an_image_reference_is_refused(image: str) -> None:
+    with pytest.raises(ValidationError, match="image"):
+        slurm_inventory("b300", "pyxis", defaults={"image": image})
+
+
+# ------------------------------------------------------------------ known bugs (xfail strict)
+NEWLINE_IN = ("extra_sbatch argument", "slurm.extra_sbatch", "slurm.partition", "slurm.time_limit", "exclude argument")
+
+
+def newline_inputs(where: str, bad: str) -> tuple[dict[str, Any], tuple[str, ...], tuple[str, ...]]:
+    """(slurm section keys, extra_sbatch argument, exclude argument) with a newline + ``bad`` in ``where``."""
+    if where == "extra_sbatch argument":
+        return {}, (f"--comment=ok\n{bad}",), ()
+    if where == "exclude argument":
+        return {}, (), (f"gpu-01\n{bad}",)
+    key = where.split(".", 1)[1]
+    return {key: [f"--comment=ok\n{bad}"] if key == "extra_sbatch" else f"x\n{bad}"}, (), ()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a newline in extra_sbatch / slurm.* values / exclude ends the #SBATCH line and the rest "
+                                      "runs as a shell command in the batch script (and ends directive parsing); should be refused")
+@pytest.mark.parametrize("where", NEWLINE_IN)
+def test_a_newline_in_a_directive_value_is_refused_or_harmless(where: str, tmp_path: Path) -> None:
+    slurm, extra, exclude = newline_inputs(where, f"touch {tmp_path}/pwned-nl")
+    try:
+        inv = slurm_inventory("b300", "bare", **slurm)
+        assert inv.slurm is not None
+        plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inv, name="k3t-newline")
+        script = make_sbatch_string(plan, inv.slurm, str(tmp_path / "logs"), extra, exclude)
+    except (ValidationError, ValueError, K3Error):
+        return  # refused: fine
+    run_fake(script, tmp_path, 1, list(FAKE_HOSTS))
+    text = script.splitlines()
+    first_cmd = next(i for i, line in enumerate(text) if line and not line.startswith("#"))
+    assert not (tmp_path / "pwned-nl").exists(), "a directive value ran as a shell command"
+    assert text[first_cmd] == "set -uo pipefail"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the default hf_cache '~/.cache/huggingface' reaches pyxis --container-mounts / "
+                                      "apptainer --bind with a literal '~' (quoted, never expanded); render.py uses home_path()")
+@pytest.mark.parametrize("container", ["pyxis", "apptainer"])
+def test_default_hf_cache_is_mounted_from_the_home_directory(container: str, tmp_path: Path) -> None:
+    inv = slurm_inventory("b300", container)
+    assert inv.slurm is not None
+    plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inv, name="k3t-home")
+    run = run_fake(make_sbatch_string(plan, inv.slurm, str(tmp_path / "logs")), tmp_path, 1, list(FAKE_HOSTS))
+    call = run.calls["serve-0"]
+    mount = next(w.split("=", 1)[1] for w in call.options if w.startswith("--container-mounts=")) if container == "pyxis" \
+        else call.command[call.command.index("--bind") + 1]
+    assert mount == f"{tmp_path}/home/.cache/huggingface:{HF}"
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: pyxis --container-mounts and apptainer --bind split on ',' (and ':'): an hf_cache with "
+                                      "a comma adds mounts of its own choosing (here / at /host); it should be refused")
+@pytest.mark.parametrize("container", ["pyxis", "apptainer"])
+def test_an_hf_cache_cannot_add_mounts(container: str) -> None:
+    try:
+        inv = slurm_inventory("b300", container, defaults={"hf_cache": "/data/hf,/:/host"})
+        assert inv.slurm is not None
+        plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inv, name="k3t-mounts")
+        words = steps(make_sbatch_string(plan, inv.slurm, "/logs"))["serve-0"]
+    except (ValidationError, ValueError, K3Error):
+        return
+    mounts = [w.split("=", 1)[1] for w in words if w.startswith("--container-mounts=")] if container == "pyxis" \
+        else [words[words.index("--bind") + 1]]
+    assert all("," not in m for m in mounts), mounts
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: container: bare + engine: sim still renders `vllm serve` unless defaults.runtime is also "
+                                      "'bare': engine_argv() keys off host.runtime (default docker for slurm), not slurm.container")
+def test_bare_container_mode_runs_the_simulated_engine_without_runtime_bare() -> None:
+    inv = slurm_inventory("b300", "bare", engine="sim", defaults={"python": sys.executable})
+    assert inv.slurm is not None
+    plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inv, name="k3t-sim")
+    words = steps(make_sbatch_string(plan, inv.slurm, "/logs"))["serve-0"]
+    argv = [addr_words(plan)(w) for w in plan.processes[0].argv]
+    assert words[-3 - len(argv) - 2:-3] == [sys.executable, "-m", "k3launch.sim", *argv[1:]]
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a router planned on the login node (plan endpoint http://127.0.0.1:PORT) is rendered as "
+                                      "an srun step on allocated node 0 still listening on --host 127.0.0.1: unreachable from login "
+                                      "and from the other nodes")
+def test_the_login_router_is_reachable_at_the_plan_endpoint() -> None:
+    plan, _, _ = case_plan("pd_cluster")
+    router = next(p for p in plan.processes if p.role == "router")
+    assert router.node == "login" and plan.endpoint.startswith("http://127.0.0.1:")
+    st = steps(case_script("pd_cluster"))
+    if "router" in st:  # a step inside the allocation must listen on its node's address
+        words = st["router"]
+        assert words[words.index("--host") + 1] != "127.0.0.1"
+
+
+# ------------------------------------------------------------------ a real job on the local cluster
+@pytest.fixture
+def jobs(slurm_cluster: Cluster) -> Iterator[list[str]]:
+    ids: list[str] = []
+    yield ids
+    if ids:
+        slurm_cluster.run("scancel", *ids, check=False)
+
+
+def _procs_of(deployment: str) -> list[int]:
+    """Live processes whose environment carries this deployment's marker."""
+    marker = f"K3LAUNCH_DEPLOYMENT={deployment}".encode()
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if marker in (d / "environ").read_bytes().split(b"\0"):
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return [p for p in pids if _alive(p)]
+
+
+def _health(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return int(resp.status)
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _until(cond: Callable[[], Any], timeout: float, step: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = cond()
+        if got or time.monotonic() >= deadline:
+            return got
+        time.sleep(step)
+
+
+@dataclass
+class Submitted:
+    job: str
+    plan: Plan
+    log_dir: Path
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.log_dir.glob("*")))
+
+
+def submit_sim(c: Cluster, tmp: Path, jobs: list[str], sel: Selection, env: dict[str, str]) -> Submitted:
+    """Render a plan of the simulated engine (container: bare) and sbatch it to the local cluster."""
+    if c.mode != "netns":
+        pytest.skip("multi mode: nodes share this machine's hostname and address; $K3_ADDR_i (the Slurm node name) would not resolve")
+    # runtime: bare is needed on top of container: bare (see the xfail test above)
+    inv = slurm_inventory("b300", "bare", engine="sim", partition=c.partition, time_limit="00:05:00",
+                          defaults={"python": sys.executable, "runtime": "bare", "env": {"K3LAUNCH_SIM_LOAD_S": "0.3", **env}})
+    assert inv.slurm is not None
+    plan = build_plan(TREE, sel, inventory=inv, name=f"k3t-{uuid.uuid4().hex[:8]}", port_base=random.randrange(20000, 28000, 100))
+    assert plan.gpus_per_node <= c.gpus_per_node and len(node_order(plan)) <= len(c.nodes)
+    log_dir = tmp / "logs"
+    # The script's own `mkdir -p "$K3_LOGDIR"` is too late for `#SBATCH --output=<log_dir>/...`: slurmd opens that
+    # before the script runs, and a missing directory fails the launch (FAILED, JobLaunchFailure, exit 0:53).
+    log_dir.mkdir()
+    script = tmp / "job.sbatch"
+    script.write_text(make_sbatch_string(plan, inv.slurm, str(log_dir)))
+    res = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30, cwd=ROOT,
+                         env=c.env(), stdin=subprocess.DEVNULL)
+    assert res.returncode == 0, res.stderr
+    job = res.stdout.strip().split(";")[0]
+    jobs.append(job)
+    return Submitted(job, plan, log_dir)
+
+
+def test_real_slurm_job_serves_the_simulated_engine_and_scancel_ends_it(slurm_cluster: Cluster, tmp_path: Path, jobs: list[str]) -> None:
+    from slurmcluster import TERMINAL
+
+    c = slurm_cluster
+    sub = submit_sim(c, tmp_path, jobs, Selection(strategy="single_node_tp"), {})
+    job, name, serve = sub.job, sub.plan.name, sub.plan.processes[0]
+    assert [p.id for p in sub.plan.processes] == ["serve-0"]
+    state = c.wait(job, timeout=30, until={"RUNNING", *TERMINAL})
+    assert state == "RUNNING", f"job {job}: {state}: {sub.logs()}"
+    node = c.run("squeue", "-h", "-j", job, "-o", "%N").stdout.strip()
+    assert node in c.nodes, node
+    url = f"http://{c.addresses[node]}:{serve.http_port}/health"
+
+    def up() -> bool:
+        assert not set(c.states(job)) & TERMINAL, f"job {job} ended: {c.states(job)}: {sub.logs()}"
+        return _health(url) == 200
+
+    assert _until(up, 30), f"{url} never answered: {sub.logs()}"
+    assert f"k3launch: node 0 (slurm-node-0) = {node}" in (sub.log_dir / f"slurm-{job}.out").read_text()
+    pids = _procs_of(name)
+    assert len(pids) == 1, pids
+    environ = dict(e.split("=", 1) for e in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in e)
+    assert environ.get("VLLM_HOST_IP") == node and environ.get("K3LAUNCH_PROCESS") == "serve-0"
+    # the step sees every GPU of the allocation (no --gres on the step needed)
+    assert environ.get("CUDA_VISIBLE_DEVICES") == ",".join(map(str, range(sub.plan.gpus_per_node))), environ.get("CUDA_VISIBLE_DEVICES")
+    cmdline = Path(f"/proc/{pids[0]}/cmdline").read_bytes().decode().split("\0")[:-1]
+    assert cmdline == [sys.executable, "-m", "k3launch.sim", *[node if w == serve.address else w for w in serve.argv[1:]]]
+
+    c.cancel(job)
+    assert c.wait(job, timeout=30) == "CANCELLED"
+    assert _until(lambda: not _procs_of(name), 10), f"still running after scancel: {_procs_of(name)}"
+    assert _health(url) is None
+
+
+def test_real_slurm_job_fails_fast_when_one_node_exits(slurm_cluster: Cluster, tmp_path: Path, jobs: list[str]) -> None:
+    """Two-node TP: serve-1 exits during load; the script stops the deployment and the job fails."""
+    c = slurm_cluster
+    sub = submit_sim(c, tmp_path, jobs, Selection(strategy="multi_node_tp", nodes=2),
+                     {"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_FAIL_PROCESS": "serve-1", "K3LAUNCH_SIM_FAIL_AFTER_S": "0.2"})
+    assert c.wait(sub.job, timeout=40) == "FAILED", sub.logs()
+    out = (sub.log_dir / f"slurm-{sub.job}.out").read_text()
+    # serve-1 dies first, but serve-0 notices its lost peer and may be reaped first: either is named, with its node
+    assert re.search(r"k3launch: serve-(\d) on node \1 exited with code [1-9]\d*; stopping the deployment", out), sub.logs()
+    assert "CUDA error: uncorrectable ECC error" in (sub.log_dir / "serve-1.log").read_text()
+    assert _until(lambda: not _procs_of(sub.plan.name), 10), f"still running: {_procs_of(sub.plan.name)}"
