@@ -75,6 +75,14 @@ class NodeSettings(Strict):
             raise ValueError(f"user {v!r} is not a valid login name")
         return v
 
+    @field_validator("hf_cache")
+    @classmethod
+    def _hf_cache(cls, v: str | None) -> str | None:
+        # docker -v, pyxis --container-mounts and apptainer --bind split on ':' and ','
+        if v is not None and ("," in v or ":" in v or "\n" in v):
+            raise ValueError(f"hf_cache {v!r} contains ',' or ':' (container mount lists split on them)")
+        return v
+
     @field_validator("image")
     @classmethod
     def _image(cls, v: str | None) -> str | None:
@@ -108,6 +116,12 @@ class InventoryNode(NodeSettings):
         return None if v is None else _check_host(v, "address")
 
 
+def _one_line(v: str, what: str) -> str:
+    if "\n" in v or "\r" in v:
+        raise ValueError(f"{what} {v!r} spans lines (each value ends up on one #SBATCH line)")
+    return v
+
+
 class SlurmSection(Strict):
     partition: str | None = None
     account: str | None = None
@@ -121,6 +135,16 @@ class SlurmSection(Strict):
     exclusive: bool = True
     gres: Literal["gres", "gpus-per-node"] = "gres"
     extra_sbatch: list[str] = []
+
+    @field_validator("partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit")
+    @classmethod
+    def _line(cls, v: str | None) -> str | None:
+        return None if v is None else _one_line(v, "slurm value")
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _lines(cls, v: list[str]) -> list[str]:
+        return [_one_line(x, "extra_sbatch line") for x in v]
 
 
 class RouterSection(Strict):

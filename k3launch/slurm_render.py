@@ -14,9 +14,10 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
+from k3launch.errors import K3Error
 from k3launch.inventory import SlurmSection
 from k3launch.plan_models import Plan, Process
-from k3launch.render import CONTAINER_HF_CACHE, Raw, engine_argv, markers, shell_join
+from k3launch.render import CONTAINER_HF_CACHE, Raw, engine_argv, home_path, markers, shell_join
 
 SECRET_ENV = ("HF_TOKEN",)
 
@@ -42,24 +43,35 @@ def _bind(word: str, addrs: dict[str, int]) -> str:
 def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int], node_index: int, image: str | None) -> list[str]:
     host = next(h for h in plan.hosts if h.name == proc.node)
     env = {**proc.env, **markers(plan, proc)}
-    argv = engine_argv(plan, proc, host)
+    # Slurm's container mode, not the host's runtime, decides whether the engine runs bare.
+    bare = proc.role == "router" or slurm.container == "bare" or not image
+    argv = engine_argv(plan, proc, host.model_copy(update={"runtime": "bare"}) if bare else host)
     srun = ["srun", "--nodes=1", "--ntasks=1", Raw(f'--nodelist="$K3_HOST_{node_index}"'), "--kill-on-bad-exit=1",
             f"--job-name={proc.id}", "--overlap"]
-    hf = host.hf_cache or "~/.cache/huggingface"
-    if proc.role == "router" or slurm.container == "bare" or not image:
+    hf_word = home_path(host.hf_cache or "~/.cache/huggingface")  # "$HOME"/... expands on the node
+
+    def mount(prefix: str) -> str:
+        if isinstance(hf_word, Raw):
+            return Raw(shlex.quote(prefix) + hf_word + shlex.quote(":" + CONTAINER_HF_CACHE))
+        return f"{prefix}{hf_word}:{CONTAINER_HF_CACHE}"
+
+    if bare:
         inner = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
     elif slurm.container == "pyxis":
-        srun += [f"--container-image={image}", f"--container-mounts={hf}:{CONTAINER_HF_CACHE}",
+        srun += [f"--container-image={image}", mount("--container-mounts="),
                  "--container-env=" + ",".join([*env, *SECRET_ENV])]
         inner = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
     else:  # apptainer
-        inner = ["apptainer", "exec", "--rocm" if plan.platform == "rocm" else "--nv", "--bind", f"{hf}:{CONTAINER_HF_CACHE}"]
+        inner = ["apptainer", "exec", "--rocm" if plan.platform == "rocm" else "--nv", "--bind", mount("")]
         inner += [w for k, v in env.items() for w in ("--env", f"{k}={v}")] + [f"docker://{image}", *argv]
     return [*srun, *(_bind(w, addrs) for w in inner)]
 
 
 def make_sbatch_string(plan: Plan, slurm: SlurmSection, log_dir: str, extra_sbatch: Sequence[str] = (),
                        exclude: Sequence[str] = ()) -> str:
+    for v in (*extra_sbatch, *exclude, log_dir):
+        if "\n" in v or "\r" in v:
+            raise K3Error("bad-sbatch-value", f"{v!r} spans lines; each value ends up on one #SBATCH line", "remove the line break")
     engine_nodes = [h.name for h in plan.hosts if h.role != "router" or h.gpus]
     order = list(dict.fromkeys(engine_nodes))
     index = {n: i for i, n in enumerate(order)}

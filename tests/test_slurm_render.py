@@ -475,7 +475,7 @@ def test_an_image_that_is_not_an_image_reference_is_refused(image: str) -> None:
         slurm_inventory("b300", "pyxis", defaults={"image": image})
 
 
-# ------------------------------------------------------------------ known bugs (xfail strict)
+# ------------------------------------------------------------------ hostile and awkward values
 NEWLINE_IN = ("extra_sbatch argument", "slurm.extra_sbatch", "slurm.partition", "slurm.time_limit", "exclude argument")
 
 
@@ -489,8 +489,6 @@ def newline_inputs(where: str, bad: str) -> tuple[dict[str, Any], tuple[str, ...
     return {key: [f"--comment=ok\n{bad}"] if key == "extra_sbatch" else f"x\n{bad}"}, (), ()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a newline in extra_sbatch / slurm.* values / exclude ends the #SBATCH line and the rest "
-                                      "runs as a shell command in the batch script (and ends directive parsing); should be refused")
 @pytest.mark.parametrize("where", NEWLINE_IN)
 def test_a_newline_in_a_directive_value_is_refused_or_harmless(where: str, tmp_path: Path) -> None:
     slurm, extra, exclude = newline_inputs(where, f"touch {tmp_path}/pwned-nl")
@@ -508,8 +506,6 @@ def test_a_newline_in_a_directive_value_is_refused_or_harmless(where: str, tmp_p
     assert text[first_cmd] == "set -uo pipefail"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the default hf_cache '~/.cache/huggingface' reaches pyxis --container-mounts / "
-                                      "apptainer --bind with a literal '~' (quoted, never expanded); render.py uses home_path()")
 @pytest.mark.parametrize("container", ["pyxis", "apptainer"])
 def test_default_hf_cache_is_mounted_from_the_home_directory(container: str, tmp_path: Path) -> None:
     inv = slurm_inventory("b300", container)
@@ -522,8 +518,6 @@ def test_default_hf_cache_is_mounted_from_the_home_directory(container: str, tmp
     assert mount == f"{tmp_path}/home/.cache/huggingface:{HF}"
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: pyxis --container-mounts and apptainer --bind split on ',' (and ':'): an hf_cache with "
-                                      "a comma adds mounts of its own choosing (here / at /host); it should be refused")
 @pytest.mark.parametrize("container", ["pyxis", "apptainer"])
 def test_an_hf_cache_cannot_add_mounts(container: str) -> None:
     try:
@@ -538,8 +532,6 @@ def test_an_hf_cache_cannot_add_mounts(container: str) -> None:
     assert all("," not in m for m in mounts), mounts
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: container: bare + engine: sim still renders `vllm serve` unless defaults.runtime is also "
-                                      "'bare': engine_argv() keys off host.runtime (default docker for slurm), not slurm.container")
 def test_bare_container_mode_runs_the_simulated_engine_without_runtime_bare() -> None:
     inv = slurm_inventory("b300", "bare", engine="sim", defaults={"python": sys.executable})
     assert inv.slurm is not None
