@@ -46,7 +46,6 @@ STATE = _State()
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object (errors: {\"error\": {code, message, hint}}).")]
 RecipesDir = Annotated[Path | None, typer.Option("--recipes-dir", help="A recipes tree (vLLM recipes layout) to use instead of the bundled one.")]
 VllmVersion = Annotated[str, typer.Option("--vllm-version", help="vLLM flag schema to check against.")]
-ADVANCED_ALL = ("max-num-batched-tokens", "max-num-seqs", "gpu-memory-utilization", "max-model-len")
 
 
 def console() -> Console:
@@ -109,6 +108,7 @@ class PlanArgs:
         import re
 
         from k3launch.inventory import apply_ssh_config, load_inventory, read_ssh_config
+        from k3launch.layers import DEFAULT_ADVANCED
         from k3launch.plan import build_plan
         from k3launch.selection import Selection
 
@@ -121,7 +121,7 @@ class PlanArgs:
             recipe=v["recipe"], variant=v["variant"], hardware=v["hardware"], strategy=v["strategy"], nodes=v["nodes"],
             prefill_strategy=v["prefill_strategy"], prefill_nodes=v["prefill_nodes"], decode_strategy=v["decode_strategy"],
             decode_nodes=v["decode_nodes"], features=tuple(v["feature"] or ()), no_features=tuple(v["no_feature"] or ()),
-            kv_offload=v["kv_offload"], sets=tuple(v["set_"] or ()), advanced=ADVANCED_ALL if "all" in adv else adv,
+            kv_offload=v["kv_offload"], sets=tuple(v["set_"] or ()), advanced=tuple(DEFAULT_ADVANCED) if "all" in adv else adv,
             vllm_version=v["vllm_version"],
         )
         inv = load_inventory(v["inventory"]) if v["inventory"] is not None else None

@@ -23,7 +23,7 @@ from k3launch.inventory import Inventory
 from k3launch.layers import RESERVED, locks_for, pool_sources
 from k3launch.placement import LOGIN, PLACEHOLDER_IFACE, NodeSpec, Ports, inventory_hardware, placeholder_nodes, router_node, select_nodes
 from k3launch.plan_models import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry
-from k3launch.porttable import port_table
+from k3launch.porttable import flag_value, port_table
 from k3launch.recipes import RecipeTree
 from k3launch.resolve import resolve
 from k3launch.router import router_process
@@ -78,15 +78,6 @@ def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool, ports: Ports) -> t
         if not hybrid:
             toks.append("--headless")
     return toks, i == 0 or hybrid, None, i * local
-
-
-def _last(pre: Sequence[Source], flag: str) -> str | None:
-    val = None
-    for s in pre:
-        for j, t in enumerate(s.args):
-            if t == flag and j + 1 < len(s.args):
-                val = s.args[j + 1]
-    return val
 
 
 def _image(r: Resolved, node: NodeSpec) -> str | None:
@@ -147,7 +138,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
         pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strats)
         hybrid = any(t in ("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe") for s in pre for t in s.args)
-        recipe_port = _last(pre, "--port")
+        recipe_port = flag_value([t for src in pre for t in src.args], "--port")
         http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
         nixl_env = next((v for s in pre for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
         head = pool_nodes[0]

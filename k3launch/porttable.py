@@ -62,10 +62,3 @@ def port_table(procs: Sequence[Process], ports: Ports) -> list[PortUse]:
             seen[("node:" + p.node, port)] = use
             table.append(use)
     return table
-
-
-def free_port(taken: set[tuple[str, int]], address: str, want: int) -> int:
-    port = want
-    while (address, port) in taken:
-        port += 1
-    return port

@@ -18,7 +18,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -346,18 +346,3 @@ def run_many(runner: Runner, jobs: Iterable[tuple[Target, str]], *, timeout: flo
         for name, outcome in pool.map(one, jobs):
             out[name] = outcome
     return out
-
-
-def each(runner: Runner, targets: Iterable[Target], command: Callable[[Target], str], **kw: float) -> dict[str, Outcome]:
-    return run_many(runner, [(t, command(t)) for t in targets], **kw)  # type: ignore[arg-type]
-
-
-def failures(outcomes: Mapping[str, Outcome]) -> dict[str, str]:
-    """target → one-line reason, for every outcome that is an error or a non-zero exit."""
-    bad: dict[str, str] = {}
-    for name, o in outcomes.items():
-        if isinstance(o, K3Error):
-            bad[name] = o.message
-        elif not o.ok:
-            bad[name] = CommandFailed(o).message
-    return bad

@@ -129,6 +129,8 @@ class Problem:
     code: str
     message: str
     hint: str = ""
+    option: str = ""  # the option (or stray word) the problem is about
+    value: str | None = None  # the offending value, when there is one
 
 
 class FlagSchema:
@@ -187,7 +189,7 @@ class FlagSchema:
             tok = tokens[i]
             i += 1
             if not tok.startswith("-") or tok == "-":
-                problems.append(Problem("stray-value", f"unexpected value {tok!r}", "quote it or drop it"))
+                problems.append(Problem("stray-value", f"unexpected value {tok!r}", "quote it or drop it", option=tok))
                 continue
             name, eq, inline = tok.partition("=")
             base, dot, path = name.partition(".")
@@ -195,7 +197,7 @@ class FlagSchema:
                 base, path = name, ""
             found = self.lookup(base)
             if found is None:
-                problems.append(Problem("unknown-flag", f"{base} is not a flag of vllm serve {self.version}", self.suggest(base)))
+                problems.append(Problem("unknown-flag", f"{base} is not a flag of vllm serve {self.version}", self.suggest(base), option=base))
                 # Skip a following value so one typo is one problem.
                 if not eq and i < len(tokens) and not tokens[i].startswith("-"):
                     i += 1
@@ -203,19 +205,19 @@ class FlagSchema:
             spec, pol, legacy = found
             if path:
                 if not spec.takes_dict:
-                    problems.append(Problem("bad-dotted", f"{base} takes no dotted sub-keys ({name})", f"pass {spec.canonical} VALUE"))
+                    problems.append(Problem("bad-dotted", f"{base} takes no dotted sub-keys ({name})", f"pass {spec.canonical} VALUE", option=base))
                     continue
                 value = inline if eq else (tokens[i] if i < len(tokens) else None)
                 if not eq:
                     i += 1
                 if value is None:
-                    problems.append(Problem("missing-value", f"{name} needs a value", ""))
+                    problems.append(Problem("missing-value", f"{name} needs a value", "", option=name))
                     continue
                 args.append(Arg(spec, base, value, None, path, legacy))
                 continue
             if spec.kind in ("bool", "store_true"):
                 if eq:
-                    problems.append(Problem("bad-value", f"{base} takes no value (got {inline!r})", f"write {base} alone"))
+                    problems.append(Problem("bad-value", f"{base} takes no value (got {inline!r})", f"write {base} alone", option=base, value=inline))
                     continue
                 args.append(Arg(spec, base, None, pol, "", legacy))
                 continue
@@ -225,7 +227,7 @@ class FlagSchema:
                     vals.append(tokens[i])
                     i += 1
                 if not vals:
-                    problems.append(Problem("missing-value", f"{base} needs at least one value", ""))
+                    problems.append(Problem("missing-value", f"{base} needs at least one value", "", option=base))
                     continue
                 args.append(Arg(spec, base, " ".join(vals), None, "", legacy))
                 continue
@@ -237,7 +239,7 @@ class FlagSchema:
             elif spec.kind == "optional":
                 value = ""
             else:
-                problems.append(Problem("missing-value", f"{base} needs a value", f"write {base} VALUE"))
+                problems.append(Problem("missing-value", f"{base} needs a value", f"write {base} VALUE", option=base))
                 continue
             err = self.check_value(spec, value)
             if err:
@@ -254,6 +256,8 @@ class FlagSchema:
                 "bad-choice",
                 f"{opt} {value!r} is not one of vLLM {self.version}'s choices",
                 "choose one of: " + ", ".join(spec.choices),
+                option=opt,
+                value=value,
             )
         try:
             if spec.type == "int":
@@ -269,7 +273,7 @@ class FlagSchema:
                 json.loads(value)
         except (ValueError, json.JSONDecodeError) as exc:
             kind = "JSON" if spec.type in _JSON_TYPES else (spec.type or "value")
-            return Problem("bad-value", f"{opt} {value!r} is not a valid {kind}: {exc}", "")
+            return Problem("bad-value", f"{opt} {value!r} is not a valid {kind}: {exc}", "", option=opt, value=value)
         return None
 
 
@@ -313,7 +317,7 @@ def _kind(action: str | None, nargs: object) -> Kind:
 def load_schema(version: str = DEFAULT_VLLM_VERSION) -> FlagSchema:
     """The vendored schema of one vLLM version (``--vllm-version``)."""
     root = resources.files("k3launch") / "data" / "vllm"
-    known = sorted(p.name for p in root.iterdir() if p.is_dir())
+    known = vendored_versions()
     if version not in known:
         raise K3Error(
             "unknown-vllm-version",

@@ -8,10 +8,8 @@ GPUs) print vLLM's ``ValueError`` and exit 1.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import os
-import re
 import sys
 from collections.abc import Mapping
 from typing import NoReturn
@@ -101,27 +99,19 @@ def parse_serve(schema: FlagSchema, tokens: list[str], env: Mapping[str, str]) -
         raise UsageError(f"argument --kv-transfer-config: {exc}") from None
 
 
-# The schema reports problems as one-line messages; these patterns recover the option and value
-# so the error reads like argparse's (the message is kept verbatim if a pattern does not match).
-_VALUE_RE = re.compile(r"^(?P<opt>-\S+) (?P<val>'.*'|\".*\") is not (?:one of|a valid (?P<kind>\S+?):?\s)")
-_MISSING_RE = re.compile(r"^(?P<opt>-\S+) needs (?P<what>a value|at least one value)")
-_NOVALUE_RE = re.compile(r"^(?P<opt>-\S+) takes no value \(got (?P<val>'.*'|\".*\")\)")
-
-
 def _argparse_message(schema: FlagSchema, p: Problem) -> str:
-    if m := _VALUE_RE.match(p.message):
-        spec = _spec(schema, m["opt"])
-        value = ast.literal_eval(m["val"])
-        if p.code == "bad-choice" and spec is not None and spec.choices:
-            return f"argument {_name(spec)}: invalid choice: {value!r} (choose from {', '.join(map(repr, spec.choices))})"
-        return f"argument {_name(spec) if spec else m['opt']}: invalid {spec.type if spec and spec.type else 'value'} value: {value!r}"
-    if m := _MISSING_RE.match(p.message):
-        spec = _spec(schema, m["opt"])
-        what = "expected one argument" if m["what"] == "a value" else "expected at least one argument"
-        return f"argument {_name(spec) if spec else m['opt']}: {what}"
-    if m := _NOVALUE_RE.match(p.message):
-        spec = _spec(schema, m["opt"])
-        return f"argument {_name(spec) if spec else m['opt']}: ignored explicit argument {ast.literal_eval(m['val'])!r}"
+    """The schema's problem worded as vLLM's argparse words it."""
+    spec = _spec(schema, p.option) if p.option else None
+    name = _name(spec) if spec else p.option
+    if p.code == "bad-choice" and spec is not None and spec.choices:
+        return f"argument {name}: invalid choice: {p.value!r} (choose from {', '.join(map(repr, spec.choices))})"
+    if p.code == "bad-value" and spec is not None and spec.kind in ("bool", "store_true"):
+        return f"argument {name}: ignored explicit argument {p.value!r}"
+    if p.code == "bad-value":
+        return f"argument {name}: invalid {spec.type if spec and spec.type else 'value'} value: {p.value!r}"
+    if p.code == "missing-value":
+        what = "expected at least one argument" if spec is not None and spec.kind == "multi" else "expected one argument"
+        return f"argument {name}: {what}"
     return p.message
 
 
@@ -135,7 +125,4 @@ def _name(spec: FlagSpec) -> str:
 
 
 def _token_of(p: Problem) -> str:
-    if p.code == "stray-value":
-        m = re.match(r"^unexpected value (?P<val>'.*'|\".*\")$", p.message)
-        return str(ast.literal_eval(m["val"])) if m else p.message
-    return p.message.split(" ", 1)[0]
+    return p.option or p.message.split(" ", 1)[0]
