@@ -15,13 +15,14 @@ from typing import Annotated
 import typer
 
 from k3launch import __version__
+from k3launch import cli_campaign as _cli_campaign  # registers `bench` and `campaign run/report`
 from k3launch import cli_deploy as _cli_deploy  # registers up/status/logs/down/list
 from k3launch import cli_recipes as _cli_recipes  # registers `recipes` and `lint`
 from k3launch.cli_common import STATE, JsonOut, PlanArgs, app, console, fail, with_selection
 from k3launch.errors import K3Error
 
 __all__ = ["app", "main"]
-_ = (_cli_recipes, _cli_deploy)
+_ = (_cli_recipes, _cli_deploy, _cli_campaign)
 
 
 def _version(value: bool) -> None:

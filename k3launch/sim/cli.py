@@ -34,14 +34,18 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     args = list(sys.argv[1:] if argv is None else argv)
     environ = os.environ if env is None else env
     if not args or args[0] in ("-h", "--help"):
-        print("usage: vllm [-h] [-v] {serve} ...\n\nk3launch's simulated vLLM engine: `vllm serve MODEL [flags]`.")
+        print("usage: vllm [-h] [-v] {serve,bench} ...\n\nk3launch's simulated vLLM engine: `vllm serve MODEL [flags]`, `vllm bench serve [options]`.")
         return 0 if args else 2
     if args[0] in ("-v", "--version"):
         print(environ.get("K3LAUNCH_SIM_VLLM_VERSION") or DEFAULT_VLLM_VERSION)
         return 0
+    if args[0] == "bench":  # `vllm bench serve`: the image's own benchmark client
+        from k3launch.sim import bench
+
+        return bench.main(args[1:])
     if args[0] != "serve":
-        sys.stderr.write(f"usage: vllm [-h] [-v] {{serve}} ...\nvllm: error: argument subparser: invalid choice: {args[0]!r} "
-                         "(the simulated engine only implements 'serve')\n")
+        sys.stderr.write(f"usage: vllm [-h] [-v] {{serve,bench}} ...\nvllm: error: argument subparser: invalid choice: {args[0]!r} "
+                         "(the simulated engine only implements 'serve' and 'bench serve')\n")
         return 2
     try:
         knobs = options.Knobs.from_env(environ)
