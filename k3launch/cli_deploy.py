@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -16,33 +16,20 @@ from k3launch.nodes import Fleet
 from k3launch.plan_models import Plan
 from k3launch.state import DeploymentRecord, StateStore
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
 AcceptUnknown = Annotated[bool, typer.Option("--accept-unknown-hosts", help="Accept (and remember) SSH host keys not in known_hosts. Off by default.")]
 ConnectTimeout = Annotated[float, typer.Option("--connect-timeout", help="Seconds to wait for a node's SSH connection (ssh_config ConnectTimeout wins).")]
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
-def bundled_inventory(name: str) -> Path:
-    here = Path(__file__).resolve().parent
-    for cand in (here / "_inventories" / f"{name}.yaml", here.parent / "inventories" / f"{name}.yaml"):
-        if cand.is_file():
-            return cand
-    raise K3Error("missing-inventory", f"the bundled {name} inventory is missing", "pass --inventory FILE")
-
-
 def fleet_for(plan: Plan, ssh_config: str | None, known_hosts: str | None, accept_unknown: bool, connect_timeout: float = 10.0) -> Fleet:
-    from k3launch.runners import LocalRunner, SshRunner
+    from k3launch.api import fleet_for as _fleet_for
 
-    if plan.backend == "ssh":
-        runner = SshRunner(known_hosts=known_hosts, ssh_config=ssh_config, accept_unknown_hosts=accept_unknown, connect_timeout=connect_timeout)
-        return Fleet.for_plan(plan, runner, LocalRunner())
-    return Fleet.for_plan(plan)
-
-
-def _load_inv(path: Path) -> Inventory:
-    from k3launch.inventory import load_inventory
-
-    return load_inventory(path)
+    fleet: Fleet = _fleet_for(plan, ssh_config, known_hosts, accept_unknown, connect_timeout)
+    return fleet
 
 
 @app.command()
@@ -53,58 +40,39 @@ def up(
     keep_on_failure: Annotated[bool, typer.Option("--keep-on-failure", help="Leave processes running when up fails (for debugging).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Use nodes another live deployment holds.")] = False,
     skip_doctor: Annotated[bool, typer.Option("--skip-doctor", help="Do not run the pre-flight checks.")] = False,
+    extra_sbatch: Annotated[list[str] | None, typer.Option("--extra-sbatch", help="Slurm: one more #SBATCH directive, verbatim (repeatable), e.g. --extra-sbatch=--mail-type=END.")] = None,
+    queue_timeout: Annotated[float | None, typer.Option("--queue-timeout", help="Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
     *, args: PlanArgs,
 ) -> None:
-    """Launch a deployment and wait until it serves (default: the simulated K3 on this machine)."""
+    """Launch a deployment and wait until it serves (default: the simulated K3 on this machine).
+
+    On a slurm inventory: one sbatch job, watched from here until it serves (see README "Slurm")."""
     STATE.json = json_out
-    from k3launch import show_deploy
-    from k3launch.doctor import doctor
-    from k3launch.launch import Launch
+    from k3launch import api, show_deploy
 
     con = console()
     try:
         if args.inventory_path is None:
-            args = PlanArgs({**args.values, "inventory": bundled_inventory("local")})
+            args = PlanArgs({**args.values, "inventory": api.bundled_inventory("local")})
             if not json_out:
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
-        inv = _load_inv(args.inventory_path)  # type: ignore[arg-type]
+        inv = api.load(args.inventory_path)[0]
         plan = args.build()
-        store = StateStore(state_dir)
         if dry_run:
-            steps = show_deploy.start_scripts(plan, inv.hf_token_file)
-            if json_out:
-                typer.echo(json.dumps({"name": plan.name, "steps": [{"step": st, "node": n, "script": sc} for st, n, sc in steps]}, indent=2))
-            else:
-                show_deploy.dry_run(con, plan, steps)
+            _dry_run(con, plan, inv, state_dir, tuple(extra_sbatch or ()), json_out)
             return
-        if store.exists(plan.name):
-            raise K3Error("deployment-exists", f"a deployment named {plan.name!r} already exists", f"`k3launch down {plan.name}` first, or pass --name")
-        held = store.nodes_in_use()
-        clash = sorted({f"{h.name} ({held[h.address]})" for h in plan.hosts if h.address in held and h.gpus})
-        if clash and not force:
-            raise K3Error("nodes-in-use", f"nodes held by live deployments: {', '.join(clash)}", "`k3launch down` that deployment, --exclude the nodes, or pass --force")
-        fleet = fleet_for(plan, inv.ssh_config, inv.known_hosts, accept_unknown_hosts, connect_timeout)
-        with store.lock(plan.name):
-            emit = show_deploy.stage_printer(con, quiet=json_out)  # times count from here, doctor included
-            try:
-                if not skip_doctor:
-                    report = doctor(plan, fleet, [r.name for r in store.list()])
-                    show_deploy.doctor(con, report, quiet=json_out)
-                    if not report.ok:
-                        raise report.error()
-                    emit("doctor", f"{len(fleet.nodes())} node(s) checked")
-                launch = Launch(plan, fleet, store, inventory=str(args.inventory_path), hf_token_file=inv.hf_token_file, on_stage=emit,
-                                on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None,
-                                ssh_config=inv.ssh_config, known_hosts=inv.known_hosts)
-                t0 = time.monotonic()
-                rec = launch.up(timeout=ready_timeout, keep_on_failure=keep_on_failure)
-            finally:
-                fleet.close()
+        emit = show_deploy.stage_printer(con, quiet=json_out)  # times count from here, doctor included
+        t0 = time.monotonic()
+        rec = api.up(plan, args.inventory_path, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
+                     force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+                     extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, on_stage=emit,
+                     on_doctor=lambda report: show_deploy.doctor(con, report, quiet=json_out),
+                     on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None)
     except K3Error as err:
         fail(err)
     except KeyboardInterrupt:
-        # Launch.up has torn down what it started (the record stays if something was left)
+        # api.up has torn down what it started (the record stays if something was left)
         typer.echo("interrupted: what was started has been torn down", err=True)
         raise typer.Exit(INTERRUPTED) from None
     if json_out:
@@ -113,21 +81,38 @@ def up(
         show_deploy.ready(con, rec)
 
 
+def _dry_run(con: Console, plan: Plan, inv: Inventory, state_dir: Path | None, extra_sbatch: tuple[str, ...], json_out: bool) -> None:
+    from k3launch import show_deploy
+
+    if inv.backend == "slurm":
+        from k3launch.slurm_backend import log_dir_for
+        from k3launch.slurm_render import make_sbatch_string
+
+        assert inv.slurm is not None
+        text = make_sbatch_string(plan, inv.slurm, log_dir_for(StateStore(state_dir), inv, plan.name), extra_sbatch,
+                                  hf_token_file=inv.hf_token_file)
+        if json_out:
+            typer.echo(json.dumps({"name": plan.name, "sbatch": text}, indent=2))
+        else:
+            con.rule(f"{plan.name}: the sbatch script `up` would submit (nothing is submitted)", align="left")
+            typer.echo(text)
+        return
+    steps = show_deploy.start_scripts(plan, inv.hf_token_file)
+    if json_out:
+        typer.echo(json.dumps({"name": plan.name, "steps": [{"step": st, "node": n, "script": sc} for st, n, sc in steps]}, indent=2))
+    else:
+        show_deploy.dry_run(con, plan, steps)
+
+
 @app.command()
 def status(name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")], state_dir: StateDir = None,
            accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False) -> None:
     """Per process: alive, healthy; the deployment's state and endpoint."""
     STATE.json = json_out
-    from k3launch import show_deploy
-    from k3launch.observe import observe
+    from k3launch import api, show_deploy
 
     try:
-        rec = StateStore(state_dir).load(name)
-        fleet = fleet_for(rec.plan, rec.ssh_config, rec.known_hosts, accept_unknown_hosts, connect_timeout)
-        try:
-            snap = observe(rec, fleet)
-        finally:
-            fleet.close()
+        snap = api.status(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     except K3Error as err:
         fail(err)
     if json_out:
@@ -153,6 +138,18 @@ def logs(
         ids = [p.id for p in rec.plan.processes if (role is None or p.role == role) and (node is None or p.node == node)]
         if not ids:
             raise K3Error("no-processes", "no process matches --role/--node", "processes: " + ", ".join(f"{p.id}@{p.node}" for p in rec.plan.processes))
+        if rec.slurm is not None:
+            from k3launch.slurm_ops import follow_files
+            from k3launch.slurm_ops import tail_logs as slurm_tail
+
+            hosts = {p.id: rec.slurm.hosts.get(p.node, p.node) for p in rec.plan.processes}
+            # without --role/--node, the job's own output (binding, doctor, which step ended) comes first
+            for pid, text in slurm_tail(rec, ids if role or node else ["job", *ids], lines).items():
+                typer.echo(f"==> job {rec.slurm.job_id} output <==" if pid == "job" else f"==> {pid} on {hosts[pid]} <==")
+                typer.echo(text.rstrip())
+            if follow:
+                follow_files(rec, ids, typer.echo)
+            return
         fleet = fleet_for(rec.plan, rec.ssh_config, rec.known_hosts, accept_unknown_hosts, connect_timeout)
         node_of = {p.id: p.node for p in rec.plan.processes}
         try:
@@ -176,20 +173,10 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
          json_out: JsonOut = False) -> None:
     """Stop every process (router, heads, headless), then verify nothing is left and ports are free."""
     STATE.json = json_out
-    from k3launch import show_deploy
-    from k3launch.teardown import teardown
+    from k3launch import api, show_deploy
 
     try:
-        store = StateStore(state_dir)
-        with store.lock(name):
-            rec = store.load(name)
-            fleet = fleet_for(rec.plan, rec.ssh_config, rec.known_hosts, accept_unknown_hosts, connect_timeout)
-            try:
-                report = teardown(rec, fleet, store, grace_s=grace)
-            finally:
-                fleet.close()
-            if report.clean:
-                store.delete(name)
+        report = api.down(name, state_dir=state_dir, grace=grace, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     except K3Error as err:
         fail(err)
     if json_out:

@@ -135,8 +135,11 @@ class SlurmSection(Strict):
     exclusive: bool = True
     gres: Literal["gres", "gpus-per-node"] = "gres"
     extra_sbatch: list[str] = []
+    # Job scripts, the job's output and every process's log; must be on a filesystem the login
+    # node shares with the compute nodes (default: <state dir>/slurm/<deployment>, under $HOME).
+    log_dir: str | None = None
 
-    @field_validator("partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit")
+    @field_validator("partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit", "log_dir")
     @classmethod
     def _line(cls, v: str | None) -> str | None:
         return None if v is None else _one_line(v, "slurm value")
@@ -186,6 +189,9 @@ class Inventory(Strict):
             raise ValueError("backend slurm needs a 'slurm:' section (partition, ...)")
         if self.backend != "slurm" and not self.nodes:
             raise ValueError(f"backend {self.backend} needs at least one node under 'nodes:'")
+        if self.backend == "slurm" and (self.router.node != "login" or self.router.address):
+            raise ValueError("on slurm the router runs inside the allocation, on the first engine node: "
+                             "router.node and router.address do not apply (router.port does)")
         if self.router.node != "login" and self.router.node not in names:
             raise ValueError(f"router.node {self.router.node!r} is neither 'login' nor a node of this inventory")
         return self

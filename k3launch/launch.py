@@ -133,6 +133,44 @@ def rank_label(proc: Process) -> str:
 
 
 @dataclass
+class Readiness:
+    """The ``health`` and ``completion`` stages, shared by every backend: every HTTP endpoint
+    answers ``/health`` 200, then one real completion comes back through the public endpoint."""
+
+    processes: Sequence[Process]  # with the addresses the processes really bind
+    endpoint: str
+    model: str
+    on_stage: StageFn
+    healthy: set[str] = field(default_factory=set)
+
+    @property
+    def missing(self) -> list[str]:
+        return [p.id for p in self.processes if p.http_port is not None and p.id not in self.healthy]
+
+    def check(self, t_end: float) -> health.Completion | None:
+        """One poll: probe what is not healthy yet; once all are, try the completion."""
+        n = sum(1 for p in self.processes if p.http_port is not None)
+        todo = {p.id: f"http://{p.address}:{p.http_port}" for p in self.processes if p.id in self.missing}
+        for pid, ok in probe_all(todo).items():
+            if ok:
+                self.healthy.add(pid)
+                self.on_stage("health", f"{pid} healthy ({len(self.healthy)}/{n})")
+        if self.missing:
+            return None
+        c = health.completion(self.endpoint, self.model, timeout=max(5.0, min(60.0, t_end - time.monotonic())))
+        if c.ok:
+            self.on_stage("completion", f"completion through {self.endpoint}: {c.completion_tokens} tokens in {c.seconds:.2f}s")
+            return c
+        if c.detail.startswith("no tokens"):
+            raise LaunchFailed(f"completion stage: {self.endpoint} answers but generated no tokens ({c.detail})",
+                               "check the engine logs (`k3launch logs`)", code="no-tokens")
+        return None
+
+    def stage(self) -> str:
+        return "health" if self.missing else "completion"
+
+
+@dataclass
 class Launch:
     plan: Plan
     fleet: Fleet
@@ -220,9 +258,8 @@ class Launch:
 
     def wait_ready(self, rec: DeploymentRecord, deadline_s: float) -> health.Completion:
         t_end = time.monotonic() + deadline_s
-        http = [p for p in self.plan.processes if p.http_port is not None]
+        ready = Readiness(self.plan.processes, self.plan.endpoint, self.plan.model, self.on_stage)
         stage = "alive"
-        healthy: set[str] = set()
         while True:
             t_poll = time.monotonic()
             pl = self.poll(rec)
@@ -235,25 +272,12 @@ class Launch:
                 raise self._died(rec, pl, stage)
             if stage == "alive":
                 self.on_stage("alive", f"all {len(rec.processes)} processes running")
-                stage = "health"
-            if stage == "health":
-                todo = {p.id: f"http://{p.address}:{p.http_port}" for p in http if p.id not in healthy}
-                for pid, ok in probe_all(todo).items():
-                    if ok:
-                        healthy.add(pid)
-                        self.on_stage("health", f"{pid} healthy ({len(healthy)}/{len(http)})")
-                if len(healthy) == len(http):
-                    stage = "completion"
-            if stage == "completion":
-                c = health.completion(self.plan.endpoint, self.plan.model, timeout=max(5.0, min(60.0, t_end - time.monotonic())))
-                if c.ok:
-                    self.on_stage("completion", f"completion through {self.plan.endpoint}: {c.completion_tokens} tokens in {c.seconds:.2f}s")
-                    return c
-                if c.detail.startswith("no tokens"):
-                    raise LaunchFailed(f"completion stage: {self.plan.endpoint} answers but generated no tokens ({c.detail})",
-                                       "check the engine logs (`k3launch logs`)", code="no-tokens")
+            c = ready.check(t_end)
+            if c is not None:
+                return c
+            stage = ready.stage()
             if time.monotonic() > t_end:
-                missing = [p.id for p in http if p.id not in healthy]
+                missing = ready.missing
                 raise LaunchFailed(f"not ready after {deadline_s:g}s (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
                                    "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
                                    self.log_tail(rec, missing[0]) if missing and missing[0] in rec.processes else "", code="not-ready")

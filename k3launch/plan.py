@@ -169,7 +169,9 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
                                       gpu_memory_gb=pool.nodes * r.hardware.vram_gb, weights_gb=r.weights_gb,
                                       fits=pool.nodes * r.hardware.vram_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
-    rnode = router_node(inventory, exclude)
+    # On Slurm the router runs inside the allocation, on the first engine node (the login node
+    # cannot be assumed to reach compute nodes' ports, nor to outlive a job array task).
+    rnode = placed[0] if inventory is not None and inventory.backend == "slurm" else router_node(inventory, exclude)
     router_port = inventory.router.port if inventory is not None and inventory.router.port else None
     router = router_process(r, procs, notices, rnode, ports, router_port)
     if router is not None:
@@ -191,7 +193,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
         processes=procs, ports=table, inventory=inventory.name if inventory else None,
         backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
-        platform=r.hardware.vendor_platform,
+        platform=r.hardware.vendor_platform, exclude=list(exclude),
     )
 
 

@@ -131,6 +131,7 @@ class Plan(Frozen):
     engine: str = "vllm"
     port_base: int = 8000
     platform: str = "cuda"  # cuda | rocm: which container device flags the engines need
+    exclude: list[str] = []  # nodes the selection excluded (Slurm: passed on as sbatch --exclude)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

@@ -93,7 +93,7 @@ def status(con: Console, snap: dict[str, object]) -> None:
 
 def down(con: Console, name: str, report: TeardownReport) -> None:
     if report.clean:
-        con.print(f"[green]{name} is down[/]: {len(report.stopped)} process(es) stopped; no process or container left; planned ports free")
+        con.print(f"[green]{name} is down[/]: {len(report.stopped)} process(es) stopped; {report.verified}")
         return
     con.print(f"[red]{name} is not fully down[/]")
     for node, why in report.unreachable.items():

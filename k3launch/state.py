@@ -38,6 +38,20 @@ class ProcessRecord(BaseModel):
     started: bool = False
 
 
+class SlurmJob(BaseModel):
+    """A deployment's Slurm job: where it runs and what it was given (backend slurm)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    log_dir: str  # job script, slurm-<job>.out and one <process>.log each (shared with the nodes)
+    script: str
+    excluded: list[str] = []  # --exclude of the submission
+    attempts: int = 1  # submissions (a node refused by the job's doctor step is excluded next time)
+    hosts: dict[str, str] = {}  # plan node -> allocated host
+    addresses: dict[str, str] = {}  # plan node -> that host's NodeAddr
+
+
 class DeploymentRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -53,6 +67,7 @@ class DeploymentRecord(BaseModel):
     processes: dict[str, ProcessRecord] = {}
     unreachable: list[str] = []
     error: str | None = None
+    slurm: SlurmJob | None = None
 
 
 def default_state_dir() -> Path:
@@ -133,8 +148,8 @@ class StateStore:
         """address → deployment name, for every node held by a live deployment."""
         held: dict[str, str] = {}
         for rec in self.list():
-            if rec.name == exclude or rec.state not in LIVE_STATES:
-                continue
+            if rec.name == exclude or rec.state not in LIVE_STATES or rec.slurm is not None:
+                continue  # Slurm itself arbitrates its nodes
             for h in rec.plan.hosts:
                 if h.role != "router" or h.gpus:
                     held[h.address] = rec.name

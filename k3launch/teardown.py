@@ -40,6 +40,7 @@ class TeardownReport:
     leftovers: dict[str, list[str]] = field(default_factory=dict)  # node -> what remains
     unreachable: dict[str, str] = field(default_factory=dict)  # node -> why
     busy_ports: list[str] = field(default_factory=list)
+    verified: str = "no process or container left; planned ports free"  # what a clean report checked
 
     @property
     def clean(self) -> bool:

@@ -42,7 +42,7 @@ from k3launch.plan import build_plan
 from k3launch.plan_models import Plan, Process
 from k3launch.recipes import RecipeTree
 from k3launch.selection import Selection
-from k3launch.slurm_render import make_sbatch_string
+from k3launch.slurm_render import DOCTOR_FAILED_EXIT, job_library, make_array_string, make_sbatch_string
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
@@ -59,17 +59,28 @@ SECRET = "secret-xyz"
 LOG_DIR = "/shared/k3logs"
 # "Allocated" host names the fake scontrol hands out (deliberately unlike the placeholders).
 FAKE_HOSTS = ("gpu-a07", "gpu-b11.cluster", "gpu-c03", "gpu-d19", "gpu-e02")
+# Their NodeAddr, as the fake `scontrol show node` reports it: what engines bind and URLs carry.
+FAKE_ADDRS = tuple(f"10.77.0.{i + 1}" for i in range(len(FAKE_HOSTS)))
 
 FAKE_SRUN = r"""#!/bin/bash
-# fake srun: record argv (NUL-separated) and environment, wait until every step is recorded,
-# then exit 0, or (K3_FAKE_FAIL set) exit 7 if this is that step, else sleep like a server.
+# fake srun: the doctor step (--job-name=k3-doctor) answers "ok" for every host of its --nodelist
+# (or "fail" for $K3_FAKE_DOCTOR_FAIL); any other step records its argv (NUL-separated) and
+# environment, waits until every step is recorded, then exits 0, or (K3_FAKE_FAIL set) exits 7
+# if it is that step, else sleeps like a server.
 d=$K3_FAKE_OUT f=$K3_FAKE_OUT/srun.$$
+name= nodes=
+for a in "$@"; do case $a in --job-name=*) name=${a#--job-name=} ;; --nodelist=*) nodes=${a#--nodelist=} ;; esac; done
+if [ "$name" = k3-doctor ]; then
+  printf '%s\0' "$@" >"$d/doctor.argv"
+  for h in ${nodes//,/ }; do
+    if [ "$h" = "${K3_FAKE_DOCTOR_FAIL:-}" ]; then echo "k3launch-doctor $h fail 0 of 8 GPUs visible"; else echo "k3launch-doctor $h ok"; fi
+  done
+  exit 0
+fi
 env -0 >"$f.env"
 printf '%s\0' "$@" >"$f.tmp" && mv "$f.tmp" "$f.argv"
-name=
-for a in "$@"; do case $a in --job-name=*) name=${a#--job-name=}; break ;; esac; done
 shopt -s nullglob
-for _ in $(seq 500); do a=("$d"/*.argv); [ "${#a[@]}" -ge "$K3_FAKE_N" ] && break; /bin/sleep 0.01; done
+for _ in $(seq 500); do a=("$d"/srun.*.argv); [ "${#a[@]}" -ge "$K3_FAKE_N" ] && break; /bin/sleep 0.01; done
 if [ -n "${K3_FAKE_FAIL:-}" ]; then
   [ "$name" = "$K3_FAKE_FAIL" ] && exit 7
   exec /bin/sleep 30
@@ -77,8 +88,12 @@ fi
 exit 0
 """
 FAKE_SCONTROL = r"""#!/bin/bash
-[ "$1 $2 $3" = "show hostnames $K3_FAKE_NODELIST" ] || { echo "fake scontrol: unexpected: $*" >&2; exit 2; }
-printf '%s\n' $K3_FAKE_HOSTS
+# fake scontrol: `show hostnames LIST` prints the "allocated" hosts; `show node -o HOST` its NodeAddr 10.77.0.<position>
+if [ "$1 $2 $3" = "show hostnames $K3_FAKE_NODELIST" ]; then printf '%s\n' $K3_FAKE_HOSTS; exit 0; fi
+if [ "$1 $2 $3" = "show node -o" ]; then
+  i=0; for h in $K3_FAKE_HOSTS; do i=$((i + 1)); [ "$h" = "$4" ] && { echo "NodeName=$h Arch=x86_64 NodeAddr=10.77.0.$i NodeHostName=$h State=ALLOCATED"; exit 0; }; done
+fi
+echo "fake scontrol: unexpected: $*" >&2; exit 2
 """
 FAKE_SLEEP = "#!/bin/sh\necho \"$@\" >>\"$K3_FAKE_OUT/sleep.calls\"\n"  # the script's 5 s grace period, skipped
 
@@ -169,14 +184,14 @@ def directives(script: str) -> list[str]:
 
 
 def steps(script: str) -> dict[str, list[str]]:
-    """process id -> the words of its srun line (shlex-split: "$K3_ADDR_0" stays $K3_ADDR_0)."""
+    """process id -> the words of its ``k3_step`` call (shlex-split: "$K3_ADDR_0" stays $K3_ADDR_0)."""
     out: dict[str, list[str]] = {}
     lines = script.splitlines()
     for i, line in enumerate(lines):
         m = re.match(r"# ([a-z0-9-]+): \w+(?: \(head\))? on plan node \d+ ", line)
         if m:
-            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("K3_STEP[$!]="))
-            out[m.group(1)] = shlex.split("\n".join(lines[i + 1:end]).replace("\\\n", " "))
+            end = next(j for j in range(i + 1, len(lines)) if not lines[j].endswith("\\"))
+            out[m.group(1)] = shlex.split("\n".join(lines[i + 1:end + 1]).replace("\\\n", " "))
     return out
 
 
@@ -250,9 +265,8 @@ def test_sbatch_structure(case: str, tmp_path: Path) -> None:
     for proc in plan.processes:
         words = st[proc.id]
         i = node_index(plan, proc)
-        assert words[0] == "srun" and f"--nodelist=$K3_HOST_{i}" in words and f"--job-name={proc.id}" in words, proc.id
-        assert words[-3:] == [f">$K3_LOGDIR/{proc.id}.log", "2>&1", "&"], proc.id
-        assert words[-3 - len(proc.argv):-3] == [sub(w) for w in proc.argv], proc.id
+        assert words[:3] == ["k3_step", proc.id, str(i)], proc.id
+        assert words[-len(proc.argv):] == [sub(w) for w in proc.argv], proc.id
         assert not any("slurm-node-" in w for w in words), proc.id
         env_words = {f"{k}={sub(v)}" for k, v in proc.env.items()}
         assert env_words <= set(words), proc.id  # env values (VLLM_HOST_IP, URLs, ...) are bound too
@@ -263,12 +277,12 @@ def test_sbatch_structure(case: str, tmp_path: Path) -> None:
         if proc.role == "router" or c.container == "bare":
             assert not any(w.startswith("--container") or w == "apptainer" for w in words), proc.id
     assert any("$K3_ADDR_" in w for ws in st.values() for w in ws)
-    # Fail fast: after the last step, the first step to end stops everything and the job fails.
-    tail = lines[lines.index("# Fail fast: the first step to end takes the whole job down, naming the process."):]
-    assert tail[1] == "wait -n -p K3_DONE; rc=$?" and tail[-1] == "exit 1"
-    assert 'kill -TERM "${!K3_STEP[@]}"' in tail[3] and 'kill -KILL "${!K3_STEP[@]}"' in tail[3]
-    assert text.endswith("exit 1\n") and text.startswith("#!/bin/bash\n")
-    assert "HF_TOKEN=" not in text
+    # The job library, verbatim; bind and doctor before the first step; supervision (fail fast) last.
+    assert job_library() in text
+    calls = [ln.split()[0] for ln in lines[lines.index("# ---- end of the k3launch job library ----"):] if ln.startswith("k3_")]
+    assert calls == ["k3_bind", "k3_doctor", *["k3_step"] * len(plan.processes), "k3_supervise"]
+    assert text.endswith("k3_supervise\n") and text.startswith("#!/bin/bash\n")
+    assert not re.search(r"(?<![A-Z_])HF_TOKEN=", text)  # by name only (APPTAINERENV_HF_TOKEN copies it at run time)
 
 
 def test_multi_node_tp_2_golden_binds_addresses_inside_urls_and_env_values() -> None:
@@ -317,16 +331,17 @@ def fake_bin(tmp: Path) -> Path:
     return bindir
 
 
-def run_fake(script: str, tmp: Path, want_steps: int, hosts: list[str], fail: str | None = None) -> Run:
+def run_fake(script: str, tmp: Path, want_steps: int, hosts: list[str], fail: str | None = None,
+             extra_env: dict[str, str] | None = None) -> Run:
     """Run the whole sbatch script under bash with the fakes first on PATH, as its batch step would."""
     path, out, cwd = tmp / "job.sbatch", tmp / "rec", tmp / "cwd"
     for d in (out, cwd):
-        d.mkdir(exist_ok=True)
+        d.mkdir(parents=True, exist_ok=True)
     path.write_text(script)
     bash_n(path)
     env = {"PATH": f"{fake_bin(tmp)}:/usr/bin:/bin", "HOME": str(tmp / "home"), "SLURM_JOB_NODELIST": "fake[1-9]",
            "SLURM_JOB_ID": "4242", "HF_TOKEN": SECRET, "K3_FAKE_OUT": str(out), "K3_FAKE_NODELIST": "fake[1-9]",
-           "K3_FAKE_HOSTS": " ".join(hosts), "K3_FAKE_N": str(want_steps), **({"K3_FAKE_FAIL": fail} if fail else {})}
+           "K3_FAKE_HOSTS": " ".join(hosts), "K3_FAKE_N": str(want_steps), **({"K3_FAKE_FAIL": fail} if fail else {}), **(extra_env or {})}
     try:
         res = subprocess.run(["bash", str(path)], capture_output=True, text=True, cwd=cwd, env=env, timeout=30)
     finally:
@@ -374,13 +389,13 @@ def expected_step(plan: Plan, proc: Process, container: str, hf_cache: str, sub:
         opts |= {f"--container-image={proc.image}", f"--container-mounts={hf_cache}:{HF}", "--container-env=" + ",".join([*env, "HF_TOKEN"])}
         return opts, ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
     gpu = "--rocm" if plan.platform == "rocm" else "--nv"
-    return opts, ["apptainer", "exec", gpu, "--bind", f"{hf_cache}:{HF}", *(w for k, v in env.items() for w in ("--env", f"{k}={v}")),
+    return opts, ["apptainer", "exec", gpu, "--cleanenv", "--bind", f"{hf_cache}:{HF}", *(w for k, v in env.items() for w in ("--env", f"{k}={v}")),
                   f"docker://{proc.image}", *argv]
 
 
 def check_steps(run: Run, plan: Plan, container: str, hf_cache: str) -> None:
     assert sorted(run.calls) == sorted(p.id for p in plan.processes), run.stderr
-    sub = substitute(plan, list(FAKE_HOSTS))
+    sub = substitute(plan, list(FAKE_ADDRS))
     for proc in plan.processes:
         call = run.calls[proc.id]
         opts, command = expected_step(plan, proc, container, hf_cache, sub)
@@ -389,7 +404,8 @@ def check_steps(run: Run, plan: Plan, container: str, hf_cache: str) -> None:
         assert call.command[-len(proc.argv):] == [sub(w) for w in proc.argv]  # the plan's argv, addresses bound
         assert not any("slurm-node-" in w for w in call.argv), proc.id
         assert call.env.get("HF_TOKEN") == SECRET  # by name, from the job's environment
-        assert call.env.get("K3_HOST_0") is None  # plain shell variables, not exported
+        # the binding is exported (a task's work command reads it), addresses are the hosts' NodeAddr
+        assert call.env.get("K3_HOST_0") == FAKE_HOSTS[0] and call.env.get("K3_ADDR_0") == FAKE_ADDRS[0]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -398,10 +414,13 @@ def test_fake_run_binds_plan_nodes_to_allocated_hosts(case: str, tmp_path: Path)
     run = run_fake(case_script(case, str(tmp_path / "logs")), tmp_path, len(plan.processes), list(FAKE_HOSTS))
     check_steps(run, plan, c.container, c.defaults.get("hf_cache", ""))
     n = len(node_order(plan))
-    assert [f"k3launch: node {i} (slurm-node-{i}) = {FAKE_HOSTS[i]}" for i in range(n)] == run.stdout.splitlines()[:n]
+    assert [f"k3launch: node {i} = {FAKE_HOSTS[i]} {FAKE_ADDRS[i]}" for i in range(n)] == run.stdout.splitlines()[:n]
+    assert run.stdout.splitlines()[n] == f"k3launch: doctor: {n} node(s) ok"
+    doctor = (run.out / "doctor.argv").read_bytes().decode().split("\0")[:-1]
+    assert f"--nodelist={','.join(FAKE_HOSTS[:n])}" in doctor and doctor[doctor.index("k3-doctor", doctor.index("-c")) + 1] == str(plan.gpus_per_node)
     # every step ending (here: all exit 0) ends the job, which fails and says so
-    assert run.rc == 1 and re.search(r"k3launch: \S+ on node \d+ exited with code 0; stopping the deployment", run.stderr), run.stderr
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(f"{p.id}.log" for p in plan.processes)
+    assert run.rc == 1 and re.search(r"k3launch: \S+ on node \d+ \(\S+\) exited with code 0; stopping the deployment", run.stderr), run.stderr
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(["doctor.log", *(f"{p.id}.log" for p in plan.processes)])
 
 
 def test_fail_fast_names_the_failed_process_and_node_and_stops_the_others(tmp_path: Path) -> None:
@@ -412,9 +431,8 @@ def test_fail_fast_names_the_failed_process_and_node_and_stops_the_others(tmp_pa
     assert time.monotonic() - t0 < 15
     assert run.rc == 1, run.stderr
     i = node_index(plan, victim)
-    assert f"k3launch: {victim.id} on node {i} exited with code 7; stopping the deployment" in run.stderr, run.stderr
-    assert f"k3launch: node {i} (slurm-node-{i}) = {FAKE_HOSTS[i]}" in run.stdout  # node index -> host, printed at start
-    assert (run.out / "sleep.calls").read_text().split() == ["5"]  # the grace period between TERM and KILL
+    assert f"k3launch: {victim.id} on node {i} ({FAKE_HOSTS[i]}) exited with code 7; stopping the deployment" in run.stderr, run.stderr
+    assert f"k3launch: node {i} = {FAKE_HOSTS[i]} {FAKE_ADDRS[i]}" in run.stdout  # node index -> host, printed at start
     others = [c.pid for pid, c in run.calls.items() if pid != victim.id]
     deadline = time.monotonic() + 5
     while any(_alive(p) for p in others) and time.monotonic() < deadline:
@@ -455,12 +473,12 @@ def test_hostile_values_end_up_as_data(container: str, tmp_path: Path) -> None:
     run = run_fake(script, tmp_path, len(plan.processes), list(FAKE_HOSTS))
     check_steps(run, plan, container, str(inv.defaults.hf_cache))
     engines = [p for p in plan.processes if p.role != "router"]
-    sub = substitute(plan, list(FAKE_HOSTS))
+    sub = substitute(plan, list(FAKE_ADDRS))
     for proc in engines:  # the inventory's env arrived verbatim, only the plan's addresses bound
         words = run.calls[proc.id].command
         for k, v in inv.defaults.env.items():
             assert f"{k}={sub(v)}" in words, (proc.id, k)
-    assert f"K3_PEER=http://{FAKE_HOSTS[1]}:9000/?a=$(touch {tmp_path}/pwned-env6)&b={FAKE_HOSTS[0]}'x'\"y\" -v/:/host" \
+    assert f"K3_PEER=http://{FAKE_ADDRS[1]}:9000/?a=$(touch {tmp_path}/pwned-env6)&b={FAKE_ADDRS[0]}'x'\"y\" -v/:/host" \
         in run.calls[engines[0].id].command
     assert directives(script)[-1] == extra[0]  # passed through untouched: a directive line, never executed
     assert (Path(log_dir) / f"{engines[0].id}.log").is_file()
@@ -503,7 +521,7 @@ def test_a_newline_in_a_directive_value_is_refused_or_harmless(where: str, tmp_p
     text = script.splitlines()
     first_cmd = next(i for i, line in enumerate(text) if line and not line.startswith("#"))
     assert not (tmp_path / "pwned-nl").exists(), "a directive value ran as a shell command"
-    assert text[first_cmd] == "set -uo pipefail"
+    assert text[first_cmd] == next(ln for ln in job_library().splitlines() if ln and not ln.startswith("#"))
 
 
 @pytest.mark.parametrize("container", ["pyxis", "apptainer"])
@@ -538,20 +556,52 @@ def test_bare_container_mode_runs_the_simulated_engine_without_runtime_bare() ->
     plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inv, name="k3t-sim")
     words = steps(make_sbatch_string(plan, inv.slurm, "/logs"))["serve-0"]
     argv = [addr_words(plan)(w) for w in plan.processes[0].argv]
-    assert words[-3 - len(argv) - 2:-3] == [sys.executable, "-m", "k3launch.sim", *argv[1:]]
+    assert words[-len(argv) - 2:] == [sys.executable, "-m", "k3launch.sim", *argv[1:]]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a router planned on the login node (plan endpoint http://127.0.0.1:PORT) is rendered as "
-                                      "an srun step on allocated node 0 still listening on --host 127.0.0.1: unreachable from login "
-                                      "and from the other nodes")
-def test_the_login_router_is_reachable_at_the_plan_endpoint() -> None:
-    plan, _, _ = case_plan("pd_cluster")
+@pytest.mark.parametrize("case", ["pd_cluster", "multi_node_dep_2"])
+def test_the_router_runs_in_the_allocation_on_node_0_at_the_plan_endpoint(case: str) -> None:
+    plan, _, _ = case_plan(case)
     router = next(p for p in plan.processes if p.role == "router")
-    assert router.node == "login" and plan.endpoint.startswith("http://127.0.0.1:")
-    st = steps(case_script("pd_cluster"))
-    if "router" in st:  # a step inside the allocation must listen on its node's address
-        words = st["router"]
-        assert words[words.index("--host") + 1] != "127.0.0.1"
+    assert router.node == "slurm-node-0" and plan.endpoint == f"http://slurm-node-0:{router.http_port}"
+    words = steps(case_script(case))["router"]
+    assert words[:3] == ["k3_step", "router", "0"]
+    assert words[words.index("--host") + 1] == "$K3_ADDR_0"  # reachable from the login node and every other node
+    serve0 = next(p for p in plan.processes if p.node == "slurm-node-0" and p.http_port is not None)
+    assert router.http_port != serve0.http_port  # one address, two listeners: distinct ports
+
+
+def test_a_job_array_runs_one_deployment_per_task_and_ends_with_the_work(tmp_path: Path) -> None:
+    inv = slurm_inventory("b300", "bare", engine="sim", partition="gpu", defaults={"python": sys.executable})
+    assert inv.slurm is not None
+    plans = [build_plan(TREE, Selection(strategy="single_node_tp", sets=(f"--max-num-seqs={n}",)), inventory=inv, name=f"k3t-arr-{n}")
+             for n in (8, 16, 32)]
+    # each task's work waits for its engine step to be recorded (the fake srun then serves until stopped)
+    wait = "for _ in $(seq 500); do ls \"$K3_FAKE_OUT\"/srun.*.argv >/dev/null 2>&1 && break; /bin/sleep 0.01; done; "
+    work = [["bash", "-c", wait + f"echo task {i} at $K3_ADDR_0 >{tmp_path}/work-{i}.txt"] for i in range(3)]
+    script = make_array_string(list(zip(plans, work, strict=True)), inv.slurm, f"{tmp_path}/logs", concurrency=2, name="k3-arr")
+    d = directives(script)
+    assert "--array=0-2%2" in d and f"--output={tmp_path}/logs/slurm-%A_%a.out" in d and "--job-name=k3-arr" in d
+    for i in range(3):
+        run = run_fake(script.replace('"${SLURM_ARRAY_TASK_ID:-}"', str(i)), tmp_path / f"t{i}", 1, list(FAKE_HOSTS), fail="no-such-step")
+        # the work finished (exit 0): the job stops the deployment and ends with the work's code
+        assert run.rc == 0, run.stderr
+        assert "k3launch: work finished with code 0; stopping the deployment" in run.stdout
+        assert (tmp_path / f"work-{i}.txt").read_text() == f"task {i} at {FAKE_ADDRS[0]}\n"
+        call = run.calls["serve-0"]
+        assert call.command[call.command.index("--max-num-seqs") + 1] == str((8, 16, 32)[i])
+        assert (tmp_path / "logs" / f"task-{i}" / "serve-0.log").is_file()
+    mixed = build_plan(TREE, Selection(strategy="multi_node_tp", nodes=2), inventory=inv, name="k3t-arr-2n")
+    with pytest.raises(K3Error, match="one shape"):
+        make_array_string([(plans[0], ["true"]), (mixed, ["true"])], inv.slurm, "/logs")
+
+
+def test_a_node_that_fails_the_doctor_step_is_named_and_no_engine_starts(tmp_path: Path) -> None:
+    run = run_fake(case_script("multi_node_tep_2", str(tmp_path / "logs")), tmp_path, 0, list(FAKE_HOSTS),
+                   extra_env={"K3_FAKE_DOCTOR_FAIL": FAKE_HOSTS[1]})
+    assert run.rc == DOCTOR_FAILED_EXIT and run.calls == {}, run.stderr
+    assert f"k3launch: doctor failed on {FAKE_HOSTS[1]}: 0 of 8 GPUs visible" in run.stderr
+    assert f"k3launch-doctor {FAKE_HOSTS[0]} ok" in (tmp_path / "logs" / "doctor.log").read_text()
 
 
 # ------------------------------------------------------------------ a real job on the local cluster
@@ -608,7 +658,6 @@ def submit_sim(c: Cluster, tmp: Path, jobs: list[str], sel: Selection, env: dict
     """Render a plan of the simulated engine (container: bare) and sbatch it to the local cluster."""
     if c.mode != "netns":
         pytest.skip("multi mode: nodes share this machine's hostname and address; $K3_ADDR_i (the Slurm node name) would not resolve")
-    # runtime: bare is needed on top of container: bare (see the xfail test above)
     inv = slurm_inventory("b300", "bare", engine="sim", partition=c.partition, time_limit="00:05:00",
                           defaults={"python": sys.executable, "runtime": "bare", "env": {"K3LAUNCH_SIM_LOAD_S": "0.3", **env}})
     assert inv.slurm is not None
@@ -646,15 +695,16 @@ def test_real_slurm_job_serves_the_simulated_engine_and_scancel_ends_it(slurm_cl
         return _health(url) == 200
 
     assert _until(up, 30), f"{url} never answered: {sub.logs()}"
-    assert f"k3launch: node 0 (slurm-node-0) = {node}" in (sub.log_dir / f"slurm-{job}.out").read_text()
+    addr = c.addresses[node]
+    assert f"k3launch: node 0 = {node} {addr}" in (sub.log_dir / f"slurm-{job}.out").read_text()
     pids = _procs_of(name)
     assert len(pids) == 1, pids
     environ = dict(e.split("=", 1) for e in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in e)
-    assert environ.get("VLLM_HOST_IP") == node and environ.get("K3LAUNCH_PROCESS") == "serve-0"
+    assert environ.get("VLLM_HOST_IP") == addr and environ.get("K3LAUNCH_PROCESS") == "serve-0"  # the node's NodeAddr
     # the step sees every GPU of the allocation (no --gres on the step needed)
     assert environ.get("CUDA_VISIBLE_DEVICES") == ",".join(map(str, range(sub.plan.gpus_per_node))), environ.get("CUDA_VISIBLE_DEVICES")
     cmdline = Path(f"/proc/{pids[0]}/cmdline").read_bytes().decode().split("\0")[:-1]
-    assert cmdline == [sys.executable, "-m", "k3launch.sim", *[node if w == serve.address else w for w in serve.argv[1:]]]
+    assert cmdline == [sys.executable, "-m", "k3launch.sim", *[addr if w == serve.address else w for w in serve.argv[1:]]]
 
     c.cancel(job)
     assert c.wait(job, timeout=30) == "CANCELLED"
@@ -670,6 +720,6 @@ def test_real_slurm_job_fails_fast_when_one_node_exits(slurm_cluster: Cluster, t
     assert c.wait(sub.job, timeout=40) == "FAILED", sub.logs()
     out = (sub.log_dir / f"slurm-{sub.job}.out").read_text()
     # serve-1 dies first, but serve-0 notices its lost peer and may be reaped first: either is named, with its node
-    assert re.search(r"k3launch: serve-(\d) on node \1 exited with code [1-9]\d*; stopping the deployment", out), sub.logs()
+    assert re.search(r"k3launch: serve-(\d) on node \1 \(k3\w+\) exited with code [1-9]\d*; stopping the deployment", out), sub.logs()
     assert "CUDA error: uncorrectable ECC error" in (sub.log_dir / "serve-1.log").read_text()
     assert _until(lambda: not _procs_of(sub.plan.name), 10), f"still running: {_procs_of(sub.plan.name)}"

@@ -1,0 +1,113 @@
+"""What a Slurm job says and where it runs: pure helpers of the Slurm backend.
+
+* :func:`parse_output`: the lines the job library (``slurm/k3launch-job.sh``) writes to the job's
+  output: the host and address bound to each plan node, the doctor step's verdicts, which step
+  ended first.
+* :func:`bind_plan`: the plan with its node addresses replaced by the allocated hosts' addresses.
+* bad nodes: ``<state dir>/slurm-bad-nodes.json``, hosts the job's doctor refused or where a
+  rank died, kept for a day (doctor refusals are excluded from later submissions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from k3launch.plan_models import Plan
+from k3launch.state import StateStore
+
+BAD_NODE_TTL_S = 24 * 3600.0
+
+_NODE = re.compile(r"^k3launch: node (\d+) = (\S+) (\S+)$")
+_DOCTOR_BAD = re.compile(r"^k3launch: doctor failed on (\S+): (.*)$")
+_STEP_EXIT = re.compile(r"^k3launch: (\S+) on node (\d+) \((\S+)\) exited with code (-?\d+)")
+
+
+@dataclass
+class JobOutput:
+    """What the job script said in its output file (see slurm/k3launch-job.sh)."""
+
+    hosts: dict[int, tuple[str, str]] = field(default_factory=dict)  # plan node index -> (host, NodeAddr)
+    doctor_ok: bool = False
+    doctor_failed: dict[str, str] = field(default_factory=dict)  # host -> why
+    step_exit: tuple[str, str, int] | None = None  # (process id, host, exit code)
+
+
+def parse_output(text: str) -> JobOutput:
+    out = JobOutput()
+    for line in text.splitlines():
+        if m := _NODE.match(line):
+            out.hosts[int(m.group(1))] = (m.group(2), m.group(3))
+        elif m := _DOCTOR_BAD.match(line):
+            out.doctor_failed[m.group(1)] = m.group(2)
+        elif line.startswith("k3launch: doctor: "):
+            out.doctor_ok = True
+        elif (m := _STEP_EXIT.match(line)) and out.step_exit is None:
+            out.step_exit = (m.group(1), m.group(3), int(m.group(4)))
+    return out
+
+
+def bind_plan(plan: Plan, addresses: dict[str, str]) -> Plan:
+    """The plan with every plan-node address (in addresses, argv, env, URLs, endpoint) replaced by
+    the address of the host bound to that node (``addresses``: plan node -> address)."""
+    amap = {h.address: addresses[h.name] for h in plan.hosts if h.name in addresses}
+    if not amap:
+        return plan
+    pat = re.compile("|".join(re.escape(a) for a in sorted(amap, key=len, reverse=True)))
+
+    def sub(s: str) -> str:
+        return pat.sub(lambda m: amap[m.group(0)], s)
+
+    data = plan.model_dump()
+    for p in data["processes"]:
+        p["address"], p["argv"], p["env"] = sub(p["address"]), [sub(w) for w in p["argv"]], {k: sub(v) for k, v in p["env"].items()}
+    for h in data["hosts"]:
+        h["address"] = sub(h["address"])
+    for u in data["ports"]:
+        u["address"] = sub(u["address"])
+    data["endpoint"] = sub(data["endpoint"])
+    return Plan.model_validate(data)
+
+
+# ---------------------------------------------------------------------- bad nodes
+def _bad_path(store: StateStore) -> Path:
+    return store.root / "slurm-bad-nodes.json"
+
+
+def bad_nodes(store: StateStore, now: float | None = None) -> dict[str, dict[str, object]]:
+    """host -> {reason, kind ("doctor" | "rank-died"), time, deployment}, entries of the last day."""
+    try:
+        data = json.loads(_bad_path(store).read_text())
+    except (OSError, ValueError):
+        return {}
+    t = time.time() if now is None else now
+    return {h: v for h, v in data.items() if isinstance(v, dict) and t - float(v.get("time", 0)) < BAD_NODE_TTL_S}
+
+
+def record_bad_node(store: StateStore, host: str, reason: str, kind: str, deployment: str) -> None:
+    data = bad_nodes(store)
+    data[host] = {"reason": reason, "kind": kind, "time": time.time(), "deployment": deployment}
+    store.root.mkdir(parents=True, exist_ok=True)
+    tmp = _bad_path(store).with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, _bad_path(store))
+
+
+def tail_file(path: Path, lines: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+    except OSError:
+        return f"(not readable on this machine: {path}; the log directory must be shared with the compute nodes)\n"
+
+
+def read_file(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+

@@ -1,0 +1,151 @@
+# ---- k3launch job library (slurm/k3launch-job.sh, copied verbatim into every generated job script) ----
+# The generated part of the script sets K3_LOGDIR (shared with the login node) and K3_NODES, then:
+#   k3_bind                      plan node i -> i-th allocated host $K3_HOST_i, address $K3_ADDR_i (its NodeAddr)
+#   k3_doctor GPUS PROGRAM I:PORT,PORT ...
+#                                one step on every node: GPUs visible, PROGRAM found, planned ports free;
+#                                a failing node is named ("k3launch: doctor failed on HOST: why") and the job exits 3
+#   k3_step NAME I SRUN_ARGS... COMMAND...
+#                                one srun step per process on plan node I, output in $K3_LOGDIR/NAME.log
+#   k3_work COMMAND...           (job arrays) the task's own work, on the batch host, output in work.log
+#   k3_supervise                 fail fast: the first step to end stops the others and fails the job,
+#                                naming it; the work ending ends the job with the work's exit code
+# Needs bash >= 4.3 (wait -n); bash 5.1's `wait -p` is not used, for RHEL 8 (bash 4.4).
+if [ -z "${BASH_VERSINFO:-}" ] || [ "${BASH_VERSINFO[0]}" -lt 4 ] || { [ "${BASH_VERSINFO[0]}" -eq 4 ] && [ "${BASH_VERSINFO[1]}" -lt 3 ]; }; then
+  echo "k3launch: this job script needs bash >= 4.3 (wait -n); found ${BASH_VERSION:-another shell}" >&2
+  exit 2
+fi
+set -uo pipefail
+K3_PIDS=()
+K3_NAMES=()
+K3_WORK_PID=
+K3_STOP_GRACE_S=${K3_STOP_GRACE_S:-10}
+
+k3_say() { echo "k3launch: $*"; }
+
+k3_bind() {
+  local i h addr
+  mapfile -t K3_HOSTS < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  if [ "${#K3_HOSTS[@]}" -lt "$K3_NODES" ]; then
+    k3_say "allocation has ${#K3_HOSTS[@]} nodes, the plan needs $K3_NODES" >&2
+    exit 1
+  fi
+  for ((i = 0; i < K3_NODES; i++)); do
+    h=${K3_HOSTS[$i]}
+    # NodeAddr is how Slurm itself reaches the node; engines bind it and the login node probes it.
+    addr=$(scontrol show node -o "$h" 2>/dev/null | tr ' ' '\n' | sed -n 's/^NodeAddr=//p' | head -n 1)
+    [ -n "$addr" ] || addr=$h
+    printf -v "K3_HOST_$i" %s "$h"
+    printf -v "K3_ADDR_$i" %s "$addr"
+    export "K3_HOST_$i" "K3_ADDR_$i"
+    k3_say "node $i = $h $addr"
+  done
+}
+
+# Runs on each node (one task per node); prints one verdict line.
+K3_DOCTOR_CHECK='
+gpus=$1 prog=$2; shift 2
+me=${SLURMD_NODENAME:-$(hostname -s)} bad=
+vis=${CUDA_VISIBLE_DEVICES:-${ROCR_VISIBLE_DEVICES:-${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}}}}
+n=0
+[ -n "$vis" ] && n=$(printf "%s\n" "$vis" | tr , "\n" | grep -c .)
+[ "$n" -ge "$gpus" ] || bad="$bad; $n of $gpus GPUs visible"
+[ -z "$prog" ] || command -v "$prog" >/dev/null 2>&1 || bad="$bad; $prog not found"
+for spec in "$@"; do
+  [ "${spec%%:*}" = "$me" ] || continue
+  if command -v ss >/dev/null 2>&1; then
+    listening=$(ss -Htln 2>/dev/null | awk "{print \$4}")
+    for p in $(printf "%s\n" "${spec#*:}" | tr , " "); do
+      printf "%s\n" "$listening" | grep -Eq "[:.]$p\$" && bad="$bad; port $p already in use"
+    done
+  fi
+done
+if [ -n "$bad" ]; then echo "k3launch-doctor $me fail ${bad#; }"; else echo "k3launch-doctor $me ok"; fi
+'
+
+k3_doctor() {
+  local gpus=$1 prog=$2 spec idx out line failed=0 hosts
+  shift 2
+  local specs=()
+  for spec in "$@"; do
+    idx=${spec%%:*}
+    specs+=("${K3_HOSTS[$idx]}:${spec#*:}")
+  done
+  hosts=$(IFS=,; echo "${K3_HOSTS[*]:0:$K3_NODES}")
+  out=$(srun --nodes="$K3_NODES" --ntasks="$K3_NODES" --ntasks-per-node=1 --nodelist="$hosts" --job-name=k3-doctor \
+    --overlap --kill-on-bad-exit=0 bash -c "$K3_DOCTOR_CHECK" k3-doctor "$gpus" "$prog" "${specs[@]}" 2>&1)
+  printf '%s\n' "$out" >"$K3_LOGDIR/doctor.log"
+  while IFS= read -r line; do
+    case $line in
+      "k3launch-doctor "*" fail "*) line=${line#k3launch-doctor }; k3_say "doctor failed on ${line%% fail *}: ${line#* fail }" >&2; failed=1 ;;
+    esac
+  done <<<"$out"
+  if [ "$failed" = 0 ] && [ "$(grep -c '^k3launch-doctor .* ok$' <<<"$out")" -lt "$K3_NODES" ]; then
+    k3_say "doctor step did not report every node: $(tail -n 3 <<<"$out" | tr '\n' ' ')" >&2
+    failed=1
+  fi
+  if [ "$failed" = 1 ]; then exit 3; fi
+  k3_say "doctor: $K3_NODES node(s) ok"
+}
+
+k3_step() {
+  local name=$1 i=$2 host_var
+  shift 2
+  host_var=K3_HOST_$i
+  srun --nodes=1 --ntasks=1 --nodelist="${!host_var}" --kill-on-bad-exit=1 --job-name="$name" --overlap "$@" \
+    >"$K3_LOGDIR/$name.log" 2>&1 </dev/null &
+  K3_PIDS+=("$!")
+  K3_NAMES+=("$name on node $i (${!host_var})")
+  k3_say "started $name on node $i (${!host_var})"
+}
+
+k3_work() {
+  "$@" >"$K3_LOGDIR/work.log" 2>&1 </dev/null &
+  K3_WORK_PID=$!
+}
+
+k3_stop() {
+  local t=0 p alive
+  kill -TERM "${K3_PIDS[@]}" ${K3_WORK_PID:+"$K3_WORK_PID"} 2>/dev/null
+  while [ "$t" -lt $((K3_STOP_GRACE_S * 10)) ]; do
+    alive=0
+    for p in "${K3_PIDS[@]}" ${K3_WORK_PID:+"$K3_WORK_PID"}; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && return 0
+    sleep 0.1
+    t=$((t + 1))
+  done
+  kill -KILL "${K3_PIDS[@]}" ${K3_WORK_PID:+"$K3_WORK_PID"} 2>/dev/null
+}
+
+k3_supervise() {
+  local rc i r who whorc
+  while :; do
+    wait -n
+    rc=$?
+    who= whorc=
+    # wait -n does not say which child ended: the dead ones are those kill -0 no longer finds;
+    # `wait PID` gives each one's own code, or 127 for the one wait -n just reported (code rc).
+    for i in "${!K3_PIDS[@]}"; do
+      kill -0 "${K3_PIDS[$i]}" 2>/dev/null && continue
+      wait "${K3_PIDS[$i]}" 2>/dev/null
+      r=$?
+      if [ "$r" = 127 ]; then who=${K3_NAMES[$i]} whorc=$rc; break; fi
+      [ -n "$who" ] || { who=${K3_NAMES[$i]}; whorc=$r; }
+    done
+    if [ -n "$who" ]; then
+      k3_say "$who exited with code $whorc; stopping the deployment" >&2
+      k3_stop
+      exit 1
+    fi
+    if [ -n "$K3_WORK_PID" ] && ! kill -0 "$K3_WORK_PID" 2>/dev/null; then
+      wait "$K3_WORK_PID" 2>/dev/null
+      r=$?
+      [ "$r" = 127 ] && r=$rc
+      k3_say "work finished with code $r; stopping the deployment"
+      K3_WORK_PID=
+      k3_stop
+      exit "$r"
+    fi
+    [ "$rc" = 127 ] && { k3_say "no step left to supervise" >&2; exit 1; }
+  done
+}
+# ---- end of the k3launch job library ----
