@@ -85,22 +85,22 @@ class BaseSelection(Strict):
 
 
 class DeploymentAxes(Strict):
-    """Each listed field is an axis of the deployment matrix (in this order)."""
+    """Each listed field is an axis of the deployment matrix (in this order); ``null`` is the default."""
 
-    recipe: list[str] | None = None
-    variant: list[str] | None = None
-    hardware: list[str] | None = None
-    strategy: list[str] | None = None
+    recipe: list[str | None] | None = None
+    variant: list[str | None] | None = None
+    hardware: list[str | None] | None = None
+    strategy: list[str | None] | None = None
     nodes: list[int | None] | None = None
-    prefill_strategy: list[str] | None = None
-    prefill_nodes: list[int] | None = None
-    decode_strategy: list[str] | None = None
-    decode_nodes: list[int] | None = None
+    prefill_strategy: list[str | None] | None = None
+    prefill_nodes: list[int | None] | None = None
+    decode_strategy: list[str | None] | None = None
+    decode_nodes: list[int | None] | None = None
     features: list[list[str]] | None = None
     no_features: list[list[str]] | None = None
-    kv_offload: list[str] | None = None
+    kv_offload: list[str | None] | None = None
     advanced: list[list[str]] | None = None
-    vllm_version: list[str] | None = None
+    vllm_version: list[str | None] | None = None
     set: dict[str, list[str | int | float | bool]] = {}
 
     @field_validator(*SCALAR_AXES, mode="before")

@@ -104,8 +104,9 @@ def selection(spec: DeploymentSpec) -> dict[str, SelValue]:
     from k3launch.layers import DEFAULT_ADVANCED
 
     sel = spec.fields()
-    if sel.get("vllm_version") is None:
-        sel.pop("vllm_version", None)
+    for name in ("vllm_version", "kv_offload"):  # Selection's own default where the campaign says null
+        if sel.get(name) is None:
+            sel.pop(name, None)
     adv = sel.get("advanced")
     if isinstance(adv, tuple) and "all" in adv:
         sel["advanced"] = tuple(DEFAULT_ADVANCED)
@@ -117,7 +118,19 @@ def build_plan(inv: Inventory, spec: DeploymentSpec, port_base: int | None, name
     return api.plan(inv, name=name, port_base=port_base, **sel)
 
 
+def campaign_path(ref: Path) -> Path:
+    """A file, or the name of a bundled campaign (``local-demo``)."""
+    if ref.exists() or ref.suffix in (".yaml", ".yml") or "/" in str(ref):
+        return ref
+    here = Path(__file__).resolve().parent
+    for cand in (here / "_campaigns" / f"{ref}.yaml", here.parent / "campaigns" / f"{ref}.yaml"):
+        if cand.is_file():
+            return cand
+    return ref
+
+
 def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
+    path = campaign_path(path)
     c = load_campaign(path)
     inv = _inventory(c, path)
     cells = expand(c)
@@ -190,6 +203,7 @@ class Runner:
             self.s.skipped += len(g.loads) - len(todo)
             if not todo:
                 self.event(f"group {g.index} ({self._label(g)}): all {len(g.loads)} cells done, skipped")
+                self._down_leftover(deployment_name(self.c.name, g.plan_hash))
                 continue
             self.s.groups.append(g.index)
             self._group(g, todo)
@@ -252,6 +266,12 @@ class Runner:
             raise K3Error("leftover-deployment", f"{name}: the leftover deployment could not be taken down cleanly",
                           f"`k3launch down {name}` and check its nodes, then run the campaign again")
         return None
+
+    def _down_leftover(self, name: str) -> None:
+        """A run killed while taking a finished group down leaves it up: finish the job."""
+        if any(r.name == name for r in api.deployments(self.o.state_dir)):
+            report = api.down(name, state_dir=self.o.state_dir)
+            self.event(f"{name}: left over by an interrupted run, taken down" + ("" if report.clean else " INCOMPLETE"))
 
     def _group(self, g: Group, todo: Sequence[LoadPoint]) -> None:
         lbl = self._label(g)

@@ -24,7 +24,7 @@ from k3launch.errors import K3Error
 INTERRUPTED = 130
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
 Client = Annotated[str | None, typer.Option("--client", help="auto, local (k3launch's client here) or engine (`vllm bench serve` in the head container).")]
-CampaignFile = Annotated[Path, typer.Argument(help="Campaign YAML (see campaigns/).")]
+CampaignFile = Annotated[Path, typer.Argument(help="Campaign YAML, or the name of a bundled one (local-demo).")]
 OutDir = Annotated[Path, typer.Option("--out", "-o", help="Campaign directory: results.jsonl/.csv, bench/ (raw result JSON and logs), plots/.")]
 
 campaign_app = typer.Typer(help="Benchmark campaigns: deployments × load points, results, plots.", no_args_is_help=True)
@@ -166,9 +166,10 @@ def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) 
     from k3launch.campaign_models import load_campaign
     from k3launch.campaign_plots import plot_all
     from k3launch.campaign_results import latest, read_rows, write_csv
+    from k3launch.campaign_run import campaign_path
 
     try:
-        c = load_campaign(file)
+        c = load_campaign(campaign_path(file))
         rows = latest(read_rows(out), c.name)
         if not rows:
             raise K3Error("no-results", f"{out}: no results of campaign {c.name!r}", f"run `k3launch campaign run {file} --out {out}` first")

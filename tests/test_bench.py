@@ -1,0 +1,151 @@
+"""`vllm bench serve` of the sim (k3launch's client): vLLM's JSON field names, its statistics,
+real load against a simulated engine, the zero-token and unreachable cases; and the command
+line k3launch gives `vllm bench serve`."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from simproc import Procs, free_port, wait_healthy
+
+from k3launch.bench_models import BenchMetrics, LoadPoint, bench_argv
+from k3launch.campaign import invalid_reason
+from k3launch.campaign_models import Validity
+from k3launch.sim import bench as simbench
+from k3launch.sim.bench_stats import Outcome, percentile, std, summarize
+
+# The keys vLLM's `vllm bench serve --save-result` writes (vllm/benchmarks/serve.py: main_async's
+# result_json, benchmark()'s result dict, process_one_metric's mean/median/std/p<N> per metric).
+VLLM_SETUP_KEYS = {"date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+                   "burstiness", "max_concurrency"}
+VLLM_BENCH_KEYS = {"duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                   "request_goodput", "output_throughput", "total_token_throughput", "max_output_tokens_per_s", "max_concurrent_requests"}
+VLLM_DETAILED_KEYS = {"input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors"}
+
+
+def vllm_metric_keys(metrics: str, percentiles: str) -> set[str]:
+    out = set()
+    for m in metrics.split(","):
+        out |= {f"mean_{m}_ms", f"median_{m}_ms", f"std_{m}_ms"}
+        out |= {f"p{int(float(p)) if float(p).is_integer() else p}_{m}_ms" for p in percentiles.split(",")}
+    return out
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    p = Procs(tmp_path)
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+def bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "k3launch.sim", "bench", "serve", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, stdin=subprocess.DEVNULL)
+
+
+def test_statistics_match_numpy() -> None:
+    rng = random.Random(7)
+    for n in (1, 2, 5, 101):
+        xs = [rng.uniform(0, 100) for _ in range(n)]
+        for p in (50, 90, 99, 99.9):
+            assert percentile(xs, p) == pytest.approx(float(np.percentile(xs, p)))
+        assert std(xs) == pytest.approx(float(np.std(xs)))
+
+
+def test_summarize_follows_vllm_conventions() -> None:
+    ok = Outcome(prompt_len=10, success=True, start=0.0, latency=0.5, ttft=0.1, itl=[0.1] * 4, output_tokens=5)
+    one = Outcome(prompt_len=10, success=True, start=0.0, latency=0.2, ttft=0.2, itl=[], output_tokens=1)
+    bad = Outcome(prompt_len=10, error="HTTP 500")
+    s = summarize([ok, one, bad], 2.0, ["ttft", "tpot", "itl", "e2el"], [99])
+    assert (s["completed"], s["failed"], s["total_input_tokens"], s["total_output_tokens"]) == (2, 1, 20, 6)
+    assert s["mean_tpot_ms"] == pytest.approx(100.0)  # (0.5 - 0.1) / 4; the 1-token request has no TPOT
+    assert s["mean_ttft_ms"] == pytest.approx(150.0)
+    assert s["output_throughput"] == pytest.approx(3.0)
+    assert "mean_e2el_ms" in s and summarize([ok], 1.0, ["ttft", "tpot", "itl"], [99]).get("mean_e2el_ms") is None
+
+
+def test_result_json_has_vllms_field_names(procs: Procs, tmp_path: Path) -> None:
+    port = free_port()
+    sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)], {"K3LAUNCH_SIM_TTFT_MS": "25", "K3LAUNCH_SIM_ITL_MS": "2"})
+    wait_healthy("127.0.0.1", port, sim)
+    r = bench("--port", str(port), "--num-prompts", "12", "--random-input-len", "40", "--random-output-len", "6", "--max-concurrency", "3",
+              "--save-result", "--save-detailed", "--result-dir", "out", "--result-filename", "r.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "Serving Benchmark Result" in r.stdout
+    data = json.loads((tmp_path / "out" / "r.json").read_text())
+    expected = VLLM_SETUP_KEYS | VLLM_BENCH_KEYS | VLLM_DETAILED_KEYS | vllm_metric_keys("ttft,tpot,itl", "99")
+    assert set(data) == expected  # nothing missing, nothing vLLM would not write
+    assert set(BenchMetrics.model_fields) <= expected | vllm_metric_keys("e2el", "99")
+    assert (data["completed"], data["failed"], data["total_input_tokens"], data["total_output_tokens"]) == (12, 0, 12 * 40, 12 * 6)
+    assert data["request_rate"] == "inf" and data["max_concurrency"] == 3 and data["model_id"] == "moonshotai/Kimi-K3"
+    assert data["mean_ttft_ms"] >= 25.0  # the engine waits 25 ms before the first token
+    assert 2.0 <= data["median_itl_ms"] < 25.0
+    # a gap per chunk after the first: 5 between the 6 tokens, + the sim's separate finish chunk
+    assert all(len(itl) == 6 for itl in data["itls"])
+
+
+def test_default_file_name_and_percentiles(procs: Procs, tmp_path: Path) -> None:
+    port = free_port()
+    sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)])
+    wait_healthy("127.0.0.1", port, sim)
+    r = bench("--port", str(port), "--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "4", "--request-rate", "40",
+              "--percentile-metrics", "ttft,e2el", "--metric-percentiles", "50,99.9", "--save-result", "--label", "lab", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (path,) = tmp_path.glob("lab-40.0qps-Kimi-K3-*.json")  # vLLM's {label}-{rate}qps-{model}-{date}.json
+    data = json.loads(path.read_text())
+    assert vllm_metric_keys("ttft,e2el", "50,99.9") <= set(data) and "mean_tpot_ms" not in data
+    assert data["request_rate"] == 40.0
+
+
+def test_zero_token_engine_is_completed_but_invalid(procs: Procs, tmp_path: Path) -> None:
+    port = free_port()
+    sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)], {"K3LAUNCH_SIM_FAIL": "zero-tokens"})
+    wait_healthy("127.0.0.1", port, sim)
+    r = bench("--port", str(port), "--num-prompts", "5", "--random-input-len", "8", "--random-output-len", "4", "--save-result",
+              "--result-filename", "z.json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr  # vLLM's client counts an empty stream as completed...
+    m = BenchMetrics.model_validate(json.loads((tmp_path / "z.json").read_text()))
+    assert m.completed == 5 and m.total_output_tokens == 0
+    reason = invalid_reason(m, Validity())  # ...which is why campaigns gate on output tokens
+    assert reason is not None and "0 output tokens" in reason
+
+
+def test_unreachable_server_fails_without_result(tmp_path: Path) -> None:
+    r = bench("--port", str(free_port()), "--model", "m", "--num-prompts", "2", "--ready-check-timeout-sec", "1", "--save-result",
+              "--result-filename", "x.json", cwd=tmp_path)
+    assert r.returncode == 1 and "Initial test run failed" in r.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_usage_errors_exit_2(tmp_path: Path) -> None:
+    assert subprocess.run([sys.executable, "-m", "k3launch.sim", "bench", "latency"], capture_output=True, timeout=30).returncode == 2
+    r = bench("--dataset-name", "sharegpt", cwd=tmp_path)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    assert bench("--num-prompts", "0", cwd=tmp_path).returncode == 2
+
+
+def test_gamma_arrivals_span_num_prompts_over_rate() -> None:
+    d = simbench._delays(50, 10.0, 1.0, random.Random(0))
+    assert d == sorted(d) and d[-1] == pytest.approx(5.0)  # rescaled to n / rate, as vLLM does
+    assert simbench._delays(3, math.inf, 1.0, random.Random(0)) == [0.0, 0.0, 0.0]
+
+
+def test_bench_argv_is_vllm_bench_serve_command_line() -> None:
+    load = LoadPoint(max_concurrency=8, input_len=1024, output_len=128, request_rate=math.inf, num_prompts=200)
+    argv = bench_argv(load, base_url="http://10.0.0.1:8000", model="moonshotai/Kimi-K3", result_dir="/tmp/r", result_filename="x.json")
+    ns = simbench.parser().parse_args(argv)  # the same flags vLLM's parser declares
+    assert (ns.max_concurrency, ns.random_input_len, ns.random_output_len, ns.num_prompts) == (8, 1024, 128, 200)
+    assert ns.request_rate == math.inf and ns.save_result and ns.percentile_metrics == "ttft,tpot,itl,e2el"
+    assert ns.base_url == "http://10.0.0.1:8000" and ns.result_filename == "x.json"
+    assert "--max-concurrency" not in bench_argv(load.model_copy(update={"max_concurrency": None}), base_url="u", model="m",
+                                                 result_dir="d", result_filename="f")

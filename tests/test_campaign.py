@@ -1,0 +1,216 @@
+"""Campaigns without engines: file errors, matrix expansion, plan-hash groups, validity gates,
+the results file under concurrent appenders and torn lines, report tables and Pareto fronts."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from k3launch import api
+from k3launch.bench_models import BenchMetrics, LoadPoint
+from k3launch.campaign import expand, group, invalid_reason, plan_hash
+from k3launch.campaign_models import BaseSelection, Campaign, Validity, load_campaign
+from k3launch.campaign_report import front_rows, pareto, series, tables
+from k3launch.campaign_results import RESULTS, ResultRow, append_row, done_cells, latest, read_rows
+from k3launch.campaign_run import build_plan, prepare
+from k3launch.errors import K3Error
+from k3launch.selection import Selection
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def camp(**kw: object) -> Campaign:
+    return Campaign.model_validate({"name": "t", **kw})
+
+
+def k3(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "k3launch", *args], capture_output=True, text=True, timeout=120, cwd=cwd,
+                          stdin=subprocess.DEVNULL)
+
+
+# ----------------------------------------------------------------- campaign files
+@pytest.mark.parametrize(("text", "line", "words"), [
+    ("name: x\nload:\n  max_concurency: [1]\n", 3, "unknown key 'load.max_concurency'"),
+    ("name: x\ndeployments:\n  strategy: [a]\n  nodez: [2]\n", 4, "unknown key 'deployments.nodez'"),
+    ("name: x\nload:\n  max_concurrency: [1, 0]\n", 2, "must be positive"),
+    ("name: Bad_Name\n", 1, "name"),
+    ("name: x\nengine_env:\n  HF_TOKEN: abc\n", 2, "looks like a secret"),
+    ("name: x\nexclude:\n  - {strategyy: tp}\n", 1, "not an axis of this campaign"),
+    ("name: x\nload: [1, 2\n", 3, "malformed YAML"),
+])
+def test_campaign_file_errors_are_one_line_with_file_and_line(tmp_path: Path, text: str, line: int, words: str) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    with pytest.raises(K3Error) as exc:
+        load_campaign(f)
+    assert f"{f}:{line}" in exc.value.message and words in exc.value.message
+    r = k3("campaign", "run", str(f), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines()[0].startswith(f"error: {f}:") and r.stderr.splitlines()[1].startswith("hint: ")
+    assert not (tmp_path / "out").exists()
+
+
+def test_bundled_demo_is_two_deployments_by_three_loads() -> None:
+    p = prepare(ROOT / "campaigns" / "local-demo.yaml")
+    assert len(p.cells) == 6 and len(p.groups) == 2 and not p.refused
+    assert all(len(g.loads) == 3 for g in p.groups)
+
+
+def test_base_selection_knows_every_selection_field() -> None:
+    # the campaign file's base mirrors Selection; a new Selection field must be added there too
+    assert set(BaseSelection.model_fields) == {f.name for f in dataclasses.fields(Selection)}
+
+
+# ----------------------------------------------------------------- expansion
+def test_product_of_axes_minus_excludes() -> None:
+    c = camp(deployments={"strategy": ["multi_node_tep", "multi_node_dep"], "set": {"max-num-seqs": [64, 256]}},
+             load={"max_concurrency": [1, 8, 64], "input_len": 1024},
+             exclude=[{"strategy": "multi_node_dep", "max_concurrency": [1, 8]}])
+    cells = expand(c)
+    assert len(cells) == 2 * 2 * 3 - 2 * 2
+    dep = [x for x in cells if dict(x.spec.axes)["strategy"] == "multi_node_dep"]
+    assert {x.load.max_concurrency for x in dep} == {64}
+    sets = {x.spec.fields()["sets"] for x in cells}
+    assert sets == {("max-num-seqs=64",), ("max-num-seqs=256",)}
+
+
+def test_set_axis_replaces_the_base_value_of_the_same_flag() -> None:
+    c = camp(base={"sets": ["--max-num-seqs=8", "max-model-len=4096"]}, deployments={"set": {"max-num-seqs": [16]}})
+    (cell,) = expand(c)[:1]
+    assert cell.spec.fields()["sets"] == ("max-model-len=4096", "max-num-seqs=16")
+
+
+def test_identical_plans_share_one_group() -> None:
+    # strategy null is the recipe's default: the same deployment as naming it, one engine start
+    c = camp(deployments={"strategy": ["single_node_tp", None, "multi_node_tep"]}, load={"max_concurrency": [1, 2]})
+    cells = expand(c)
+    inv = api.load(None)[0]
+    plans = {x.spec.key: build_plan(inv, x.spec, 30208) for x in cells}
+    hashes = {k: plan_hash(p) for k, p in plans.items()}
+    groups = group(cells, hashes)
+    assert len(cells) == 6 and len(groups) == 2
+    assert [len(g.specs) for g in groups] == [2, 1] and all(len(g.loads) == 2 for g in groups)
+
+
+def test_plan_hash_ignores_the_name_but_not_what_runs() -> None:
+    a = api.plan(None, name="h-a", port_base=30208, strategy="single_node_tp")
+    b = api.plan(None, name="h-b", port_base=30208, strategy="single_node_tp")
+    c = api.plan(None, name="h-a", port_base=30208, strategy="single_node_tp", sets=("max-num-seqs=4",))
+    assert plan_hash(a) == plan_hash(b) != plan_hash(c)
+
+
+def test_refused_deployment_is_reported_not_raised() -> None:
+    p = prepare_text("name: r\ndeployments:\n  strategy: [single_node_tp, no_such_strategy]\nload: {max_concurrency: [1, 2]}\n")
+    assert len(p.groups) == 1 and len(p.refused) == 1
+    (err,) = p.refused.values()
+    assert "no_such_strategy" in err.message
+
+
+def prepare_text(text: str) -> object:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        f = Path(d) / "c.yaml"
+        f.write_text(text)
+        return prepare(f)
+
+
+# ----------------------------------------------------------------- validity
+def metrics(**kw: float) -> BenchMetrics:
+    base = {"completed": 10, "failed": 0, "duration": 1.0, "total_input_tokens": 100, "total_output_tokens": 50, "request_throughput": 10.0,
+            "output_throughput": 50.0, "total_token_throughput": 150.0, "p99_tpot_ms": 5.0, "p99_itl_ms": 5.0, "p99_ttft_ms": 20.0}
+    return BenchMetrics.model_validate({**base, **kw})
+
+
+def test_validity_gates() -> None:
+    v = Validity(max_error_rate=0.1)
+    assert invalid_reason(metrics(), v) is None
+    assert "completed 0 of 3" in (invalid_reason(metrics(completed=0, failed=3), v) or "")
+    assert "error rate 16.7%" in (invalid_reason(metrics(completed=5, failed=1), v) or "")
+    assert invalid_reason(metrics(completed=19, failed=1), v) is None  # 5% is under 10%
+    assert "0 output tokens" in (invalid_reason(metrics(total_output_tokens=0), v) or "")
+
+
+# ----------------------------------------------------------------- results file
+def row(cell: str, valid: bool, tput: float = 50.0, dep: str = "d", conc: int = 1) -> ResultRow:
+    return ResultRow(campaign="t", cell=cell, group=0, deployment=dep, axes={}, load=LoadPoint(max_concurrency=conc), valid=valid,
+                     reason=None if valid else "x", metrics=metrics(output_throughput=tput) if valid else None)
+
+
+def _appender(args: tuple[str, int]) -> None:
+    out, i = args
+    for j in range(50):
+        append_row(Path(out), row(f"c{i}-{j}", True))
+
+
+def test_concurrent_appenders_never_interleave(tmp_path: Path) -> None:
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        pool.map(_appender, [(str(tmp_path), i) for i in range(4)])
+    rows = read_rows(tmp_path)
+    assert len(rows) == 200 and len({r.cell for r in rows}) == 200
+    assert len((tmp_path / RESULTS).read_text().splitlines()) == 200
+
+
+def test_torn_last_line_is_skipped_and_closed(tmp_path: Path) -> None:
+    append_row(tmp_path, row("a", True))
+    with (tmp_path / RESULTS).open("a") as f:
+        f.write('{"campaign": "t", "cell": "b", "gro')  # a writer killed mid-line
+    assert [r.cell for r in read_rows(tmp_path)] == ["a"]
+    append_row(tmp_path, row("c", False))
+    assert [r.cell for r in read_rows(tmp_path)] == ["a", "c"]
+    assert done_cells(read_rows(tmp_path), "t") == {"a"}
+
+
+def test_latest_prefers_a_valid_row() -> None:
+    rows = [row("a", False), row("a", True, 10.0), row("a", False), row("b", False), row("b", False)]
+    got = latest(rows, "t")
+    assert [(r.cell, r.valid) for r in got] == [("a", True), ("b", False)]
+
+
+def test_invalid_rows_never_carry_numbers() -> None:
+    with pytest.raises(ValueError):
+        ResultRow.model_validate({**row("a", True).model_dump(), "extra": 1})
+    assert row("a", False).metrics is None
+
+
+# ----------------------------------------------------------------- report
+def test_pareto_front() -> None:
+    pts = [(5.0, 100.0), (4.0, 90.0), (6.0, 95.0), (4.0, 80.0), (10.0, 200.0)]
+    assert sorted(pareto(pts)) == [0, 1, 4]
+    assert pareto([]) == []
+
+
+def test_tables_and_series_by_deployment() -> None:
+    rows = [row(f"{d}{c}", True, tput=c * (2 if d == "b" else 1), dep=d, conc=c) for d in "ab" for c in (1, 4, 16)]
+    rows.append(row("x", False, dep="a", conc=64))
+    (t,) = tables(rows)
+    assert t.headers == ["deployment", "max_concurrency=1", "max_concurrency=4", "max_concurrency=16", "max_concurrency=64"]
+    assert [r[0] for r in t.rows] == ["a", "b"] and t.rows[0][-1] == "invalid" and t.rows[1][-1] == "-"
+    ss = series(rows)
+    assert [s.name for s in ss] == ["a", "b"] and [len(s.rows) for s in ss] == [3, 3]  # the invalid cell is in no series
+    assert {r.cell for r in front_rows(rows, "tpot")} == {"b16"}  # same latency everywhere: the top throughput wins
+    assert math.isinf(LoadPoint().request_rate)
+
+
+def test_dry_run_counts_engine_starts(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"name": "dry", "port_base": 30208,
+                                 "deployments": {"strategy": ["single_node_tp", None, "multi_node_tep"]},
+                                 "load": {"max_concurrency": [1, 2]}}))
+    r = k3("campaign", "run", str(f), "--out", str(tmp_path / "o"), "--dry-run", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    import json
+
+    d = json.loads(r.stdout)
+    assert d["cells"] == 6 and d["engine_starts"] == 2 and len(d["groups"]) == 2 and len(d["load_points"]) == 2
+    r = k3("campaign", "run", str(f), "--out", str(tmp_path / "o"), "--group", "5", cwd=tmp_path)
+    assert r.returncode == 2 and "has 2 deployment group(s)" in r.stderr
+    r = k3("campaign", "run", str(f), "--out", str(tmp_path / "o"), "--slurm-array", cwd=tmp_path)
+    assert r.returncode == 2 and "--group $SLURM_ARRAY_TASK_ID" in r.stderr
