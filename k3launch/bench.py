@@ -3,8 +3,9 @@
 Where the client runs:
 
 * ``engine`` — ``<runtime> exec <head container> vllm bench serve ...`` on the head node (the
-  engine image ships vLLM's own client, tokenizer included), then ``cat`` of the result file it
-  wrote inside the container; both through the deployment's fleet (SSH or local).
+  engine image ships vLLM's own client, tokenizer included), then ``<runtime> cp`` of the result
+  file it wrote inside the container and ``cat`` of it on the node; both through the
+  deployment's fleet (SSH or local).
 * ``local`` — ``python -m k3launch.sim bench serve ...`` on this machine: the same command line
   and JSON from k3launch's stdlib client, for deployments without a container (bare runtimes,
   the simulated engine) or whose endpoint the head node cannot reach.
@@ -158,14 +159,16 @@ def _run_local(argv: list[str], log: Path, timeout_s: float) -> str | None:
     return None
 
 
-def _exec_prefix(rec: DeploymentRecord) -> tuple[str, str]:
+def _container(rec: DeploymentRecord) -> tuple[str, str, str]:
+    """(node, runtime, container name) of the head engine."""
     h = head(rec)
     pr = rec.processes[h.id]
-    return h.node, f"{shlex.quote(pr.runtime)} exec {shlex.quote(pr.handle)}"
+    return h.node, pr.runtime, pr.handle
 
 
 def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> str | None:
-    node, ex = _exec_prefix(rec)
+    node, rt, cname = _container(rec)
+    ex = f"{shlex.quote(rt)} exec {shlex.quote(cname)}"
     inner = f"{CONTAINER_RESULT_DIR}/{result.name}"
     fleet = api.fleet_for(rec.plan, rec.ssh_config, rec.known_hosts)
     try:
@@ -173,7 +176,10 @@ def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path,
         log.write_text(f"$ {ex} vllm bench serve {shlex.join(argv)}\n{r.stdout}{r.stderr}", encoding="utf-8")
         if not r.ok:
             return f"vllm bench serve on {node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}"
-        got = fleet.run(node, f"{ex} cat {shlex.quote(inner)} && {ex} rm -f {shlex.quote(inner)}", timeout=60)
+        # `<runtime> cp` to the node, then cat there: engine images need not ship cat (or a shell)
+        tmp = shlex.quote(f"/tmp/k3launch-bench-{result.name}")
+        got = fleet.run(node, f"{shlex.quote(rt)} cp {shlex.quote(f'{cname}:{inner}')} {tmp} && cat {tmp}; rc=$?; rm -f {tmp}; exit $rc",
+                        timeout=60)
         if not got.ok:
             return f"cannot read {inner} in the head container on {node}: {_tail(got.stderr)}"
         result.write_text(got.stdout, encoding="utf-8")
@@ -190,16 +196,16 @@ def engine_facts(rec: DeploymentRecord) -> EngineFacts:
     version = None
     with contextlib.suppress(OSError, ValueError):
         with urllib.request.urlopen(f"http://{h.address}:{h.http_port}/version", timeout=5) as r:
-            version = str(json.loads(r.read().decode() or "{}").get("version")) or None
+            said = json.loads(r.read().decode() or "{}").get("version")
+            version = str(said) if said else None
     pr = rec.processes.get(h.id)
     runtime = pr.runtime if pr else "bare"
     image_id = None
     if pr is not None and runtime in CONTAINER_RUNTIMES:
-        node, _ = _exec_prefix(rec)
         fleet = api.fleet_for(rec.plan, rec.ssh_config, rec.known_hosts)
         try:
-            r = fleet.run(node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
-            image_id = r.stdout.strip() or None if r.ok else None
+            r = fleet.run(h.node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
+            image_id = (r.stdout.strip() or None) if r.ok else None
         except K3Error:
             image_id = None
         finally:

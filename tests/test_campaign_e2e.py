@@ -197,3 +197,36 @@ def test_validity_gate_on_measured_figures(tmp_path: Path, make) -> None:  # typ
     assert all(r.provenance is not None and r.provenance.client == "local" for r in rows)
     code, s = c.summary("--group", "0")  # invalid cells are run again on resume (only valid ones count as done)
     assert s["ran"] == 3 and c.engine_starts() == 2
+
+
+def test_bench_command_on_a_live_deployment(tmp_path: Path) -> None:
+    inv = yaml.safe_load(api.bundled_inventory("local").read_text())
+    inv["defaults"]["env"] = FAST
+    (tmp_path / "inv.yaml").write_text(yaml.safe_dump(inv))
+    env = {**os.environ, "K3LAUNCH_STATE_DIR": str(tmp_path / "state")}
+    name = f"cb-{uuid.uuid4().hex[:6]}"
+
+    def k3(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "k3launch", *args], capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+                              stdin=subprocess.DEVNULL)
+
+    up = k3("up", "-i", str(tmp_path / "inv.yaml"), "--name", name, "--port-base", "33792", "--strategy", "single_node_tp", "--json")
+    assert up.returncode == 0, up.stdout + up.stderr
+    try:
+        b = k3("bench", name, "--num-prompts", "6", "--random-input-len", "20", "--random-output-len", "5", "--request-rate", "50",
+               "--result-dir", "res", "--json")
+        assert b.returncode == 0, b.stdout + b.stderr
+        res = json.loads(b.stdout)
+        assert res["client"] == "local" and res["valid"] and res["reason"] is None
+        data = res["result"]
+        assert (data["completed"], data["total_input_tokens"], data["total_output_tokens"]) == (6, 120, 30)
+        assert data["request_rate"] == 50.0 and data["mean_ttft_ms"] >= TTFT_MS
+        assert (tmp_path / res["result_file"]) == tmp_path / "res" / f"bench-{name}-cx-in20-out5-r50-n6.json"
+        human = k3("bench", name, "--num-prompts", "2", "--random-output-len", "3", "--result-dir", "res")
+        assert human.returncode == 0 and "TTFT (ms)" in human.stdout and "result JSON:" in human.stdout
+        engine = k3("bench", name, "--client", "engine", "--num-prompts", "2")
+        assert engine.returncode == 2 and "not in a container" in engine.stderr
+        missing = k3("bench", "no-such-deployment")
+        assert missing.returncode == 2 and missing.stderr.startswith("error: no deployment named")
+    finally:
+        assert k3("down", name).returncode == 0
