@@ -66,7 +66,7 @@ class EngineFacts:
 
 
 def now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord:
