@@ -137,7 +137,7 @@ def csv_record(r: ResultRow) -> dict[str, object]:
 
 def write_csv(out: Path, rows: Iterable[ResultRow]) -> Path:
     path = out / CSV
-    tmp = path.with_suffix(".csv.tmp")
+    tmp = path.with_suffix(f".csv.{os.getpid()}.tmp")  # array tasks may export at the same moment
     with tmp.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()

@@ -33,6 +33,7 @@ from k3launch.campaign import (
     DeploymentSpec,
     Group,
     SelValue,
+    cell_id,
     deployment_name,
     expand,
     group,
@@ -73,6 +74,12 @@ class Prepared:
     refused: dict[str, K3Error]  # spec key -> why it cannot be planned
     groups: list[Group]
     varying: list[str]
+    port_base: int | None
+
+    def cell_ids(self) -> set[str]:
+        """The cells of this expansion (a changed file's older rows are not among them)."""
+        ids = {g.cell_id(ld) for g in self.groups for ld in g.loads}
+        return ids | {cell_id(refused_hash(c.spec), c.load) for c in self.cells if c.spec.key in self.refused}
 
     def spec_label(self, spec: DeploymentSpec) -> str:
         return label(spec, self.varying)
@@ -146,7 +153,13 @@ def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
             refused[key] = exc
     hashes = {k: plan_hash(p) for k, p in plans.items()}
     specs = list({cell.spec.key: cell.spec for cell in cells}.values())
-    return Prepared(c, path, _sha256(path) or "", inv, cells, plans, refused, group(cells, hashes), varying_axes(specs))
+    return Prepared(c, path, _sha256(path) or "", inv, cells, plans, refused, group(cells, hashes), varying_axes(specs),
+                    port_base if port_base is not None else c.port_base)
+
+
+def refused_hash(spec: DeploymentSpec) -> str:
+    """A stand-in plan hash for a deployment that has no plan (its cells still get rows)."""
+    return "refused-" + hashlib.sha256(spec.key.encode()).hexdigest()
 
 
 @dataclass
@@ -178,7 +191,6 @@ class Runner:
         self.c = prep.campaign
         self.o = opts
         self.s = Summary(results=str(opts.out / "results.jsonl"))
-        self.port_base = next(iter(prep.plans.values())).port_base if prep.plans else self.c.port_base
 
     def event(self, msg: str) -> None:
         self.o.on_event(msg)
@@ -207,7 +219,8 @@ class Runner:
                 continue
             self.s.groups.append(g.index)
             self._group(g, todo)
-        write_csv(self.o.out, latest(read_rows(self.o.out), self.c.name))
+        current = self.p.cell_ids()
+        write_csv(self.o.out, [r for r in latest(read_rows(self.o.out), self.c.name) if r.cell in current])
         self.s.wall_s = time.monotonic() - t0
         return self.s
 
@@ -220,7 +233,7 @@ class Runner:
             if err is None:
                 continue
             self.s.cells += 1
-            self._append(Group(-1, "refused-" + hashlib.sha256(cell.spec.key.encode()).hexdigest(), (cell.spec,), (cell.load,)),
+            self._append(Group(-1, refused_hash(cell.spec), (cell.spec,), (cell.load,)),
                          cell.load, f"plan refused ({err.code}): {err.message}")
 
     def _append(self, g: Group, load: LoadPoint, reason: str | None, run: benchmod.BenchRun | None = None,
@@ -243,7 +256,7 @@ class Runner:
 
     def _plan(self, g: Group) -> Plan:
         name = deployment_name(self.c.name, g.plan_hash)
-        plan = build_plan(self.p.inventory, g.specs[0], self.port_base, name)
+        plan = build_plan(self.p.inventory, g.specs[0], self.p.port_base, name)
         if plan_hash(plan) != g.plan_hash:  # names never change what runs; if they did, resume would lie
             raise K3Error("plan-changed", f"{name}: the named plan differs from the expanded one", "report this as a k3launch bug")
         return plan
@@ -254,8 +267,10 @@ class Runner:
         if rec is None:
             return None
         if rec.state == "ready" and plan_hash(rec.plan) == want:
-            st = api.status(name, state_dir=self.o.state_dir)
-            procs = st.get("processes")
+            try:
+                procs = api.status(name, state_dir=self.o.state_dir).get("processes")
+            except K3Error:
+                procs = None  # a node that does not answer: not reusable, take it down below
             if isinstance(procs, list) and all(p.get("alive") and p.get("healthy") is not False for p in procs if isinstance(p, dict)):
                 self.event(f"{name}: reusing the deployment an interrupted run left (ready, all processes healthy)")
                 self.s.reused += 1

@@ -163,14 +163,16 @@ def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) 
     STATE.json = json_out
     from k3launch import campaign_report as rep
     from k3launch import show_campaign
-    from k3launch.campaign_models import load_campaign
     from k3launch.campaign_plots import plot_all
     from k3launch.campaign_results import latest, read_rows, write_csv
-    from k3launch.campaign_run import campaign_path
+    from k3launch.campaign_run import campaign_path, prepare
 
     try:
-        c = load_campaign(campaign_path(file))
-        rows = latest(read_rows(out), c.name)
+        prep = prepare(campaign_path(file))
+        c = prep.campaign
+        every = latest(read_rows(out), c.name)
+        current = prep.cell_ids()
+        rows = [r for r in every if r.cell in current]  # rows of an earlier version of the matrix stay out
         if not rows:
             raise K3Error("no-results", f"{out}: no results of campaign {c.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
         csv_path = write_csv(out, rows)
@@ -181,12 +183,15 @@ def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) 
     bad = rep.invalid_table(rows)
     if json_out:
         fronts = {m: [r.cell for r in rep.front_rows(rows, m)] for m in ("tpot", "itl")}
-        typer.echo(json.dumps({"campaign": c.name, "cells": len(rows), "valid": sum(r.valid for r in rows), "csv": str(csv_path),
+        typer.echo(json.dumps({"campaign": c.name, "cells": len(rows), "valid": sum(r.valid for r in rows), "stale": len(every) - len(rows),
+                               "csv": str(csv_path),
                                "plots": [str(p) for p in plots], "pareto": fronts,
                                "invalid": [{"cell": r.cell, "reason": r.reason} for r in rows if not r.valid]}))
         return
     con = console()
     show_campaign.tables(con, [*tables, *([bad] if bad else [])])
+    if len(every) > len(rows):
+        con.print(f"{len(every) - len(rows)} cell(s) in {out} belong to an earlier version of the matrix and are left out")
     con.print(f"csv: {csv_path}")
     for p in plots:
         con.print(f"plot: {p}")

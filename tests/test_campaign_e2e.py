@@ -126,6 +126,15 @@ def test_campaign_end_to_end_one_start_per_deployment(tmp_path: Path, make) -> N
     assert code == 0 and (again["engine_starts"], again["skipped"], again["ran"]) == (0, 6, 0)
     assert len(read_rows(c.out)) == 6 and c.engine_starts() == 2
 
+    body = yaml.safe_load(path.read_text())  # a narrower matrix: its cells are done, the others stay out of the report
+    body["load"]["max_concurrency"] = [1, 2]
+    path.write_text(yaml.safe_dump(body))
+    dry = json.loads(c.run("--dry-run", "--json").stdout)
+    assert dry["cells"] == 4 and dry["engine_starts"] == 0
+    rep = subprocess.run([sys.executable, "-m", "k3launch", "campaign", "report", str(path), "--out", str(c.out), "--json"],
+                         capture_output=True, text=True, timeout=120, env=c.env)
+    assert (json.loads(rep.stdout)["cells"], json.loads(rep.stdout)["stale"]) == (4, 2)
+
 
 def _wait_rows(out: Path, n: int, proc: subprocess.Popen[str], timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
