@@ -1,0 +1,63 @@
+"""A campaign as a Slurm job array on the project's real local Slurm cluster: one array task per
+deployment group (`campaign run FILE --out DIR --group $SLURM_ARRAY_TASK_ID`), every task
+appending to the same results file, each on its own node.
+
+Each task runs the simulated engine on the bundled local inventory inside its Slurm node (a
+network namespace of its own, so the tasks' loopback addresses and ports do not meet); each
+task has its own state dir because all of them name the same local node addresses. Needs root
+(the fixture skips otherwise, or fails under K3LAUNCH_TEST_SLURM_REQUIRED=1).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from k3launch.campaign_results import read_rows
+
+if TYPE_CHECKING:
+    from slurmcluster import Cluster
+
+pytest_plugins = ["slurmcluster"]
+
+FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "20", "K3LAUNCH_SIM_ITL_MS": "2"}
+
+
+def test_job_array_runs_one_deployment_group_per_task(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    name = f"ca-{uuid.uuid4().hex[:6]}"
+    camp = tmp_path / "c.yaml"
+    camp.write_text(yaml.safe_dump({"name": name, "port_base": 34304, "engine_env": FAST, "ready_timeout": 60,
+                                    "base": {"strategy": "single_node_tp"}, "deployments": {"set": {"max-num-seqs": [2, 8]}},
+                                    "load": {"max_concurrency": [1, 4], "input_len": 16, "output_len": 4, "num_prompts": 6}}))
+    out = tmp_path / "out"
+    k3 = [sys.executable, "-m", "k3launch", "campaign", "run", str(camp), "--out", str(out)]
+    dry = json.loads(subprocess.run([*k3, "--dry-run", "--json"], capture_output=True, text=True, timeout=60, check=True).stdout)
+    groups = len(dry["groups"])
+    assert groups == 2 and dry["cells"] == 4
+    task = f"echo node=$SLURMD_NODENAME; {' '.join(k3)} --group $SLURM_ARRAY_TASK_ID --state-dir {tmp_path}/state-$SLURM_ARRAY_TASK_ID --json"
+    # --exclusive: one task per node, as real array tasks each hold their deployment's nodes
+    job = slurm_cluster.sbatch(f"--array=0-{groups - 1}", "--nodes=1", "--exclusive", "--job-name", name, f"--output={tmp_path}/task-%a.out",
+                               "--wrap", task)
+    state = slurm_cluster.wait(job, timeout=240)
+    logs = {i: (tmp_path / f"task-{i}.out").read_text() for i in range(groups)}
+    assert state == "COMPLETED", logs
+    for i, text in logs.items():
+        summary = json.loads(text.strip().splitlines()[-1])
+        assert summary["groups"] == [i] and summary["engine_starts"] == 1 and summary["valid"] == 2, text
+    nodes = {re.findall(r"^node=(\S+)", text, re.M)[0] for text in logs.values()}
+    assert len(nodes) == groups  # each task on its own Slurm node
+    rows = read_rows(out)
+    assert len(rows) == 4 and all(r.valid for r in rows) and {r.group for r in rows} == {0, 1}
+    assert len({r.cell for r in rows}) == 4
+    log = (out / "campaign.log").read_text()
+    assert len(re.findall(r": start: started", log)) == 2  # one engine start per group, across both tasks
+    again = subprocess.run([*k3, "--json", "--state-dir", str(tmp_path / "state-login")], capture_output=True, text=True, timeout=120)
+    s = json.loads(again.stdout)
+    assert again.returncode == 0 and (s["engine_starts"], s["skipped"]) == (0, 4)
