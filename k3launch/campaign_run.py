@@ -70,11 +70,11 @@ class Prepared:
     sha256: str
     inventory: Inventory
     cells: list[Cell]
-    plans: dict[str, Plan]  # spec key -> plan (built without a name)
+    plans: dict[str, Plan]  # spec key -> plan (no name, the file's port base): what cells are keyed on
     refused: dict[str, K3Error]  # spec key -> why it cannot be planned
     groups: list[Group]
     varying: list[str]
-    port_base: int | None
+    port_base: int | None  # what this run's deployments use (--port-base, else the file's)
 
     def cell_ids(self) -> set[str]:
         """The cells of this expansion (a changed file's older rows are not among them)."""
@@ -148,7 +148,8 @@ def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
         if key in plans or key in refused:
             continue
         try:
-            plans[key] = build_plan(inv, cell.spec, port_base if port_base is not None else c.port_base)
+            # the file's port base: a cell is the same cell whatever --port-base a run uses
+            plans[key] = build_plan(inv, cell.spec, c.port_base)
         except K3Error as exc:
             refused[key] = exc
     hashes = {k: plan_hash(p) for k, p in plans.items()}
@@ -256,10 +257,10 @@ class Runner:
 
     def _plan(self, g: Group) -> Plan:
         name = deployment_name(self.c.name, g.plan_hash)
-        plan = build_plan(self.p.inventory, g.specs[0], self.p.port_base, name)
-        if plan_hash(plan) != g.plan_hash:  # names never change what runs; if they did, resume would lie
+        if plan_hash(build_plan(self.p.inventory, g.specs[0], self.c.port_base, name)) != g.plan_hash:
+            # names never change what runs; if they did, resume would match the wrong cells
             raise K3Error("plan-changed", f"{name}: the named plan differs from the expanded one", "report this as a k3launch bug")
-        return plan
+        return build_plan(self.p.inventory, g.specs[0], self.p.port_base, name)
 
     def _reuse(self, name: str, want: str) -> DeploymentRecord | None:
         """A ready, healthy deployment of this group left by an interrupted run; else tear it down."""
@@ -298,7 +299,7 @@ class Runner:
             return
         name = plan.name
         self.event(f"group {g.index} ({lbl}): {len(todo)} load point(s) on {name}")
-        rec = self._reuse(name, g.plan_hash)
+        rec = self._reuse(name, plan_hash(plan))
         if rec is None:
             t0 = time.monotonic()
             self.s.engine_starts += 1

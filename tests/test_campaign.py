@@ -63,6 +63,13 @@ def test_bundled_demo_is_two_deployments_by_three_loads() -> None:
     assert all(len(g.loads) == 3 for g in p.groups)
 
 
+def test_port_base_override_keeps_the_cells() -> None:
+    # a run (or an array task) may move the ports; the cells, and so resume, stay the same
+    a, b = prepare(ROOT / "campaigns" / "local-demo.yaml"), prepare(ROOT / "campaigns" / "local-demo.yaml", port_base=30208)
+    assert [g.plan_hash for g in a.groups] == [g.plan_hash for g in b.groups] and a.cell_ids() == b.cell_ids()
+    assert (a.port_base, b.port_base) == (9000, 30208)
+
+
 def test_base_selection_knows_every_selection_field() -> None:
     # the campaign file's base mirrors Selection; a new Selection field must be added there too
     assert set(BaseSelection.model_fields) == {f.name for f in dataclasses.fields(Selection)}
