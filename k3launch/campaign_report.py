@@ -85,7 +85,7 @@ def _cell_text(r: ResultRow | None) -> str:
     m = r.metrics
     tpot = m.p99_tpot_ms if m.p99_tpot_ms is not None else math.nan
     ttft = m.p99_ttft_ms if m.p99_ttft_ms is not None else math.nan
-    return f"{m.output_throughput:,.0f} tok/s\nTPOT p99 {tpot:.1f} ms\nTTFT p99 {ttft:.0f} ms"
+    return f"{m.output_throughput:,.0f}\n{tpot:.1f}\n{ttft:.0f}"
 
 
 def tables(rows: Sequence[ResultRow]) -> list[Table]:
@@ -99,8 +99,8 @@ def tables(rows: Sequence[ResultRow]) -> list[Table]:
         for r in rows:
             grid.setdefault((r.deployment, _load_suffix(r.load, others)), {})[getattr(r.load, axis)] = r
         body = [[dep, *([rest] if others else []), *(_cell_text(cells.get(v)) for v in values)] for (dep, rest), cells in grid.items()]
-        headers = ["deployment", *(["load"] if others else []), *(f"{axis}={show(v)}" for v in values)]
-        out.append(Table(f"by {axis}", headers, body))
+        headers = ["deployment", *(["load"] if others else []), *(show(v) for v in values)]
+        out.append(Table(f"by {axis} (each cell: output tok/s, TPOT p99 ms, TTFT p99 ms)", headers, body))
     return out
 
 

@@ -63,6 +63,12 @@ def test_bundled_demo_is_two_deployments_by_three_loads() -> None:
     assert all(len(g.loads) == 3 for g in p.groups)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "campaigns").glob("*.yaml")), ids=lambda p: p.stem)
+def test_bundled_campaigns_plan_without_refusals(path: Path) -> None:
+    p = prepare(path)
+    assert p.campaign.name == path.stem and p.groups and not p.refused
+
+
 def test_port_base_override_keeps_the_cells() -> None:
     # a run (or an array task) may move the ports; the cells, and so resume, stay the same
     a, b = prepare(ROOT / "campaigns" / "local-demo.yaml"), prepare(ROOT / "campaigns" / "local-demo.yaml", port_base=30208)
@@ -198,7 +204,8 @@ def test_tables_and_series_by_deployment() -> None:
     rows = [row(f"{d}{c}", True, tput=c * (2 if d == "b" else 1), dep=d, conc=c) for d in "ab" for c in (1, 4, 16)]
     rows.append(row("x", False, dep="a", conc=64))
     (t,) = tables(rows)
-    assert t.headers == ["deployment", "max_concurrency=1", "max_concurrency=4", "max_concurrency=16", "max_concurrency=64"]
+    assert t.headers == ["deployment", "1", "4", "16", "64"] and t.title.startswith("by max_concurrency")
+    assert t.rows[1][1:4] == ["2\n5.0\n20", "8\n5.0\n20", "32\n5.0\n20"]  # tok/s, TPOT p99, TTFT p99
     assert [r[0] for r in t.rows] == ["a", "b"] and t.rows[0][-1] == "invalid" and t.rows[1][-1] == "-"
     ss = series(rows)
     assert [s.name for s in ss] == ["a", "b"] and [len(s.rows) for s in ss] == [3, 3]  # the invalid cell is in no series

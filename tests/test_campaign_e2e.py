@@ -3,7 +3,8 @@
 Each test writes its own campaign (unique name, its own --port-base block, 512 apart from the
 others) and uses its own state dir, and runs `k3launch campaign` as a subprocess, as a user or a
 Slurm array task would. Engine starts are counted from the launch stages in campaign.log
-(one `start:` line per api.up), independently of the run's own summary.
+(one `start: started N engine process(es)` line per api.up of these single-node deployments),
+independently of the run's own summary.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class Campaign:
 
     def engine_starts(self) -> int:
         log = self.out / "campaign.log"
-        return sum(": start: started" in line for line in log.read_text().splitlines()) if log.is_file() else 0
+        lines = log.read_text().splitlines() if log.is_file() else []
+        return sum(": start: started" in line and "engine process" in line for line in lines)
 
     def deployments(self) -> list[str]:
         return [r.name for r in api.deployments(self.state)]
