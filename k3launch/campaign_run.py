@@ -35,10 +35,12 @@ from k3launch.campaign import (
     SelValue,
     cell_id,
     deployment_name,
+    deployment_specs,
     expand,
     group,
     invalid_reason,
     label,
+    load_points,
     plan_hash,
     varying_axes,
 )
@@ -75,6 +77,7 @@ class Prepared:
     groups: list[Group]
     varying: list[str]
     port_base: int | None  # what this run's deployments use (--port-base, else the file's)
+    excluded: int = 0  # cells of the full product that `exclude` dropped
 
     def cell_ids(self) -> set[str]:
         """The cells of this expansion (a changed file's older rows are not among them)."""
@@ -154,8 +157,9 @@ def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
             refused[key] = exc
     hashes = {k: plan_hash(p) for k, p in plans.items()}
     specs = list({cell.spec.key: cell.spec for cell in cells}.values())
+    full = len(deployment_specs(c)) * len(load_points(c))
     return Prepared(c, path, _sha256(path) or "", inv, cells, plans, refused, group(cells, hashes), varying_axes(specs),
-                    port_base if port_base is not None else c.port_base)
+                    port_base if port_base is not None else c.port_base, full - len(cells))
 
 
 def refused_hash(spec: DeploymentSpec) -> str:

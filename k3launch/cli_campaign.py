@@ -147,7 +147,7 @@ def _dry_json(prep: object, todo: dict[int, int]) -> dict[str, object]:
     from k3launch.campaign_run import Prepared
 
     assert isinstance(prep, Prepared)
-    return {"campaign": prep.campaign.name, "cells": len(prep.cells),
+    return {"campaign": prep.campaign.name, "cells": len(prep.cells), "excluded": prep.excluded,
             "deployments": [{"label": prep.spec_label(s), "axes": dict(s.axes), "plan_hash": h.plan_hash, "group": h.index}
                             for h in prep.groups for s in h.specs],
             "refused": {k: e.as_dict() for k, e in prep.refused.items()},

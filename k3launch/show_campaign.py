@@ -51,7 +51,7 @@ def dry_run(con: Console, prep: Prepared, todo: Mapping[int, int]) -> None:
         g_t.add_row(str(g.index), f"{c.name}-{g.plan_hash[:8]}", "; ".join(prep.spec_label(s) for s in g.specs), str(len(g.loads)), str(todo.get(g.index, 0)))
     con.print(g_t)
     starts = sum(1 for n in todo.values() if n)
-    con.print(f"{len(prep.cells)} cells, {len(prep.groups)} distinct deployment(s), {len(prep.refused)} refused; "
+    con.print(f"{len(prep.cells)} cells ({prep.excluded} excluded), {len(prep.groups)} distinct deployment(s), {len(prep.refused)} refused; "
               f"engine starts needed: [bold]{starts}[/bold] (groups already complete: {len(prep.groups) - starts})")
 
 

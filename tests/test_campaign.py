@@ -67,6 +67,7 @@ def test_bundled_demo_is_two_deployments_by_three_loads() -> None:
 def test_bundled_campaigns_plan_without_refusals(path: Path) -> None:
     p = prepare(path)
     assert p.campaign.name == path.stem and p.groups and not p.refused
+    assert len(p.cells) + p.excluded == len(p.groups) * len(p.campaign.load.max_concurrency)
 
 
 def test_port_base_override_keeps_the_cells() -> None:
@@ -223,7 +224,7 @@ def test_dry_run_counts_engine_starts(tmp_path: Path) -> None:
     import json
 
     d = json.loads(r.stdout)
-    assert d["cells"] == 6 and d["engine_starts"] == 2 and len(d["groups"]) == 2 and len(d["load_points"]) == 2
+    assert d["cells"] == 6 and d["engine_starts"] == 2 and len(d["groups"]) == 2 and len(d["load_points"]) == 2 and d["excluded"] == 0
     r = k3("campaign", "run", str(f), "--out", str(tmp_path / "o"), "--group", "5", cwd=tmp_path)
     assert r.returncode == 2 and "has 2 deployment group(s)" in r.stderr
     r = k3("campaign", "run", str(f), "--out", str(tmp_path / "o"), "--slurm-array", cwd=tmp_path)
