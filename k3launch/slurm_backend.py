@@ -30,8 +30,9 @@ from k3launch import health
 from k3launch.errors import K3Error
 from k3launch.inventory import Inventory
 from k3launch.launch import LaunchFailed, Readiness, rank_label, ready_timeout
+from k3launch.observe import PEER_LOSS
 from k3launch.plan_models import Plan
-from k3launch.slurm_cmd import JobInfo, SlurmClient, expand
+from k3launch.slurm_cmd import NEVER_RUNS, JobInfo, SlurmClient, expand
 from k3launch.slurm_job import JobOutput, bad_nodes, bind_plan, parse_output, read_file, record_bad_node, tail_file
 from k3launch.slurm_ops import cancel_job
 from k3launch.slurm_render import make_sbatch_string, node_order
@@ -180,12 +181,16 @@ class SlurmLaunch:
         if out.doctor_failed:
             return _DoctorRefused(out.doctor_failed)
         if out.step_exit is not None:
-            pid, host, rc = out.step_exit
+            # the cause: the first to end whose last lines do not blame a lost peer (as for ssh)
+            tails = {pid: tail_file(log_dir / f"{pid}.log", 30) for pid, _, _ in out.step_exits}
+            pid, host, rc = next((e for e in out.step_exits if not PEER_LOSS.search(tails[e[0]])), out.step_exits[0])
             proc = next((p for p in self.plan.processes if p.id == pid), None)
             label = rank_label(proc) if proc else pid
-            return LaunchFailed(f"{pid} ({label}) on {host} exited with code {rc} during {stage}; job {info.job_id} ended",
+            others = [e[0] for e in out.step_exits if e[0] != pid]
+            then = f"; {', '.join(others)} exited too" if others else ""
+            return LaunchFailed(f"{pid} ({label}) on {host} exited with code {rc} during {stage}{then}; job {info.job_id} ended",
                                 "its last log lines are above; fix the cause and run `k3launch up` again", pid,
-                                tail_file(log_dir / f"{pid}.log", 30), code="process-exited", node=host)
+                                tails[pid], code="process-exited", node=host)
         why = f"{info.state}" + (f", {info.reason}" if info.reason else "") + (f", exit {info.exit_code}" if info.exit_code else "")
         code = "job-cancelled" if info.state.startswith("CANCELLED") else "job-ended"
         return LaunchFailed(f"job {info.job_id} ended ({why}) during {stage}", f"see {out_path}", None, tail_file(out_path, 20), code=code)
@@ -209,6 +214,10 @@ class SlurmLaunch:
                 if info.reason != reason:
                     reason = info.reason
                     self.on_stage("queued", f"job {job} pending ({reason or 'no reason given'})")
+                if info.reason in NEVER_RUNS:
+                    raise LaunchFailed(f"job {job} can never start: Slurm keeps it pending with reason {info.reason}",
+                                       "ask for fewer nodes or less time, or use another partition/account (see `sinfo`, `sacctmgr show assoc`)",
+                                       code="job-never-runs")
                 if self.queue_timeout is not None and time.monotonic() - t_queue > self.queue_timeout:
                     raise LaunchFailed(f"job {job} still pending after {self.queue_timeout:g}s ({info.reason})",
                                        "raise --queue-timeout, or ask for fewer nodes / another partition", code="queue-timeout")

@@ -22,6 +22,10 @@ from k3launch.runners import LocalRunner, Result, Runner, Target
 LOGIN = Target("login", "localhost", local=True)
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
                     "REQUEUE_FED", "SIGNALING", "STAGE_OUT"})
+# Pending reasons that no amount of waiting fixes (Slurm accepts such jobs unless EnforcePartLimits).
+NEVER_RUNS = frozenset({"PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount", "InvalidQOS",
+                        "AccountNotAllowed", "QOSNotAllowed", "AssocMaxNodesPerJobLimit",
+                        "AssocMaxWallDurationPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit"})
 SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 SLURM_HINT = "check that Slurm's commands are on PATH and SLURM_CONF points at the cluster"
 
@@ -130,8 +134,8 @@ class SlurmClient:
 
     def cancel(self, job_id: str, signal: str | None = None) -> Result:
         """``scancel`` (Slurm's own TERM, KillWait, KILL); with ``signal`` (e.g. TERM) only that
-        signal, to the batch script and every step (``--full``)."""
-        argv = ["scancel", *(["--full", f"--signal={signal}"] if signal else []), job_id]
+        signal, to the batch script alone (``--batch``: the job script stops its steps itself)."""
+        argv = ["scancel", *(["--batch", f"--signal={signal}"] if signal else []), job_id]
         return self.call(argv)
 
 

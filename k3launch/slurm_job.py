@@ -24,7 +24,7 @@ BAD_NODE_TTL_S = 24 * 3600.0
 
 _NODE = re.compile(r"^k3launch: node (\d+) = (\S+) (\S+)$")
 _DOCTOR_BAD = re.compile(r"^k3launch: doctor failed on (\S+): (.*)$")
-_STEP_EXIT = re.compile(r"^k3launch: (\S+) on node (\d+) \((\S+)\) exited with code (-?\d+)")
+_STEP_EXIT = re.compile(r"^k3launch: (?:then )?(\S+) on node (\d+) \((\S+)\) exited with code (-?\d+)")
 
 
 @dataclass
@@ -34,7 +34,11 @@ class JobOutput:
     hosts: dict[int, tuple[str, str]] = field(default_factory=dict)  # plan node index -> (host, NodeAddr)
     doctor_ok: bool = False
     doctor_failed: dict[str, str] = field(default_factory=dict)  # host -> why
-    step_exit: tuple[str, str, int] | None = None  # (process id, host, exit code)
+    step_exits: list[tuple[str, str, int]] = field(default_factory=list)  # (process id, host, exit code), first first
+
+    @property
+    def step_exit(self) -> tuple[str, str, int] | None:
+        return self.step_exits[0] if self.step_exits else None
 
 
 def parse_output(text: str) -> JobOutput:
@@ -46,8 +50,8 @@ def parse_output(text: str) -> JobOutput:
             out.doctor_failed[m.group(1)] = m.group(2)
         elif line.startswith("k3launch: doctor: "):
             out.doctor_ok = True
-        elif (m := _STEP_EXIT.match(line)) and out.step_exit is None:
-            out.step_exit = (m.group(1), m.group(3), int(m.group(4)))
+        elif m := _STEP_EXIT.match(line):
+            out.step_exits.append((m.group(1), m.group(3), int(m.group(4))))
     return out
 
 

@@ -12,6 +12,8 @@ from k3launch.slurm_job import bind_plan, tail_file
 from k3launch.state import DeploymentRecord, StateStore
 from k3launch.teardown import TeardownReport
 
+JOB_STOP_GRACE_S = 10.0  # the job script's own TERM -> KILL grace (K3_STOP_GRACE_S in slurm/k3launch-job.sh)
+STOP_MARGIN_S = 5.0  # the steps' exits and Slurm's bookkeeping after that
 CANCEL_WAIT_S = 90.0  # after scancel: Slurm's KillWait (30 s by default) plus epilog
 
 
@@ -67,9 +69,10 @@ def follow_files(rec: DeploymentRecord, ids: Sequence[str], emit: Callable[[str]
 
 
 def cancel_job(rec: DeploymentRecord, store: StateStore, grace_s: float = 10.0, client: SlurmClient | None = None) -> TeardownReport:
-    """``scancel --signal=TERM --full`` (the grace signal: batch script and every step), up to
-    ``grace_s`` for the job to end, then ``scancel`` (Slurm's TERM, KillWait, KILL); verified:
-    the job is no longer active and no step of it is left."""
+    """The grace signal first: ``scancel --batch --signal=TERM`` makes the job script stop its
+    steps (TERM, then KILL after its own 10 s grace) and end as COMPLETED; if the job is still
+    active after that, ``scancel`` (Slurm's TERM, KillWait, KILL). Verified: the job is no longer
+    active and no step of it is left. A pending job is simply cancelled."""
     assert rec.slurm is not None
     cl = client or SlurmClient()
     job = rec.slurm.job_id
@@ -91,7 +94,7 @@ def cancel_job(rec: DeploymentRecord, store: StateStore, grace_s: float = 10.0, 
             cl.cancel(job)
         else:
             cl.cancel(job, signal="TERM")
-        info = wait_gone(grace_s)
+        info = wait_gone(max(grace_s, JOB_STOP_GRACE_S) + STOP_MARGIN_S)
         if info.active:
             cl.cancel(job)
             info = wait_gone(CANCEL_WAIT_S)

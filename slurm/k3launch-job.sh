@@ -8,7 +8,8 @@
 #                                one srun step per process on plan node I, output in $K3_LOGDIR/NAME.log
 #   k3_work COMMAND...           (job arrays) the task's own work, on the batch host, output in work.log
 #   k3_supervise                 fail fast: the first step to end stops the others and fails the job,
-#                                naming it; the work ending ends the job with the work's exit code
+#                                naming it; the work ending ends the job with the work's exit code;
+#                                SIGTERM to the script (`k3launch down`) stops every step and ends it cleanly
 # Needs bash >= 4.3 (wait -n); bash 5.1's `wait -p` is not used, for RHEL 8 (bash 4.4).
 if [ -z "${BASH_VERSINFO:-}" ] || [ "${BASH_VERSINFO[0]}" -lt 4 ] || { [ "${BASH_VERSINFO[0]}" -eq 4 ] && [ "${BASH_VERSINFO[1]}" -lt 3 ]; }; then
   echo "k3launch: this job script needs bash >= 4.3 (wait -n); found ${BASH_VERSION:-another shell}" >&2
@@ -116,6 +117,30 @@ k3_stop() {
   kill -KILL "${K3_PIDS[@]}" ${K3_WORK_PID:+"$K3_WORK_PID"} 2>/dev/null
 }
 
+# Ranks brought down by the first one's death follow it within moments; name those that ended on
+# their own within a second (before k3_stop), so the login node can tell the cause from the echo.
+k3_report_others() {
+  local first=$1 i r
+  sleep 1
+  for i in "${!K3_PIDS[@]}"; do
+    [ "${K3_NAMES[$i]}" = "$first" ] && continue
+    kill -0 "${K3_PIDS[$i]}" 2>/dev/null && continue
+    wait "${K3_PIDS[$i]}" 2>/dev/null
+    r=$?
+    k3_say "then ${K3_NAMES[$i]} exited with code $r" >&2
+  done
+}
+
+# `k3launch down` sends SIGTERM to this script (scancel --batch --signal=TERM): stop every step
+# within the grace period and end the job as completed, not as a failure.
+k3_on_term() {
+  trap - TERM
+  k3_say "stop requested (SIGTERM); stopping the deployment"
+  k3_stop
+  exit 0
+}
+trap k3_on_term TERM
+
 k3_supervise() {
   local rc i r who whorc
   while :; do
@@ -133,6 +158,7 @@ k3_supervise() {
     done
     if [ -n "$who" ]; then
       k3_say "$who exited with code $whorc; stopping the deployment" >&2
+      k3_report_others "$who"
       k3_stop
       exit 1
     fi
