@@ -30,11 +30,15 @@ def _atomic_write(path: Path, text: str, mode: int) -> None:
 
 
 def write_render(plan: Plan, out: Path, args: PlanArgs, force: bool) -> list[str]:
+    """plan.json and one script per node; for a slurm inventory, the sbatch script ``up`` would
+    submit (``<deployment>.sbatch``, logs under slurm.log_dir or ``<state dir>/slurm/<deployment>``)."""
     hf_token_file = None
+    inv = None
     if args.inventory_path is not None:
         from k3launch.inventory import load_inventory
 
-        hf_token_file = load_inventory(args.inventory_path).hf_token_file
+        inv = load_inventory(args.inventory_path)
+        hf_token_file = inv.hf_token_file
     if out.exists() and not out.is_dir():
         raise K3Error("bad-out", f"--out {out} exists and is not a directory", "choose a new directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -44,6 +48,16 @@ def write_render(plan: Plan, out: Path, args: PlanArgs, force: bool) -> list[str
         written: list[str] = []
         _atomic_write(out / "plan.json", plan.to_json() + "\n", 0o644)
         written.append("plan.json")
+        if inv is not None and inv.slurm is not None and inv.backend == "slurm":
+            from k3launch.slurm_backend import log_dir_for
+            from k3launch.slurm_render import make_sbatch_string
+            from k3launch.state import StateStore
+
+            fname = f"{plan.name}.sbatch"
+            text = make_sbatch_string(plan, inv.slurm, log_dir_for(StateStore(), inv, plan.name), hf_token_file=hf_token_file)
+            _atomic_write(out / fname, text, 0o755)
+            written.append(fname)
+            return written
         for node, fname in script_names(plan).items():
             _atomic_write(out / fname, script(plan, node, hf_token_file), 0o755)
             written.append(fname)

@@ -1,0 +1,159 @@
+"""The Slurm backend without a cluster: parsers of Slurm's output and of the job's, plan binding,
+and ``SlurmLaunch`` against a fake :class:`~k3launch.slurm_cmd.SlurmClient` (the one seam)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from k3launch.inventory import Inventory
+from k3launch.launch import LaunchFailed
+from k3launch.plan import build_plan
+from k3launch.plan_models import Plan
+from k3launch.recipes import RecipeTree
+from k3launch.runners import Result
+from k3launch.selection import Selection
+from k3launch.slurm_backend import SlurmLaunch
+from k3launch.slurm_cmd import JobInfo, expand, parse_sacct, parse_squeue, parse_steps, submit_env
+from k3launch.slurm_job import bind_plan, parse_output
+from k3launch.slurm_render import make_sbatch_string
+from k3launch.state import StateStore
+
+TREE = RecipeTree()
+
+
+def inventory(**slurm: object) -> Inventory:
+    return Inventory.model_validate({"name": "u", "backend": "slurm", "hardware": "b300", "engine": "sim",
+                                     "defaults": {"runtime": "bare"}, "slurm": {"container": "bare", **slurm}})
+
+
+def test_parsers_read_slurms_own_formats() -> None:
+    assert expand("gpu-[01-03],login7") == ["gpu-01", "gpu-02", "gpu-03", "login7"] and expand("(null)") == [] and expand("x[") == []
+    info = parse_squeue("7", "RUNNING|k3n[1-2]|None\n")
+    assert info == JobInfo("7", "RUNNING", ["k3n1", "k3n2"], "") and info.active
+    pend = parse_squeue("7", "PENDING|(null)|PartitionNodeLimit\n")
+    assert pend is not None and pend.nodes == [] and pend.reason == "PartitionNodeLimit" and pend.active
+    done = parse_sacct("7", "CANCELLED by 0|0:15|k3n3\n")
+    assert done is not None and done.state == "CANCELLED" and not done.active and done.exit_code == "0:15"
+    assert parse_squeue("7", "") is None and parse_sacct("7", "") is None
+    assert parse_steps("7.0|serve-0|k3n1\n7.1|router|k3n1\n7.batch|batch|k3n1\n7.extern|extern|k3n1\n") == {"serve-0": "k3n1", "router": "k3n1"}
+    assert "HF_TOKEN" not in submit_env({"HF_TOKEN": "s", "PATH": "/bin"}) and submit_env({"PATH": "/bin"}) == {"PATH": "/bin"}
+
+
+def test_the_jobs_output_names_hosts_doctor_verdicts_and_which_step_ended() -> None:
+    out = parse_output("k3launch: node 0 = k3n2 10.0.0.2\nk3launch: node 1 = k3n4 10.0.0.4\nk3launch: doctor: 2 node(s) ok\n"
+                       "k3launch: started serve-0 on node 0 (k3n2)\n"
+                       "k3launch: serve-0 on node 0 (k3n2) exited with code 1; stopping the deployment\n"
+                       "k3launch: then serve-1 on node 1 (k3n4) exited with code 7\n")
+    assert out.hosts == {0: ("k3n2", "10.0.0.2"), 1: ("k3n4", "10.0.0.4")} and out.doctor_ok and not out.doctor_failed
+    assert out.step_exits == [("serve-0", "k3n2", 1), ("serve-1", "k3n4", 7)] and out.step_exit == ("serve-0", "k3n2", 1)
+    bad = parse_output("k3launch: doctor failed on k3n1: port 8000 already in use; 6 of 8 GPUs visible\n")
+    assert bad.doctor_failed == {"k3n1": "port 8000 already in use; 6 of 8 GPUs visible"} and not bad.doctor_ok
+
+
+def test_binding_replaces_every_plan_address_and_never_a_prefix_of_another() -> None:
+    inv = inventory(nodelist="g[1-12]")
+    plan = build_plan(TREE, Selection(strategy="multi_node_dep", nodes=12), inventory=inv, name="u-bind")
+    addrs = {h.name: f"10.1.0.{i + 1}" for i, h in enumerate(h for h in plan.hosts if h.gpus)}
+    bound = bind_plan(plan, addrs)
+    # what processes run with (provenance keeps the planned values: it explains the plan)
+    text = json.dumps([[p.address, p.argv, p.env] for p in bound.processes] + [h.address for h in bound.hosts]
+                      + [u.address for u in bound.ports] + [bound.endpoint])
+    assert not re.search(r"\bg\d+\b", text), text[:300]
+    g11 = next(p for p in bound.processes if p.node == "g11")
+    assert g11.address == "10.1.0.11" and g11.env["VLLM_HOST_IP"] == "10.1.0.11"  # not "10.1.0.1" + "1"
+    assert bound.endpoint.startswith("http://10.1.0.1:") and [p.node for p in bound.processes] == [p.node for p in plan.processes]
+
+
+@dataclass
+class FakeSlurm:
+    """Answers like Slurm would for one scripted job (states in order, the last one repeats)."""
+
+    states: list[JobInfo]
+    output: str = ""
+    steps_: dict[str, str] = field(default_factory=dict)
+    refuse: str | None = None
+    calls: list[list[str]] = field(default_factory=list)
+    log_dir: Path | None = None
+
+    def call(self, argv: list[str], **_: object) -> Result:
+        self.calls.append(list(argv))
+        return Result("login", " ".join(argv), 0, "", "", 0.0)
+
+    def sbatch(self, script_path: str, cwd: str) -> str:
+        self.calls.append(["sbatch", script_path])
+        if self.refuse:
+            from k3launch.errors import K3Error
+
+            raise K3Error("sbatch-refused", f"Slurm refused the job: {self.refuse}", "check")
+        self.log_dir = Path(cwd)
+        (self.log_dir / "slurm-42.out").write_text(self.output)
+        return "42"
+
+    def job(self, job_id: str) -> JobInfo:
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+    def steps(self, job_id: str) -> dict[str, str]:
+        return self.steps_
+
+    def cancel(self, job_id: str, signal: str | None = None) -> Result:
+        self.calls.append(["scancel", *([f"--signal={signal}"] if signal else []), job_id])
+        self.states = [JobInfo(job_id, "CANCELLED")]
+        return Result("login", "scancel", 0, "", "", 0.0)
+
+
+def launch(tmp: Path, fake: FakeSlurm, plan: Plan | None = None) -> tuple[SlurmLaunch, StateStore]:
+    inv = inventory(log_dir=str(tmp / "logs"))
+    plan = plan or build_plan(TREE, Selection(strategy="multi_node_tp", nodes=2), inventory=inv, name="u-launch")
+    store = StateStore(tmp / "state")
+    return SlurmLaunch(plan, inv, store, client=fake, max_attempts=2), store  # type: ignore[arg-type]
+
+
+def test_the_rank_that_did_not_blame_a_peer_is_the_cause_and_its_node_is_recorded(tmp_path: Path) -> None:
+    fake = FakeSlurm([JobInfo("42", "RUNNING"), JobInfo("42", "FAILED", ["k3n1", "k3n2"], "NonZeroExitCode")],
+                     "k3launch: serve-0 on node 0 (k3n1) exited with code 1; stopping the deployment\n"
+                     "k3launch: then serve-1 on node 1 (k3n2) exited with code 1\n")
+    sl, store = launch(tmp_path, fake)
+    (tmp_path / "logs" / "u-launch").mkdir(parents=True)
+    (tmp_path / "logs" / "u-launch" / "serve-0.log").write_text("RuntimeError: Connection reset by peer\n")
+    (tmp_path / "logs" / "u-launch" / "serve-1.log").write_text("CUDA error: uncorrectable ECC error encountered\n")
+    with pytest.raises(LaunchFailed) as ei:
+        sl.up(timeout=5)
+    e = ei.value
+    assert e.code == "process-exited" and e.failing == "serve-1" and e.node == "k3n2" and "ECC" in e.log_tail
+    assert e.message.startswith("serve-1 (serve, node rank 1) on k3n2 exited with code 1 during queued; serve-0 exited too")
+    assert json.loads((tmp_path / "state" / "slurm-bad-nodes.json").read_text())["k3n2"]["kind"] == "rank-died"
+    assert not store.exists("u-launch")  # the job is gone: nothing to keep
+
+
+def test_a_refused_submission_leaves_no_record_and_a_never_running_job_is_cancelled(tmp_path: Path) -> None:
+    sl, store = launch(tmp_path, FakeSlurm([JobInfo("42", "PENDING")], refuse="Requested node configuration is not available"))
+    with pytest.raises(Exception, match="Slurm refused the job"):
+        sl.up(timeout=5)
+    assert not store.exists("u-launch") and not store.list()
+    fake = FakeSlurm([JobInfo("42", "PENDING", [], "Priority"), JobInfo("42", "PENDING", [], "PartitionTimeLimit")])
+    sl, store = launch(tmp_path / "b", fake)
+    with pytest.raises(LaunchFailed, match=r"can never start.*PartitionTimeLimit") as ei:
+        sl.up(timeout=5)
+    assert ei.value.code == "job-never-runs" and ["scancel", "42"] in fake.calls and not store.exists("u-launch")
+
+
+def test_render_writes_the_sbatch_script_up_would_submit(tmp_path: Path) -> None:
+    path = tmp_path / "inv.yaml"
+    path.write_text("name: r\nbackend: slurm\nhardware: b300\nslurm: {partition: gpu, container: pyxis}\n")
+    res = subprocess.run([sys.executable, "-m", "k3launch", "render", "-i", str(path), "--name", "u-render", "-o", str(tmp_path / "out")],
+                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "K3LAUNCH_STATE_DIR": str(tmp_path / "st")},
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["plan.json", "u-render.sbatch"]
+    plan = Plan.model_validate_json((tmp_path / "out" / "plan.json").read_text())
+    inv = Inventory.model_validate({"name": "r", "backend": "slurm", "hardware": "b300", "slurm": {"partition": "gpu", "container": "pyxis"}})
+    assert inv.slurm is not None
+    want = make_sbatch_string(plan, inv.slurm, str((tmp_path / "st").resolve() / "slurm" / "u-render"))
+    assert (tmp_path / "out" / "u-render.sbatch").read_text() == want
