@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from k3launch.errors import K3Error
 from k3launch.recipe_models import Strict
@@ -139,10 +139,18 @@ class SlurmSection(Strict):
     # node shares with the compute nodes (default: <state dir>/slurm/<deployment>, under $HOME).
     log_dir: str | None = None
 
-    @field_validator("partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit", "log_dir")
+    @field_validator("partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit")
+    @classmethod
+    def _word(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # sbatch splits a directive line at white space: "gpu --uid=0" would be two options
+        if v is not None and (not v or any(c.isspace() for c in v)):
+            raise ValueError(f"slurm.{info.field_name} {v!r} must be one word (Slurm names have no spaces)")
+        return v
+
+    @field_validator("log_dir")
     @classmethod
     def _line(cls, v: str | None) -> str | None:
-        return None if v is None else _one_line(v, "slurm value")
+        return None if v is None else _one_line(v, "slurm.log_dir")
 
     @field_validator("extra_sbatch")
     @classmethod

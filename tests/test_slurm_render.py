@@ -141,6 +141,14 @@ CASES: dict[str, Case] = {
                              {"partition": "gb300", "time_limit": "2-00:00:00"}, {"hf_cache": "/lustre/hf-cache"}),
     "pd_cluster": Case("b300", "pyxis", Selection(strategy="pd_cluster"), {"partition": "gpu", "account": "research"},
                        {"hf_cache": "/lustre/hf-cache"}),
+    # Hostile values in every free-form field that reaches the script: they must stay data.
+    "hostile_values": Case("b300", "apptainer", Selection(strategy="multi_node_tp", nodes=2),
+                           {"partition": "gpu", "account": "lab$(touch${IFS}/tmp/k3-golden-pwned-account)",
+                            "extra_sbatch": ["--comment=$(touch /tmp/k3-golden-pwned-comment) `id`; rm -rf ~"]},
+                           {"hf_cache": "/data/hf cache $(touch /tmp/k3-golden-pwned-cache) 'q\"",
+                            "env": {"NCCL_DEBUG": "INFO $(touch /tmp/k3-golden-pwned-env) `id` \"; exit 1",
+                                    "K3_NOTE": "it's http://slurm-node-1:9/?x=$(id)&y=${HOME}"}},
+                           extra_sbatch=("--signal=B:USR1@60; touch /tmp/k3-golden-pwned-extra",)),
 }
 
 
@@ -227,6 +235,7 @@ def test_no_stale_slurm_goldens() -> None:
 
 def test_every_strategy_and_container_mode_has_a_golden() -> None:
     strategies = {c.sel.strategy for c in CASES.values()}
+    assert "hostile_values" in CASES
     assert strategies == {"single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster"}
     assert {c.container for c in CASES.values()} == {"pyxis", "apptainer", "bare"}
     assert {(c.sel.strategy, c.sel.nodes) for c in CASES.values()} >= {("multi_node_tp", 2), ("multi_node_tp", 3),
@@ -413,6 +422,7 @@ def test_fake_run_binds_plan_nodes_to_allocated_hosts(case: str, tmp_path: Path)
     plan, _, c = case_plan(case)
     run = run_fake(case_script(case, str(tmp_path / "logs")), tmp_path, len(plan.processes), list(FAKE_HOSTS))
     check_steps(run, plan, c.container, c.defaults.get("hf_cache", ""))
+    assert not list(Path("/tmp").glob("k3-golden-pwned*")), "a hostile value of a golden case ran as a command"
     n = len(node_order(plan))
     assert [f"k3launch: node {i} = {FAKE_HOSTS[i]} {FAKE_ADDRS[i]}" for i in range(n)] == run.stdout.splitlines()[:n]
     assert run.stdout.splitlines()[n] == f"k3launch: doctor: {n} node(s) ok"
@@ -485,6 +495,12 @@ def test_hostile_values_end_up_as_data(container: str, tmp_path: Path) -> None:
     assert SECRET not in script
     pwned = list(tmp_path.glob("pwned*")) + list((tmp_path / "cwd").glob("pwned*"))
     assert not pwned, f"shell injection: {pwned}"
+
+
+@pytest.mark.parametrize("key", ["partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit"])
+def test_a_slurm_name_with_white_space_is_refused_since_sbatch_would_split_it_into_options(key: str) -> None:
+    with pytest.raises(ValidationError, match=f"slurm.{key} .* must be one word"):
+        slurm_inventory("b300", "pyxis", **{key: "gpu --uid=0"})
 
 
 @pytest.mark.parametrize("image", ["--privileged", "img:1;touch x", "img:`id`", "reg/img:1 && id", "img\nx"])
