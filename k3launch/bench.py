@@ -85,6 +85,17 @@ def head(rec: DeploymentRecord) -> Process:
     return engines[0]
 
 
+def served_name(proc: Process) -> str | None:
+    """The first ``--served-model-name`` of an engine's argv (requests must use it), if any."""
+    argv = proc.argv
+    for i, a in enumerate(argv):
+        if a == "--served-model-name" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--served-model-name="):
+            return a.split("=", 1)[1] or None
+    return None
+
+
 def _loopback(url: str) -> bool:
     host = urllib.parse.urlsplit(url).hostname or ""
     try:
@@ -119,7 +130,7 @@ def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, clie
     log = out_dir / f"{tag}.log"
     result.unlink(missing_ok=True)  # never read an earlier attempt's figures
     started = now_iso()
-    kw = {"base_url": rec.endpoint, "model": rec.plan.model, "seed": seed, "range_ratio": range_ratio, "warmups": warmups,
+    kw = {"base_url": rec.endpoint, "model": rec.plan.model, "served_name": served_name(head(rec)), "seed": seed, "range_ratio": range_ratio, "warmups": warmups,
           "result_filename": result.name}
     if mode == "local":
         error = _run_local(bench_argv(load, result_dir=str(out_dir), **kw), log, timeout_s)  # type: ignore[arg-type]

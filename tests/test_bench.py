@@ -120,6 +120,17 @@ def test_zero_token_engine_is_completed_but_invalid(procs: Procs, tmp_path: Path
     assert reason is not None and "0 output tokens" in reason
 
 
+def test_served_model_name_is_what_requests_ask_for(procs: Procs, tmp_path: Path) -> None:
+    port = free_port()
+    sim = procs.sim(["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "k3"])
+    wait_healthy("127.0.0.1", port, sim)
+    common = ("--port", str(port), "--model", "moonshotai/Kimi-K3", "--num-prompts", "2", "--random-input-len", "4",
+              "--random-output-len", "2", "--ready-check-timeout-sec", "1")
+    wrong = bench(*common, cwd=tmp_path)
+    assert wrong.returncode == 1 and "404" in wrong.stderr
+    assert bench(*common, "--served-model-name", "k3", cwd=tmp_path).returncode == 0
+
+
 def test_unreachable_server_fails_without_result(tmp_path: Path) -> None:
     r = bench("--port", str(free_port()), "--model", "m", "--num-prompts", "2", "--ready-check-timeout-sec", "1", "--save-result",
               "--result-filename", "x.json", cwd=tmp_path)
@@ -147,5 +158,8 @@ def test_bench_argv_is_vllm_bench_serve_command_line() -> None:
     assert (ns.max_concurrency, ns.random_input_len, ns.random_output_len, ns.num_prompts) == (8, 1024, 128, 200)
     assert ns.request_rate == math.inf and ns.save_result and ns.percentile_metrics == "ttft,tpot,itl,e2el"
     assert ns.base_url == "http://10.0.0.1:8000" and ns.result_filename == "x.json"
+    served = simbench.parser().parse_args(bench_argv(load, base_url="u", model="moonshotai/Kimi-K3", served_name="k3", result_dir="d",
+                                                     result_filename="f"))
+    assert (served.model, served.served_model_name) == ("moonshotai/Kimi-K3", "k3")  # tokenizer from the model, requests ask for "k3"
     assert "--max-concurrency" not in bench_argv(load.model_copy(update={"max_concurrency": None}), base_url="u", model="m",
                                                  result_dir="d", result_filename="f")
