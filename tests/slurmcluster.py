@@ -26,19 +26,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import pytest
+from infrahelpers import InfraError as InfraError
+from infrahelpers import SessionInfra, in_first_free_slot, run_script, up_or_clean_up
 
-INFRA = Path(__file__).resolve().parent / "infra"
 ENV_DIR = "K3LAUNCH_TEST_SLURM_DIR"
 ENV_REQUIRED = "K3LAUNCH_TEST_SLURM_REQUIRED"
+NEEDS_ROOT = "the Slurm test cluster needs root (slurmd runs jobs as any user, network namespaces, mknod)"
 
 # Job states after which nothing more happens to a job (squeue shows COMPLETING until every
 # process of a cancelled or finished job is gone, so these also mean "its processes are gone").
@@ -55,10 +55,6 @@ _KNOBS = ("SLURM_MODE", "SLURM_GPU_TYPE", "SLURM_CPUS_PER_NODE", "SLURM_MEM_MB",
           "SLURMD_PORT_BASE", "SLURMDBD_PORT", "MARIADB_PORT")
 
 
-class InfraError(RuntimeError):
-    """A tests/infra script failed; the message carries the tail of its stderr."""
-
-
 class SlurmError(RuntimeError):
     """A Slurm command failed or a job did not reach the expected state in time."""
 
@@ -69,24 +65,10 @@ def _clean_env(keep: Iterable[str] = ()) -> dict[str, str]:
 
 
 def run_infra(script: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> str:
-    """Run ``tests/infra/SCRIPT ARGS`` and return its stdout; raise InfraError on failure.
-
-    The script runs in its own session and the whole group is killed on timeout: a child still
-    holding the pipes (apt-get, a wait loop) would otherwise hang us too. The daemons it starts
-    daemonize into sessions of their own and are not affected.
-    """
-    cmd = ["bash", str(INFRA / script), *args]
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**_clean_env(_KNOBS), **(env or {})})
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise InfraError(f"{script} {' '.join(args)}: timed out after {timeout:g}s\n{err[-2000:]}") from None
-    if p.returncode != 0:
-        raise InfraError(f"{script} {' '.join(args)}: exit {p.returncode}\n{err.strip()[-2000:]}")
-    return out
+    """Run ``tests/infra/SCRIPT ARGS`` (this process's environment without Slurm job/input variables
+    other than slurm-up.sh's knobs, plus ``env``) and return its stdout; raise InfraError on failure or
+    timeout (then its whole process group is killed: infrahelpers.run_script)."""
+    return run_script(script, *args, env={**_clean_env(_KNOBS), **(env or {})}, timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -191,18 +173,10 @@ def start_cluster(dir: Path | str | None = None, nodes: int = 4, gpus: int = 8, 
     if dir is None:
         raise ValueError(f"start_cluster needs a state directory (or {ENV_DIR})")
     if os.geteuid() != 0:
-        raise InfraError("the Slurm test cluster needs root (slurmd runs jobs as any user, network namespaces, mknod)")
+        raise InfraError(NEEDS_ROOT)
     knobs = {**(env or {}), "SLURM_NODES": str(nodes), "SLURM_GPUS_PER_NODE": str(gpus)}
-    try:
-        # generous: the first run apt-get installs slurm (~5-15 s), and more with accounting
-        run_infra("slurm-up.sh", str(dir), env=knobs, timeout=timeout or 400)
-    except InfraError:
-        # a half-made cluster (namespaces, claims, some daemons) must not outlive the failure
-        try:
-            run_infra("slurm-down.sh", str(dir), timeout=120)
-        except InfraError:
-            pass
-        raise
+    # generous: the first run apt-get installs slurm (~5-15 s), and more with accounting
+    up_or_clean_up(run_infra, "slurm-up.sh", "slurm-down.sh", dir, env=knobs, timeout=timeout or 400)
     return Cluster.load(dir, owned=True)
 
 
@@ -232,25 +206,12 @@ def start_cluster_in_free_slot(dir: Path | str, nodes: int = 4, gpus: int = 8, k
 
     Knobs set explicitly in the environment (SLURM_NODE_PREFIX, ...) win and disable the search.
     """
-    if any(k in os.environ for k in _SLOT_KNOBS):
-        return start_cluster(dir, nodes, gpus, reuse=False)
-    for slot in range(slots):
-        try:
-            return start_cluster(dir, nodes, gpus, reuse=False, env=slot_env(slot, kind))
-        except InfraError as exc:
-            if slot == slots - 1 or not any(t in str(exc) for t in _TAKEN):
-                raise
-    raise AssertionError("unreachable")
+    return in_first_free_slot(lambda env: start_cluster(dir, nodes, gpus, reuse=False, env=env), lambda slot: slot_env(slot, kind),
+                              slot_knobs=_SLOT_KNOBS, taken=_TAKEN, slots=slots)
 
 
 # ---- pytest fixture ----------------------------------------------------------------------
-_session_cluster: Cluster | None = None  # one cluster per session, even if several modules set the fixture up
-
-
-def _unavailable(reason: str) -> NoReturn:
-    if os.environ.get(ENV_REQUIRED) == "1":
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+_SESSION: SessionInfra[Cluster] = SessionInfra(ENV_REQUIRED, NEEDS_ROOT, "the Slurm test cluster could not start")
 
 
 @pytest.fixture(scope="session")
@@ -261,22 +222,10 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
     instead with K3LAUNCH_TEST_SLURM_REQUIRED=1). Stops it at the end of the session, unless it
     came from K3LAUNCH_TEST_SLURM_DIR (then CI owns it).
     """
-    global _session_cluster
-    if _session_cluster is not None:
-        yield _session_cluster
-        return
-    if os.geteuid() != 0:
-        _unavailable("the Slurm test cluster needs root (slurmd runs jobs as any user, network namespaces, mknod)")
-    try:
+
+    def start() -> Cluster:
         if os.environ.get(ENV_DIR):
-            cluster = start_cluster(nodes=4, gpus=8)
-        else:
-            cluster = start_cluster_in_free_slot(tmp_path_factory.mktemp("slurm"), nodes=4, gpus=8)
-    except InfraError as exc:
-        _unavailable(f"the Slurm test cluster could not start: {exc}")
-    _session_cluster = cluster
-    try:
-        yield cluster
-    finally:
-        _session_cluster = None
-        cluster.down()
+            return start_cluster(nodes=4, gpus=8)
+        return start_cluster_in_free_slot(tmp_path_factory.mktemp("slurm"), nodes=4, gpus=8)
+
+    yield from _SESSION.provide(start)

@@ -27,46 +27,28 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import yaml
+from infrahelpers import InfraError as InfraError
+from infrahelpers import SessionInfra, in_first_free_slot, run_script, up_or_clean_up
 
-INFRA = Path(__file__).resolve().parent / "infra"
 ENV_DIR = "K3LAUNCH_TEST_SSH_DIR"
 ENV_REQUIRED = "K3LAUNCH_TEST_SSH_REQUIRED"
 ENV_COUNT = "K3LAUNCH_TEST_SSH_HOSTS"
-
-
-class InfraError(RuntimeError):
-    """A tests/infra script failed; the message carries the tail of its stderr."""
+NEEDS_ROOT = "sshd test hosts need root (sshd for root logins, network namespaces)"
 
 
 def run_infra(script: str, *args: str, env: Mapping[str, str] | None = None, timeout: float = 120.0) -> str:
-    """Run ``tests/infra/SCRIPT ARGS`` and return its stdout; raise InfraError on failure.
-
-    The script runs in its own session and the whole group is killed on timeout: otherwise
-    a still-running child (an ssh it waits on) would keep the pipes open and hang us too.
-    The sshds it starts daemonize into sessions of their own and are not affected.
-    """
-    cmd = ["bash", str(INFRA / script), *args]
-    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, **(env or {})})
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise InfraError(f"{script} {' '.join(args)}: timed out after {timeout:g}s\n{err[-2000:]}") from None
-    if p.returncode != 0:
-        raise InfraError(f"{script} {' '.join(args)}: exit {p.returncode}\n{err.strip()[-2000:]}")
-    return out
+    """Run ``tests/infra/SCRIPT ARGS`` (this process's environment plus ``env``) and return its stdout;
+    raise InfraError on failure or timeout (then its whole process group is killed: infrahelpers.run_script)."""
+    return run_script(script, *args, env={**os.environ, **(env or {})}, timeout=timeout)
 
 
 @dataclass(frozen=True)
@@ -204,17 +186,9 @@ def start_hosts(n: int = 4, dir: Path | str | None = None, *, reuse: bool = True
     if dir is None:
         raise ValueError("start_hosts needs a state directory (or K3LAUNCH_TEST_SSH_DIR)")
     if os.geteuid() != 0:
-        raise InfraError("sshd test hosts need root (sshd for root logins, network namespaces)")
-    # generous: the first run may apt-get install openssh-server
-    try:
-        run_infra("sshd-up.sh", str(dir), env={**(env or {}), "SSH_HOSTS": str(n)}, timeout=timeout or 300 + 3 * n)
-    except InfraError:
-        # a half-made set (namespaces, claims, some sshds) must not outlive the failure
-        try:
-            run_infra("sshd-down.sh", str(dir), timeout=120)
-        except InfraError:
-            pass
-        raise
+        raise InfraError(NEEDS_ROOT)
+    # generous: the first run may apt-get install openssh-server; a failed up is cleaned up (sshd-down.sh)
+    up_or_clean_up(run_infra, "sshd-up.sh", "sshd-down.sh", dir, env={**(env or {}), "SSH_HOSTS": str(n)}, timeout=timeout or 300 + 3 * n)
     return Hosts.load(dir, owned=True)
 
 
@@ -242,51 +216,27 @@ def start_hosts_in_free_slot(n: int, dir: Path | str, kind: str = "h", slots: in
 
     Knobs set explicitly in the environment (SSH_HOST_PREFIX, ...) win and disable the search.
     """
-    if any(k in os.environ for k in _SLOT_KNOBS):
-        return start_hosts(n, dir, reuse=False)
-    for slot in range(slots):
-        try:
-            return start_hosts(n, dir, reuse=False, env=slot_env(slot, kind))
-        except InfraError as exc:
-            if slot == slots - 1 or not any(t in str(exc) for t in _TAKEN):
-                raise
-    raise AssertionError("unreachable")
+    return in_first_free_slot(lambda env: start_hosts(n, dir, reuse=False, env=env), lambda slot: slot_env(slot, kind),
+                              slot_knobs=_SLOT_KNOBS, taken=_TAKEN, slots=slots)
 
 
 # ---- pytest fixture ---------------------------------------------------------------------
-_session_hosts: Hosts | None = None  # one set per session, even if several modules set the fixture up
-
-
-def _unavailable(reason: str) -> NoReturn:
-    if os.environ.get(ENV_REQUIRED) == "1":
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+_SESSION: SessionInfra[Hosts] = SessionInfra(ENV_REQUIRED, NEEDS_ROOT, "sshd test hosts could not start")
 
 
 @pytest.fixture(scope="session")
 def ssh_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     """The session's sshd hosts (4, or K3LAUNCH_TEST_SSH_HOSTS if more).
 
-    Skips the test (with the reason) when not root or when the hosts cannot start. Stops them at
-    the end of the session, unless they came from K3LAUNCH_TEST_SSH_DIR (then CI owns them).
+    Skips the test (with the reason) when not root or when the hosts cannot start (fails instead
+    with K3LAUNCH_TEST_SSH_REQUIRED=1). Stops them at the end of the session, unless they came
+    from K3LAUNCH_TEST_SSH_DIR (then CI owns them).
     """
-    global _session_hosts
-    if _session_hosts is not None:
-        yield _session_hosts
-        return
     n = max(4, int(os.environ.get(ENV_COUNT, "4")))
-    if os.geteuid() != 0:
-        _unavailable("sshd test hosts need root (sshd for root logins, network namespaces)")
-    try:
+
+    def start() -> Hosts:
         if os.environ.get(ENV_DIR):
-            hosts = start_hosts(n)
-        else:
-            hosts = start_hosts_in_free_slot(n, tmp_path_factory.mktemp("sshd"))
-    except InfraError as exc:
-        _unavailable(f"sshd test hosts could not start: {exc}")
-    _session_hosts = hosts
-    try:
-        yield hosts
-    finally:
-        _session_hosts = None
-        hosts.down()
+            return start_hosts(n)
+        return start_hosts_in_free_slot(n, tmp_path_factory.mktemp("sshd"))
+
+    yield from _SESSION.provide(start)

@@ -16,11 +16,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from infrahelpers import pid_alive, wait_until
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
@@ -30,24 +31,6 @@ if TYPE_CHECKING:
 pytest_plugins = ["slurmcluster"]
 
 ALL_GPUS = "0,1,2,3,4,5,6,7"
-
-
-def _alive(pid: int) -> bool:
-    """Not a zombie: this VM's PID 1 reaps late, so exited processes linger as Z for a while."""
-    try:
-        states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] for t in os.listdir(f"/proc/{pid}/task")]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return any(s not in ("Z", "X") for s in states)
-
-
-def _wait(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return bool(cond())
 
 
 def _read_pids(path: Path) -> list[int]:
@@ -126,13 +109,13 @@ def test_scancel_ends_a_running_job_and_its_processes(slurm_cluster: Cluster, tm
     job = c.sbatch("--output=/dev/null", "--wrap", f'sleep 300 & echo "$$ $!" > {pidfile}.tmp && mv {pidfile}.tmp {pidfile}; wait')
     jobs.append(job)
     assert c.wait(job, timeout=30, until={"RUNNING"}) == "RUNNING"
-    assert _wait(lambda: len(_read_pids(pidfile)) == 2, 15), "the job did not start its sleep"
+    assert wait_until(lambda: len(_read_pids(pidfile)) == 2, 15), "the job did not start its sleep"
     pids = _read_pids(pidfile)
-    assert all(_alive(p) for p in pids)
+    assert all(pid_alive(p) for p in pids)
     t0 = time.monotonic()
     c.cancel(job)
     assert c.wait(job, timeout=30) == "CANCELLED"
-    assert _wait(lambda: not any(_alive(p) for p in pids), 10), f"still running after scancel: {[p for p in pids if _alive(p)]}"
+    assert wait_until(lambda: not any(pid_alive(p) for p in pids), 10), f"still running after scancel: {[p for p in pids if pid_alive(p)]}"
     assert time.monotonic() - t0 < 15
 
 
@@ -167,7 +150,7 @@ def test_server_started_by_a_job_is_reachable_at_its_node_address(slurm_cluster:
         except (urllib.error.URLError, OSError):
             return None
 
-    assert _wait(lambda: fetch(url) == a, 30, 0.1), f"{url} never answered {a!r}: {(tmp_path / 'server.out').read_text()}"
+    assert wait_until(lambda: fetch(url) == a, 30, 0.1), f"{url} never answered {a!r}: {(tmp_path / 'server.out').read_text()}"
     with pytest.raises(ConnectionRefusedError):  # it listens in a's network, not this machine's
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
     # another node reaches it by name (the tagged /etc/hosts lines) over the bridge
@@ -176,7 +159,7 @@ def test_server_started_by_a_job_is_reachable_at_its_node_address(slurm_cluster:
     assert r.stdout.strip() == a, r.stderr
     c.cancel(job)
     assert c.wait(job, timeout=30) == "CANCELLED"
-    assert _wait(lambda: fetch(url) is None, 10), "the server outlived its job"
+    assert wait_until(lambda: fetch(url) is None, 10), "the server outlived its job"
 
 
 def _where(x: int) -> tuple[int, str | None, str | None, str]:
@@ -215,7 +198,7 @@ def test_submitit_runs_a_function_on_the_cluster(slurm_cluster: Cluster, tmp_pat
     t0 = time.monotonic()
     job = ex.submit(_where, 21)
     try:
-        assert _wait(job.done, 60, 0.2), f"submitit job {job.job_id} not done after 60 s: {c.states(job.job_id)}"
+        assert wait_until(job.done, 60, 0.2), f"submitit job {job.job_id} not done after 60 s: {c.states(job.job_id)}"
         doubled, node, gpus, host = job.result()
     finally:
         c.run("scancel", job.job_id, check=False)
@@ -290,23 +273,23 @@ def test_down_leaves_nothing_behind(tmp_path: Path) -> None:
             expected |= {"mysqld.pid", "slurmdbd.pid"}
         assert set(pidfiles) == expected
         daemons = list(pidfiles.values())
-        assert all(_alive(p) for p in daemons)
+        assert all(pid_alive(p) for p in daemons)
         # a job whose child double-forks out of its step: scancel cannot see it, down must
         job = c.sbatch("--output=/dev/null", "--wrap", f"setsid sh -c 'echo $$ > {escapee}.tmp && mv {escapee}.tmp {escapee}; "
                        "exec sleep 300' </dev/null >/dev/null 2>&1 & sleep 300")
         assert c.wait(job, timeout=30, until={"RUNNING"}) == "RUNNING"
-        assert _wait(lambda: len(_read_pids(escapee)) == 1, 15)
-        assert _alive(_read_pids(escapee)[0])
+        assert wait_until(lambda: len(_read_pids(escapee)) == 1, 15)
+        assert pid_alive(_read_pids(escapee)[0])
     finally:
         t0 = time.monotonic()
         c.down()
         took = time.monotonic() - t0
     c.down()  # twice is fine
     assert took < 30
-    assert not any(_alive(p) for p in [*daemons, *_read_pids(escapee)])
+    assert not any(pid_alive(p) for p in [*daemons, *_read_pids(escapee)])
     leftovers = [p for p in os.listdir("/proc") if p.isdigit() and (str(d).encode() in _proc(p, "cmdline") or
                                                                     f"K3LAUNCH_SLURM_CLUSTER_DIR={d}".encode() in _proc(p, "environ"))
-                 and _alive(int(p))]
+                 and pid_alive(int(p))]
     assert not leftovers, leftovers
     assert not any(Path(f"/run/netns/{n}").exists() or Path(f"/sys/class/net/v-{n}").exists() for n in c.nodes)
     assert not c.bridge or not Path(f"/sys/class/net/{c.bridge}").exists()

@@ -16,13 +16,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import paramiko
 import pytest
+from infrahelpers import pid_alive, wait_until
 
 if TYPE_CHECKING:
     from sshhosts import Hosts
@@ -46,31 +46,13 @@ def _probe(address: str, port: int, timeout: float) -> str:
         return f"error: {exc}"
 
 
-def _alive(pid: int) -> bool:
-    """Not a zombie: this VM's PID 1 reaps late, so exited processes linger as Z for a while."""
-    try:
-        states = [Path(f"/proc/{pid}/task/{t}/stat").read_text().rsplit(")", 1)[1].split()[0] for t in os.listdir(f"/proc/{pid}/task")]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    return any(s not in ("Z", "X") for s in states)
-
-
-def _wait(cond: Callable[[], bool], timeout: float, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(step)
-    return bool(cond())
-
-
 def _kill(pid: int) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             return
-        if _wait(lambda: not _alive(pid), 3):
+        if wait_until(lambda: not pid_alive(pid), 3):
             return
 
 
@@ -78,7 +60,7 @@ def _daemonize_over_ssh(hosts: Hosts, name: str, command: str, pidfile: Path) ->
     """Start COMMAND on host NAME detached from the ssh session (as k3launch starts engines); its pid."""
     r = hosts.ssh(name, f"nohup setsid sh -c 'echo $$ > {pidfile}; exec {command}' >/dev/null 2>&1 </dev/null &")
     assert r.returncode == 0, r.stderr
-    assert _wait(lambda: pidfile.is_file() and pidfile.read_text().strip().isdigit(), 10), f"{command} did not start on {name}"
+    assert wait_until(lambda: pidfile.is_file() and pidfile.read_text().strip().isdigit(), 10), f"{command} did not start on {name}"
     return int(pidfile.read_text())
 
 
@@ -163,7 +145,7 @@ def test_server_started_over_ssh_lives_in_the_host(ssh_hosts: Hosts, tmp_path: P
         # it runs in a's network namespace (the pid namespace is shared, so its pid is valid here)
         assert os.stat(f"/proc/{pid}/ns/net").st_ino == os.stat(f"/run/netns/{a}").st_ino
         url = f"http://{addr}:{port}/"
-        assert _wait(lambda: _probe(addr, port, 1) != "refused", 10), "http.server did not come up"
+        assert wait_until(lambda: _probe(addr, port, 1) != "refused", 10), "http.server did not come up"
         with urllib.request.urlopen(url, timeout=5) as resp:
             assert resp.status == 200
         assert _probe("127.0.0.1", port, 2) == "refused"
@@ -172,7 +154,7 @@ def test_server_started_over_ssh_lives_in_the_host(ssh_hosts: Hosts, tmp_path: P
         assert (r.returncode, r.stdout.strip()) == (0, "200"), r.stderr
     finally:
         _kill(pid)
-    assert not _alive(pid)
+    assert not pid_alive(pid)
 
 
 def test_stopped_sshd_refuses_and_comes_back(ssh_hosts: Hosts) -> None:
@@ -181,7 +163,7 @@ def test_stopped_sshd_refuses_and_comes_back(ssh_hosts: Hosts) -> None:
     ssh_hosts.stop_host(name)
     try:
         assert ssh_hosts.status()[name] == "down"
-        assert _wait(lambda: _probe(addr, ssh_hosts.port, 3) == "refused", 3)
+        assert wait_until(lambda: _probe(addr, ssh_hosts.port, 3) == "refused", 3)
         t0 = time.monotonic()
         r = ssh_hosts.ssh(name, "true", timeout=10)
         assert r.returncode == 255 and "refused" in r.stderr, r.stderr
@@ -234,14 +216,14 @@ def test_down_leaves_nothing_behind(tmp_path: Path) -> None:
     try:
         assert hosts.owned and len(hosts.names) == 2
         sshd_pids = [int((d / "run" / f"{n}.pid").read_text()) for n in hosts.names]
-        assert all(_alive(p) for p in sshd_pids)
+        assert all(pid_alive(p) for p in sshd_pids)
         # an "engine" daemonized over ssh: not under sshd any more, down must still find it
         engine = _daemonize_over_ssh(hosts, hosts.names[0], "sleep 300", tmp_path / "engine.pid")
-        assert _alive(engine)
+        assert pid_alive(engine)
     finally:
         hosts.down()
     hosts.down()  # twice is fine
-    assert not any(_alive(p) for p in [*sshd_pids, engine])
+    assert not any(pid_alive(p) for p in [*sshd_pids, engine])
     leftovers = [p for p in os.listdir("/proc") if p.isdigit() and str(d).encode() in _cmdline(int(p))]
     assert not leftovers
     assert not any(Path(f"/run/netns/{n}").exists() for n in hosts.names)

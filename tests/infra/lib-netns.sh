@@ -1,5 +1,6 @@
 # shellcheck shell=bash
-# tests/infra/lib-netns.sh -- helpers sourced by sshd-up.sh, sshd-down.sh and sshd-ctl.sh.
+# tests/infra/lib-netns.sh -- helpers sourced by sshd-up.sh, sshd-down.sh and sshd-ctl.sh (and,
+# under lib-slurm.sh, by slurm-up.sh and slurm-down.sh).
 #
 # A test "host" NAME is one sshd that runs
 #   * in its own UTS namespace (so `hostname` prints NAME), always, and
@@ -32,6 +33,41 @@ lock_registry() {
   flock -w 120 9 || die "$K3_REGISTRY/.lock held for 120 s"
 }
 unlock_registry() { flock -u 9 2>/dev/null || true; }
+
+# ---- packages ----------------------------------------------------------------------------
+# apt_install LOG PKG... -> apt-get install the PKGs (nothing to do without any), output appended
+# to LOG; exits the script if that fails. Without systemd, maintainer scripts start their daemons
+# system-wide via invoke-rc.d (openssh-server's sshd on port 22, slurmctld, slurmd and munged):
+# those would hold our ports and a system munge socket, so a policy-rc.d that exits 101 forbids
+# that. Ours is removed again, also on failure (EXIT trap); one that was already there is left
+# alone. A stale package list gives 404s: refresh and retry. Another apt may hold the dpkg lock
+# (a CI step, another up running in parallel): wait for it instead of failing.
+apt_install() {
+  local log=$1 made_policy=0 attempt
+  shift
+  [ $# -gt 0 ] || return 0
+  command -v apt-get >/dev/null || die "missing $* and there is no apt-get to install them"
+  say "installing $* (log: $log)"
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\n# k3launch %s: no daemon starts during apt-get install\nexit 101\n' "$K3_SELF" >/usr/sbin/policy-rc.d
+    chmod 755 /usr/sbin/policy-rc.d
+    made_policy=1
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
+  for attempt in 1 2 3; do
+    if DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends \
+      "$@" >>"$log" 2>&1; then
+      break
+    fi
+    [ "$attempt" = 3 ] && die "apt-get install $* failed; see $log"
+    sleep $((attempt * 2))
+    apt-get -o DPkg::Lock::Timeout=300 update >>"$log" 2>&1 || true
+  done
+  if [ "$made_policy" = 1 ]; then
+    rm -f /usr/sbin/policy-rc.d
+    trap - EXIT
+  fi
+}
 
 # ---- ownership claims --------------------------------------------------------------------
 claim_owner() { cat "$K3_REGISTRY/$1" 2>/dev/null || true; }   # KEY -> owning DIR (or nothing)

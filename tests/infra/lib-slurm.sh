@@ -11,6 +11,19 @@
 
 DAEMONS="slurmctld slurmd slurmdbd munged mariadbd"
 
+# begin_cluster_script ARG ROOT_MSG -> the common start of slurm-up.sh and slurm-down.sh: T0 (for
+# the closing "took N s"), root or die with ROOT_MSG, and DIR = the cluster's state directory:
+# ARG (default /tmp/k3launch-slurm) made absolute; it must be of [A-Za-z0-9._/-] (it ends up
+# unquoted in slurm.conf, gres.conf and the /etc/hosts tags). Call it directly, not in $(...):
+# it sets T0 and DIR, and a refusal must end the script, -e or not.
+begin_cluster_script() {
+  # shellcheck disable=SC2034 # T0 is read by the calling script
+  T0=$(date +%s%N)
+  [ "$(id -u)" = 0 ] || die "$2"
+  DIR=$(realpath -m "${1:-/tmp/k3launch-slurm}")
+  [[ $DIR =~ ^/[A-Za-z0-9._/-]+$ ]] || die "DIR '$DIR' must be an absolute path of [A-Za-z0-9._/-]"
+}
+
 # is_num VALUE MIN MAX -> 0 if VALUE is a decimal integer in MIN..MAX
 is_num() { [[ $1 =~ ^[0-9]+$ ]] && [ "${#1}" -le 10 ] && [ "$1" -ge "$2" ] && [ "$1" -le "$3" ]; }
 

@@ -18,10 +18,7 @@ K3_SELF=slurm-down
 # shellcheck source=lib-slurm.sh
 . "$HERE/lib-slurm.sh"
 
-T0=$(date +%s%N)
-[ "$(id -u)" = 0 ] || die "must run as root"
-DIR=$(realpath -m "${1:-/tmp/k3launch-slurm}")
-[[ $DIR =~ ^/[A-Za-z0-9._/-]+$ ]] || die "DIR '$DIR' must be an absolute path of [A-Za-z0-9._/-]"
+begin_cluster_script "${1:-}" "must run as root"
 # DIR may be gone (rm -rf by a careless cleanup) while its daemons still run: the command lines,
 # environment markers and registry claims still name it, so carry on without the DIR lock then
 [ -d "$DIR/run" ] && lock_dir "$DIR"

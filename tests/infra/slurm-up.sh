@@ -49,10 +49,7 @@ K3_SELF=slurm-up
 # shellcheck source=lib-slurm.sh
 . "$HERE/lib-slurm.sh"
 
-T0=$(date +%s%N)
-[ "$(id -u)" = 0 ] || die "must run as root (slurmd runs jobs as any user; namespaces; mknod)"
-DIR=$(realpath -m "${1:-/tmp/k3launch-slurm}")
-[[ $DIR =~ ^/[A-Za-z0-9._/-]+$ ]] || die "DIR '$DIR' must be an absolute path of [A-Za-z0-9._/-]"
+begin_cluster_script "${1:-}" "must run as root (slurmd runs jobs as any user; namespaces; mknod)"
 mkdir -p "$DIR"/{run,log,spool,dev,etc}
 # slurmd, slurmstepd and the jobs read slurm.conf and gres.conf from here
 chmod 755 "$DIR"
@@ -62,7 +59,7 @@ is_num "$WAIT_S" 1 3600 || die "SLURM_WAIT_S must be 1..3600 (got '$WAIT_S')"
 
 # ---- packages: install only what is missing ----------------------------------------------
 ensure_packages() {
-  local need=() made_policy=0 attempt log="$DIR/log/apt.log" p
+  local need=() p
   for p in slurmctld slurmd slurm-client munge; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
   if [ "${SLURM_ACCOUNTING:-0}" = 1 ] || { [ -f "$DIR/settings" ] && grep -qx 'C_ACCT=1' "$DIR/settings"; }; then
     for p in slurmdbd mariadb-server; do dpkg -s "$p" >/dev/null 2>&1 || need+=("$p"); done
@@ -70,34 +67,7 @@ ensure_packages() {
   { command -v ip && command -v ss; } >/dev/null || need+=(iproute2)
   { command -v unshare && command -v flock; } >/dev/null || need+=(util-linux)
   command -v ps >/dev/null || need+=(procps)
-  [ ${#need[@]} -gt 0 ] || return 0
-  command -v apt-get >/dev/null || die "missing ${need[*]} and there is no apt-get to install them"
-  say "installing ${need[*]} (log: $log)"
-  # Without systemd, the maintainer scripts start slurmctld, slurmd and munged system-wide via
-  # invoke-rc.d; a policy-rc.d that exits 101 forbids that (those daemons would hold our ports
-  # and a system munge socket). Ours is removed again, also on failure; one that was already
-  # there is left alone.
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\n# k3launch slurm-up.sh: no daemon starts during apt-get install\nexit 101\n' >/usr/sbin/policy-rc.d
-    chmod 755 /usr/sbin/policy-rc.d
-    made_policy=1
-    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
-  fi
-  # A stale package list gives 404s: refresh and retry. Another apt may hold the dpkg lock
-  # (a CI step, sshd-up.sh running in parallel): wait for it instead of failing.
-  for attempt in 1 2 3; do
-    if DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends \
-      "${need[@]}" >>"$log" 2>&1; then
-      break
-    fi
-    [ "$attempt" = 3 ] && die "apt-get install ${need[*]} failed; see $log"
-    sleep $((attempt * 2))
-    apt-get -o DPkg::Lock::Timeout=300 update >>"$log" 2>&1 || true
-  done
-  if [ "$made_policy" = 1 ]; then
-    rm -f /usr/sbin/policy-rc.d
-    trap - EXIT
-  fi
+  apt_install "$DIR/log/apt.log" "${need[@]}"   # policy-rc.d: slurmctld, slurmd, munged stay down
 }
 ensure_packages
 

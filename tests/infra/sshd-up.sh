@@ -48,39 +48,13 @@ lock_dir "$DIR"
 
 # ---- packages: install only what is missing ----------------------------------------------
 ensure_packages() {
-  local need=() made_policy=0 attempt log="$DIR/log/apt.log"
+  local need=()
   [ -x /usr/sbin/sshd ] || need+=(openssh-server)
   { command -v ssh && command -v ssh-keygen; } >/dev/null || need+=(openssh-client)
   { command -v ip && command -v ss; } >/dev/null || need+=(iproute2)
   { command -v unshare && command -v nsenter; } >/dev/null || need+=(util-linux)
   command -v ps >/dev/null || need+=(procps)
-  [ ${#need[@]} -gt 0 ] || return 0
-  command -v apt-get >/dev/null || die "missing ${need[*]} and there is no apt-get to install them"
-  say "installing ${need[*]} (log: $log)"
-  # Without systemd, openssh-server's postinst would start a system-wide sshd on port 22 via
-  # invoke-rc.d; a policy-rc.d that exits 101 forbids that. Ours goes again afterwards (also
-  # on failure, via the trap); one that was already there is left alone.
-  if [ ! -e /usr/sbin/policy-rc.d ]; then
-    printf '#!/bin/sh\n# k3launch sshd-up.sh: no daemon starts during apt-get install\nexit 101\n' >/usr/sbin/policy-rc.d
-    chmod 755 /usr/sbin/policy-rc.d
-    made_policy=1
-    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
-  fi
-  # A stale package list makes install fail with 404s; refresh and retry. Another apt (a CI
-  # step, another job) may hold the dpkg lock: wait for it instead of failing.
-  for attempt in 1 2 3; do
-    if DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300 install -y --no-install-recommends \
-      "${need[@]}" >>"$log" 2>&1; then
-      break
-    fi
-    [ "$attempt" = 3 ] && die "apt-get install ${need[*]} failed; see $log"
-    sleep $((attempt * 2))
-    apt-get -o DPkg::Lock::Timeout=300 update >>"$log" 2>&1 || true
-  done
-  if [ "$made_policy" = 1 ]; then
-    rm -f /usr/sbin/policy-rc.d
-    trap - EXIT
-  fi
+  apt_install "$DIR/log/apt.log" "${need[@]}"   # policy-rc.d: no system-wide sshd on port 22
 }
 ensure_packages
 
