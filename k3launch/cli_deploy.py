@@ -76,7 +76,10 @@ def up(
         typer.echo("interrupted: what was started has been torn down", err=True)
         raise typer.Exit(INTERRUPTED) from None
     if json_out:
-        typer.echo(json.dumps({"name": rec.name, "state": rec.state, "endpoint": rec.endpoint, "seconds": round(time.monotonic() - t0, 2)}))
+        out: dict[str, object] = {"name": rec.name, "state": rec.state, "endpoint": rec.endpoint, "seconds": round(time.monotonic() - t0, 2)}
+        if rec.slurm is not None:
+            out["job"] = {"id": rec.slurm.job_id, "hosts": rec.slurm.hosts, "log_dir": rec.slurm.log_dir, "attempts": rec.slurm.attempts}
+        typer.echo(json.dumps(out))
     else:
         show_deploy.ready(con, rec)
 

@@ -208,7 +208,13 @@ class SlurmLaunch:
             t_poll = time.monotonic()
             info = self.client.job(job)
             if not info.active or info.state == "COMPLETING":
-                time.sleep(0.2)  # the job's last lines may still be on their way to the output file
+                # COMPLETING: its processes are being cleaned up; the final state (CANCELLED,
+                # FAILED, ...) says why it ended, and the job's last lines reach its output file
+                t_final = time.monotonic() + 10
+                while info.state == "COMPLETING" and time.monotonic() < t_final:
+                    time.sleep(0.2)
+                    info = self.client.job(job)
+                time.sleep(0.2)
                 raise self._ended(rec, info, stage)
             if info.state == "PENDING":
                 if info.reason != reason:
