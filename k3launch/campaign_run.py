@@ -174,6 +174,9 @@ class Options:
     only_group: int | None = None
     client: str | None = None  # overrides the campaign's bench.client
     on_event: EventFn = field(default=lambda msg: None)
+    # Inside a job array task (--slurm-array): the task's own job started the group's deployment;
+    # use it as it is (no up, no down).
+    attached: bool = False
 
 
 @dataclass
@@ -260,11 +263,7 @@ class Runner:
         self.event(f"cell {row.cell}: " + ("valid" if valid else f"INVALID: {reason}"))
 
     def _plan(self, g: Group) -> Plan:
-        name = deployment_name(self.c.name, g.plan_hash)
-        if plan_hash(build_plan(self.p.inventory, g.specs[0], self.c.port_base, name)) != g.plan_hash:
-            # names never change what runs; if they did, resume would match the wrong cells
-            raise K3Error("plan-changed", f"{name}: the named plan differs from the expanded one", "report this as a k3launch bug")
-        return build_plan(self.p.inventory, g.specs[0], self.p.port_base, name)
+        return named_plan(self.p, g)
 
     def _reuse(self, name: str, want: str) -> DeploymentRecord | None:
         """A ready, healthy deployment of this group left by an interrupted run; else tear it down."""
@@ -303,6 +302,13 @@ class Runner:
             return
         name = plan.name
         self.event(f"group {g.index} ({lbl}): {len(todo)} load point(s) on {name}")
+        if self.o.attached:
+            import os
+
+            from k3launch.slurm_job import attached_record
+
+            self._bench_all(g, attached_record(plan, os.environ, self.p.inventory.name), todo)
+            return
         rec = self._reuse(name, plan_hash(plan))
         if rec is None:
             t0 = time.monotonic()
@@ -338,6 +344,15 @@ class Runner:
                           k3launch_version=__version__, vllm_version=facts.vllm_version, vllm_schema=plan.vllm_version,
                           runtime=facts.runtime, image=facts.image, image_id=facts.image_id, inventory=rec.inventory or "",
                           nodes=sorted({p.node for p in plan.processes}), client=run.client, started=run.started, ended=run.ended)
+
+
+def named_plan(prep: Prepared, g: Group) -> Plan:
+    """The plan of group ``g`` under its deployment name, on this run's port base."""
+    name = deployment_name(prep.campaign.name, g.plan_hash)
+    if plan_hash(build_plan(prep.inventory, g.specs[0], prep.campaign.port_base, name)) != g.plan_hash:
+        # names never change what runs; if they did, resume would match the wrong cells
+        raise K3Error("plan-changed", f"{name}: the named plan differs from the expanded one", "report this as a k3launch bug")
+    return build_plan(prep.inventory, g.specs[0], prep.port_base, name)
 
 
 def run(prep: Prepared, opts: Options) -> Summary:

@@ -100,7 +100,10 @@ def campaign_run(
     group: Annotated[int | None, typer.Option("--group", min=0, help="Run only deployment group N (a Slurm array task: $SLURM_ARRAY_TASK_ID).")] = None,
     port_base: Annotated[int | None, typer.Option("--port-base", help="Port block of every deployment (overrides the campaign's port_base).")] = None,
     client: Client = None,
-    slurm_array: Annotated[bool, typer.Option("--slurm-array", help="Submit one Slurm array task per deployment group.")] = False,
+    slurm_array: Annotated[bool, typer.Option("--slurm-array", help="Slurm inventory: one job array task per deployment group, each in its own allocation; waits for all.")] = False,
+    array_limit: Annotated[int | None, typer.Option("--array-limit", min=1, help="--slurm-array: at most this many tasks at once (--array=0-N%K).")] = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm-array: submit and return.")] = False,
+    attached: Annotated[bool, typer.Option("--attached", hidden=True, help="Inside an array task: use the deployment the task's job started.")] = False,
     state_dir: StateDir = None,
     json_out: JsonOut = False,
 ) -> None:
@@ -112,10 +115,22 @@ def campaign_run(
     con = console()
     try:
         _client(client)
-        if slurm_array:
-            raise K3Error("not-implemented", "--slurm-array submission is not available yet",
-                          "submit `k3launch campaign run FILE --out DIR --group $SLURM_ARRAY_TASK_ID` as an array job (--dry-run shows the group count)")
         prep = cr.prepare(file, port_base=port_base)
+        if attached and group is None:
+            raise K3Error("bad-option", "--attached needs --group", "it is how a job array task names its group")
+        if slurm_array and not dry_run:
+            from k3launch import campaign_slurm
+
+            emit = (lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True))
+            arr = campaign_slurm.submit(prep, out, limit=array_limit, client=client, wait=not no_wait, on_event=emit)
+            if json_out:
+                typer.echo(json.dumps(dataclasses.asdict(arr)))
+            else:
+                con.print(f"{len(arr.submitted)} group(s) submitted as job(s) {', '.join(arr.jobs) or '-'}; {len(arr.skipped)} already done; "
+                          f"cells valid {arr.valid}, invalid {arr.invalid}; results {arr.results}")
+            if any(not r.get("ok") for r in arr.tasks.values()) or arr.invalid:
+                raise typer.Exit(1)
+            return
         if dry_run:
             todo = cr.pending(prep, out)
             if json_out:
@@ -125,7 +140,7 @@ def campaign_run(
             return
         old = signal.signal(signal.SIGTERM, _sigterm)
         try:
-            opts = cr.Options(out=out, state_dir=state_dir, only_group=group, client=client,
+            opts = cr.Options(out=out, state_dir=state_dir, only_group=group, client=client, attached=attached,
                               on_event=(lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True)))
             summary = cr.run(prep, opts)
         finally:

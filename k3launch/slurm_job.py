@@ -14,11 +14,14 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3launch.errors import K3Error
 from k3launch.plan_models import Plan
-from k3launch.state import StateStore
+from k3launch.slurm_render import node_order
+from k3launch.state import DeploymentRecord, ProcessRecord, StateStore
 
 BAD_NODE_TTL_S = 24 * 3600.0
 
@@ -115,3 +118,19 @@ def read_file(path: Path) -> str:
         return ""
 
 
+
+
+def attached_record(plan: Plan, env: Mapping[str, str], inventory: str | None = None) -> DeploymentRecord:
+    """The record of a deployment the current job array task runs (bound by the job library:
+    ``K3_ADDR_i`` per plan node), for code that uses a deployment it did not start."""
+    order = node_order(plan)
+    missing = [f"K3_ADDR_{i}" for i in range(len(order)) if not env.get(f"K3_ADDR_{i}")]
+    if missing:
+        raise K3Error("not-in-a-task", f"{', '.join(missing)} not set: this runs inside a k3launch job array task only",
+                      "submit with `k3launch campaign run FILE --out DIR --slurm-array`")
+    bound = bind_plan(plan, {n: env[f"K3_ADDR_{i}"] for i, n in enumerate(order)})
+    job = env.get("SLURM_JOB_ID", "")
+    now = time.time()
+    procs = {p.id: ProcessRecord(id=p.id, node=p.node, runtime="slurm", handle=f"{job}:{p.id}", started=True) for p in bound.processes}
+    return DeploymentRecord(name=plan.name, state="ready", created=now, updated=now, inventory=inventory, endpoint=bound.endpoint,
+                            plan=bound, processes=procs)

@@ -61,3 +61,53 @@ def test_job_array_runs_one_deployment_group_per_task(slurm_cluster: Cluster, tm
     again = subprocess.run([*k3, "--json", "--state-dir", str(tmp_path / "state-login")], capture_output=True, text=True, timeout=120)
     s = json.loads(again.stdout)
     assert again.returncode == 0 and (s["engine_starts"], s["skipped"]) == (0, 4)
+
+
+def test_slurm_array_runs_each_group_in_its_own_allocation_and_resumes(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """`campaign run --slurm-array` on a slurm inventory: one array task per deployment group, each
+    task's job starts its deployment and runs its load points attached to it; a second run submits
+    nothing; a campaign whose engines never serve gets invalid rows with the reason."""
+    if slurm_cluster.mode != "netns":
+        import pytest
+
+        pytest.skip("multi mode: every node is this machine's 127.0.0.1")
+    name = f"cs-{uuid.uuid4().hex[:6]}"
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text(yaml.safe_dump({"name": "cs", "backend": "slurm", "hardware": "b300", "engine": "sim",
+                                   "defaults": {"runtime": "bare", "python": sys.executable},
+                                   "slurm": {"partition": slurm_cluster.partition, "container": "bare", "time_limit": "00:10:00"}}))
+    camp = tmp_path / "c.yaml"
+    spec = {"name": name, "inventory": str(inv), "engine_env": FAST, "ready_timeout": 20,
+            "base": {"strategy": "single_node_tp"}, "deployments": {"set": {"max-num-seqs": [2, 8, 16]}},
+            "load": {"max_concurrency": [1, 4], "input_len": 16, "output_len": 4, "num_prompts": 6}}
+    camp.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    k3 = [sys.executable, "-m", "k3launch", "campaign", "run", str(camp), "--out", str(out), "--json"]
+    env = slurm_cluster.env({"K3LAUNCH_STATE_DIR": str(tmp_path / "state")})
+    first = subprocess.run([*k3, "--slurm-array", "--array-limit", "2"], capture_output=True, text=True, timeout=300, env=env)
+    s = json.loads(first.stdout)
+    assert s["submitted"] == [0, 1, 2] and len(s["jobs"]) == 1, first.stderr
+    assert first.returncode == 0, first.stderr
+    assert s["valid"] == 6 and s["invalid"] == 0 and all(t["ok"] for t in s["tasks"].values()), s
+    rows = read_rows(out)
+    assert len(rows) == 6 and {r.group for r in rows} == {0, 1, 2}
+    for r in rows:  # measured by the task, against the deployment its own job started, on a cluster node
+        assert r.provenance is not None and r.metrics is not None and r.metrics.completed == 6
+    hosts = {gi: t["hosts"]["slurm-node-0"] for gi, t in s["tasks"].items()}  # type: ignore[index]
+    assert set(hosts.values()) <= set(slurm_cluster.nodes)
+    log = (out / "campaign.log").read_text()
+    assert "start: started" not in log  # no task brought a deployment up itself: the job did
+    again = subprocess.run([*k3, "--slurm-array"], capture_output=True, text=True, timeout=120, env=env)
+    s2 = json.loads(again.stdout)
+    assert again.returncode == 0 and s2["submitted"] == [] and s2["skipped"] == [0, 1, 2] and s2["jobs"] == []
+
+    # engines that answer with zero tokens never pass the task's readiness check: invalid cells, with the reason
+    spec_bad = {**spec, "name": name + "-bad", "engine_env": {**FAST, "K3LAUNCH_SIM_FAIL": "zero-tokens"},
+                "deployments": {"set": {"max-num-seqs": [2]}}}
+    camp.write_text(yaml.safe_dump(spec_bad))
+    bad = subprocess.run([*k3, "--slurm-array"], capture_output=True, text=True, timeout=300, env=env)
+    sb = json.loads(bad.stdout)
+    assert bad.returncode == 1 and sb["submitted"] == [0] and sb["valid"] == 0 and sb["invalid"] == 2, bad.stderr
+    assert "generated no tokens" in str(sb["tasks"]["0"]["error"])
+    bad_rows = [r for r in read_rows(out) if r.campaign == name + "-bad"]
+    assert len(bad_rows) == 2 and all(not r.valid and r.metrics is None and "generated no tokens" in (r.reason or "") for r in bad_rows)
