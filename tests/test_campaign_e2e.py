@@ -154,7 +154,9 @@ def _check_complete(c: Campaign) -> None:
 
 @pytest.mark.parametrize(("sig", "port_base"), [(signal.SIGKILL, 30720), (signal.SIGINT, 31232)])
 def test_interrupted_campaign_resumes_with_only_the_missing_cells(tmp_path: Path, make, sig: int, port_base: int) -> None:  # type: ignore[no-untyped-def]
-    path, _ = write(tmp_path, port_base)
+    # slow tokens: the two load points after the 4th row take seconds, so a loaded machine still
+    # delivers the signal while the second group is serving
+    path, _ = write(tmp_path, port_base, env={"K3LAUNCH_SIM_ITL_MS": "60"})
     c = make(path)
     proc = subprocess.Popen(c.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=c.env, cwd=tmp_path,
                             stdin=subprocess.DEVNULL)
