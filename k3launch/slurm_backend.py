@@ -39,6 +39,7 @@ from k3launch.slurm_render import make_sbatch_string, node_order
 from k3launch.state import DeploymentRecord, ProcessRecord, SlurmJob, StateStore
 
 POLL_S = 0.5
+OUTPUT_VISIBLE_S = 60.0  # a running job's output file not visible by then: the log directory is not shared
 BAD_NODE_TTL_S = 24 * 3600.0
 DEFAULT_MAX_ATTEMPTS = 2
 CANCEL_WAIT_S = 90.0  # after scancel: Slurm's KillWait (30 s by default) plus epilog
@@ -201,6 +202,7 @@ class SlurmLaunch:
         out_path = Path(rec.slurm.log_dir) / f"slurm-{job}.out"
         t_queue = time.monotonic()
         t_end: float | None = None
+        t_running = 0.0
         stage, reason = "queued", None
         ready: Readiness | None = None  # once the job bound its hosts
         http = [p for p in self.plan.processes if p.http_port is not None]
@@ -228,8 +230,13 @@ class SlurmLaunch:
                     raise LaunchFailed(f"job {job} still pending after {self.queue_timeout:g}s ({info.reason})",
                                        "raise --queue-timeout, or ask for fewer nodes / another partition", code="queue-timeout")
             elif info.state == "RUNNING":
-                t_end = t_end or time.monotonic() + deadline_s
+                if t_end is None:
+                    t_end, t_running, stage = time.monotonic() + deadline_s, time.monotonic(), "running"
                 out = parse_output(read_file(out_path))
+                if ready is None and not out_path.exists() and time.monotonic() - t_running > OUTPUT_VISIBLE_S:
+                    raise LaunchFailed(f"job {job} runs, but its output {out_path} does not appear on this machine",
+                                       "slurm.log_dir must be on a filesystem the login node shares with the compute nodes",
+                                       code="log-dir-not-shared")
                 if ready is None and len(out.hosts) >= len(node_order(self.plan)):
                     bound = self._bind(rec, out, info)
                     ready = Readiness(bound.processes, bound.endpoint, self.plan.model, self.on_stage)

@@ -81,6 +81,7 @@ class FakeSlurm:
     refuse: str | None = None
     calls: list[list[str]] = field(default_factory=list)
     log_dir: Path | None = None
+    write_output: bool = True  # False: the job's output never shows up on the login node
 
     def call(self, argv: list[str], **_: object) -> Result:
         self.calls.append(list(argv))
@@ -93,7 +94,8 @@ class FakeSlurm:
 
             raise K3Error("sbatch-refused", f"Slurm refused the job: {self.refuse}", "check")
         self.log_dir = Path(cwd)
-        (self.log_dir / "slurm-42.out").write_text(self.output)
+        if self.write_output:
+            (self.log_dir / "slurm-42.out").write_text(self.output)
         return "42"
 
     def job(self, job_id: str) -> JobInfo:
@@ -127,7 +129,7 @@ def test_the_rank_that_did_not_blame_a_peer_is_the_cause_and_its_node_is_recorde
         sl.up(timeout=5)
     e = ei.value
     assert e.code == "process-exited" and e.failing == "serve-1" and e.node == "k3n2" and "ECC" in e.log_tail
-    assert e.message.startswith("serve-1 (serve, node rank 1) on k3n2 exited with code 1 during queued; serve-0 exited too")
+    assert e.message.startswith("serve-1 (serve, node rank 1) on k3n2 exited with code 1 during running; serve-0 exited too")
     assert json.loads((tmp_path / "state" / "slurm-bad-nodes.json").read_text())["k3n2"]["kind"] == "rank-died"
     assert not store.exists("u-launch")  # the job is gone: nothing to keep
 
@@ -157,3 +159,15 @@ def test_render_writes_the_sbatch_script_up_would_submit(tmp_path: Path) -> None
     assert inv.slurm is not None
     want = make_sbatch_string(plan, inv.slurm, str((tmp_path / "st").resolve() / "slurm" / "u-render"))
     assert (tmp_path / "out" / "u-render.sbatch").read_text() == want
+
+
+def test_a_running_job_whose_output_never_appears_means_an_unshared_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import k3launch.slurm_backend as sb
+
+    monkeypatch.setattr(sb, "OUTPUT_VISIBLE_S", 0.2)
+    fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1", "k3n2"])], write_output=False)
+    sl, store = launch(tmp_path, fake)
+    with pytest.raises(LaunchFailed, match="does not appear on this machine") as ei:
+        sl.up(timeout=30)
+    assert ei.value.code == "log-dir-not-shared" and "shares with the compute nodes" in ei.value.hint
+    assert any(c[0] == "scancel" for c in fake.calls) and not store.exists("u-launch")  # the job is cancelled, nothing kept
