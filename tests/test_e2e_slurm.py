@@ -144,6 +144,12 @@ def test_up_serves_a_completion_and_down_leaves_no_job_and_no_process(shape: str
     assert snap["state"] == "ready" and snap["job"]["id"] == job and snap["job"]["state"] == "RUNNING"
     assert all(p["alive"] for p in snap["processes"]) and all(p["healthy"] in (True, None) for p in snap["processes"])
     assert {p["node"] for p in snap["processes"]} == set(hosts.values())
+    # a load point from the login node against the job's endpoint (the router for P/D and DEP)
+    b = k3(cluster, state, "bench", name, "--num-prompts", "6", "--random-input-len", "16", "--random-output-len", "4",
+           "--max-concurrency", "2", "--result-dir", str(tmp_path / "bench"), "--json")
+    assert b.returncode == 0, b.stdout + b.stderr
+    result = json.loads(next((tmp_path / "bench").glob("*.json")).read_text())
+    assert result["completed"] == 6 and result["total_output_tokens"] == 24 and result["max_concurrency"] == 2
     logs = k3(cluster, state, "logs", name, "-n", "5")
     assert logs.returncode == 0 and f"==> job {job} output <==" in logs.stdout
     assert all(f"==> {p['id']} on {hosts[p['node']]} <==" in logs.stdout for p in rec["plan"]["processes"])
