@@ -343,7 +343,14 @@ class Runner:
                           recipe_sha256=_sha256(default_recipes_dir() / plan.recipe_file), campaign_sha256=self.p.sha256,
                           k3launch_version=__version__, vllm_version=facts.vllm_version, vllm_schema=plan.vllm_version,
                           runtime=facts.runtime, image=facts.image, image_id=facts.image_id, inventory=rec.inventory or "",
-                          nodes=sorted({p.node for p in plan.processes}), client=run.client, started=run.started, ended=run.ended)
+                          nodes=_nodes(rec), client=run.client, started=run.started, ended=run.ended)
+
+
+def _nodes(rec: DeploymentRecord) -> list[str]:
+    """The machines that ran the cell: on Slurm the allocated hosts, not the plan's placeholders."""
+    if rec.slurm is not None and rec.slurm.hosts:
+        return sorted(set(rec.slurm.hosts.values()))
+    return sorted({p.node for p in rec.plan.processes})
 
 
 def named_plan(prep: Prepared, g: Group) -> Plan:

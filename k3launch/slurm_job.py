@@ -21,7 +21,7 @@ from pathlib import Path
 from k3launch.errors import K3Error
 from k3launch.plan_models import Plan
 from k3launch.slurm_render import node_order
-from k3launch.state import DeploymentRecord, ProcessRecord, StateStore
+from k3launch.state import DeploymentRecord, ProcessRecord, SlurmJob, StateStore
 
 BAD_NODE_TTL_S = 24 * 3600.0
 
@@ -132,5 +132,7 @@ def attached_record(plan: Plan, env: Mapping[str, str], inventory: str | None = 
     job = env.get("SLURM_JOB_ID", "")
     now = time.time()
     procs = {p.id: ProcessRecord(id=p.id, node=p.node, runtime="slurm", handle=f"{job}:{p.id}", started=True) for p in bound.processes}
+    hosts = {n: env.get(f"K3_HOST_{i}", "") for i, n in enumerate(order)}
+    slurm = SlurmJob(job_id=job, log_dir=env.get("K3_LOGDIR", ""), script="", hosts=hosts, addresses={n: env[f"K3_ADDR_{i}"] for i, n in enumerate(order)})
     return DeploymentRecord(name=plan.name, state="ready", created=now, updated=now, inventory=inventory, endpoint=bound.endpoint,
-                            plan=bound, processes=procs)
+                            plan=bound, processes=procs, slurm=slurm)

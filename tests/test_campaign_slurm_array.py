@@ -93,6 +93,7 @@ def test_slurm_array_runs_each_group_in_its_own_allocation_and_resumes(slurm_clu
     assert len(rows) == 6 and {r.group for r in rows} == {0, 1, 2}
     for r in rows:  # measured by the task, against the deployment its own job started, on a cluster node
         assert r.provenance is not None and r.metrics is not None and r.metrics.completed == 6
+        assert r.provenance.nodes and set(r.provenance.nodes) <= set(slurm_cluster.nodes)  # the allocated hosts, not placeholders
     hosts = {gi: t["hosts"]["slurm-node-0"] for gi, t in s["tasks"].items()}  # type: ignore[index]
     assert set(hosts.values()) <= set(slurm_cluster.nodes)
     log = (out / "campaign.log").read_text()
@@ -111,3 +112,28 @@ def test_slurm_array_runs_each_group_in_its_own_allocation_and_resumes(slurm_clu
     assert "generated no tokens" in str(sb["tasks"]["0"]["error"])
     bad_rows = [r for r in read_rows(out) if r.campaign == name + "-bad"]
     assert len(bad_rows) == 2 and all(not r.valid and r.metrics is None and "generated no tokens" in (r.reason or "") for r in bad_rows)
+
+
+def test_a_campaign_on_a_slurm_inventory_runs_from_the_login_node_too(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    """Without --slurm-array: each group is one `up` (an sbatch job), its load points from here, then `down`."""
+    if slurm_cluster.mode != "netns":
+        import pytest
+
+        pytest.skip("multi mode: every node is this machine's 127.0.0.1")
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text(yaml.safe_dump({"name": "cl", "backend": "slurm", "hardware": "b300", "engine": "sim",
+                                   "defaults": {"runtime": "bare", "python": sys.executable},
+                                   "slurm": {"partition": slurm_cluster.partition, "container": "bare", "time_limit": "00:10:00"}}))
+    camp = tmp_path / "c.yaml"
+    camp.write_text(yaml.safe_dump({"name": f"cl-{uuid.uuid4().hex[:6]}", "inventory": str(inv), "engine_env": FAST, "ready_timeout": 60,
+                                    "base": {"strategy": "single_node_tp"}, "deployments": {"set": {"max-num-seqs": [2, 8]}},
+                                    "load": {"max_concurrency": [1, 4], "input_len": 16, "output_len": 4, "num_prompts": 6}}))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "k3launch", "campaign", "run", str(camp), "--out", str(out), "--json"], capture_output=True,
+                       text=True, timeout=300, env=slurm_cluster.env({"K3LAUNCH_STATE_DIR": str(tmp_path / "state")}))
+    s = json.loads(r.stdout)
+    assert r.returncode == 0 and (s["valid"], s["engine_starts"]) == (4, 2), r.stderr
+    rows = read_rows(out)
+    assert all(row.provenance is not None and set(row.provenance.nodes) <= set(slurm_cluster.nodes) for row in rows)
+    log = (out / "campaign.log").read_text()
+    assert len(re.findall(r": submit: job \d+ submitted", log)) == 2 and len(re.findall(r": down$", log, re.M)) == 2
