@@ -201,7 +201,8 @@ def list_(state_dir: StateDir = None, json_out: JsonOut = False) -> None:
         fail(err)
     if json_out:
         typer.echo(json.dumps([{"name": r.name, "state": r.state, "endpoint": r.endpoint, "strategy": r.plan.strategy,
-                                "hardware": r.plan.hardware, "nodes": r.plan.nodes} for r in recs], indent=2))
+                                "hardware": r.plan.hardware, "nodes": r.plan.nodes, "slurm_job": r.slurm.job_id if r.slurm else None}
+                               for r in recs], indent=2))
         return
     from k3launch import show_deploy
 

@@ -80,6 +80,11 @@ def ready(con: Console, rec: DeploymentRecord) -> None:
 
 def status(con: Console, snap: dict[str, object]) -> None:
     con.print(f"[bold]{snap['name']}[/]  state [bold]{snap['state']}[/]  endpoint {snap['endpoint']}")
+    job = snap.get("job")
+    if isinstance(job, dict):
+        reason = f" ({job['reason']})" if job.get("reason") else ""
+        con.print(f"Slurm job {job['id']}: {job['state']}{reason} on {','.join(job.get('nodes') or []) or '-'}; logs in {job['log_dir']}",
+                  markup=False)
     t = Table(show_header=True, header_style="bold")
     for col in ("process", "node", "role", "alive", "healthy"):
         t.add_column(col)
@@ -113,5 +118,6 @@ def listing(con: Console, recs: list[DeploymentRecord]) -> None:
         t.add_column(col)
     for r in recs:
         age = int(time.time() - r.created)
-        t.add_row(r.name, r.state, r.plan.strategy, r.plan.hardware, str(r.plan.nodes), r.endpoint, f"{age // 60}m{age % 60:02d}s")
+        nodes = f"{r.plan.nodes} (Slurm job {r.slurm.job_id})" if r.slurm is not None else str(r.plan.nodes)
+        t.add_row(r.name, r.state, r.plan.strategy, r.plan.hardware, nodes, r.endpoint, f"{age // 60}m{age % 60:02d}s")
     con.print(t)

@@ -150,6 +150,10 @@ def test_up_serves_a_completion_and_down_leaves_no_job_and_no_process(shape: str
     assert b.returncode == 0, b.stdout + b.stderr
     result = json.loads(next((tmp_path / "bench").glob("*.json")).read_text())
     assert result["completed"] == 6 and result["total_output_tokens"] == 24 and result["max_concurrency"] == 2
+    lst = json.loads(k3(cluster, state, "list", "--json").stdout)
+    assert [(d["name"], d["slurm_job"]) for d in lst] == [(name, job)]
+    human = k3(cluster, state, "status", name)
+    assert f"Slurm job {job}: RUNNING on " in human.stdout
     logs = k3(cluster, state, "logs", name, "-n", "5")
     assert logs.returncode == 0 and f"==> job {job} output <==" in logs.stdout
     assert all(f"==> {p['id']} on {hosts[p['node']]} <==" in logs.stdout for p in rec["plan"]["processes"])
