@@ -10,11 +10,27 @@ per-task results (a task that never wrote one gets an entry saying why, from its
 
 The work runs with the interpreter k3launch runs under (``sys.executable``), which must be
 visible on the compute nodes, like the log directory.
+
+Every submission gets its own directory, ``log_dir/<name>[-<shape>]-<UTC time>-<6 hex>`` (the
+layout inside is fixed: ``array.sbatch``, ``slurm-<job>_<task>.out``, ``task-<i>/``,
+``results/task-<i>.json``). A resumed campaign submits the same array name again with other
+deployments behind the same task indices; in a reused directory a task that failed before
+writing its result would be reported with the previous array's result, and clearing
+``results/`` first would not help against an earlier array still running (its tasks write there
+when they end) and would lose that run's evidence. Old directories are left for the user.
+
+When is a task over: Slurm says so (a state outside ``ACTIVE``), or Slurm forgot it — once
+``squeue`` succeeded, a task it does not list has ended (``MinJobAge`` purges finished array
+tasks one by one), and "Invalid job id" means it forgot the whole array. A failed ``squeue``
+(slurmctld busy) says nothing; after ``SQUEUE_FAILURE_S`` of failures only, ``slurm-unavailable``.
+A task's result counts only if it is final (it has ``ended``: :mod:`k3launch.slurm_task` first
+writes a provisional one); otherwise the task ended early and its output says why.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shlex
 import sys
 import time
@@ -25,9 +41,11 @@ from pathlib import Path
 from k3launch.errors import K3Error
 from k3launch.inventory import Inventory
 from k3launch.plan_models import Plan
-from k3launch.slurm_cmd import ACTIVE, SlurmClient
+from k3launch.slurm_cmd import ACTIVE, SLURM_HINT, SlurmClient
 from k3launch.slurm_job import parse_output
 from k3launch.slurm_render import make_array_string, node_order
+
+SQUEUE_FAILURE_S = 120.0  # seconds of consecutive failed squeue polls before wait_array gives up
 
 
 @dataclass
@@ -40,11 +58,14 @@ class ArrayJob:
     def result_path(self, task: int) -> Path:
         return Path(self.log_dir) / "results" / f"task-{task}.json"
 
+    def output_path(self, task: int) -> Path:
+        return Path(self.log_dir) / f"slurm-{self.job_id}_{task}.out"
+
 
 @dataclass
 class ArrayResult:
     job: ArrayJob
-    states: dict[int, str] = field(default_factory=dict)  # task -> Slurm state
+    states: dict[int, str] = field(default_factory=dict)  # task -> Slurm state (missing: Slurm forgot the task)
     results: dict[int, dict[str, object]] = field(default_factory=dict)  # task -> its result JSON
 
 
@@ -53,10 +74,16 @@ def task_work(plan_path: str, result_path: str, ready_timeout: float, work: Sequ
             "--ready-timeout", f"{ready_timeout:g}", "--", *work]
 
 
+def submission_dir(log_dir: str | Path, name: str) -> Path:
+    """``log_dir/<name>-<UTC time>-<6 hex>``: one directory per submission (see the module doc)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return Path(log_dir).expanduser().resolve() / f"{name}-{stamp}-{secrets.token_hex(3)}"
+
+
 def submit_array(plans: Sequence[Plan], inv: Inventory, log_dir: str | Path, *, work: Callable[[int, Plan], Sequence[str]] | None = None,
                  concurrency: int | None = None, name: str = "k3-array", extra_sbatch: Sequence[str] = (), ready_timeout: float = 1800.0,
                  client: SlurmClient | None = None) -> list[ArrayJob]:
-    """Submit one array per shape; task logs and results under ``log_dir/<array name>-<shape>``."""
+    """Submit one array per shape; task logs and results under a new ``log_dir/<array name>[-<shape>]-<time>-<hex>``."""
     if inv.backend != "slurm" or inv.slurm is None:
         raise K3Error("not-slurm", f"inventory {inv.name} is not a slurm inventory", "job arrays need backend: slurm")
     if len({p.name for p in plans}) != len(plans):
@@ -67,12 +94,12 @@ def submit_array(plans: Sequence[Plan], inv: Inventory, log_dir: str | Path, *, 
         shapes.setdefault((len(node_order(p)), p.gpus_per_node), []).append(p)
     jobs = []
     for (nodes, gpus), group in shapes.items():
-        d = Path(log_dir).expanduser().resolve() / (name if len(shapes) == 1 else f"{name}-{nodes}x{gpus}")
+        d = submission_dir(log_dir, name if len(shapes) == 1 else f"{name}-{nodes}x{gpus}")
         tasks = []
         try:
-            (d / "results").mkdir(parents=True, exist_ok=True)
+            (d / "results").mkdir(parents=True, exist_ok=False)
             for i, p in enumerate(group):
-                (d / f"task-{i}").mkdir(exist_ok=True)
+                (d / f"task-{i}").mkdir()
                 plan_path = d / f"task-{i}" / "plan.json"
                 plan_path.write_text(p.to_json() + "\n")
                 extra = list(work(i, p)) if work else []
@@ -87,9 +114,14 @@ def submit_array(plans: Sequence[Plan], inv: Inventory, log_dir: str | Path, *, 
     return jobs
 
 
-def task_states(job: ArrayJob, client: SlurmClient) -> dict[int, str]:
-    """task -> state, from ``squeue -r`` (pending tasks expanded); tasks Slurm forgot are missing."""
+def task_states(job: ArrayJob, client: SlurmClient) -> dict[int, str] | None:
+    """task -> state, from ``squeue -r`` (pending tasks expanded); a task Slurm forgot is missing
+    (``{}``: "Invalid job id", Slurm forgot the whole array). ``None``: squeue failed, nothing known."""
     r = client.call(["squeue", "-h", "-r", "-t", "all", "-j", job.job_id, "-o", "%i|%T"])
+    if r.exit_code == 127:
+        raise K3Error("slurm-missing", "squeue not found on this machine", SLURM_HINT)
+    if not r.ok:
+        return {} if "Invalid job id" in r.stderr + r.stdout else None
     out: dict[int, str] = {}
     for line in r.stdout.splitlines():
         jid, _, state = line.strip().partition("|")
@@ -99,31 +131,64 @@ def task_states(job: ArrayJob, client: SlurmClient) -> dict[int, str]:
     return out
 
 
+def final_result(path: Path) -> dict[str, object] | None:
+    """The task's result if it is final (``ended`` set by slurm_task); ``None`` if missing, provisional or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "ended" in data else None
+
+
+def why_no_result(job: ArrayJob, task: int, state: str) -> str:
+    """Why a task ended without a final result, from its output file (what the job library said)."""
+    out = job.output_path(task)
+    try:
+        text = out.read_text(errors="replace")
+    except OSError:
+        text = ""
+    parsed = parse_output(text)
+    if parsed.step_exit:
+        return f"{parsed.step_exit[0]} on {parsed.step_exit[1]} exited with code {parsed.step_exit[2]}"
+    if parsed.doctor_failed:
+        return "doctor refused " + "; ".join(f"{host} ({why})" for host, why in parsed.doctor_failed.items())
+    said = [ln.removeprefix("k3launch: ") for ln in text.splitlines() if ln.startswith("k3launch: ")
+            and not ln.startswith(("k3launch: node ", "k3launch: started ", "k3launch: doctor: "))]
+    last = f" (last said: {said[-1]})" if said else ""
+    return f"task ended {state} without a result{last}; see {shlex.quote(str(out))}"
+
+
 def wait_array(job: ArrayJob, timeout: float, client: SlurmClient | None = None, poll_s: float = 1.0) -> ArrayResult:
     """Wait until every task ended (or ``timeout``: K3Error), then read the per-task results."""
     cl = client or SlurmClient()
     n = len(job.deployments)
     t_end = time.monotonic() + timeout
+    failing_since: float | None = None
+    states: dict[int, str] = {}
     while True:
-        states = task_states(job, cl)
-        done = {t: s for t, s in states.items() if s not in ACTIVE}
-        gone = [t for t in range(n) if t not in states and job.result_path(t).exists()]
-        if len(done) + len(gone) >= n:
-            break
-        if time.monotonic() > t_end:
-            raise K3Error("array-timeout", f"array job {job.job_id}: {n - len(done)} task(s) still running after {timeout:g}s",
+        polled = task_states(job, cl)
+        now = time.monotonic()
+        if polled is None:  # squeue failed: this poll says nothing
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since > SQUEUE_FAILURE_S:
+                raise K3Error("slurm-unavailable", f"array job {job.job_id}: squeue failed for {now - failing_since:.0f}s",
+                              f"{SLURM_HINT}; the tasks may still run (squeue -j {job.job_id}); their results are in {job.log_dir}/results")
+        else:
+            failing_since, states = None, polled
+            running = [t for t in range(n) if states.get(t, "GONE") in ACTIVE]
+            if not running:
+                break
+        if now > t_end:
+            left = "unknown (squeue failing)" if polled is None else str(len(running))
+            raise K3Error("array-timeout", f"array job {job.job_id}: {left} task(s) still running after {timeout:g}s",
                           f"scancel {job.job_id} to stop it")
         time.sleep(poll_s)
     res = ArrayResult(job, states)
     for t in range(n):
-        try:
-            res.results[t] = json.loads(job.result_path(t).read_text())
-        except (OSError, ValueError):
-            out = Path(job.log_dir) / f"slurm-{job.job_id}_{t}.out"
-            text = out.read_text(errors="replace") if out.exists() else ""
-            parsed = parse_output(text)
-            why = (f"{parsed.step_exit[0]} on {parsed.step_exit[1]} exited with code {parsed.step_exit[2]}" if parsed.step_exit
-                   else "doctor refused " + ", ".join(parsed.doctor_failed) if parsed.doctor_failed
-                   else f"task ended {states.get(t, 'GONE')} without a result; see {shlex.quote(str(out))}")
-            res.results[t] = {"task": str(t), "deployment": job.deployments[t], "ok": False, "error": why}
+        final = final_result(job.result_path(t))
+        if final is not None:
+            res.results[t] = final
+            continue
+        res.results[t] = {"task": str(t), "deployment": job.deployments[t], "ok": False,
+                          "error": why_no_result(job, t, states.get(t, "GONE"))}
     return res
