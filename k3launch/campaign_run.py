@@ -262,6 +262,10 @@ class Runner:
         append_row(self.o.out, row)
         self.event(f"cell {row.cell}: " + ("valid" if valid else f"INVALID: {reason}"))
 
+    def record_invalid(self, g: Group, load: LoadPoint, reason: str) -> None:
+        """An invalid row for a cell that never ran (its deployment failed elsewhere)."""
+        self._append(g, load, reason)
+
     def _plan(self, g: Group) -> Plan:
         return named_plan(self.p, g)
 

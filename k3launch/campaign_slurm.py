@@ -27,6 +27,14 @@ from k3launch.plan_models import Plan
 from k3launch.slurm_array import ArrayJob, ArrayResult
 
 
+class ArrayInterrupted(Exception):
+    """Ctrl-C while waiting: the arrays keep running (their rows still land in the results file)."""
+
+    def __init__(self, jobs: list[str]) -> None:
+        super().__init__(", ".join(jobs))
+        self.jobs = jobs
+
+
 @dataclass
 class ArraySummary:
     submitted: list[int] = field(default_factory=list)  # group indexes
@@ -76,12 +84,15 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
                  f"logs in {j.log_dir}")
     if not wait:
         return s
-    for j in jobs:
-        res: ArrayResult = api.wait_array(j, timeout=timeout_s)
-        for t, r in res.results.items():
-            gi = group_of[j.deployments[t]]
-            s.tasks[gi] = r
-            on_event(f"group {gi} (task {t} of {j.job_id}, {res.states.get(t, 'GONE')}): " + ("ok" if r.get("ok") else f"FAILED: {r.get('error')}"))
+    try:
+        for j in jobs:
+            res: ArrayResult = api.wait_array(j, timeout=timeout_s)
+            for t, r in res.results.items():
+                gi = group_of[j.deployments[t]]
+                s.tasks[gi] = r
+                on_event(f"group {gi} (task {t} of {j.job_id}, {res.states.get(t, 'GONE')}): " + ("ok" if r.get("ok") else f"FAILED: {r.get('error')}"))
+    except KeyboardInterrupt:
+        raise ArrayInterrupted(s.jobs) from None
     failed = [g for g, r in s.tasks.items() if not r.get("ok")]
     _record_failed(prep, out, failed, s.tasks)
     current = prep.cell_ids()
@@ -104,4 +115,4 @@ def _record_failed(prep: Prepared, out: Path, groups: list[int], tasks: dict[int
         g = prep.groups[gi]
         for ld in g.loads:
             if g.cell_id(ld) not in done:
-                runner._append(g, ld, f"deployment failed (array task): {tasks[gi].get('error')}")
+                runner.record_invalid(g, ld, f"deployment failed (array task): {tasks[gi].get('error')}")

@@ -118,11 +118,19 @@ def campaign_run(
         prep = cr.prepare(file, port_base=port_base)
         if attached and group is None:
             raise K3Error("bad-option", "--attached needs --group", "it is how a job array task names its group")
+        if slurm_array and group is not None:
+            raise K3Error("bad-option", "--slurm-array submits every pending group; --group runs one", "drop one of them")
         if slurm_array and not dry_run:
             from k3launch import campaign_slurm
 
             emit = (lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True))
-            arr = campaign_slurm.submit(prep, out, limit=array_limit, client=client, wait=not no_wait, on_event=emit)
+            try:
+                arr = campaign_slurm.submit(prep, out, limit=array_limit, client=client, wait=not no_wait, on_event=emit)
+            except campaign_slurm.ArrayInterrupted as stop:
+                ids = " ".join(stop.jobs)
+                typer.echo(f"interrupted: array job(s) {ids} keep running and still append their rows; `scancel {ids}` stops them, "
+                           "running this command again collects what is missing", err=True)
+                raise typer.Exit(INTERRUPTED) from None
             if json_out:
                 typer.echo(json.dumps(dataclasses.asdict(arr)))
             else:

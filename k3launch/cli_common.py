@@ -105,17 +105,13 @@ class PlanArgs:
 
     def build(self) -> Plan:
         """Load recipes and inventory, build the plan; raises K3Error."""
-        import re
-
         from k3launch.inventory import apply_ssh_config, load_inventory, read_ssh_config
         from k3launch.layers import DEFAULT_ADVANCED
         from k3launch.plan import build_plan
         from k3launch.selection import Selection
 
         v = self.values
-        name = v["name"]
-        if name is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,62}", name):
-            raise K3Error("bad-name", f"--name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. --name k3-tep-lab")
+        name = v["name"]  # checked by build_plan (the API takes names too)
         adv = tuple(v["advanced"] or ())
         sel = Selection(
             recipe=v["recipe"], variant=v["variant"], hardware=v["hardware"], strategy=v["strategy"], nodes=v["nodes"],

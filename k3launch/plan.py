@@ -89,6 +89,9 @@ def _image(r: Resolved, node: NodeSpec) -> str | None:
     return r.recipe.model.docker_image.get(r.hardware.brand.lower()) or r.hardware.image
 
 
+NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+
+
 def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None, *,
                inventory: Inventory | None = None, exclude: Sequence[str] = (), port_base: int | None = None,
                name: str | None = None) -> Plan:
@@ -105,6 +108,9 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
 
 def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None, inventory: Inventory | None,
                 exclude: Sequence[str], port_base: int | None, name: str | None) -> Plan:
+    # The name becomes a file name, a job name, container names and #SBATCH values: plain words only.
+    if name is not None and not NAME.fullmatch(name):
+        raise K3Error("bad-name", f"deployment name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. --name k3-tep-lab")
     if inventory is not None:
         sel = replace(sel, hardware=inventory_hardware(inventory, sel.hardware))
     r = resolve(tree, sel)

@@ -169,7 +169,9 @@ set -euo pipefail
 """
 
 _TOKEN = """# HF_TOKEN is passed by name; read it from a file when it is not in the environment.
-if [ -z "${{HF_TOKEN:-}}" ] && [ -r {file} ]; then HF_TOKEN=$(cat {file}); export HF_TOKEN; fi
+if [ -z "${{HF_TOKEN:-}}" ]; then
+  if [ -r {file} ]; then HF_TOKEN=$(cat {file}); export HF_TOKEN; else echo "k3launch: hf_token_file "{file}" is not readable here; no HF_TOKEN" >&2; fi
+fi
 export APPTAINERENV_HF_TOKEN="${{HF_TOKEN:-}}"
 """
 
@@ -177,7 +179,8 @@ export APPTAINERENV_HF_TOKEN="${{HF_TOKEN:-}}"
 def token_snippet(hf_token_file: str | None) -> str:
     if not hf_token_file:
         return 'export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"\n'
-    return _TOKEN.format(file=shlex.quote(hf_token_file))
+    word = home_path(hf_token_file)  # ~/... is the user's home where the script runs
+    return _TOKEN.format(file=word if isinstance(word, Raw) else shlex.quote(word))
 
 
 def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str = "") -> str:

@@ -18,7 +18,7 @@ import os
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -94,10 +94,12 @@ class Runner(Protocol):
 class LocalRunner:
     """Runs ``bash -c COMMAND`` on this machine."""
 
-    def run(self, target: Target, command: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Result:
+    def run(self, target: Target, command: str, *, timeout: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> Result:
+        """``env``: the command's whole environment (default: this process's)."""
         t0 = time.monotonic()
         try:
-            p = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+            p = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+                               env=None if env is None else dict(env))
         except subprocess.TimeoutExpired as exc:
             out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
             return Result(target.name, command, 124, out, f"timed out after {timeout:g}s", time.monotonic() - t0)

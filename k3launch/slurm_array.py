@@ -30,6 +30,7 @@ writes a provisional one); otherwise the task ended early and its output says wh
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import shlex
 import sys
@@ -46,6 +47,9 @@ from k3launch.slurm_job import parse_output
 from k3launch.slurm_render import make_array_string, node_order
 
 SQUEUE_FAILURE_S = 120.0  # seconds of consecutive failed squeue polls before wait_array gives up
+
+
+ARRAY_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # a job name and a directory name
 
 
 @dataclass
@@ -88,6 +92,8 @@ def submit_array(plans: Sequence[Plan], inv: Inventory, log_dir: str | Path, *, 
         raise K3Error("not-slurm", f"inventory {inv.name} is not a slurm inventory", "job arrays need backend: slurm")
     if len({p.name for p in plans}) != len(plans):
         raise K3Error("duplicate-deployment", "two array tasks have the same deployment name", "give each plan its own name")
+    if not ARRAY_NAME.fullmatch(name):
+        raise K3Error("bad-name", f"array name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. k3-sweep")
     cl = client or SlurmClient()
     shapes: dict[tuple[int, int], list[Plan]] = {}
     for p in plans:
@@ -104,13 +110,15 @@ def submit_array(plans: Sequence[Plan], inv: Inventory, log_dir: str | Path, *, 
                 plan_path.write_text(p.to_json() + "\n")
                 extra = list(work(i, p)) if work else []
                 tasks.append((p, task_work(str(plan_path), str(d / "results" / f"task-{i}.json"), ready_timeout, extra)))
-            text = make_array_string(tasks, inv.slurm, str(d), concurrency=concurrency, name=name, extra_sbatch=extra_sbatch,
+            # the nodelist is the candidate set here too (every other node of the partition excluded)
+            outside = cl.outside(inv.slurm.partition, inv.slurm.nodelist)
+            text = make_array_string(tasks, inv.slurm, str(d), concurrency=concurrency, name=name, extra_sbatch=extra_sbatch, exclude=outside,
                                      hf_token_file=inv.hf_token_file)
             script = d / "array.sbatch"
             script.write_text(text)
         except OSError as exc:
             raise K3Error("log-dir", f"cannot write the array to {d}: {exc.strerror}", "choose another log directory") from None
-        jobs.append(ArrayJob(cl.sbatch(str(script), str(d)), str(d), [p.name for p in group], str(script)))
+        jobs.append(ArrayJob(cl.sbatch(str(script), str(d), job_name=name), str(d), [p.name for p in group], str(script)))
     return jobs
 
 

@@ -21,6 +21,7 @@ directories usually are): ``up`` reads the job's output there, ``logs`` reads th
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,24 +33,41 @@ from k3launch.inventory import Inventory
 from k3launch.launch import LaunchFailed, Readiness, rank_label, ready_timeout
 from k3launch.observe import PEER_LOSS
 from k3launch.plan_models import Plan
-from k3launch.slurm_cmd import NEVER_RUNS, JobInfo, SlurmClient, expand
+from k3launch.slurm_cmd import NEVER_RUNS, JobInfo, SlurmClient
 from k3launch.slurm_job import JobOutput, bad_nodes, bind_plan, parse_output, read_file, record_bad_node, tail_file
 from k3launch.slurm_ops import cancel_job
 from k3launch.slurm_render import make_sbatch_string, node_order
 from k3launch.state import DeploymentRecord, ProcessRecord, SlurmJob, StateStore
 
 POLL_S = 0.5
-OUTPUT_VISIBLE_S = 60.0  # a running job's output file not visible by then: the log directory is not shared
-BAD_NODE_TTL_S = 24 * 3600.0
+SLURM_UNAVAILABLE_S = 60.0  # squeue failing this long (slurmctld down or unreachable) fails up
+OUTPUT_VISIBLE_S = 90.0  # NFS caches a missing file's absence for up to 60 s (acdirmax)
 DEFAULT_MAX_ATTEMPTS = 2
-CANCEL_WAIT_S = 90.0  # after scancel: Slurm's KillWait (30 s by default) plus epilog
+
+
+def poll_interval(elapsed_s: float) -> float:
+    """0.5 s for the first minute, then 2 s, then 5 s after ten: a K3 load takes tens of minutes,
+    and every poll is an RPC to slurmctld, which the whole cluster shares."""
+    return POLL_S if elapsed_s < 60 else 2.0 if elapsed_s < 600 else 5.0
+
+
 StageFn = Callable[[str, str], None]
 
 
+# What may stand in an `#SBATCH --output=` path: sbatch's directive parser cuts at white space,
+# quotes and '#', and Slurm expands '%' patterns in file names.
+_SAFE_PATH = re.compile(r"[A-Za-z0-9._/+,:@=~-]+")
+
+
 def log_dir_for(store: StateStore, inv: Inventory, name: str) -> str:
+    """Absolute: slurmd resolves a relative --output against the job's working directory."""
     assert inv.slurm is not None
     base = inv.slurm.log_dir
-    return str(Path(base).expanduser() / name) if base else str(store.root.resolve() / "slurm" / name)
+    d = (Path(base).expanduser().resolve() if base else store.root.expanduser().resolve() / "slurm") / name
+    if not _SAFE_PATH.fullmatch(str(d)):
+        raise K3Error("bad-log-dir", f"log directory {str(d)!r} cannot stand on an #SBATCH line (white space, quotes, '#' or '%')",
+                      "set slurm.log_dir in the inventory to a plain path on a shared filesystem")
+    return str(d)
 
 
 class _DoctorRefused(Exception):
@@ -75,20 +93,6 @@ class SlurmLaunch:
         assert self.inv.slurm is not None
         return make_sbatch_string(self.plan, self.inv.slurm, log_dir, self.extra_sbatch, exclude, hf_token_file=self.inv.hf_token_file)
 
-    def _candidates_exclude(self) -> list[str]:
-        """With a nodelist, every other node of the partition is excluded: the nodelist is the
-        candidate set (sbatch --nodelist would demand all of its nodes)."""
-        assert self.inv.slurm is not None
-        nl = self.inv.slurm.nodelist
-        if not nl:
-            return []
-        argv = ["sinfo", "-h", "-N", "-o", "%N", *(["-p", self.inv.slurm.partition] if self.inv.slurm.partition else [])]
-        r = self.client.call(argv)
-        if not r.ok:
-            raise K3Error("slurm-unavailable", f"sinfo failed: {r.stderr.strip()[:200]}", "check Slurm on this machine")
-        allowed = set(expand(nl))
-        return sorted({h for h in r.stdout.split() if h not in allowed})
-
     def submit(self, rec: DeploymentRecord, exclude: Sequence[str]) -> str:
         log_dir = Path(rec.slurm.log_dir if rec.slurm else "")
         try:
@@ -98,7 +102,7 @@ class SlurmLaunch:
             (log_dir / "plan.json").write_text(self.plan.to_json() + "\n")
         except OSError as exc:
             raise K3Error("log-dir", f"cannot write the job script to {log_dir}: {exc.strerror}", "set slurm.log_dir in the inventory") from None
-        return self.client.sbatch(str(path), str(log_dir))
+        return self.client.sbatch(str(path), str(log_dir), job_name=f"k3-{self.plan.name}")
 
     # ------------------------------------------------------------------ up
     def up(self, *, timeout: float | None = None, keep_on_failure: bool = False, use_bad_nodes: bool = True) -> DeploymentRecord:
@@ -108,7 +112,8 @@ class SlurmLaunch:
                                endpoint=self.plan.endpoint, plan=self.plan,
                                slurm=SlurmJob(job_id="", log_dir=log_dir, script=str(Path(log_dir) / "job.sbatch")))
         assert rec.slurm is not None
-        exclude = list(dict.fromkeys([*self.plan.exclude, *self._candidates_exclude()]))
+        assert self.inv.slurm is not None
+        exclude = list(dict.fromkeys([*self.plan.exclude, *self.client.outside(self.inv.slurm.partition, self.inv.slurm.nodelist)]))
         if use_bad_nodes:
             auto = sorted(h for h, v in bad_nodes(self.store).items() if v.get("kind") == "doctor" and h not in exclude)
             if auto:
@@ -196,6 +201,15 @@ class SlurmLaunch:
         code = "job-cancelled" if info.state.startswith("CANCELLED") else "job-ended"
         return LaunchFailed(f"job {info.job_id} ended ({why}) during {stage}", f"see {out_path}", None, tail_file(out_path, 20), code=code)
 
+    def _may_still_run(self, reason: str) -> bool:
+        """PartitionNodeLimit also means "some of the nodes it may use are down or drained": only
+        a request larger than the partition can ever give never runs."""
+        if reason != "PartitionNodeLimit":
+            return False
+        assert self.inv.slurm is not None
+        size = self.client.partition_nodes(self.inv.slurm.partition)
+        return size is not None and len(node_order(self.plan)) <= size
+
     def wait_ready(self, rec: DeploymentRecord, deadline_s: float) -> health.Completion:
         assert rec.slurm is not None
         job = rec.slurm.job_id
@@ -206,9 +220,21 @@ class SlurmLaunch:
         stage, reason = "queued", None
         ready: Readiness | None = None  # once the job bound its hosts
         http = [p for p in self.plan.processes if p.http_port is not None]
+        t_unavailable: float | None = None
         while True:
             t_poll = time.monotonic()
-            info = self.client.job(job)
+            try:
+                info = self.client.job(job)
+                t_unavailable = None
+            except K3Error as exc:
+                # a busy slurmctld times out now and then: that says nothing about the job
+                if exc.code != "slurm-unavailable":
+                    raise
+                t_unavailable = t_unavailable or t_poll
+                if t_poll - t_unavailable > SLURM_UNAVAILABLE_S:
+                    raise
+                time.sleep(POLL_S)
+                continue
             if not info.active or info.state == "COMPLETING":
                 # COMPLETING: its processes are being cleaned up; the final state (CANCELLED,
                 # FAILED, ...) says why it ended, and the job's last lines reach its output file
@@ -222,7 +248,7 @@ class SlurmLaunch:
                 if info.reason != reason:
                     reason = info.reason
                     self.on_stage("queued", f"job {job} pending ({reason or 'no reason given'})")
-                if info.reason in NEVER_RUNS:
+                if info.reason in NEVER_RUNS and not self._may_still_run(info.reason):
                     raise LaunchFailed(f"job {job} can never start: Slurm keeps it pending with reason {info.reason}",
                                        "ask for fewer nodes or less time, or use another partition/account (see `sinfo`, `sacctmgr show assoc`)",
                                        code="job-never-runs")
@@ -259,6 +285,6 @@ class SlurmLaunch:
                     raise LaunchFailed(f"not ready {deadline_s:g}s after job {job} started (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
                                        "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
                                        tail_file(Path(rec.slurm.log_dir) / f"{missing[0]}.log", 30) if missing else "", code="not-ready")
-            time.sleep(max(0.0, POLL_S - (time.monotonic() - t_poll)))
+            time.sleep(max(0.0, poll_interval(t_poll - t_queue) - (time.monotonic() - t_poll)))
 
 

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
-from k3launch.runners import LocalRunner, Result, Runner, Target
+from k3launch.inventory import SECRET_NAMES
+from k3launch.runners import LocalRunner, Result, Target
 
 LOGIN = Target("login", "localhost", local=True)
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
@@ -26,7 +27,8 @@ ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "RESIZING
 NEVER_RUNS = frozenset({"PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount", "InvalidQOS",
                         "AccountNotAllowed", "QOSNotAllowed", "AssocMaxNodesPerJobLimit",
                         "AssocMaxWallDurationPerJobLimit", "QOSMaxNodePerJobLimit", "QOSMaxWallDurationPerJobLimit"})
-SECRET_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+SECRET_VARS = SECRET_NAMES | {"HF_API_TOKEN"}
+SBATCH_TIMEOUT_S = 60.0
 SLURM_HINT = "check that Slurm's commands are on PATH and SLURM_CONF points at the cluster"
 
 
@@ -92,21 +94,27 @@ def submit_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class SlurmClient:
-    runner: Runner = field(default_factory=LocalRunner)
+    runner: LocalRunner = field(default_factory=LocalRunner)  # Slurm's commands run on the login node
     timeout: float = 30.0
 
     def call(self, argv: Sequence[str], *, timeout: float | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Result:
         cmd = shlex.join(argv)
         if cwd:
             cmd = f"cd {shlex.quote(cwd)} && {cmd}"
-        if env is not None:
-            # `env -i` + explicit variables: only what submit_env kept reaches sbatch
-            cmd = "env -i " + " ".join(shlex.quote(f"{k}={v}") for k, v in env.items()) + " bash -c " + shlex.quote(cmd)
-        return self.runner.run(LOGIN, cmd, timeout=timeout or self.timeout)
+        # env goes to the process as its environment, never onto a command line (ps would show it)
+        return self.runner.run(LOGIN, cmd, timeout=timeout or self.timeout, env=env)
 
-    def sbatch(self, script_path: str, cwd: str) -> str:
-        """Submit; the job id, or K3Error with Slurm's own reason (first error line)."""
-        r = self.call(["sbatch", "--parsable", script_path], cwd=cwd, env=submit_env(os.environ), timeout=60)
+    def sbatch(self, script_path: str, cwd: str, job_name: str | None = None) -> str:
+        """Submit; the job id, or K3Error with Slurm's own reason (first error line). When sbatch
+        times out the job may still have been queued: it is looked up by name (and adopted)."""
+        r = self.call(["sbatch", "--parsable", script_path], cwd=cwd, env=submit_env(os.environ), timeout=SBATCH_TIMEOUT_S)
+        if r.exit_code == 124:
+            found = self.call(["squeue", "-h", "--me", "-n", job_name, "-o", "%i"]) if job_name else None
+            ids = found.stdout.split() if found is not None and found.ok else []
+            if len(ids) == 1:
+                return ids[0]
+            raise K3Error("sbatch-timeout", f"sbatch did not answer within {SBATCH_TIMEOUT_S:g}s; the job may or may not be queued",
+                          f"check `squeue --me -n {job_name}` and scancel what you do not want" if job_name else "check `squeue --me`")
         if r.exit_code == 127:
             raise K3Error("slurm-missing", "sbatch not found on this machine", SLURM_HINT)
         if not r.ok:
@@ -127,6 +135,33 @@ class SlurmClient:
         if info is None and not r.ok and "Invalid job id" not in r.stderr:
             raise K3Error("slurm-unavailable", f"squeue failed: {r.stderr.strip()[:200]}", SLURM_HINT)
         return info or JobInfo(job_id, "GONE")
+
+    def outside(self, partition: str | None, nodelist: str | None) -> list[str]:
+        """The partition's nodes not in ``nodelist``: with them excluded, the nodelist is the
+        candidate set (sbatch --nodelist would demand every one of its nodes)."""
+        if not nodelist:
+            return []
+        r = self.call(["sinfo", "-h", "-N", "-o", "%N", *(["-p", partition] if partition else [])])
+        if not r.ok:
+            raise K3Error("slurm-unavailable", f"sinfo failed: {r.stderr.strip()[:200]}", SLURM_HINT)
+        allowed = set(expand(nodelist))
+        return sorted({h for h in r.stdout.split() if h not in allowed})
+
+    def partition_nodes(self, partition: str | None) -> int | None:
+        """How many nodes a job of ``partition`` (default: the default one) may ever have:
+        min(TotalNodes, MaxNodes); None when Slurm does not say."""
+        r = self.call(["scontrol", "show", "partition", "-o", *([partition] if partition else [])])
+        if not r.ok:
+            return None
+        for line in r.stdout.splitlines():
+            kv = dict(w.split("=", 1) for w in line.split() if "=" in w)
+            if partition is None and kv.get("Default") != "YES":
+                continue
+            total = kv.get("TotalNodes", "")
+            cap = kv.get("MaxNodes", "UNLIMITED")
+            if total.isdigit():
+                return min(int(total), int(cap)) if cap.isdigit() else int(total)
+        return None
 
     def steps(self, job_id: str) -> dict[str, str]:
         r = self.call(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N"])

@@ -1,4 +1,5 @@
-"""What a Slurm job says and where it runs: pure helpers of the Slurm backend.
+"""What a Slurm job says and where it runs: helpers of the Slurm backend (pure, but for the
+bad-nodes file).
 
 * :func:`parse_output`: the lines the job library (``slurm/k3launch-job.sh``) writes to the job's
   output: the host and address bound to each plan node, the doctor step's verdicts, which step
@@ -96,12 +97,23 @@ def bad_nodes(store: StateStore, now: float | None = None) -> dict[str, dict[str
 
 
 def record_bad_node(store: StateStore, host: str, reason: str, kind: str, deployment: str) -> None:
-    data = bad_nodes(store)
-    data[host] = {"reason": reason, "kind": kind, "time": time.time(), "deployment": deployment}
-    store.root.mkdir(parents=True, exist_ok=True)
-    tmp = _bad_path(store).with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, _bad_path(store))
+    """Best effort, under a lock (several `up`s may record at once); a failure to record never
+    hides the failure being reported."""
+    import fcntl
+    import tempfile
+
+    try:
+        store.root.mkdir(parents=True, exist_ok=True)
+        with open(store.root / "slurm-bad-nodes.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = bad_nodes(store)
+            data[host] = {"reason": reason, "kind": kind, "time": time.time(), "deployment": deployment}
+            fd, tmp = tempfile.mkstemp(dir=store.root, prefix=".slurm-bad-nodes.")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(data, indent=1, sort_keys=True))
+            os.replace(tmp, _bad_path(store))
+    except OSError:
+        return
 
 
 def tail_file(path: Path, lines: int) -> str:

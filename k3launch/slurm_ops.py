@@ -12,7 +12,7 @@ from k3launch.slurm_job import bind_plan, tail_file
 from k3launch.state import DeploymentRecord, StateStore
 from k3launch.teardown import TeardownReport
 
-JOB_STOP_GRACE_S = 10.0  # the job script's own TERM -> KILL grace (K3_STOP_GRACE_S in slurm/k3launch-job.sh)
+JOB_STOP_GRACE_S = 10.0  # the job script's TERM -> KILL grace when no --grace reaches it (K3_STOP_GRACE_S)
 STOP_MARGIN_S = 5.0  # the steps' exits and Slurm's bookkeeping after that
 CANCEL_WAIT_S = 90.0  # after scancel: Slurm's KillWait (30 s by default) plus epilog
 
@@ -70,9 +70,10 @@ def follow_files(rec: DeploymentRecord, ids: Sequence[str], emit: Callable[[str]
 
 def cancel_job(rec: DeploymentRecord, store: StateStore, grace_s: float = 10.0, client: SlurmClient | None = None) -> TeardownReport:
     """The grace signal first: ``scancel --batch --signal=TERM`` makes the job script stop its
-    steps (TERM, then KILL after its own 10 s grace) and end as COMPLETED; if the job is still
-    active after that, ``scancel`` (Slurm's TERM, KillWait, KILL). Verified: the job is no longer
-    active and no step of it is left. A pending job is simply cancelled."""
+    steps (TERM, then KILL after ``grace_s``, which it reads from ``<log dir>/.k3launch-grace``)
+    and end as COMPLETED; if the job is still active after that, ``scancel`` (Slurm's TERM,
+    KillWait, KILL). Verified: the job is no longer active and no step of it is left. A pending
+    job is simply cancelled."""
     assert rec.slurm is not None
     cl = client or SlurmClient()
     job = rec.slurm.job_id
@@ -93,8 +94,12 @@ def cancel_job(rec: DeploymentRecord, store: StateStore, grace_s: float = 10.0, 
         if info.state == "PENDING":
             cl.cancel(job)
         else:
+            try:
+                (Path(rec.slurm.log_dir) / ".k3launch-grace").write_text(f"{max(0, round(grace_s))}\n")
+            except OSError:
+                pass  # the job keeps its default grace (JOB_STOP_GRACE_S)
             cl.cancel(job, signal="TERM")
-        info = wait_gone(max(grace_s, JOB_STOP_GRACE_S) + STOP_MARGIN_S)
+        info = wait_gone(grace_s + STOP_MARGIN_S)
         if info.active:
             cl.cancel(job)
             info = wait_gone(CANCEL_WAIT_S)

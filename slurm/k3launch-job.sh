@@ -10,7 +10,7 @@
 #   k3_supervise                 fail fast: the first step to end stops the others and fails the job,
 #                                naming it; the work ending ends the job with the work's exit code;
 #                                SIGTERM to the script (`k3launch down`) stops every step and ends it cleanly
-# Needs bash >= 4.3 (wait -n); bash 5.1's `wait -p` is not used, for RHEL 8 (bash 4.4).
+# Needs bash >= 4.3 (wait -n); with bash >= 5.1 `wait -n -p` also names which step ended first.
 if [ -z "${BASH_VERSINFO:-}" ] || [ "${BASH_VERSINFO[0]}" -lt 4 ] || { [ "${BASH_VERSINFO[0]}" -eq 4 ] && [ "${BASH_VERSINFO[1]}" -lt 3 ]; }; then
   echo "k3launch: this job script needs bash >= 4.3 (wait -n); found ${BASH_VERSION:-another shell}" >&2
   exit 2
@@ -104,25 +104,33 @@ k3_work() {
   K3_WORK_PID=$!
 }
 
+# The processes to stop: every step and the work. `${a[@]+"${a[@]}"}`: bash 4.3 calls an empty
+# array unbound under set -u.
+k3_children() { printf '%s\n' ${K3_PIDS[@]+"${K3_PIDS[@]}"} ${K3_WORK_PID:+"$K3_WORK_PID"}; }
+
 k3_stop() {
-  local t=0 p alive
-  kill -TERM "${K3_PIDS[@]}" ${K3_WORK_PID:+"$K3_WORK_PID"} 2>/dev/null
-  while [ "$t" -lt $((K3_STOP_GRACE_S * 10)) ]; do
+  local t=0 p alive grace=$K3_STOP_GRACE_S pids
+  # `k3launch down --grace S` leaves its grace here (the log directory is shared with the login node)
+  [ -r "$K3_LOGDIR/.k3launch-grace" ] && grace=$(tr -cd 0-9 <"$K3_LOGDIR/.k3launch-grace")
+  mapfile -t pids < <(k3_children | grep .)
+  [ "${#pids[@]}" -gt 0 ] || return 0
+  kill -TERM "${pids[@]}" 2>/dev/null
+  while [ "$t" -lt $((${grace:-10} * 10)) ]; do
     alive=0
-    for p in "${K3_PIDS[@]}" ${K3_WORK_PID:+"$K3_WORK_PID"}; do kill -0 "$p" 2>/dev/null && alive=1; done
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
     [ "$alive" = 0 ] && return 0
     sleep 0.1
     t=$((t + 1))
   done
-  kill -KILL "${K3_PIDS[@]}" ${K3_WORK_PID:+"$K3_WORK_PID"} 2>/dev/null
+  kill -KILL "${pids[@]}" 2>/dev/null
 }
 
 # Ranks brought down by the first one's death follow it within moments; name those that ended on
 # their own within a second (before k3_stop), so the login node can tell the cause from the echo.
 k3_report_others() {
   local first=$1 i r
-  sleep 1
-  for i in "${!K3_PIDS[@]}"; do
+  sleep "${K3_REPORT_WINDOW_S:-1}"
+  for i in ${K3_PIDS[@]+"${!K3_PIDS[@]}"}; do
     [ "${K3_NAMES[$i]}" = "$first" ] && continue
     kill -0 "${K3_PIDS[$i]}" 2>/dev/null && continue
     wait "${K3_PIDS[$i]}" 2>/dev/null
@@ -141,31 +149,53 @@ k3_on_term() {
 }
 trap k3_on_term TERM
 
+# bash >= 5.1 names the child `wait -n` reaped (-p); older bash cannot, and the first dead child in
+# start order is named instead (its own exit code is still right).
+if [ "${BASH_VERSINFO[0]}" -gt 5 ] || { [ "${BASH_VERSINFO[0]}" -eq 5 ] && [ "${BASH_VERSINFO[1]}" -ge 1 ]; }; then
+  K3_WAIT_P=1
+else
+  K3_WAIT_P=
+fi
+
 k3_supervise() {
-  local rc i r who whorc
+  local rc i r who whorc done_pid
   while :; do
-    wait -n
-    rc=$?
+    done_pid=
+    if [ -n "$K3_WAIT_P" ]; then
+      wait -n -p done_pid
+      rc=$?
+    else
+      wait -n
+      rc=$?
+    fi
     who= whorc=
-    # wait -n does not say which child ended: the dead ones are those kill -0 no longer finds;
-    # `wait PID` gives each one's own code, or 127 for the one wait -n just reported (code rc).
-    for i in "${!K3_PIDS[@]}"; do
-      kill -0 "${K3_PIDS[$i]}" 2>/dev/null && continue
-      wait "${K3_PIDS[$i]}" 2>/dev/null
-      r=$?
-      if [ "$r" = 127 ]; then who=${K3_NAMES[$i]} whorc=$rc; break; fi
-      [ -n "$who" ] || { who=${K3_NAMES[$i]}; whorc=$r; }
-    done
+    if [ -n "$done_pid" ] && [ "$done_pid" != "$K3_WORK_PID" ]; then
+      for i in ${K3_PIDS[@]+"${!K3_PIDS[@]}"}; do
+        [ "${K3_PIDS[$i]}" = "$done_pid" ] && { who=${K3_NAMES[$i]}; whorc=$rc; }
+      done
+    elif [ -z "$done_pid" ]; then
+      for i in ${K3_PIDS[@]+"${!K3_PIDS[@]}"}; do
+        kill -0 "${K3_PIDS[$i]}" 2>/dev/null && continue
+        wait "${K3_PIDS[$i]}" 2>/dev/null
+        r=$?
+        [ "$r" = 127 ] && r=$rc  # already reported by wait -n: its code is rc
+        who=${K3_NAMES[$i]} whorc=$r
+        break
+      done
+    fi
     if [ -n "$who" ]; then
       k3_say "$who exited with code $whorc; stopping the deployment" >&2
       k3_report_others "$who"
       k3_stop
       exit 1
     fi
-    if [ -n "$K3_WORK_PID" ] && ! kill -0 "$K3_WORK_PID" 2>/dev/null; then
-      wait "$K3_WORK_PID" 2>/dev/null
-      r=$?
-      [ "$r" = 127 ] && r=$rc
+    if [ -n "$K3_WORK_PID" ] && { [ "$done_pid" = "$K3_WORK_PID" ] || ! kill -0 "$K3_WORK_PID" 2>/dev/null; }; then
+      r=$rc
+      if [ "$done_pid" != "$K3_WORK_PID" ]; then
+        wait "$K3_WORK_PID" 2>/dev/null
+        r=$?
+        [ "$r" = 127 ] && r=$rc
+      fi
       k3_say "work finished with code $r; stopping the deployment"
       K3_WORK_PID=
       k3_stop

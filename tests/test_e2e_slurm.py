@@ -215,6 +215,7 @@ def test_a_rank_that_exits_during_load_fails_up_fast_naming_its_node(cluster: Cl
     up = k3(cluster, state, "up", "-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2", "--name", name, "--ready-timeout", "60")
     took = time.monotonic() - t0
     assert up.returncode == 2, up.stdout + up.stderr
+    # a bound, not a timing: without fail-fast, up would wait out the 30 s load and then some
     assert took < 30, f"up took {took:.1f}s to notice a rank dying 0.2 s into a 30 s load"
     err = up.stderr.splitlines()[0]
     # the cause (serve-1, node rank 1), not the rank that only lost its peer, with its node and its log

@@ -420,3 +420,19 @@ def test_an_image_that_is_not_an_image_reference_is_refused_before_any_script(tm
     err = res.error()
     assert err["code"] == "bad-inventory" and "image" in err["message"] and str(inv) in err["message"], err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("where", ["home", "missing"])
+def test_an_hf_token_file_under_the_home_directory_is_read_there(where: str, tmp_path: Path) -> None:
+    from k3launch.render import token_snippet
+
+    home = tmp_path / "home"
+    (home / ".cache" / "huggingface").mkdir(parents=True)
+    if where == "home":
+        (home / ".cache" / "huggingface" / "token").write_text("hf_secret_1")
+    script = token_snippet("~/.cache/huggingface/token") + 'printf "%s|%s" "${HF_TOKEN:-}" "$APPTAINERENV_HF_TOKEN"\n'
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, timeout=30)
+    if where == "home":
+        assert r.stdout == "hf_secret_1|hf_secret_1" and r.stderr == ""
+    else:  # said, not silently skipped (the engine would fail later with a 401)
+        assert r.stdout == "|" and r.stderr.strip() == f"k3launch: hf_token_file {home}/.cache/huggingface/token is not readable here; no HF_TOKEN"

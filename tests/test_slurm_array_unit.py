@@ -63,7 +63,10 @@ class FakeSlurm:
             p.before()
         return Result("login", " ".join(argv), p.exit_code, p.stdout, p.stderr, 0.01)
 
-    def sbatch(self, path: str, cwd: str) -> str:
+    def outside(self, partition: str | None, nodelist: str | None) -> list[str]:
+        return []
+
+    def sbatch(self, path: str, cwd: str, job_name: str | None = None) -> str:
         assert Path(path).is_file() and Path(path).parent == Path(cwd)
         self.submitted.append(path)
         return str(100 + len(self.submitted))

@@ -81,6 +81,13 @@ env -0 >"$f.env"
 printf '%s\0' "$@" >"$f.tmp" && mv "$f.tmp" "$f.argv"
 shopt -s nullglob
 for _ in $(seq 500); do a=("$d"/srun.*.argv); [ "${#a[@]}" -ge "$K3_FAKE_N" ] && break; /bin/sleep 0.01; done
+if [ -n "${K3_FAKE_DIE:-}" ]; then  # "name:seconds:code ...": that step exits then, with that code; the others serve
+  for d in $K3_FAKE_DIE; do
+    IFS=: read -r n t c <<<"$d"
+    [ "$name" = "$n" ] && { /bin/sleep "$t"; exit "$c"; }
+  done
+  exec /bin/sleep 30
+fi
 if [ -n "${K3_FAKE_FAIL:-}" ]; then
   [ "$name" = "$K3_FAKE_FAIL" ] && exit 7
   exec /bin/sleep 30
@@ -95,7 +102,8 @@ if [ "$1 $2 $3" = "show node -o" ]; then
 fi
 echo "fake scontrol: unexpected: $*" >&2; exit 2
 """
-FAKE_SLEEP = "#!/bin/sh\necho \"$@\" >>\"$K3_FAKE_OUT/sleep.calls\"\n"  # the script's 5 s grace period, skipped
+# sleep: recorded; waits of up to 1 s are real (the job's polling and watch windows), longer ones are skipped
+FAKE_SLEEP = "#!/bin/sh\necho \"$@\" >>\"$K3_FAKE_OUT/sleep.calls\"\ncase $1 in 0.*|1) exec /bin/sleep \"$1\" ;; esac\n"
 
 
 # ------------------------------------------------------------------ inventories and cases
@@ -260,7 +268,7 @@ def test_sbatch_structure(case: str, tmp_path: Path) -> None:
     assert d[len(d) - len(extra):] == extra
     gpus = f"--gres=gpu:{plan.gpus_per_node}" if slurm.gres == "gres" else f"--gpus-per-node={plan.gpus_per_node}"
     want = {f"--job-name=k3-{plan.name}", f"--nodes={len(order)}", "--ntasks-per-node=1", f"--output={LOG_DIR}/slurm-%j.out",
-            f"--time={slurm.time_limit}", gpus}
+            f"--time={slurm.time_limit}", gpus, "--no-requeue"}
     want |= {f"--{k}={getattr(slurm, k)}" for k in ("partition", "account", "qos", "reservation", "constraint") if getattr(slurm, k)}
     want |= {"--exclusive"} if slurm.exclusive else set()
     excl = [x for x in [slurm.exclude, *c.exclude] if x]
@@ -350,7 +358,7 @@ def run_fake(script: str, tmp: Path, want_steps: int, hosts: list[str], fail: st
     bash_n(path)
     env = {"PATH": f"{fake_bin(tmp)}:/usr/bin:/bin", "HOME": str(tmp / "home"), "SLURM_JOB_NODELIST": "fake[1-9]",
            "SLURM_JOB_ID": "4242", "HF_TOKEN": SECRET, "K3_FAKE_OUT": str(out), "K3_FAKE_NODELIST": "fake[1-9]",
-           "K3_FAKE_HOSTS": " ".join(hosts), "K3_FAKE_N": str(want_steps), **({"K3_FAKE_FAIL": fail} if fail else {}), **(extra_env or {})}
+           "K3_FAKE_HOSTS": " ".join(hosts), "K3_FAKE_N": str(want_steps), "K3_REPORT_WINDOW_S": "0", **({"K3_FAKE_FAIL": fail} if fail else {}), **(extra_env or {})}
     try:
         res = subprocess.run(["bash", str(path)], capture_output=True, text=True, cwd=cwd, env=env, timeout=30)
     finally:
@@ -448,6 +456,18 @@ def test_fail_fast_names_the_failed_process_and_node_and_stops_the_others(tmp_pa
     while any(_alive(p) for p in others) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(_alive(p) for p in others), "steps outlived the failed job"
+
+
+def test_the_step_that_ended_first_is_named_first_whatever_the_start_order(tmp_path: Path) -> None:
+    """serve-1 dies first (code 9), serve-0 0.3 s later (code 5): the job names serve-1 as the one
+    that ended, then serve-0 (bash >= 5.1 says which child `wait -n` reaped)."""
+    assert [p.id for p in case_plan("multi_node_tp_2")[0].processes] == ["serve-0", "serve-1"]  # serve-0 starts first
+    run = run_fake(case_script("multi_node_tp_2", str(tmp_path / "logs")), tmp_path, 2, list(FAKE_HOSTS),
+                   extra_env={"K3_FAKE_DIE": "serve-1:0.2:9 serve-0:0.5:5", "K3_REPORT_WINDOW_S": "1"})
+    assert run.rc == 1
+    lines = [ln for ln in run.stderr.splitlines() if "exited with code" in ln]
+    assert lines == [f"k3launch: serve-1 on node 1 ({FAKE_HOSTS[1]}) exited with code 9; stopping the deployment",
+                     f"k3launch: then serve-0 on node 0 ({FAKE_HOSTS[0]}) exited with code 5"], run.stderr
 
 
 def test_an_allocation_smaller_than_the_plan_fails_before_any_step(tmp_path: Path) -> None:

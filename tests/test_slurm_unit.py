@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from k3launch.errors import K3Error
 from k3launch.inventory import Inventory
 from k3launch.launch import LaunchFailed
 from k3launch.plan import build_plan
@@ -75,7 +76,7 @@ def test_binding_replaces_every_plan_address_and_never_a_prefix_of_another() -> 
 class FakeSlurm:
     """Answers like Slurm would for one scripted job (states in order, the last one repeats)."""
 
-    states: list[JobInfo]
+    states: list[JobInfo | K3Error]  # a K3Error: that poll of squeue fails
     output: str = ""
     steps_: dict[str, str] = field(default_factory=dict)
     refuse: str | None = None
@@ -87,25 +88,34 @@ class FakeSlurm:
         self.calls.append(list(argv))
         return Result("login", " ".join(argv), 0, "", "", 0.0)
 
-    def sbatch(self, script_path: str, cwd: str) -> str:
+    def sbatch(self, script_path: str, cwd: str, job_name: str | None = None) -> str:
         self.calls.append(["sbatch", script_path])
         if self.refuse:
-            from k3launch.errors import K3Error
-
             raise K3Error("sbatch-refused", f"Slurm refused the job: {self.refuse}", "check")
         self.log_dir = Path(cwd)
         if self.write_output:
             (self.log_dir / "slurm-42.out").write_text(self.output)
         return "42"
 
+    partition_size: int | None = None
+
     def job(self, job_id: str) -> JobInfo:
-        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        got = self.states.pop(0) if len(self.states) > 1 else self.states[0]
+        if isinstance(got, K3Error):
+            raise got
+        return got
+
+    def partition_nodes(self, partition: str | None) -> int | None:
+        return self.partition_size
+
+    def outside(self, partition: str | None, nodelist: str | None) -> list[str]:
+        return []
 
     def steps(self, job_id: str) -> dict[str, str]:
         return self.steps_
 
     def cancel(self, job_id: str, signal: str | None = None) -> Result:
-        self.calls.append(["scancel", *([f"--signal={signal}"] if signal else []), job_id])
+        self.calls.append(["scancel", *(["--batch", f"--signal={signal}"] if signal else []), job_id])
         self.states = [JobInfo(job_id, "CANCELLED")]
         return Result("login", "scancel", 0, "", "", 0.0)
 
@@ -136,8 +146,9 @@ def test_the_rank_that_did_not_blame_a_peer_is_the_cause_and_its_node_is_recorde
 
 def test_a_refused_submission_leaves_no_record_and_a_never_running_job_is_cancelled(tmp_path: Path) -> None:
     sl, store = launch(tmp_path, FakeSlurm([JobInfo("42", "PENDING")], refuse="Requested node configuration is not available"))
-    with pytest.raises(Exception, match="Slurm refused the job"):
+    with pytest.raises(K3Error, match="Slurm refused the job") as refused:
         sl.up(timeout=5)
+    assert refused.value.code == "sbatch-refused"
     assert not store.exists("u-launch") and not store.list()
     fake = FakeSlurm([JobInfo("42", "PENDING", [], "Priority"), JobInfo("42", "PENDING", [], "PartitionTimeLimit")])
     sl, store = launch(tmp_path / "b", fake)
@@ -171,3 +182,18 @@ def test_a_running_job_whose_output_never_appears_means_an_unshared_log_dir(tmp_
         sl.up(timeout=30)
     assert ei.value.code == "log-dir-not-shared" and "shares with the compute nodes" in ei.value.hint
     assert any(c[0] == "scancel" for c in fake.calls) and not store.exists("u-launch")  # the job is cancelled, nothing kept
+
+
+def test_partition_node_limit_waits_when_the_partition_is_big_enough_and_squeue_hiccups_are_ridden_out(tmp_path: Path) -> None:
+    # PartitionNodeLimit with a 4-node partition and a 2-node plan: nodes are down or drained, not too few: wait
+    fake = FakeSlurm([JobInfo("42", "PENDING", [], "PartitionNodeLimit"), K3Error("slurm-unavailable", "squeue failed: timeout"),
+                      JobInfo("42", "FAILED", [], "NonZeroExitCode")], partition_size=4)
+    sl, _ = launch(tmp_path, fake)
+    with pytest.raises(LaunchFailed) as ei:
+        sl.up(timeout=5)
+    assert ei.value.code == "job-ended" and "FAILED" in ei.value.message  # the job's own end, not never-runs or unavailable
+    fake = FakeSlurm([JobInfo("42", "PENDING", [], "PartitionNodeLimit")], partition_size=1)
+    sl, _ = launch(tmp_path / "small", fake)
+    with pytest.raises(LaunchFailed) as ei:
+        sl.up(timeout=5)
+    assert ei.value.code == "job-never-runs"
