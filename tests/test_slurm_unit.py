@@ -197,3 +197,33 @@ def test_partition_node_limit_waits_when_the_partition_is_big_enough_and_squeue_
     with pytest.raises(LaunchFailed) as ei:
         sl.up(timeout=5)
     assert ei.value.code == "job-never-runs"
+
+
+class StuckSlurm(FakeSlurm):
+    """A job that ignores every cancel (a node that does not answer)."""
+
+    def cancel(self, job_id: str, signal: str | None = None) -> Result:
+        self.calls.append(["scancel", *(["--batch", f"--signal={signal}"] if signal else []), job_id])
+        return Result("login", "scancel", 0, "", "", 0.0)
+
+
+def test_down_sends_the_grace_signal_to_the_job_script_with_the_grace_then_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import k3launch.slurm_ops as ops
+    from k3launch.state import DeploymentRecord, SlurmJob
+
+    plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inventory(), name="u-down")
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    rec = DeploymentRecord(name="u-down", state="ready", created=0.0, updated=0.0, endpoint=plan.endpoint, plan=plan,
+                           slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script=""))
+    fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1"])])
+    report = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=25, client=fake)  # type: ignore[arg-type]
+    assert fake.calls == [["scancel", "--batch", "--signal=TERM", "42"]]  # the job script stops its own steps
+    assert (log_dir / ".k3launch-grace").read_text() == "25\n"  # ... within down's grace
+    assert report.clean and report.verified == "job 42 ended, no step left"
+    monkeypatch.setattr(ops, "CANCEL_WAIT_S", 0.2)
+    monkeypatch.setattr(ops, "STOP_MARGIN_S", 0.0)
+    stuck = StuckSlurm([JobInfo("42", "RUNNING", ["k3n1"])], steps_={"serve-0": "k3n1"})
+    left = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=0, client=stuck)  # type: ignore[arg-type]
+    assert not left.clean and left.leftovers["slurm"] == ["job 42 still RUNNING", "step serve-0 on k3n1"]
+    assert stuck.calls == [["scancel", "--batch", "--signal=TERM", "42"], ["scancel", "42"]]  # then Slurm's own cancel
