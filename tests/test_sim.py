@@ -253,3 +253,26 @@ def test_sigterm_exits_0_and_frees_the_port(procs: Procs) -> None:
     with socket.socket() as s:  # the port is free for the next deployment right away
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((HOST, port))
+
+
+def test_batch_cost_stretches_decode_steps_with_the_batch(procs: Procs) -> None:
+    """K3LAUNCH_SIM_BATCH_COST: 8 requests decoding together take longer per token than one alone."""
+    port, proc = serve(procs, "--max-num-seqs", "8", env={"K3LAUNCH_SIM_ITL_MS": "20", "K3LAUNCH_SIM_TTFT_MS": "1",
+                                                          "K3LAUNCH_SIM_BATCH_COST": "0.5"})
+    wait_healthy(HOST, port, proc)
+    url = f"http://{HOST}:{port}/v1/completions"
+
+    def timed() -> float:
+        t0 = time.monotonic()
+        assert post(url, {"prompt": "p", "max_tokens": 11, "ignore_eos": True})[0] == 200
+        return time.monotonic() - t0
+
+    alone = timed()  # 10 steps of 20 ms
+    took: list[float] = []
+    workers = [threading.Thread(target=lambda: took.append(timed())) for _ in range(8)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    # with 8 running, a step is 20 ms x (1 + 0.5 x 7) = 90 ms: well over twice the lone request
+    assert len(took) == 8 and min(took) > 2 * alone, (alone, took)

@@ -15,6 +15,7 @@ VLLM_ENGINE_READY_TIMEOUT_S and k3launch's K3LAUNCH_PROCESS marker):
 K3LAUNCH_SIM_VLLM_VERSION              flag schema version (default: k3launch's default, 0.33.0)
 K3LAUNCH_SIM_LOAD_S                    simulated weight-loading time before ready (default 2)
 K3LAUNCH_SIM_TTFT_MS / _ITL_MS         time to first token / between tokens (default 20 / 2)
+K3LAUNCH_SIM_BATCH_COST                a decode step's stretch per other request of its rank (default 0)
 K3LAUNCH_SIM_GPUS                      GPUs per node (default 8)
 K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S      how long groups wait for members (default: the ready timeout)
 K3LAUNCH_SIM_FAIL                      exit-during-load | hang | zero-tokens | crash-after-ready

@@ -1,8 +1,10 @@
 """The simulated engine: admission bounded by --max-num-seqs, a latency model, and P/D roles.
 
 Latency model: a request's first token arrives ``K3LAUNCH_SIM_TTFT_MS`` after it is admitted,
-each further token ``K3LAUNCH_SIM_ITL_MS`` later; requests beyond ``--max-num-seqs`` wait for
-a slot (and count as ``num_requests_waiting``), so concurrency behaves like a batch limit.
+each further token ``K3LAUNCH_SIM_ITL_MS`` later, stretched by ``K3LAUNCH_SIM_BATCH_COST`` for
+each other request its rank is decoding (a decode step of a bigger batch takes longer: 0.1
+makes a step of 11 requests twice as long; default 0); requests beyond ``--max-num-seqs`` wait
+for a slot (and count as ``num_requests_waiting``), so concurrency behaves like a batch limit.
 Each request runs in its own HTTP thread, sleeping instead of computing. Like vLLM, every
 local DP rank is its own engine with its own --max-num-seqs and its own metric series; a
 request goes to the rank named by ``X-data-parallel-rank`` (vllm-router's DP-aware routing) or
@@ -65,7 +67,7 @@ class Session:
         self._first = time.monotonic()
         for i in range(self.n):
             if i:
-                time.sleep(e.itl_s)
+                time.sleep(e.itl_s * (1.0 + e.batch_cost * max(0, self.rank.metrics.running - 1)))
             self.produced += 1
             tok = FILLER[i % len(FILLER)]
             yield tok.lstrip() if i == 0 else tok  # words keep their spaces when the filler wraps
@@ -105,6 +107,7 @@ class Engine:
         self._rr_lock = threading.Lock()
         self.ttft_s = knobs.ttft_ms / 1000.0
         self.itl_s = knobs.itl_ms / 1000.0
+        self.batch_cost = knobs.batch_cost
         self.zero_tokens = knobs.fault == "zero-tokens"
         self.label = f"{opts.host_ip or opts.nixl_host} ({knobs.process or 'vllm serve'})"
 

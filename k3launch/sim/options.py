@@ -62,6 +62,7 @@ class Knobs:
     load_s: float
     ttft_ms: float
     itl_ms: float
+    batch_cost: float  # each further running request of a rank stretches a decode step by this share
     gpus: int
     rendezvous_timeout_s: float
     fault: str | None  # the fault that applies to *this* process, after FAIL_PROCESS filtering
@@ -84,6 +85,7 @@ class Knobs:
             load_s=load_s,
             ttft_ms=_num(env, "K3LAUNCH_SIM_TTFT_MS", 20.0),
             itl_ms=_num(env, "K3LAUNCH_SIM_ITL_MS", 2.0),
+            batch_cost=_num(env, "K3LAUNCH_SIM_BATCH_COST", 0.0),
             gpus=int(_num(env, "K3LAUNCH_SIM_GPUS", 8)),
             rendezvous_timeout_s=_num(env, "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S", ready),
             fault=fault,
