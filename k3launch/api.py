@@ -87,8 +87,8 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
     started is torn down unless ``keep_on_failure``.
 
     Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
-    bounds the time in the queue (default: wait), ``skip_doctor`` also skips the automatic
-    exclusion of nodes that failed the job's doctor step in the last day."""
+    bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
+    step and the automatic exclusion of nodes it refused in the last day."""
     from k3launch.state import StateStore
 
     inv, inv_path = load(inventory)
@@ -104,7 +104,7 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
 
         with store.lock(plan.name):
             sl = SlurmLaunch(plan, inv, store, inventory=inv_path, on_stage=stage, on_failure=on_failure or (lambda e: None),
-                             extra_sbatch=tuple(extra_sbatch), queue_timeout=queue_timeout)
+                             extra_sbatch=tuple(extra_sbatch), queue_timeout=queue_timeout, doctor=not skip_doctor)
             return sl.up(timeout=ready_timeout, keep_on_failure=keep_on_failure, use_bad_nodes=not skip_doctor)
     if extra_sbatch:
         raise K3Error("not-slurm", "--extra-sbatch applies to slurm inventories only", "drop --extra-sbatch")

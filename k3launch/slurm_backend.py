@@ -88,10 +88,12 @@ class SlurmLaunch:
     client: SlurmClient = field(default_factory=SlurmClient)
     queue_timeout: float | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    doctor: bool = True  # the job's doctor step (and, with it, the automatic exclusion of refused nodes)
 
     def script(self, log_dir: str, exclude: Sequence[str]) -> str:
         assert self.inv.slurm is not None
-        return make_sbatch_string(self.plan, self.inv.slurm, log_dir, self.extra_sbatch, exclude, hf_token_file=self.inv.hf_token_file)
+        return make_sbatch_string(self.plan, self.inv.slurm, log_dir, self.extra_sbatch, exclude, doctor=self.doctor,
+                                  hf_token_file=self.inv.hf_token_file)
 
     def submit(self, rec: DeploymentRecord, exclude: Sequence[str]) -> str:
         log_dir = Path(rec.slurm.log_dir if rec.slurm else "")

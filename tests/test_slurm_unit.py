@@ -227,3 +227,11 @@ def test_down_sends_the_grace_signal_to_the_job_script_with_the_grace_then_verif
     left = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=0, client=stuck)  # type: ignore[arg-type]
     assert not left.clean and left.leftovers["slurm"] == ["job 42 still RUNNING", "step serve-0 on k3n1"]
     assert stuck.calls == [["scancel", "--batch", "--signal=TERM", "42"], ["scancel", "42"]]  # then Slurm's own cancel
+
+
+def test_skip_doctor_leaves_the_doctor_step_out_of_the_job(tmp_path: Path) -> None:
+    sl, _ = launch(tmp_path, FakeSlurm([JobInfo("42", "PENDING")]))
+    calls = lambda text: [ln.split()[0] for ln in text.splitlines() if ln.startswith("k3_")]  # noqa: E731
+    assert calls(sl.script("/logs", []))[:2] == ["k3_bind", "k3_doctor"]
+    sl.doctor = False
+    assert calls(sl.script("/logs", []))[:2] == ["k3_bind", "k3_step"]
