@@ -231,7 +231,10 @@ def test_down_sends_the_grace_signal_to_the_job_script_with_the_grace_then_verif
 
 def test_skip_doctor_leaves_the_doctor_step_out_of_the_job(tmp_path: Path) -> None:
     sl, _ = launch(tmp_path, FakeSlurm([JobInfo("42", "PENDING")]))
-    calls = lambda text: [ln.split()[0] for ln in text.splitlines() if ln.startswith("k3_")]  # noqa: E731
+    def calls(text: str) -> list[str]:  # the deployment's calls of the job library, after the library itself
+        body = text.split("# ---- end of the k3launch job library ----", 1)[1]
+        return [ln.split()[0] for ln in body.splitlines() if ln.startswith("k3_")]
+
     assert calls(sl.script("/logs", []))[:2] == ["k3_bind", "k3_doctor"]
     sl.doctor = False
     assert calls(sl.script("/logs", []))[:2] == ["k3_bind", "k3_step"]
