@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import fcntl
 import os
+import socket
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -88,12 +89,13 @@ def read_rows(out: Path) -> list[ResultRow]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    # line by line from bytes: a writer killed inside a multi-byte character tears only its own line
+    for line in path.read_bytes().split(b"\n"):
         if not line.strip():
             continue
         try:
-            rows.append(ResultRow.model_validate_json(line))
-        except (ValidationError, ValueError):
+            rows.append(ResultRow.model_validate_json(line.decode("utf-8")))
+        except (ValidationError, ValueError):  # UnicodeDecodeError is a ValueError
             continue
     return rows
 
@@ -116,16 +118,16 @@ def latest(rows: Iterable[ResultRow], campaign: str) -> list[ResultRow]:
 
 
 CSV_FIELDS = ["campaign", "cell", "group", "deployment", "max_concurrency", "input_len", "output_len", "request_rate", "num_prompts",
-              "valid", "reason", *BenchMetrics.model_fields, "plan_hash", "deployment_name", "recipe_sha256", "k3launch_version",
+              "valid", "reason", *(f for f in BenchMetrics.model_fields if f != "max_concurrency"), "plan_hash", "deployment_name", "recipe_sha256", "k3launch_version",
               "vllm_version", "image", "image_id", "nodes", "client", "started", "ended", "result_file"]
 
 
 def csv_record(r: ResultRow) -> dict[str, object]:
     rec: dict[str, object] = {"campaign": r.campaign, "cell": r.cell, "group": r.group, "deployment": r.deployment,
                               "valid": r.valid, "reason": r.reason or "", "result_file": r.result_file or ""}
-    rec.update(r.load.model_dump())
     if r.metrics is not None:
         rec.update(r.metrics.model_dump())
+    rec.update(r.load.model_dump())  # the load point's own axes win (max_concurrency is in both)
     p = r.provenance
     if p is not None:
         rec.update({"plan_hash": p.plan_hash, "deployment_name": p.deployment, "recipe_sha256": p.recipe_sha256 or "",
@@ -137,7 +139,8 @@ def csv_record(r: ResultRow) -> dict[str, object]:
 
 def write_csv(out: Path, rows: Iterable[ResultRow]) -> Path:
     path = out / CSV
-    tmp = path.with_suffix(f".csv.{os.getpid()}.tmp")  # array tasks may export at the same moment
+    # array tasks on several hosts may export at the same moment
+    tmp = path.with_suffix(f".csv.{socket.gethostname()}.{os.getpid()}.tmp")
     with tmp.open("w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()

@@ -230,3 +230,30 @@ def test_dry_run_counts_engine_starts(tmp_path: Path) -> None:
     r = k3("campaign", "run", str(f), "--out", str(tmp_path / "o"), "--slurm-array", cwd=tmp_path)
     # --slurm-array needs a slurm inventory; the hint says how to submit the groups by hand
     assert r.returncode == 2 and "needs a campaign on a slurm inventory" in r.stderr and "--group $SLURM_ARRAY_TASK_ID" in r.stderr
+
+
+def test_a_line_torn_inside_a_multibyte_character_is_skipped_not_fatal(tmp_path: Path) -> None:
+    from k3launch.campaign_results import RESULTS, append_row, read_rows
+
+    bad = row("c2", False).model_copy(update={"reason": "client log: \u201cboom\u201d"})
+    append_row(tmp_path, row("c1", True))
+    append_row(tmp_path, bad)
+    data = (tmp_path / RESULTS).read_bytes()
+    cut = data[: data.index("\u201c".encode()) + 1]  # a writer killed inside the 3-byte character
+    (tmp_path / RESULTS).write_bytes(cut)
+    append_row(tmp_path, row("c3", True))  # the next run appends after the torn bytes
+    assert [r.cell for r in read_rows(tmp_path)] == ["c1", "c3"]  # torn line skipped, not a UnicodeDecodeError
+
+
+def test_a_set_that_repeats_the_recipe_default_is_the_same_deployment() -> None:
+    from k3launch import api
+    from k3launch.campaign import plan_hash
+
+    plain = api.plan(None, strategy="single_node_tp", name="h-a")
+    same = api.plan(None, strategy="single_node_tp", name="h-b", sets=("gpu-memory-utilization=0.95",))
+    spelled = api.plan(None, strategy="single_node_tp", name="h-c", sets=("--max-num-seqs=8",))
+    bare = api.plan(None, strategy="single_node_tp", name="h-d", sets=("max-num-seqs=8",))
+    other = api.plan(None, strategy="single_node_tp", name="h-e", sets=("max-num-seqs=16",))
+    assert [p.argv for p in same.processes] == [p.argv for p in plain.processes]  # the recipe already says 0.95
+    assert plan_hash(same) == plan_hash(plain) and plan_hash(spelled) == plan_hash(bare)
+    assert plan_hash(other) != plan_hash(bare)
