@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import urllib.parse
@@ -53,6 +55,9 @@ class BenchRun:
     log_file: Path | None
     metrics: BenchMetrics | None
     error: str | None  # why there are no figures (the client failed, the JSON is unreadable)
+    # True when a timed-out client could not be stopped: it may still load the deployment, so no
+    # further load point against it would measure what it claims
+    stray: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,14 +137,15 @@ def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, clie
     started = now_iso()
     kw = {"base_url": rec.endpoint, "model": rec.plan.model, "served_name": served_name(head(rec)), "seed": seed, "range_ratio": range_ratio, "warmups": warmups,
           "result_filename": result.name}
+    stray = False
     if mode == "local":
         error = _run_local(bench_argv(load, result_dir=str(out_dir), **kw), log, timeout_s)  # type: ignore[arg-type]
     else:
-        error = _run_engine(rec, bench_argv(load, result_dir=CONTAINER_RESULT_DIR, **kw), result, log, timeout_s)  # type: ignore[arg-type]
+        error, stray = _run_engine(rec, bench_argv(load, result_dir=CONTAINER_RESULT_DIR, **kw), result, log, timeout_s)  # type: ignore[arg-type]
     metrics = None
     if error is None:
         metrics, error = read_result(result)
-    return BenchRun(mode, started, now_iso(), result if result.is_file() else None, log, metrics, error)
+    return BenchRun(mode, started, now_iso(), result if result.is_file() else None, log, metrics, error, stray)
 
 
 def read_result(path: Path) -> tuple[BenchMetrics | None, str | None]:
@@ -161,13 +167,26 @@ def _run_local(argv: list[str], log: Path, timeout_s: float) -> str | None:
     with log.open("w", encoding="utf-8") as f:
         f.write("$ " + shlex.join(cmd) + "\n")
         f.flush()
+        # its own session: a timeout or Ctrl-C stops the client and everything it started, so no
+        # stray load reaches the deployment's next load point
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout_s)
+            p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            _kill_group(p)
             return f"the benchmark client did not finish within {timeout_s:g}s"
+        except BaseException:
+            _kill_group(p)
+            raise
     if p.returncode != 0:
         return f"the benchmark client exited {p.returncode}: {_tail(log.read_text(encoding='utf-8'))}"
     return None
+
+
+def _kill_group(p: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
 
 
 def _container(rec: DeploymentRecord) -> tuple[str, str, str]:
@@ -177,7 +196,8 @@ def _container(rec: DeploymentRecord) -> tuple[str, str, str]:
     return h.node, pr.runtime, pr.handle
 
 
-def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> str | None:
+def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
+    """(error, stray): ``stray`` when a timed-out client inside the container could not be stopped."""
     node, rt, cname = _container(rec)
     ex = f"{shlex.quote(rt)} exec {shlex.quote(cname)}"
     inner = f"{CONTAINER_RESULT_DIR}/{result.name}"
@@ -185,18 +205,23 @@ def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path,
     try:
         r = fleet.run(node, f"{ex} vllm bench serve {shlex.join(argv)} 2>&1", timeout=timeout_s)
         log.write_text(f"$ {ex} vllm bench serve {shlex.join(argv)}\n{r.stdout}{r.stderr}", encoding="utf-8")
+        if r.exit_code == 124:
+            # the exec client on the node is gone, the benchmark inside the container is not:
+            # stop it by its unique result file name (images without pkill cannot be helped)
+            stop = fleet.run(node, f"{ex} pkill -INT -f {shlex.quote(result.name)}", timeout=30)
+            return f"vllm bench serve on {node} did not finish within {timeout_s:g}s", stop.exit_code not in (0, 1)
         if not r.ok:
-            return f"vllm bench serve on {node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}"
+            return f"vllm bench serve on {node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}", False
         # `<runtime> cp` to the node, then cat there: engine images need not ship cat (or a shell)
         tmp = shlex.quote(f"/tmp/k3launch-bench-{result.name}")
         got = fleet.run(node, f"{shlex.quote(rt)} cp {shlex.quote(f'{cname}:{inner}')} {tmp} && cat {tmp}; rc=$?; rm -f {tmp}; exit $rc",
                         timeout=60)
         if not got.ok:
-            return f"cannot read {inner} in the head container on {node}: {_tail(got.stderr)}"
+            return f"cannot read {inner} in the head container on {node}: {_tail(got.stderr)}", False
         result.write_text(got.stdout, encoding="utf-8")
-        return None
+        return None, False
     except K3Error as exc:
-        return f"{node}: {exc.message}"
+        return f"{node}: {exc.message}", False
     finally:
         fleet.close()
 

@@ -334,10 +334,15 @@ class Runner:
     def _bench_all(self, g: Group, rec: DeploymentRecord, todo: Sequence[LoadPoint]) -> None:
         facts = benchmod.engine_facts(rec)
         b = self.c.bench
-        for ld in todo:
+        for i, ld in enumerate(todo):
             run = benchmod.run(rec, ld, out_dir=self.o.out / "bench", tag=f"{g.plan_hash[:12]}-{ld.key}", client=self.o.client or b.client,
                                seed=b.seed, range_ratio=b.random_range_ratio, warmups=b.num_warmups, timeout_s=b.timeout_s)
             self._append(g, ld, run.error, run, self._provenance(g, rec, facts, run))
+            if run.stray:
+                # a client still loading the deployment would skew every later figure: stop here
+                for rest in todo[i + 1:]:
+                    self._append(g, rest, f"not measured: the timed-out client of {ld.key} could not be stopped in the container")
+                return
 
     def _provenance(self, g: Group, rec: DeploymentRecord, facts: benchmod.EngineFacts, run: benchmod.BenchRun) -> Provenance:
         from k3launch.recipes import default_recipes_dir
