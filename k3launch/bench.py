@@ -130,7 +130,10 @@ def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, clie
         range_ratio: float = 0.0, warmups: int = 0, timeout_s: float = 3600.0) -> BenchRun:
     """Run one load point; a client failure is a BenchRun with ``error`` (the caller decides)."""
     mode = choose_client(rec, client)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise K3Error("bad-result-dir", f"{out_dir}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
     result = out_dir / f"{tag}.json"
     log = out_dir / f"{tag}.log"
     result.unlink(missing_ok=True)  # never read an earlier attempt's figures

@@ -18,7 +18,9 @@ cells; the campaign goes on with the next group. Deployment names are
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -207,7 +209,7 @@ class Runner:
 
     def run(self) -> Summary:
         t0 = time.monotonic()
-        self.o.out.mkdir(parents=True, exist_ok=True)
+        make_out(self.o.out)
         groups = self.p.groups
         if self.o.only_group is not None:
             if not 0 <= self.o.only_group < len(groups):
@@ -297,6 +299,21 @@ class Runner:
             self.event(f"{name}: left over by an interrupted run, taken down" + ("" if report.clean else " INCOMPLETE"))
 
     def _group(self, g: Group, todo: Sequence[LoadPoint]) -> None:
+        # One process per deployment group at a time: two runs of one campaign (or a run and an
+        # array task) would measure the same deployment at once, or take it down under each other.
+        lock = group_lock(self.o.out, g.plan_hash)
+        if lock is None:
+            if self.o.only_group is not None:
+                raise K3Error("campaign-busy", f"group {g.index} of {self.c.name} is being run by another process (lock in {self.o.out})",
+                              "wait for it; its rows land in the same results file")
+            self.event(f"group {g.index} ({self._label(g)}): another process is running it; skipped")
+            return
+        try:
+            self._group_locked(g, todo)
+        finally:
+            os.close(lock)
+
+    def _group_locked(self, g: Group, todo: Sequence[LoadPoint]) -> None:
         lbl = self._label(g)
         try:
             plan = self._plan(g)
@@ -307,8 +324,6 @@ class Runner:
         name = plan.name
         self.event(f"group {g.index} ({lbl}): {len(todo)} load point(s) on {name}")
         if self.o.attached:
-            import os
-
             from k3launch.slurm_job import attached_record
 
             self._bench_all(g, attached_record(plan, os.environ, self.p.inventory.name), todo)
@@ -360,6 +375,24 @@ def _nodes(rec: DeploymentRecord) -> list[str]:
     if rec.slurm is not None and rec.slurm.hosts:
         return sorted(set(rec.slurm.hosts.values()))
     return sorted({p.node for p in rec.plan.processes})
+
+
+def make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise K3Error("bad-out", f"--out {out}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
+
+
+def group_lock(out: Path, plan_hash: str) -> int | None:
+    """An exclusive lock on a group's lock file, or None when another process holds it."""
+    fd = os.open(out / f".group-{plan_hash[:16]}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def named_plan(prep: Prepared, g: Group) -> Plan:

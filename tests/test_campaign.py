@@ -257,3 +257,32 @@ def test_a_set_that_repeats_the_recipe_default_is_the_same_deployment() -> None:
     assert [p.argv for p in same.processes] == [p.argv for p in plain.processes]  # the recipe already says 0.95
     assert plan_hash(same) == plan_hash(plain) and plan_hash(spelled) == plan_hash(bare)
     assert plan_hash(other) != plan_hash(bare)
+
+
+def test_a_group_another_process_runs_is_skipped_or_refused_and_a_bad_out_is_a_user_error(tmp_path: Path) -> None:
+    import json
+
+    from k3launch.campaign_run import group_lock, prepare
+
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"name": "busy", "port_base": 40960, "base": {"strategy": "single_node_tp"},
+                                 "load": {"max_concurrency": [1]}}))
+    out = tmp_path / "o"
+    out.mkdir()
+    (g,) = prepare(f).groups
+    held = group_lock(out, g.plan_hash)  # as another `campaign run` (or an array task) would
+    assert held is not None and group_lock(out, g.plan_hash) is None
+    try:
+        r = k3("campaign", "run", str(f), "--out", str(out), "--group", "0", cwd=tmp_path)
+        assert r.returncode == 2 and "is being run by another process" in r.stderr, r.stderr
+        r = k3("campaign", "run", str(f), "--out", str(out), "--json", "--state-dir", str(tmp_path / "st"), cwd=tmp_path)
+        s = json.loads(r.stdout)
+        assert r.returncode == 0 and s["engine_starts"] == 0 and s["ran"] == 0, r.stderr  # skipped, nothing started
+        assert "another process is running it; skipped" in (out / "campaign.log").read_text()
+    finally:
+        import os
+
+        os.close(held)
+    (tmp_path / "afile").write_text("x")
+    r = k3("campaign", "run", str(f), "--out", str(tmp_path / "afile"), cwd=tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: --out ") and "Traceback" not in r.stderr and "internal error" not in r.stderr
