@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from k3launch.campaign_report import Series, concurrency, pareto, series, xy
+from k3launch.campaign_report import Series, concurrency, p99_latency, pareto, series, xy
 from k3launch.campaign_results import ResultRow
 
 if TYPE_CHECKING:
@@ -47,8 +47,7 @@ def throughput_vs_latency(ss: Sequence[Series], metric: str, title: str, path: P
     fig, ax = _axes(title, f"{metric.upper()} p99 (ms)", "output throughput (tok/s)")
     everything: list[tuple[float, float, ResultRow]] = []
     for s in ss:
-        pts = xy(s.rows, lambda r: r.metrics.stat("p99", metric) if r.metrics else None,
-                 lambda r: r.metrics.output_throughput if r.metrics else None)
+        pts = xy(s.rows, lambda r: p99_latency(r, metric), lambda r: r.metrics.output_throughput if r.metrics else None)
         everything += pts
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s.name)
         for x, y, r in pts:

@@ -111,8 +111,16 @@ def invalid_table(rows: Sequence[ResultRow]) -> Table | None:
     return Table("invalid cells", ["deployment", "load", "reason"], [[r.deployment, r.load.key, r.reason or "?"] for r in bad])
 
 
+def p99_latency(r: ResultRow, metric: str) -> float | None:
+    """p99 TPOT/ITL of a row, or None when it has no inter-token sample (one output token per
+    request): vLLM then writes 0 ms, which would put the cell at the head of every front."""
+    m = r.metrics
+    if m is None or m.total_output_tokens <= m.completed:
+        return None
+    return m.stat("p99", metric)
+
+
 def front_rows(rows: Sequence[ResultRow], metric: str) -> list[ResultRow]:
     """The Pareto front of output throughput against p99 ``metric`` (tpot or itl) over every valid row."""
-    pts = xy([r for r in rows if r.valid], lambda r: r.metrics.stat("p99", metric) if r.metrics else None,
-             lambda r: r.metrics.output_throughput if r.metrics else None)
+    pts = xy([r for r in rows if r.valid], lambda r: p99_latency(r, metric), lambda r: r.metrics.output_throughput if r.metrics else None)
     return [pts[i][2] for i in pareto([(x, y) for x, y, _ in pts])]

@@ -286,3 +286,14 @@ def test_a_group_another_process_runs_is_skipped_or_refused_and_a_bad_out_is_a_u
     (tmp_path / "afile").write_text("x")
     r = k3("campaign", "run", str(f), "--out", str(tmp_path / "afile"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --out ") and "Traceback" not in r.stderr and "internal error" not in r.stderr
+
+
+def test_a_cell_without_inter_token_samples_is_not_on_the_latency_front() -> None:
+    from k3launch.campaign_report import front_rows
+
+    fast = row("fast", True, tput=80.0).model_copy(update={"metrics": metrics(output_throughput=80.0, p99_tpot_ms=4.0)})
+    # one output token per request: vLLM reports TPOT 0 ms, which is no latency at all
+    single = row("single", True, tput=90.0).model_copy(update={"metrics": metrics(output_throughput=90.0, p99_tpot_ms=0.0,
+                                                                                    total_output_tokens=10)})
+    assert [r.cell for r in front_rows([fast, single], "tpot")] == ["fast"]
+    assert [r.cell for r in front_rows([fast], "tpot")] == ["fast"]
