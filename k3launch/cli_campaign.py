@@ -146,13 +146,16 @@ def campaign_run(
             else:
                 show_campaign.dry_run(con, prep, todo)
             return
+        # SIGTERM (scancel, a time limit) and SIGHUP (the ssh session is gone) stop like Ctrl-C
         old = signal.signal(signal.SIGTERM, _sigterm)
+        old_hup = signal.signal(signal.SIGHUP, _sigterm)
         try:
             opts = cr.Options(out=out, state_dir=state_dir, only_group=group, client=client, attached=attached,
                               on_event=(lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True)))
             summary = cr.run(prep, opts)
         finally:
             signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGHUP, old_hup)
     except K3Error as err:
         fail(err)
     except KeyboardInterrupt:
