@@ -12,6 +12,7 @@ are not submitted (resume), so running the command again submits only what is mi
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from collections.abc import Callable
@@ -20,11 +21,12 @@ from pathlib import Path
 
 from k3launch import api
 from k3launch.campaign_results import done_cells, latest, read_rows, write_csv
-from k3launch.campaign_run import Prepared, named_plan
+from k3launch.campaign_run import Prepared, make_out, named_plan
 from k3launch.errors import K3Error
 from k3launch.launch import ready_timeout
 from k3launch.plan_models import Plan
 from k3launch.slurm_array import ArrayJob, ArrayResult
+from k3launch.slurm_cmd import ACTIVE, SlurmClient
 
 
 class ArrayInterrupted(Exception):
@@ -61,12 +63,17 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
         raise K3Error("not-slurm", f"--slurm-array needs a campaign on a slurm inventory; {inv.name} is {inv.backend}",
                       "set `inventory:` in the campaign file to a slurm inventory, or submit "
                       "`k3launch campaign run FILE --out DIR --group $SLURM_ARRAY_TASK_ID` as an array job yourself")
-    out.mkdir(parents=True, exist_ok=True)
+    make_out(out)
     done = done_cells(read_rows(out), prep.campaign.name)
     s = ArraySummary(results=str(out / "results.jsonl"))
+    flying = in_flight(out)
     plans: list[Plan] = []
     for g in prep.groups:
         if all(g.cell_id(ld) in done for ld in g.loads):
+            s.skipped.append(g.index)
+            continue
+        if g.plan_hash in flying:
+            on_event(f"group {g.index}: task {flying[g.plan_hash]} of an earlier submission still runs it; not submitted again")
             s.skipped.append(g.index)
             continue
         plans.append(named_plan(prep, g))
@@ -79,6 +86,8 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
         plans, inv, work=lambda i, p: task_argv(prep, out, group_of[p.name], client), concurrency=limit, log_dir=out / "slurm",
         name=f"k3c-{prep.campaign.name}", ready_timeout=prep.campaign.ready_timeout or ready_timeout(plans[0], None))
     s.jobs = [j.job_id for j in jobs]
+    hash_of = {named_plan(prep, prep.groups[gi]).name: prep.groups[gi].plan_hash for gi in s.submitted}
+    _remember(out, {hash_of[d]: f"{j.job_id}_{t}" for j in jobs for t, d in enumerate(j.deployments)})
     for j in jobs:
         on_event(f"array job {j.job_id}: {len(j.deployments)} task(s) (groups {', '.join(str(group_of[d]) for d in j.deployments)}); "
                  f"logs in {j.log_dir}")
@@ -116,3 +125,30 @@ def _record_failed(prep: Prepared, out: Path, groups: list[int], tasks: dict[int
         for ld in g.loads:
             if g.cell_id(ld) not in done:
                 runner.record_invalid(g, ld, f"deployment failed (array task): {tasks[gi].get('error')}")
+
+
+def _arrays_file(out: Path) -> Path:
+    return out / "slurm" / "arrays.json"
+
+
+def _remember(out: Path, tasks: dict[str, str]) -> None:
+    """plan hash -> "<job>_<task>" of every group submitted from this DIR (read by in_flight)."""
+    path = _arrays_file(out)
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:
+        known = {}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**known, **tasks}, indent=1, sort_keys=True))
+
+
+def in_flight(out: Path, client: SlurmClient | None = None) -> dict[str, str]:
+    """Groups an earlier --slurm-array submission (e.g. with --no-wait) still runs: plan hash -> task."""
+    try:
+        known: dict[str, str] = json.loads(_arrays_file(out).read_text())
+    except (OSError, ValueError):
+        return {}
+    cl = client or SlurmClient()
+    r = cl.call(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(sorted({t.split("_")[0] for t in known.values()}))])
+    active = {ln.split("|")[0] for ln in r.stdout.split() if ln.split("|")[-1] in ACTIVE} if r.ok else set()
+    return {h: t for h, t in known.items() if t in active}

@@ -137,3 +137,31 @@ def test_a_campaign_on_a_slurm_inventory_runs_from_the_login_node_too(slurm_clus
     assert all(row.provenance is not None and set(row.provenance.nodes) <= set(slurm_cluster.nodes) for row in rows)
     log = (out / "campaign.log").read_text()
     assert len(re.findall(r": submit: job \d+ submitted", log)) == 2 and len(re.findall(r": down$", log, re.M)) == 2
+
+
+def test_slurm_array_no_wait_then_again_does_not_resubmit_groups_in_flight(slurm_cluster: Cluster, tmp_path: Path) -> None:
+    if slurm_cluster.mode != "netns":
+        import pytest
+
+        pytest.skip("multi mode: every node is this machine's 127.0.0.1")
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text(yaml.safe_dump({"name": "cf", "backend": "slurm", "hardware": "b300", "engine": "sim",
+                                   "defaults": {"runtime": "bare", "python": sys.executable},
+                                   "slurm": {"partition": slurm_cluster.partition, "container": "bare", "time_limit": "00:10:00"}}))
+    camp = tmp_path / "c.yaml"
+    camp.write_text(yaml.safe_dump({"name": f"cf-{uuid.uuid4().hex[:6]}", "inventory": str(inv), "ready_timeout": 60,
+                                    "engine_env": {**FAST, "K3LAUNCH_SIM_LOAD_S": "3"}, "base": {"strategy": "single_node_tp"},
+                                    "deployments": {"set": {"max-num-seqs": [2, 8]}},
+                                    "load": {"max_concurrency": [1], "input_len": 16, "output_len": 4, "num_prompts": 4}}))
+    out = tmp_path / "out"
+    k3 = [sys.executable, "-m", "k3launch", "campaign", "run", str(camp), "--out", str(out), "--json", "--slurm-array"]
+    env = slurm_cluster.env({"K3LAUNCH_STATE_DIR": str(tmp_path / "state")})
+    first = json.loads(subprocess.run([*k3, "--no-wait"], capture_output=True, text=True, timeout=120, env=env, check=True).stdout)
+    assert first["submitted"] == [0, 1] and len(first["jobs"]) == 1
+    again = subprocess.run([*k3, "--no-wait"], capture_output=True, text=True, timeout=120, env=env)
+    s = json.loads(again.stdout)
+    assert s["submitted"] == [] and s["skipped"] == [0, 1] and s["jobs"] == [], again.stderr  # still running: not again
+    slurm_cluster.wait(first["jobs"][0], timeout=120)
+    done = json.loads(subprocess.run(k3, capture_output=True, text=True, timeout=120, env=env).stdout)
+    assert done["submitted"] == [] and done["skipped"] == [0, 1]  # finished by the first submission's tasks
+    assert len([r for r in read_rows(out) if r.valid]) == 2
