@@ -74,6 +74,27 @@ def test_summarize_follows_vllm_conventions() -> None:
     assert "mean_e2el_ms" in s and summarize([ok], 1.0, ["ttft", "tpot", "itl"], [99]).get("mean_e2el_ms") is None
 
 
+def _serial(n: int, latency: float) -> list[Outcome]:
+    """n requests one after another: each starts the instant the previous one ends."""
+    out, t = [], 0.0
+    for _ in range(n):
+        out.append(Outcome(prompt_len=1, success=True, start=t, latency=latency, ttft=latency / 5, itl=[latency / 5] * 4, output_tokens=5))
+        t += latency
+    return out
+
+
+def test_max_concurrent_requests_is_exact() -> None:
+    # vLLM's sweep line over [start, end): back-to-back requests never overlap, even within one second
+    assert summarize(_serial(8, 0.5), 4.0, ["ttft"], [99])["max_concurrent_requests"] == 1  # one-second buckets said 2
+    assert summarize(_serial(8, 0.07), 0.56, ["ttft"], [99])["max_concurrent_requests"] == 1
+    overlapping = [Outcome(prompt_len=1, success=True, start=0.01 * i, latency=0.5, ttft=0.1, output_tokens=1) for i in range(4)]
+    later = Outcome(prompt_len=1, success=True, start=0.6, latency=0.1, ttft=0.05, output_tokens=1)
+    assert summarize([*overlapping, later], 0.7, ["ttft"], [99])["max_concurrent_requests"] == 4
+    failed = Outcome(prompt_len=1, start=0.0, latency=1.0, error="HTTP 500")  # only completed requests count, as in vLLM
+    assert summarize([*_serial(3, 0.5), failed], 1.5, ["ttft"], [99])["max_concurrent_requests"] == 1
+    assert summarize([], 1.0, ["ttft"], [99])["max_concurrent_requests"] == 0
+
+
 def test_result_json_has_vllms_field_names(procs: Procs, tmp_path: Path) -> None:
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)], {"K3LAUNCH_SIM_TTFT_MS": "25", "K3LAUNCH_SIM_ITL_MS": "2"})
@@ -88,10 +109,11 @@ def test_result_json_has_vllms_field_names(procs: Procs, tmp_path: Path) -> None
     assert set(BenchMetrics.model_fields) <= expected | vllm_metric_keys("e2el", "99")
     assert (data["completed"], data["failed"], data["total_input_tokens"], data["total_output_tokens"]) == (12, 0, 12 * 40, 12 * 6)
     assert data["request_rate"] == "inf" and data["max_concurrency"] == 3 and data["model_id"] == "moonshotai/Kimi-K3"
+    assert 1 <= data["max_concurrent_requests"] <= 3  # the client never has more than --max-concurrency in flight
     assert data["mean_ttft_ms"] >= 25.0  # the engine waits 25 ms before the first token
     assert 2.0 <= data["median_itl_ms"] < 25.0
-    # a gap per chunk after the first: 5 between the 6 tokens, + the sim's separate finish chunk
-    assert all(len(itl) == 6 for itl in data["itls"])
+    # a gap per chunk with choices after the first: 5 between the 6 tokens (finish_reason rides on the 6th, as in vLLM)
+    assert all(len(itl) == 5 for itl in data["itls"])
 
 
 def test_default_file_name_and_percentiles(procs: Procs, tmp_path: Path) -> None:

@@ -106,9 +106,10 @@ def test_campaign_end_to_end_one_start_per_deployment(tmp_path: Path, make) -> N
         assert p.vllm_version == "0.33.0" and p.nodes == ["local-1"] and p.client == "local" and p.recipe_sha256
         assert p.deployment == f"{name}-{p.plan_hash[:8]}" and p.started <= p.ended
         assert r.result_file and json.loads((c.out / r.result_file).read_text())["completed"] == 8
-    # the batch limit shows: at concurrency 4, 2 slots queue requests (TTFT grows), 8 slots do not
+    # a lower bound only: no load undercuts the engine's configured prefill wait; how much the 2-slot
+    # batch limit adds at concurrency 4 is a figure for the report, not a test assertion (DESIGN §5)
     ttft = {(r.deployment, r.load.max_concurrency): r.metrics.mean_ttft_ms for r in rows if r.metrics}
-    assert ttft[("max-num-seqs=2", 4)] > ttft[("max-num-seqs=8", 4)] + TTFT_MS
+    assert ttft[("max-num-seqs=2", 4)] is not None and ttft[("max-num-seqs=2", 4)] >= TTFT_MS
     assert c.deployments() == []
 
     rep = subprocess.run([sys.executable, "-m", "k3launch", "campaign", "report", str(path), "--out", str(c.out), "--json"],
@@ -186,12 +187,36 @@ def test_interrupted_campaign_resumes_with_only_the_missing_cells(tmp_path: Path
 
 
 def test_zero_token_engine_gives_invalid_cells_not_numbers(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
+    # the engine passes up's readiness probe, then answers every request 200 with no tokens: the
+    # deployment serves, every load point runs and vLLM's client counts the empty streams as
+    # completed — only the campaign's output-token gate stands between them and the results
+    path, _ = write(tmp_path, 34816, env={"K3LAUNCH_SIM_FAIL": "empty-after-ready"}, seqs=(4,))
+    c = make(path)
+    code, s = c.summary()
+    assert code == 1 and (s["ran"], s["valid"], s["invalid"], s["engine_starts"]) == (3, 0, 3, 1), s
+    assert c.engine_starts() == 1
+    rows = read_rows(c.out)
+    assert len(rows) == 3 and all(not r.valid and r.metrics is None for r in rows)
+    assert all(r.reason and "0 output tokens from 8 completed requests (need at least 1)" in r.reason for r in rows)
+    for r in rows:  # the load point was measured: its raw result is kept, its numbers are not
+        assert r.result_file
+        raw = json.loads((c.out / r.result_file).read_text())
+        assert (raw["completed"], raw["failed"], raw["total_output_tokens"]) == (8, 0, 0)
+    assert c.deployments() == []
+    rep = subprocess.run([sys.executable, "-m", "k3launch", "campaign", "report", str(path), "--out", str(c.out)],
+                         capture_output=True, text=True, timeout=120, env=c.env)
+    assert rep.returncode == 0 and "invalid cells" in rep.stdout and "0 output tokens" in rep.stdout
+
+
+def test_engine_without_tokens_at_readiness_is_never_measured(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
+    # generating nothing from the start: up's completion stage refuses the deployment, so its cells
+    # are invalid with the launch's reason and no load point runs against it
     path, _ = write(tmp_path, 31744, env={"K3LAUNCH_SIM_FAIL": "zero-tokens"}, seqs=(4,))
     c = make(path)
     code, s = c.summary()
     assert code == 1 and (s["valid"], s["invalid"], s["engine_starts"]) == (0, 3, 1)
     rows = read_rows(c.out)
-    assert len(rows) == 3 and all(not r.valid and r.metrics is None for r in rows)
+    assert len(rows) == 3 and all(not r.valid and r.metrics is None and not r.result_file for r in rows)
     assert all(r.reason and "no-tokens" in r.reason and "generated no tokens" in r.reason for r in rows)
     assert c.deployments() == []
     rep = subprocess.run([sys.executable, "-m", "k3launch", "campaign", "report", str(path), "--out", str(c.out)],

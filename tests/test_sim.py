@@ -147,6 +147,27 @@ def test_streaming_and_usage(procs: Procs) -> None:
     assert all("usage" not in c for c in chat)  # no include_usage: no usage chunk
 
 
+def test_finish_reason_rides_on_the_last_token_chunk(procs: Procs) -> None:
+    # as vLLM's stream generators do: no empty chunk with choices after the last token, which a
+    # benchmark client would count as one more token arrival; the usage chunk has no choices
+    port, proc = serve(procs)
+    wait_healthy(HOST, port, proc)
+    usage = {"stream_options": {"include_usage": True}}
+    for path, body, text in (("/v1/completions", {"prompt": "a b", "max_tokens": 4}, lambda c: c["text"]),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                              lambda c: c["delta"].get("content"))):
+        for extra in ({}, usage):
+            chunks = [json.loads(e) for e in stream(HOST, port, path, {**body, **extra, "stream": True})[:-1]]
+            with_choices = [c["choices"][0] for c in chunks if c["choices"]]
+            tokens = [c for c in with_choices if text(c)]
+            assert len(tokens) == 4 and with_choices[-1] is tokens[-1], (path, chunks)
+            assert tokens[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in with_choices[:-1])
+            if extra:
+                assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+            else:
+                assert all("usage" not in c for c in chunks)
+
+
 def test_keep_alive_connection_serves_several_requests(procs: Procs) -> None:
     port, proc = serve(procs)
     wait_healthy(HOST, port, proc)
@@ -216,6 +237,23 @@ def test_fault_zero_tokens(procs: Procs) -> None:
     status, body = post(f"http://{HOST}:{port}/v1/completions", {"prompt": "x", "max_tokens": 8})
     assert status == 200
     assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
+
+
+def test_fault_empty_after_ready(procs: Procs) -> None:
+    port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "empty-after-ready"})
+    wait_healthy(HOST, port, proc)
+    url = f"http://{HOST}:{port}/v1/completions"
+    status, body = post(url, {"prompt": "x", "max_tokens": 8})  # the first one: a readiness probe passes
+    assert status == 200 and body["usage"]["completion_tokens"] == 8 and body["choices"][0]["text"]
+    for _ in range(2):
+        status, body = post(url, {"prompt": "x", "max_tokens": 8})
+        assert status == 200
+        assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
+    chunks = [json.loads(e) for e in stream(HOST, port, "/v1/completions", {"prompt": "x", "max_tokens": 8, "stream": True,
+                                                                             "stream_options": {"include_usage": True}})[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == [""]  # only the finish chunk, no tokens
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
+    assert "K3LAUNCH_SIM_FAIL=empty-after-ready" in proc.log()
 
 
 def test_fault_crash_after_ready(procs: Procs) -> None:

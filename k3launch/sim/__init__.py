@@ -18,8 +18,20 @@ K3LAUNCH_SIM_TTFT_MS / _ITL_MS         time to first token / between tokens (def
 K3LAUNCH_SIM_BATCH_COST                a decode step's stretch per other request of its rank (default 0)
 K3LAUNCH_SIM_GPUS                      GPUs per node (default 8)
 K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S      how long groups wait for members (default: the ready timeout)
-K3LAUNCH_SIM_FAIL                      exit-during-load | hang | zero-tokens | crash-after-ready
+K3LAUNCH_SIM_FAIL                      a fault to simulate (below)
 K3LAUNCH_SIM_FAIL_AFTER_S              when the exit faults fire (default: half the load time)
 K3LAUNCH_SIM_FAIL_PROCESS              apply the fault only where K3LAUNCH_PROCESS equals this
 =====================================  =======================================================
+
+Faults (``K3LAUNCH_SIM_FAIL``):
+
+* ``exit-during-load`` — exit 1 K3LAUNCH_SIM_FAIL_AFTER_S into loading, never ready;
+* ``hang`` — load, then never become ready (no API server);
+* ``crash-after-ready`` — serve, then exit 1 (EngineDeadError) K3LAUNCH_SIM_FAIL_AFTER_S later;
+* ``zero-tokens`` — serve, but every completion is a 200 with no tokens (empty text,
+  ``completion_tokens`` 0), so k3launch up's readiness probe already refuses it;
+* ``empty-after-ready`` — the first completion request each API server admits (k3launch up's
+  readiness probe) is answered normally; every later one is a 200 with no tokens, as with
+  ``zero-tokens`` — an engine that passes readiness and then generates nothing. Counted per
+  request, not timed, so a probe can never land on the wrong side of the switch.
 """

@@ -5,8 +5,12 @@ Pure functions over per-request outcomes. Field names, units and conventions fol
 ``vllm bench serve`` read the same:
 
 * ``completed`` / ``failed`` count requests; only completed ones enter the statistics;
-* TTFT is request start → first chunk carrying text; ITL is every gap between text chunks;
+* TTFT is request start → first chunk carrying ``choices``; ITL is every gap between such
+  chunks (vLLM's client counts each as a token arrival, which is why vLLM's server, and the sim,
+  put ``finish_reason`` on the last token's chunk rather than on an empty one of its own);
   TPOT per request is ``(e2e - ttft) / (output_tokens - 1)`` for requests with > 1 token;
+* ``max_output_tokens_per_s`` counts token arrivals in one-second buckets;
+  ``max_concurrent_requests`` is exact: a sweep line over the requests' ``[start, end)`` intervals;
 * ``mean/median/std`` use population statistics (numpy's defaults), percentiles numpy's
   linear interpolation; an empty sample gives 0, as ``np.mean(xs or 0)`` does;
 * ``p<N>_<metric>_ms`` for each ``--metric-percentiles`` value (``p99``, ``p99.9``), for each
@@ -67,14 +71,13 @@ def p_word(p: float) -> str:
     return str(int(p)) if int(p) == p else str(p)
 
 
-def _peak(done: Sequence[Outcome]) -> tuple[float, int]:
-    """vLLM's ``max_output_tokens_per_s`` and ``max_concurrent_requests``: one-second buckets."""
+def _peak_tokens(done: Sequence[Outcome]) -> float:
+    """vLLM's ``max_output_tokens_per_s``: token arrivals counted in one-second buckets."""
     if not done:
-        return 0.0, 0
+        return 0.0
     t0 = min(o.start for o in done)
     span = math.ceil(max(o.start + o.latency for o in done) - t0) + 1
     tokens = [0] * span
-    active = [0] * span
     for o in done:
         t = o.start + o.ttft
         stamps = [t]
@@ -85,9 +88,18 @@ def _peak(done: Sequence[Outcome]) -> tuple[float, int]:
             b = int(ts - t0)
             if 0 <= b < span:
                 tokens[b] += 1
-        for sec in range(int(o.start - t0), min(int(o.start + o.latency - t0), span - 1) + 1):
-            active[sec] += 1
-    return float(max(tokens)), max(active)
+    return float(max(tokens))
+
+
+def _peak_requests(done: Sequence[Outcome]) -> int:
+    """vLLM's ``max_concurrent_requests``: a sweep line over the half-open intervals
+    ``[start, start + latency)`` — a request ending at the instant another starts does not overlap it."""
+    events = sorted([(o.start, 1) for o in done] + [(o.start + o.latency, -1) for o in done])  # at a tie, -1 first
+    current = peak = 0
+    for _, delta in events:
+        current += delta
+        peak = max(peak, current)
+    return peak
 
 
 def summarize(outcomes: Sequence[Outcome], duration: float, percentile_metrics: Sequence[str],
@@ -105,7 +117,6 @@ def summarize(outcomes: Sequence[Outcome], duration: float, percentile_metrics: 
         samples["ttft"].append(o.ttft)
         samples["e2el"].append(o.latency)
     dur = duration if duration > 0 else float("nan")
-    peak_tokens, peak_requests = _peak(done)
     out: Json = {
         "duration": duration,
         "completed": len(done),
@@ -116,8 +127,8 @@ def summarize(outcomes: Sequence[Outcome], duration: float, percentile_metrics: 
         "request_goodput": None,  # k3launch's client takes no --goodput SLOs
         "output_throughput": total_out / dur,
         "total_token_throughput": (total_in + total_out) / dur,
-        "max_output_tokens_per_s": peak_tokens,
-        "max_concurrent_requests": peak_requests,
+        "max_output_tokens_per_s": _peak_tokens(done),
+        "max_concurrent_requests": _peak_requests(done),
     }
     for m in METRICS:
         if m not in percentile_metrics:

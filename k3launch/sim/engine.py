@@ -109,6 +109,9 @@ class Engine:
         self.itl_s = knobs.itl_ms / 1000.0
         self.batch_cost = knobs.batch_cost
         self.zero_tokens = knobs.fault == "zero-tokens"
+        self.empty_after_ready = knobs.fault == "empty-after-ready"
+        self._admitted = 0  # completion requests admitted so far (empty-after-ready answers the first one)
+        self._admitted_lock = threading.Lock()
         self.label = f"{opts.host_ip or opts.nixl_host} ({knobs.process or 'vllm serve'})"
 
     def metrics_text(self) -> str:
@@ -159,7 +162,22 @@ class Engine:
                 m.running -= 1
             rank.slots.release()
             raise
-        return Session(self, rank, req, arrival, 0 if self.zero_tokens else n, kv_out)
+        return Session(self, rank, req, arrival, 0 if self._empty() else n, kv_out)
+
+    def _empty(self) -> bool:
+        """Whether this request gets no tokens: always (zero-tokens), or after the first (empty-after-ready)."""
+        if self.zero_tokens:
+            return True
+        if not self.empty_after_ready:
+            return False
+        with self._admitted_lock:
+            self._admitted += 1
+            first_empty = self._admitted == 2
+            empty = self._admitted > 1
+        if first_empty:
+            self.log.warning("generating no tokens from now on, with 200 answers "
+                             "(simulated: K3LAUNCH_SIM_FAIL=empty-after-ready)", src="gpu_model_runner.py")
+        return empty
 
     def _kv(self, req: GenRequest, rank: Rank) -> tuple[int, Json | None]:
         kv, params = self.opts.kv, req.kv_params

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from k3launch.schema import DEFAULT_VLLM_VERSION, Arg
 
-FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready")
+FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready", "empty-after-ready")
 
 # vLLM's defaults for the settings below when the flag is absent (ParallelConfig, envs.py).
 DEFAULT_PORT = 8000

@@ -155,6 +155,12 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             session.close()
 
+    @staticmethod
+    def _final(chunk: Json, session: Session) -> Json:
+        if session.kv_out is not None:
+            chunk["kv_transfer_params"] = session.kv_out
+        return chunk
+
     def _body_discard(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         if 0 < length <= _MAX_BODY:
@@ -168,12 +174,16 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if req.chat:
             self._event(openai.chunk(req, "", None, first=True))
-        for tok in session.tokens():
-            self._event(openai.chunk(req, tok, None))
-        last = openai.chunk(req, None if req.chat else "", session.finish_reason)
-        if session.kv_out is not None:
-            last["kv_transfer_params"] = session.kv_out
-        self._event(last)
+        # Like vLLM's completion and chat stream generators, finish_reason rides on the chunk of
+        # the last token: a separate empty finish chunk would still carry ``choices``, which
+        # vllm bench serve's client counts as one more token arrival (one more ITL gap).
+        for i, tok in enumerate(session.tokens()):
+            if i < session.n - 1:
+                self._event(openai.chunk(req, tok, None))
+            else:
+                self._event(self._final(openai.chunk(req, tok, session.finish_reason), session))
+        if session.n == 0:  # no token at all (a zero-token engine): the finish reason comes alone
+            self._event(self._final(openai.chunk(req, None if req.chat else "", session.finish_reason), session))
         if req.include_usage:
             self._event(openai.usage_chunk(req, session.produced))
         self._event("[DONE]")
