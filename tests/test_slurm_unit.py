@@ -7,6 +7,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,3 +240,35 @@ def test_skip_doctor_leaves_the_doctor_step_out_of_the_job(tmp_path: Path) -> No
     assert calls(sl.script("/logs", []))[:2] == ["k3_bind", "k3_doctor"]
     sl.doctor = False
     assert calls(sl.script("/logs", []))[:2] == ["k3_bind", "k3_step"]
+
+
+def test_status_of_an_ended_or_queued_job_and_following_logs(tmp_path: Path) -> None:
+    from k3launch.slurm_ops import follow_files, observe_job
+    from k3launch.state import DeploymentRecord, SlurmJob
+
+    plan = build_plan(TREE, Selection(strategy="multi_node_tp", nodes=2), inventory=inventory(), name="u-status")
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    rec = DeploymentRecord(name="u-status", state="ready", created=0.0, updated=0.0, endpoint="http://10.9.9.1:8000", plan=plan,
+                           slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script="",
+                                          hosts={"slurm-node-0": "k3n1", "slurm-node-1": "k3n2"},
+                                          addresses={"slurm-node-0": "127.0.0.201", "slurm-node-1": "127.0.0.202"}))
+    ended = json.loads(json.dumps(observe_job(rec, FakeSlurm([JobInfo("42", "FAILED", ["k3n1", "k3n2"])]))))  # type: ignore[arg-type]
+    assert ended["state"] == "ended (FAILED)" and not any(p["alive"] for p in ended["processes"])
+    assert [p["node"] for p in ended["processes"]] == ["k3n1", "k3n2"]
+    queued = json.loads(json.dumps(observe_job(rec, FakeSlurm([JobInfo("42", "PENDING", [], "Resources")]))))  # type: ignore[arg-type]
+    assert queued["state"] == "queued"
+    assert queued["job"] == {"id": "42", "state": "PENDING", "nodes": [], "reason": "Resources", "log_dir": str(log_dir)}
+    (log_dir / "serve-0.log").write_text("old line\n")
+    got: list[str] = []
+
+    def later() -> None:
+        time.sleep(0.3)
+        with (log_dir / "serve-0.log").open("a") as f:
+            f.write("new line 1\nnew line 2\n")
+
+    t = threading.Thread(target=later)
+    t.start()
+    follow_files(rec, ["serve-0", "serve-1"], got.append, poll_s=0.1, max_s=1.0)  # serve-1 has no log yet: skipped
+    t.join()
+    assert got == ["serve-0| new line 1", "serve-0| new line 2"]  # only what was appended, each line once
