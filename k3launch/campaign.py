@@ -52,13 +52,20 @@ class Group:
     plan_hash: str
     specs: tuple[DeploymentSpec, ...]
     loads: tuple[LoadPoint, ...]
+    workload: str = ""  # the campaign's dataset settings when not the defaults (see workload_key)
 
     def cell_id(self, load: LoadPoint) -> str:
-        return cell_id(self.plan_hash, load)
+        return cell_id(self.plan_hash, load, self.workload)
 
 
-def cell_id(plan_hash: str, load: LoadPoint) -> str:
-    return f"{plan_hash[:12]}/{load.key}"
+def cell_id(plan_hash: str, load: LoadPoint, workload: str = "") -> str:
+    return f"{plan_hash[:12]}/{load.key}{workload}"
+
+
+def workload_key(seed: int, range_ratio: float) -> str:
+    """The random dataset's own settings are part of what a cell measures: another seed or range
+    ratio is another cell (the defaults add nothing, so their cell ids stay short)."""
+    return "" if (seed, range_ratio) == (0, 0.0) else f"-s{seed}-rr{range_ratio:g}"
 
 
 def show(v: Scalar | Sequence[str]) -> str:
@@ -145,7 +152,7 @@ def plan_hash(plan: Plan) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def group(cells: Sequence[Cell], hashes: Mapping[str, str]) -> list[Group]:
+def group(cells: Sequence[Cell], hashes: Mapping[str, str], workload: str = "") -> list[Group]:
     """Cells by deployment plan hash (``hashes``: spec key → hash; specs missing are refused)."""
     order: dict[str, tuple[list[DeploymentSpec], list[LoadPoint]]] = {}
     for cell in cells:
@@ -157,7 +164,7 @@ def group(cells: Sequence[Cell], hashes: Mapping[str, str]) -> list[Group]:
             specs.append(cell.spec)
         if cell.load not in loads:
             loads.append(cell.load)
-    return [Group(i, h, tuple(specs), tuple(loads)) for i, (h, (specs, loads)) in enumerate(order.items())]
+    return [Group(i, h, tuple(specs), tuple(loads), workload) for i, (h, (specs, loads)) in enumerate(order.items())]
 
 
 def deployment_name(campaign: str, plan_hash: str) -> str:

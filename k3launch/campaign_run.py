@@ -45,6 +45,7 @@ from k3launch.campaign import (
     load_points,
     plan_hash,
     varying_axes,
+    workload_key,
 )
 from k3launch.campaign_models import Campaign, load_campaign
 from k3launch.campaign_results import Provenance, ResultRow, append_row, done_cells, latest, read_rows, write_csv
@@ -80,11 +81,12 @@ class Prepared:
     varying: list[str]
     port_base: int | None  # what this run's deployments use (--port-base, else the file's)
     excluded: int = 0  # cells of the full product that `exclude` dropped
+    workload: str = ""  # the dataset settings' part of every cell id (campaign.workload_key)
 
     def cell_ids(self) -> set[str]:
         """The cells of this expansion (a changed file's older rows are not among them)."""
         ids = {g.cell_id(ld) for g in self.groups for ld in g.loads}
-        return ids | {cell_id(refused_hash(c.spec), c.load) for c in self.cells if c.spec.key in self.refused}
+        return ids | {cell_id(refused_hash(c.spec), c.load, self.workload) for c in self.cells if c.spec.key in self.refused}
 
     def spec_label(self, spec: DeploymentSpec) -> str:
         return label(spec, self.varying)
@@ -160,8 +162,9 @@ def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
     hashes = {k: plan_hash(p) for k, p in plans.items()}
     specs = list({cell.spec.key: cell.spec for cell in cells}.values())
     full = len(deployment_specs(c)) * len(load_points(c))
-    return Prepared(c, path, _sha256(path) or "", inv, cells, plans, refused, group(cells, hashes), varying_axes(specs),
-                    port_base if port_base is not None else c.port_base, full - len(cells))
+    workload = workload_key(c.bench.seed, c.bench.random_range_ratio)
+    return Prepared(c, path, _sha256(path) or "", inv, cells, plans, refused, group(cells, hashes, workload), varying_axes(specs),
+                    port_base if port_base is not None else c.port_base, full - len(cells), workload)
 
 
 def refused_hash(spec: DeploymentSpec) -> str:
@@ -243,7 +246,7 @@ class Runner:
             if err is None:
                 continue
             self.s.cells += 1
-            self._append(Group(-1, refused_hash(cell.spec), (cell.spec,), (cell.load,)),
+            self._append(Group(-1, refused_hash(cell.spec), (cell.spec,), (cell.load,), self.p.workload),
                          cell.load, f"plan refused ({err.code}): {err.message}")
 
     def _append(self, g: Group, load: LoadPoint, reason: str | None, run: benchmod.BenchRun | None = None,

@@ -297,3 +297,17 @@ def test_a_cell_without_inter_token_samples_is_not_on_the_latency_front() -> Non
                                                                                     total_output_tokens=10)})
     assert [r.cell for r in front_rows([fast, single], "tpot")] == ["fast"]
     assert [r.cell for r in front_rows([fast], "tpot")] == ["fast"]
+
+
+def test_the_random_datasets_seed_is_part_of_a_cell(tmp_path: Path) -> None:
+    from k3launch.campaign_run import prepare
+
+    def ids(bench: dict[str, object]) -> set[str]:
+        f = tmp_path / "c.yaml"
+        f.write_text(yaml.safe_dump({"name": "seed", "base": {"strategy": "single_node_tp"}, "load": {"max_concurrency": [1, 2]},
+                                     **({"bench": bench} if bench else {})}))
+        return prepare(f).cell_ids()
+
+    default, seed0, seed7, ratio = ids({}), ids({"seed": 0}), ids({"seed": 7}), ids({"random_range_ratio": 0.5})
+    assert default == seed0 and all("-s" not in c for c in default)  # the defaults keep the short ids
+    assert len(seed7) == len(default) == 2 and not seed7 & default and not ratio & default and not ratio & seed7
