@@ -13,12 +13,13 @@ import csv
 import fcntl
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from k3launch.bench_models import BenchMetrics, LoadPoint
+from k3launch.errors import K3Error
 
 RESULTS = "results.jsonl"
 CSV = "results.csv"
@@ -100,9 +101,10 @@ def read_rows(out: Path) -> list[ResultRow]:
     return rows
 
 
-def done_cells(rows: Iterable[ResultRow], campaign: str) -> set[str]:
-    """Cells that already have a valid row: a resumed run skips them."""
-    return {r.cell for r in rows if r.campaign == campaign and r.valid}
+def done_cells(rows: Iterable[ResultRow], campaign: str, still_valid: Callable[[ResultRow], bool] = lambda r: True) -> set[str]:
+    """Cells that already have a valid row (by the campaign's gates as they are now, when
+    ``still_valid`` checks them): a resumed run skips them."""
+    return {r.cell for r in rows if r.campaign == campaign and r.valid and still_valid(r)}
 
 
 def latest(rows: Iterable[ResultRow], campaign: str) -> list[ResultRow]:
@@ -148,3 +150,21 @@ def write_csv(out: Path, rows: Iterable[ResultRow]) -> Path:
             w.writerow(csv_record(r))
     tmp.replace(path)
     return path
+
+
+def make_out(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise K3Error("bad-out", f"--out {out}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
+
+
+def group_lock(out: Path, plan_hash: str) -> int | None:
+    """An exclusive lock on a group's lock file, or None when another process holds it."""
+    fd = os.open(out / f".group-{plan_hash[:16]}.lock", os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd

@@ -18,7 +18,6 @@ cells; the campaign goes on with the next group. Deployment names are
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import time
@@ -48,7 +47,7 @@ from k3launch.campaign import (
     workload_key,
 )
 from k3launch.campaign_models import Campaign, load_campaign
-from k3launch.campaign_results import Provenance, ResultRow, append_row, done_cells, latest, read_rows, write_csv
+from k3launch.campaign_results import Provenance, ResultRow, append_row, done_cells, group_lock, latest, make_out, read_rows, write_csv
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
@@ -87,6 +86,10 @@ class Prepared:
         """The cells of this expansion (a changed file's older rows are not among them)."""
         ids = {g.cell_id(ld) for g in self.groups for ld in g.loads}
         return ids | {cell_id(refused_hash(c.spec), c.load, self.workload) for c in self.cells if c.spec.key in self.refused}
+
+    def still_valid(self, row: ResultRow) -> bool:
+        """A row's figures pass the campaign's validity gates as the file says them now."""
+        return row.metrics is not None and invalid_reason(row.metrics, self.campaign.validity) is None
 
     def spec_label(self, spec: DeploymentSpec) -> str:
         return label(spec, self.varying)
@@ -221,7 +224,7 @@ class Runner:
             groups = [groups[self.o.only_group]]
         else:
             self._record_refused()
-        done = done_cells(read_rows(self.o.out), self.c.name)
+        done = done_cells(read_rows(self.o.out), self.c.name, self.p.still_valid)
         for g in groups:
             todo = [ld for ld in g.loads if g.cell_id(ld) not in done]
             self.s.cells += len(g.loads)
@@ -380,24 +383,6 @@ def _nodes(rec: DeploymentRecord) -> list[str]:
     return sorted({p.node for p in rec.plan.processes})
 
 
-def make_out(out: Path) -> None:
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise K3Error("bad-out", f"--out {out}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
-
-
-def group_lock(out: Path, plan_hash: str) -> int | None:
-    """An exclusive lock on a group's lock file, or None when another process holds it."""
-    fd = os.open(out / f".group-{plan_hash[:16]}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def named_plan(prep: Prepared, g: Group) -> Plan:
     """The plan of group ``g`` under its deployment name, on this run's port base."""
     name = deployment_name(prep.campaign.name, g.plan_hash)
@@ -413,5 +398,5 @@ def run(prep: Prepared, opts: Options) -> Summary:
 
 def pending(prep: Prepared, out: Path) -> dict[int, int]:
     """Group index -> cells still to run (for the dry run)."""
-    done = done_cells(read_rows(out), prep.campaign.name)
+    done = done_cells(read_rows(out), prep.campaign.name, prep.still_valid)
     return {g.index: sum(g.cell_id(ld) not in done for ld in g.loads) for g in prep.groups}

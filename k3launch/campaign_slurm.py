@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3launch import api
-from k3launch.campaign_results import done_cells, latest, read_rows, write_csv
-from k3launch.campaign_run import Prepared, make_out, named_plan
+from k3launch.campaign_results import done_cells, latest, make_out, read_rows, write_csv
+from k3launch.campaign_run import Prepared, named_plan
 from k3launch.errors import K3Error
 from k3launch.launch import ready_timeout
 from k3launch.plan_models import Plan
@@ -64,7 +64,7 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
                       "set `inventory:` in the campaign file to a slurm inventory, or submit "
                       "`k3launch campaign run FILE --out DIR --group $SLURM_ARRAY_TASK_ID` as an array job yourself")
     make_out(out)
-    done = done_cells(read_rows(out), prep.campaign.name)
+    done = done_cells(read_rows(out), prep.campaign.name, prep.still_valid)
     s = ArraySummary(results=str(out / "results.jsonl"))
     flying = in_flight(out)
     plans: list[Plan] = []

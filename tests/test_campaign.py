@@ -262,7 +262,8 @@ def test_a_set_that_repeats_the_recipe_default_is_the_same_deployment() -> None:
 def test_a_group_another_process_runs_is_skipped_or_refused_and_a_bad_out_is_a_user_error(tmp_path: Path) -> None:
     import json
 
-    from k3launch.campaign_run import group_lock, prepare
+    from k3launch.campaign_results import group_lock
+    from k3launch.campaign_run import prepare
 
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"name": "busy", "port_base": 40960, "base": {"strategy": "single_node_tp"},
@@ -311,3 +312,25 @@ def test_the_random_datasets_seed_is_part_of_a_cell(tmp_path: Path) -> None:
     default, seed0, seed7, ratio = ids({}), ids({"seed": 0}), ids({"seed": 7}), ids({"random_range_ratio": 0.5})
     assert default == seed0 and all("-s" not in c for c in default)  # the defaults keep the short ids
     assert len(seed7) == len(default) == 2 and not seed7 & default and not ratio & default and not ratio & seed7
+
+
+def test_a_tighter_validity_gate_re_runs_cells_whose_figures_no_longer_pass(tmp_path: Path) -> None:
+    from k3launch.campaign_results import append_row
+    from k3launch.campaign_run import Prepared, pending, prepare
+
+    f = tmp_path / "c.yaml"
+
+    def prep(gate: float) -> Prepared:
+        f.write_text(yaml.safe_dump({"name": "gate", "base": {"strategy": "single_node_tp"}, "load": {"max_concurrency": [1]},
+                                     "validity": {"max_error_rate": gate}}))
+        return prepare(f)
+
+    p = prep(0.2)
+    (g,) = p.groups
+    (ld,) = g.loads
+    out = tmp_path / "o"
+    out.mkdir()
+    failed_one = metrics(failed=1)  # 1 of 11 requests failed: 9 %
+    append_row(out, row(g.cell_id(ld), True).model_copy(update={"campaign": "gate", "metrics": failed_one}))
+    assert pending(p, out) == {0: 0}  # passes a 20 % gate: done
+    assert pending(prep(0.05), out) == {0: 1}  # fails a 5 % gate: measured again
