@@ -30,6 +30,19 @@ pytest_plugins = ["slurmcluster"]
 FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "20", "K3LAUNCH_SIM_ITL_MS": "2"}
 
 
+def slurm_inventory(cluster: Cluster, tmp_path: Path) -> Path:
+    """A slurm inventory of the test cluster (simulated engine, bare); skips in multi mode."""
+    if cluster.mode != "netns":
+        import pytest
+
+        pytest.skip("multi mode: every node is this machine's 127.0.0.1")
+    inv = tmp_path / "slurm.yaml"
+    inv.write_text(yaml.safe_dump({"name": "cs", "backend": "slurm", "hardware": "b300", "engine": "sim",
+                                   "defaults": {"runtime": "bare", "python": sys.executable},
+                                   "slurm": {"partition": cluster.partition, "container": "bare", "time_limit": "00:10:00"}}))
+    return inv
+
+
 def test_job_array_runs_one_deployment_group_per_task(slurm_cluster: Cluster, tmp_path: Path) -> None:
     name = f"ca-{uuid.uuid4().hex[:6]}"
     camp = tmp_path / "c.yaml"
@@ -67,15 +80,8 @@ def test_slurm_array_runs_each_group_in_its_own_allocation_and_resumes(slurm_clu
     """`campaign run --slurm-array` on a slurm inventory: one array task per deployment group, each
     task's job starts its deployment and runs its load points attached to it; a second run submits
     nothing; a campaign whose engines never serve gets invalid rows with the reason."""
-    if slurm_cluster.mode != "netns":
-        import pytest
-
-        pytest.skip("multi mode: every node is this machine's 127.0.0.1")
     name = f"cs-{uuid.uuid4().hex[:6]}"
-    inv = tmp_path / "slurm.yaml"
-    inv.write_text(yaml.safe_dump({"name": "cs", "backend": "slurm", "hardware": "b300", "engine": "sim",
-                                   "defaults": {"runtime": "bare", "python": sys.executable},
-                                   "slurm": {"partition": slurm_cluster.partition, "container": "bare", "time_limit": "00:10:00"}}))
+    inv = slurm_inventory(slurm_cluster, tmp_path)
     camp = tmp_path / "c.yaml"
     spec = {"name": name, "inventory": str(inv), "engine_env": FAST, "ready_timeout": 20,
             "base": {"strategy": "single_node_tp"}, "deployments": {"set": {"max-num-seqs": [2, 8, 16]}},
@@ -116,14 +122,7 @@ def test_slurm_array_runs_each_group_in_its_own_allocation_and_resumes(slurm_clu
 
 def test_a_campaign_on_a_slurm_inventory_runs_from_the_login_node_too(slurm_cluster: Cluster, tmp_path: Path) -> None:
     """Without --slurm-array: each group is one `up` (an sbatch job), its load points from here, then `down`."""
-    if slurm_cluster.mode != "netns":
-        import pytest
-
-        pytest.skip("multi mode: every node is this machine's 127.0.0.1")
-    inv = tmp_path / "slurm.yaml"
-    inv.write_text(yaml.safe_dump({"name": "cl", "backend": "slurm", "hardware": "b300", "engine": "sim",
-                                   "defaults": {"runtime": "bare", "python": sys.executable},
-                                   "slurm": {"partition": slurm_cluster.partition, "container": "bare", "time_limit": "00:10:00"}}))
+    inv = slurm_inventory(slurm_cluster, tmp_path)
     camp = tmp_path / "c.yaml"
     camp.write_text(yaml.safe_dump({"name": f"cl-{uuid.uuid4().hex[:6]}", "inventory": str(inv), "engine_env": FAST, "ready_timeout": 60,
                                     "base": {"strategy": "single_node_tp"}, "deployments": {"set": {"max-num-seqs": [2, 8]}},
@@ -140,14 +139,7 @@ def test_a_campaign_on_a_slurm_inventory_runs_from_the_login_node_too(slurm_clus
 
 
 def test_slurm_array_no_wait_then_again_does_not_resubmit_groups_in_flight(slurm_cluster: Cluster, tmp_path: Path) -> None:
-    if slurm_cluster.mode != "netns":
-        import pytest
-
-        pytest.skip("multi mode: every node is this machine's 127.0.0.1")
-    inv = tmp_path / "slurm.yaml"
-    inv.write_text(yaml.safe_dump({"name": "cf", "backend": "slurm", "hardware": "b300", "engine": "sim",
-                                   "defaults": {"runtime": "bare", "python": sys.executable},
-                                   "slurm": {"partition": slurm_cluster.partition, "container": "bare", "time_limit": "00:10:00"}}))
+    inv = slurm_inventory(slurm_cluster, tmp_path)
     camp = tmp_path / "c.yaml"
     camp.write_text(yaml.safe_dump({"name": f"cf-{uuid.uuid4().hex[:6]}", "inventory": str(inv), "ready_timeout": 60,
                                     "engine_env": {**FAST, "K3LAUNCH_SIM_LOAD_S": "3"}, "base": {"strategy": "single_node_tp"},
