@@ -91,6 +91,14 @@ class Prepared:
         """A row's figures pass the campaign's validity gates as the file says them now."""
         return row.metrics is not None and invalid_reason(row.metrics, self.campaign.validity) is None
 
+    def rejudge(self, row: ResultRow) -> ResultRow:
+        """A valid row whose figures fail the gates as they are now: invalid, with the reason and
+        without numbers (as a resumed run would measure it again)."""
+        if not row.valid or row.metrics is None or self.still_valid(row):
+            return row
+        why = invalid_reason(row.metrics, self.campaign.validity)
+        return row.model_copy(update={"valid": False, "metrics": None, "reason": f"{why} (by the current validity gates)"})
+
     def spec_label(self, spec: DeploymentSpec) -> str:
         return label(spec, self.varying)
 

@@ -198,7 +198,7 @@ def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) 
         c = prep.campaign
         every = latest(read_rows(out), c.name)
         current = prep.cell_ids()
-        rows = [r for r in every if r.cell in current]  # rows of an earlier version of the matrix stay out
+        rows = [prep.rejudge(r) for r in every if r.cell in current]  # rows of an earlier version of the matrix stay out
         if not rows:
             raise K3Error("no-results", f"{out}: no results of campaign {c.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
         csv_path = write_csv(out, rows)

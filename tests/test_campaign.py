@@ -334,3 +334,20 @@ def test_a_tighter_validity_gate_re_runs_cells_whose_figures_no_longer_pass(tmp_
     append_row(out, row(g.cell_id(ld), True).model_copy(update={"campaign": "gate", "metrics": failed_one}))
     assert pending(p, out) == {0: 0}  # passes a 20 % gate: done
     assert pending(prep(0.05), out) == {0: 1}  # fails a 5 % gate: measured again
+
+
+def test_report_judges_rows_by_the_current_gates(tmp_path: Path) -> None:
+    from k3launch.campaign_results import append_row
+
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"name": "gate", "base": {"strategy": "single_node_tp"}, "load": {"max_concurrency": [1]},
+                                 "validity": {"max_error_rate": 0.05}}))
+    (g,) = prepare_text(f.read_text()).groups  # type: ignore[attr-defined]
+    out = tmp_path / "o"
+    out.mkdir()
+    append_row(out, row(g.cell_id(g.loads[0]), True).model_copy(update={"campaign": "gate", "metrics": metrics(failed=1)}))
+    r = k3("campaign", "report", str(f), "--out", str(out), "--json", cwd=tmp_path)
+    import json
+
+    rep = json.loads(r.stdout)
+    assert r.returncode == 0 and rep["valid"] == 0 and "by the current validity gates" in rep["invalid"][0]["reason"], r.stderr
