@@ -187,6 +187,14 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
     return report
 
 
+def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord | None:
+    """The record of deployment ``name``, or None when there is none (no error)."""
+    from k3launch.state import StateStore
+
+    store = StateStore(Path(state_dir) if state_dir else None)
+    return store.load(name) if store.exists(name) else None
+
+
 def deployments(state_dir: str | Path | None = None) -> list[DeploymentRecord]:
     from k3launch.state import StateStore
 

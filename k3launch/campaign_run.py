@@ -287,7 +287,7 @@ class Runner:
 
     def _reuse(self, name: str, want: str) -> DeploymentRecord | None:
         """A ready, healthy deployment of this group left by an interrupted run; else tear it down."""
-        rec = next((r for r in api.deployments(self.o.state_dir) if r.name == name), None)
+        rec = api.record(name, self.o.state_dir)
         if rec is None:
             return None
         if rec.state == "ready" and plan_hash(rec.plan) == want:
@@ -308,7 +308,7 @@ class Runner:
 
     def _down_leftover(self, name: str) -> None:
         """A run killed while taking a finished group down leaves it up: finish the job."""
-        if any(r.name == name for r in api.deployments(self.o.state_dir)):
+        if api.record(name, self.o.state_dir) is not None:
             report = api.down(name, state_dir=self.o.state_dir)
             self.event(f"{name}: left over by an interrupted run, taken down" + ("" if report.clean else " INCOMPLETE"))
 
