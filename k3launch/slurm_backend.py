@@ -159,6 +159,8 @@ class SlurmLaunch:
                 else:
                     self.on_stage("teardown", f"incomplete ({'; '.join(x for v in report.leftovers.values() for x in v)}); "
                                   f"record kept: run `k3launch down {rec.name}`")
+            if not rec.slurm.job_id:
+                self.store.delete(rec.name)  # nothing was submitted: no record, and no lock file left behind
             raise
         rec.state = "ready"
         rec.error = None

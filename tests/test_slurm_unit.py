@@ -152,6 +152,7 @@ def test_a_refused_submission_leaves_no_record_and_a_never_running_job_is_cancel
         sl.up(timeout=5)
     assert refused.value.code == "sbatch-refused"
     assert not store.exists("u-launch") and not store.list()
+    assert not list(store.dir.glob("u-launch*")), list(store.dir.iterdir())  # no lock file left either
     fake = FakeSlurm([JobInfo("42", "PENDING", [], "Priority"), JobInfo("42", "PENDING", [], "PartitionTimeLimit")])
     sl, store = launch(tmp_path / "b", fake)
     with pytest.raises(LaunchFailed, match=r"can never start.*PartitionTimeLimit") as ei:
