@@ -229,3 +229,12 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]
         return start_cluster_in_free_slot(tmp_path_factory.mktemp("slurm"), nodes=4, gpus=8)
 
     yield from _SESSION.provide(start)
+
+
+@pytest.fixture
+def jobs(slurm_cluster: Cluster) -> Iterator[list[str]]:
+    """Job ids a test submits; whatever still runs at its end is cancelled (failed asserts included)."""
+    ids: list[str] = []
+    yield ids
+    if ids:
+        slurm_cluster.run("scancel", *ids, check=False)

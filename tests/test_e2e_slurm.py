@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+from e2e_helpers import processes
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
@@ -64,16 +65,8 @@ def k3(cluster: Cluster, state: Path, *args: str, timeout: float = 120) -> subpr
 
 
 def procs_of(deployment: str) -> list[int]:
-    marker = f"K3LAUNCH_DEPLOYMENT={deployment}".encode()
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker in (d / "environ").read_bytes().split(b"\0") and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX":
-                    out.append(int(d.name))
-            except (OSError, IndexError):
-                continue
-    return out
+    """Live processes of this deployment on this machine (the nodes share its kernel)."""
+    return list(processes(deployment))
 
 
 def jobs_named(cluster: Cluster, name: str) -> dict[str, str]:
@@ -198,7 +191,8 @@ def test_a_job_array_of_three_deployments_completes_with_per_task_results(cluste
         r = res.results[i]
         assert r["ok"] is True and r["ready"] is True and r["work_rc"] == 0 and r["deployment"] == plan.name, r
         assert r["task"] == str(i) and r["array_job"] == jobs[0].job_id
-        assert set(r["hosts"].values()) <= set(cluster.nodes)  # type: ignore[union-attr]
+        hosts = r["hosts"]
+        assert isinstance(hosts, dict) and set(hosts.values()) <= set(cluster.nodes)
         endpoint, deployment, tokens = json.loads((tmp_path / f"work-{i}.json").read_text())
         assert endpoint == r["endpoint"] and deployment == plan.name and tokens > 0
         assert not procs_of(plan.name)

@@ -16,7 +16,6 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,15 +38,6 @@ def _read_pids(path: Path) -> list[int]:
         return [int(p) for p in path.read_text().split()]
     except (FileNotFoundError, ValueError):
         return []
-
-
-@pytest.fixture
-def jobs(slurm_cluster: Cluster) -> Iterator[list[str]]:
-    """Job ids a test submits; whatever still runs at its end is cancelled (failed asserts included)."""
-    ids: list[str] = []
-    yield ids
-    if ids:
-        slurm_cluster.run("scancel", *ids, check=False)
 
 
 def test_two_node_job_with_srun_step(slurm_cluster: Cluster, tmp_path: Path, jobs: list[str]) -> None:

@@ -28,12 +28,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from e2e_helpers import processes
+from infrahelpers import pid_alive
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
@@ -386,14 +388,6 @@ def _kill(pid: int) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
-    """Not a zombie (this VM's PID 1 reaps late)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-
-
 def expected_step(plan: Plan, proc: Process, container: str, hf_cache: str, sub: Callable[[str], str]) -> tuple[set[str], list[str]]:
     """(srun options, command) a step of ``proc`` must receive, from the plan alone."""
     host = FAKE_HOSTS[node_index(plan, proc)]
@@ -453,9 +447,9 @@ def test_fail_fast_names_the_failed_process_and_node_and_stops_the_others(tmp_pa
     assert f"k3launch: node {i} = {FAKE_HOSTS[i]} {FAKE_ADDRS[i]}" in run.stdout  # node index -> host, printed at start
     others = [c.pid for pid, c in run.calls.items() if pid != victim.id]
     deadline = time.monotonic() + 5
-    while any(_alive(p) for p in others) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in others) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not any(_alive(p) for p in others), "steps outlived the failed job"
+    assert not any(pid_alive(p) for p in others), "steps outlived the failed job"
 
 
 def test_the_step_that_ended_first_is_named_first_whatever_the_start_order(tmp_path: Path) -> None:
@@ -520,7 +514,7 @@ def test_hostile_values_end_up_as_data(container: str, tmp_path: Path) -> None:
 @pytest.mark.parametrize("key", ["partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit"])
 def test_a_slurm_name_with_white_space_is_refused_since_sbatch_would_split_it_into_options(key: str) -> None:
     with pytest.raises(ValidationError, match=f"slurm.{key} .* must be one word"):
-        slurm_inventory("b300", "pyxis", **{key: "gpu --uid=0"})
+        slurm_inventory("b300", "pyxis", **{key: "gpu --uid=0"})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("image", ["--privileged", "img:1;touch x", "img:`id`", "reg/img:1 && id", "img\nx"])
@@ -641,26 +635,9 @@ def test_a_node_that_fails_the_doctor_step_is_named_and_no_engine_starts(tmp_pat
 
 
 # ------------------------------------------------------------------ a real job on the local cluster
-@pytest.fixture
-def jobs(slurm_cluster: Cluster) -> Iterator[list[str]]:
-    ids: list[str] = []
-    yield ids
-    if ids:
-        slurm_cluster.run("scancel", *ids, check=False)
-
-
 def _procs_of(deployment: str) -> list[int]:
-    """Live processes whose environment carries this deployment's marker."""
-    marker = f"K3LAUNCH_DEPLOYMENT={deployment}".encode()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker in (d / "environ").read_bytes().split(b"\0"):
-                    pids.append(int(d.name))
-            except OSError:
-                continue
-    return [p for p in pids if _alive(p)]
+    """Live processes of this deployment on this machine (the nodes share its kernel)."""
+    return list(processes(deployment))
 
 
 def _health(url: str) -> int | None:
