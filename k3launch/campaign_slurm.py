@@ -25,7 +25,7 @@ from k3launch.campaign_run import Prepared, named_plan
 from k3launch.errors import K3Error
 from k3launch.launch import ready_timeout
 from k3launch.plan_models import Plan
-from k3launch.slurm_array import ArrayJob, ArrayResult
+from k3launch.slurm_array import ArrayJob, ArrayResult, task_states
 from k3launch.slurm_cmd import ACTIVE, SlurmClient
 
 
@@ -86,8 +86,7 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
         plans, inv, work=lambda i, p: task_argv(prep, out, group_of[p.name], client), concurrency=limit, log_dir=out / "slurm",
         name=f"k3c-{prep.campaign.name}", ready_timeout=prep.campaign.ready_timeout or ready_timeout(plans[0], None))
     s.jobs = [j.job_id for j in jobs]
-    hash_of = {named_plan(prep, prep.groups[gi]).name: prep.groups[gi].plan_hash for gi in s.submitted}
-    _remember(out, {hash_of[d]: f"{j.job_id}_{t}" for j in jobs for t, d in enumerate(j.deployments)})
+    _remember(out, {prep.groups[group_of[d]].plan_hash: f"{j.job_id}_{t}" for j in jobs for t, d in enumerate(j.deployments)})
     for j in jobs:
         on_event(f"array job {j.job_id}: {len(j.deployments)} task(s) (groups {', '.join(str(group_of[d]) for d in j.deployments)}); "
                  f"logs in {j.log_dir}")
@@ -149,6 +148,7 @@ def in_flight(out: Path, client: SlurmClient | None = None) -> dict[str, str]:
     except (OSError, ValueError):
         return {}
     cl = client or SlurmClient()
-    r = cl.call(["squeue", "-h", "-r", "-o", "%i|%T", "-j", ",".join(sorted({t.split("_")[0] for t in known.values()}))])
-    active = {ln.split("|")[0] for ln in r.stdout.split() if ln.split("|")[-1] in ACTIVE} if r.ok else set()
+    # one squeue per array: a single forgotten job id would make squeue refuse a joint query
+    active = {f"{jid}_{t}" for jid in sorted({t.split("_")[0] for t in known.values()})
+              for t, state in (task_states(jid, cl) or {}).items() if state in ACTIVE}
     return {h: t for h, t in known.items() if t in active}

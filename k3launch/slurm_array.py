@@ -122,10 +122,10 @@ def submit_array(plans: Sequence[Plan], inv: Inventory, log_dir: str | Path, *, 
     return jobs
 
 
-def task_states(job: ArrayJob, client: SlurmClient) -> dict[int, str] | None:
+def task_states(job_id: str, client: SlurmClient) -> dict[int, str] | None:
     """task -> state, from ``squeue -r`` (pending tasks expanded); a task Slurm forgot is missing
     (``{}``: "Invalid job id", Slurm forgot the whole array). ``None``: squeue failed, nothing known."""
-    r = client.call(["squeue", "-h", "-r", "-t", "all", "-j", job.job_id, "-o", "%i|%T"])
+    r = client.call(["squeue", "-h", "-r", "-t", "all", "-j", job_id, "-o", "%i|%T"])
     if r.exit_code == 127:
         raise K3Error("slurm-missing", "squeue not found on this machine", SLURM_HINT)
     if not r.ok:
@@ -174,7 +174,7 @@ def wait_array(job: ArrayJob, timeout: float, client: SlurmClient | None = None,
     failing_since: float | None = None
     states: dict[int, str] = {}
     while True:
-        polled = task_states(job, cl)
+        polled = task_states(job.job_id, cl)
         now = time.monotonic()
         if polled is None:  # squeue failed: this poll says nothing
             failing_since = now if failing_since is None else failing_since

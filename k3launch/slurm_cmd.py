@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
-from k3launch.inventory import SECRET_NAMES
+from k3launch.inventory import SECRET_NAMES, expand_nodelist
 from k3launch.runners import LocalRunner, Result, Target
 
 LOGIN = Target("login", "localhost", local=True)
@@ -144,7 +144,7 @@ class SlurmClient:
         r = self.call(["sinfo", "-h", "-N", "-o", "%N", *(["-p", partition] if partition else [])])
         if not r.ok:
             raise K3Error("slurm-unavailable", f"sinfo failed: {r.stderr.strip()[:200]}", SLURM_HINT)
-        allowed = set(expand(nodelist))
+        allowed = set(expand_nodelist(nodelist))  # the user's nodelist: refused, not emptied, when malformed
         return sorted({h for h in r.stdout.split() if h not in allowed})
 
     def partition_nodes(self, partition: str | None) -> int | None:

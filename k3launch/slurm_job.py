@@ -21,7 +21,7 @@ from pathlib import Path
 
 from k3launch.errors import K3Error
 from k3launch.plan_models import Plan
-from k3launch.slurm_render import node_order
+from k3launch.slurm_render import address_pattern, node_order
 from k3launch.state import DeploymentRecord, ProcessRecord, SlurmJob, StateStore
 
 BAD_NODE_TTL_S = 24 * 3600.0
@@ -65,7 +65,7 @@ def bind_plan(plan: Plan, addresses: dict[str, str]) -> Plan:
     amap = {h.address: addresses[h.name] for h in plan.hosts if h.name in addresses}
     if not amap:
         return plan
-    pat = re.compile("|".join(re.escape(a) for a in sorted(amap, key=len, reverse=True)))
+    pat = address_pattern(amap)
 
     def sub(s: str) -> str:
         return pat.sub(lambda m: amap[m.group(0)], s)

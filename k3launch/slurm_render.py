@@ -26,8 +26,9 @@ state files): a job reads it from the inventory's ``hf_token_file`` when it runs
 from __future__ import annotations
 
 import functools
+import re
 import shlex
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from k3launch.errors import K3Error
@@ -56,25 +57,26 @@ def node_order(plan: Plan) -> list[str]:
     return list(dict.fromkeys(h.name for h in plan.hosts if h.role != "router" or h.gpus))
 
 
-def _bind(word: str, addrs: dict[str, int]) -> str:
+def address_pattern(addresses: Iterable[str]) -> re.Pattern[str]:
+    """Any of ``addresses`` inside a word, the longest first (``node-1`` never matches in ``node-10``)."""
+    return re.compile("|".join(re.escape(a) for a in sorted({a for a in addresses if a}, key=len, reverse=True)) or r"(?!)")
+
+
+def _bind(word: str, addrs: dict[str, int], pat: re.Pattern[str]) -> str:
     """Replace plan node addresses inside ``word`` by ``$K3_ADDR_i`` (the rest stays quoted)."""
-    if not any(a and a in word for a in addrs):
-        return word
     out, pos = "", 0
-    while pos < len(word):
-        best = min(((word.find(a, pos), a) for a in addrs if a and word.find(a, pos) >= 0), default=None, key=lambda x: (x[0], -len(x[1])))
-        if best is None:
-            out += shlex.quote(word[pos:])
-            break
-        idx, a = best
-        if idx > pos:
-            out += shlex.quote(word[pos:idx])
-        out += f'"$K3_ADDR_{addrs[a]}"'
-        pos = idx + len(a)
-    return Raw(out)
+    for m in pat.finditer(word):
+        if m.start() > pos:
+            out += shlex.quote(word[pos:m.start()])
+        out += f'"$K3_ADDR_{addrs[m.group(0)]}"'
+        pos = m.end()
+    if not out:
+        return word
+    return Raw(out + (shlex.quote(word[pos:]) if pos < len(word) else ""))
 
 
 def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int], image: str | None) -> list[str]:
+    pat = address_pattern(addrs)
     """srun options and command of one process (after ``k3_step NAME I``)."""
     host = next(h for h in plan.hosts if h.name == proc.node)
     env = {**proc.env, **markers(plan, proc)}
@@ -96,7 +98,7 @@ def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int],
     else:  # apptainer: --cleanenv so the job's environment does not leak into the engine
         words = ["apptainer", "exec", "--rocm" if plan.platform == "rocm" else "--nv", "--cleanenv", "--bind", mount("")]
         words += [w for k, v in env.items() for w in ("--env", f"{k}={v}")] + [f"docker://{image}", *argv]
-    return [_bind(w, addrs) for w in words]
+    return [_bind(w, addrs, pat) for w in words]
 
 
 def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
