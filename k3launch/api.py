@@ -40,10 +40,11 @@ StageFn = Callable[[str, str], None]
 
 def bundled_inventory(name: str) -> Path:
     """A shipped example inventory (``local`` is the embedded default of ``up``)."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "_inventories" / f"{name}.yaml", here.parent / "inventories" / f"{name}.yaml"):
-        if cand.is_file():
-            return cand
+    from k3launch.resources import bundled
+
+    path = bundled("inventories", f"{name}.yaml")
+    if path is not None:
+        return path
     raise K3Error("missing-inventory", f"the bundled {name} inventory is missing", "pass --inventory FILE")
 
 

@@ -147,11 +147,9 @@ def campaign_path(ref: Path) -> Path:
     """A file, or the name of a bundled campaign (``local-demo``)."""
     if ref.exists() or ref.suffix in (".yaml", ".yml") or "/" in str(ref):
         return ref
-    here = Path(__file__).resolve().parent
-    for cand in (here / "_campaigns" / f"{ref}.yaml", here.parent / "campaigns" / f"{ref}.yaml"):
-        if cand.is_file():
-            return cand
-    return ref
+    from k3launch.resources import bundled
+
+    return bundled("campaigns", f"{ref}.yaml") or ref
 
 
 def prepare(path: Path, *, port_base: int | None = None) -> Prepared:

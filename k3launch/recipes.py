@@ -32,10 +32,11 @@ def default_recipes_dir() -> Path:
     env = os.environ.get(ENV_RECIPES_DIR)
     if env:
         return Path(env)
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "_recipes", here.parent / "recipes"):
-        if (candidate / "taxonomy.yaml").is_file():
-            return candidate
+    from k3launch.resources import bundled
+
+    taxonomy = bundled("recipes", "taxonomy.yaml")
+    if taxonomy is not None:
+        return taxonomy.parent
     raise K3Error(
         "no-recipes",
         "the bundled recipes tree is missing from this installation",

@@ -29,7 +29,6 @@ import functools
 import re
 import shlex
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 from k3launch.errors import K3Error
 from k3launch.inventory import SlurmSection
@@ -45,10 +44,11 @@ DOCTOR_FAILED_EXIT = 3  # the job's exit code when its doctor step refused a nod
 @functools.cache
 def job_library() -> str:
     """The bash library every job script carries (bundled as ``k3launch/_slurm``; ``slurm/`` in a checkout)."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "_slurm" / LIBRARY, here.parent / "slurm" / LIBRARY):
-        if cand.is_file():
-            return cand.read_text()
+    from k3launch.resources import bundled
+
+    path = bundled("slurm", LIBRARY)
+    if path is not None:
+        return path.read_text()
     raise K3Error("missing-slurm-template", f"the job library {LIBRARY} is missing from the installation", "reinstall k3launch")
 
 
