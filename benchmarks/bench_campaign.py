@@ -23,8 +23,8 @@ from datetime import datetime
 from pathlib import Path
 
 from k3launch import api
-from k3launch.campaign_results import read_rows
-from k3launch.campaign_run import Options, prepare, run
+from k3launch.campaign.results import read_rows
+from k3launch.campaign.run import Options, prepare, run
 
 
 def main() -> None:

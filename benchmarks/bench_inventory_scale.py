@@ -12,10 +12,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from k3launch.inventory import load_inventory
-from k3launch.plan import build_plan
-from k3launch.recipes import RecipeTree
-from k3launch.selection import Selection
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.inventory import load_inventory
+from k3launch.planning.recipes import RecipeTree
 
 
 def write_inventory(path: Path, n: int) -> None:

@@ -41,9 +41,9 @@ def main() -> None:
         med, best = _wall(cmd, runs)
         print(f"{label:50} {med * 1000:7.0f}ms {best * 1000:7.0f}ms")
     t0 = time.perf_counter()
-    from k3launch.plan import build_plan
-    from k3launch.recipes import RecipeTree
-    from k3launch.selection import Selection
+    from k3launch.models.selection import Selection
+    from k3launch.planning.build import build_plan
+    from k3launch.planning.recipes import RecipeTree
 
     tree = RecipeTree()
     build_plan(tree, Selection())

@@ -84,14 +84,14 @@ def up_down(hosts: Hosts, n: int, tmp: Path, load_s: float, port_base: int) -> t
 
 
 def _lib(hosts: Hosts, n: int, tmp: Path, env: dict[str, str], port_base: int, tag: str) -> Any:
-    from k3launch.inventory import load_inventory
-    from k3launch.launch import Launch
-    from k3launch.nodes import Fleet
-    from k3launch.plan import build_plan
-    from k3launch.recipes import RecipeTree
-    from k3launch.runners import LocalRunner, SshRunner
-    from k3launch.selection import Selection
-    from k3launch.state import StateStore
+    from k3launch.deploy.ssh.launch import Launch
+    from k3launch.deploy.state import StateStore
+    from k3launch.models.selection import Selection
+    from k3launch.planning.build import build_plan
+    from k3launch.planning.inventory import load_inventory
+    from k3launch.planning.recipes import RecipeTree
+    from k3launch.transport.fleet import Fleet
+    from k3launch.transport.runners import LocalRunner, SshRunner
 
     inv_path = _inventory(hosts, n, tmp / f"inv-{tag}-{n}.yaml", env)
     inv = load_inventory(inv_path)
@@ -145,7 +145,7 @@ def ready_to_noticed(hosts: Hosts, n: int, tmp: Path, load_s: float, port_base: 
     finally:
         stop.set()
         watcher.join(5)
-    from k3launch.teardown import teardown
+    from k3launch.deploy.ssh.teardown import teardown
 
     teardown(rec, launch.fleet, launch.store)
     launch.store.delete(rec.name)

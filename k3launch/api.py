@@ -12,9 +12,9 @@ shell does (same checks, same state records, same errors)::
     api.down(rec.name)
 
 Every refusal is a :class:`~k3launch.errors.K3Error` (``code``, ``message``, ``hint``); a launch
-that fails is a :class:`~k3launch.launch.LaunchFailed` naming the failing process and node,
+that fails is a :class:`~k3launch.deploy.ssh.launch.LaunchFailed` naming the failing process and node,
 with its last log lines. Backends: ``ssh`` and ``local`` (processes over SSH / on this machine)
-and ``slurm`` (one sbatch job per deployment, :mod:`k3launch.slurm_backend`).
+and ``slurm`` (one sbatch job per deployment, :mod:`k3launch.deploy.slurm.launch`).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
-    from k3launch.doctor import DoctorReport
-    from k3launch.inventory import Inventory
-    from k3launch.launch import LaunchFailed
-    from k3launch.nodes import Fleet
-    from k3launch.plan_models import Plan
-    from k3launch.slurm_array import ArrayJob, ArrayResult
-    from k3launch.state import DeploymentRecord
-    from k3launch.teardown import TeardownReport
+    from k3launch.deploy.slurm.array import ArrayJob, ArrayResult
+    from k3launch.deploy.ssh.doctor import DoctorReport
+    from k3launch.deploy.ssh.launch import LaunchFailed
+    from k3launch.deploy.ssh.teardown import TeardownReport
+    from k3launch.deploy.state import DeploymentRecord
+    from k3launch.models.plan import Plan
+    from k3launch.planning.inventory import Inventory
+    from k3launch.transport.fleet import Fleet
 
 StageFn = Callable[[str, str], None]
 
@@ -50,7 +50,7 @@ def bundled_inventory(name: str) -> Path:
 
 def load(inventory: str | Path | Inventory | None) -> tuple[Inventory, str]:
     """(inventory, its path as recorded); ``None`` is the bundled local inventory."""
-    from k3launch.inventory import Inventory, apply_ssh_config, load_inventory, read_ssh_config
+    from k3launch.planning.inventory import Inventory, apply_ssh_config, load_inventory, read_ssh_config
 
     if isinstance(inventory, Inventory):
         return inventory, inventory.name
@@ -63,11 +63,11 @@ def load(inventory: str | Path | Inventory | None) -> tuple[Inventory, str]:
 
 def plan(inventory: str | Path | Inventory | None = None, *, name: str | None = None, exclude: Sequence[str] = (),
          port_base: int | None = None, recipes_dir: str | Path | None = None, **selection: Any) -> Plan:
-    """Build a plan: ``selection`` takes :class:`~k3launch.selection.Selection` fields
+    """Build a plan: ``selection`` takes :class:`~k3launch.models.selection.Selection` fields
     (``strategy``, ``nodes``, ``hardware``, ``features``, ``sets``, ...)."""
-    from k3launch.plan import build_plan
-    from k3launch.recipes import RecipeTree
-    from k3launch.selection import Selection
+    from k3launch.models.selection import Selection
+    from k3launch.planning.build import build_plan
+    from k3launch.planning.recipes import RecipeTree
 
     try:
         sel = Selection(**selection)
@@ -90,7 +90,7 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
     Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
     bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
     step and the automatic exclusion of nodes it refused in the last day."""
-    from k3launch.state import StateStore
+    from k3launch.deploy.state import StateStore
 
     inv, inv_path = load(inventory)
     if plan.backend != inv.backend and not (plan.backend == "none"):
@@ -101,7 +101,7 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
         raise K3Error("deployment-exists", f"a deployment named {plan.name!r} already exists", f"`k3launch down {plan.name}` first, or pass --name")
     stage = on_stage or (lambda s, m: None)
     if inv.backend == "slurm":
-        from k3launch.slurm_backend import SlurmLaunch
+        from k3launch.deploy.slurm.launch import SlurmLaunch
 
         with store.lock(plan.name):
             sl = SlurmLaunch(plan, inv, store, inventory=inv_path, on_stage=stage, on_failure=on_failure or (lambda e: None),
@@ -109,8 +109,8 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
             return sl.up(timeout=ready_timeout, keep_on_failure=keep_on_failure, use_bad_nodes=not skip_doctor)
     if extra_sbatch:
         raise K3Error("not-slurm", "--extra-sbatch applies to slurm inventories only", "drop --extra-sbatch")
-    from k3launch.doctor import doctor
-    from k3launch.launch import Launch
+    from k3launch.deploy.ssh.doctor import doctor
+    from k3launch.deploy.ssh.launch import Launch
 
     held = store.nodes_in_use()
     clash = sorted({f"{h.name} ({held[h.address]})" for h in plan.hosts if h.address in held and h.gpus})
@@ -135,9 +135,9 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
 
 def fleet_for(plan: Plan, ssh_config: str | None = None, known_hosts: str | None = None, accept_unknown: bool = False,
               connect_timeout: float = 10.0) -> Fleet:
-    """The :class:`~k3launch.nodes.Fleet` that reaches a plan's nodes (ssh or local)."""
-    from k3launch.nodes import Fleet
-    from k3launch.runners import LocalRunner, SshRunner
+    """The :class:`~k3launch.transport.fleet.Fleet` that reaches a plan's nodes (ssh or local)."""
+    from k3launch.transport.fleet import Fleet
+    from k3launch.transport.runners import LocalRunner, SshRunner
 
     if plan.backend == "ssh":
         runner = SshRunner(known_hosts=known_hosts, ssh_config=ssh_config, accept_unknown_hosts=accept_unknown, connect_timeout=connect_timeout)
@@ -148,14 +148,14 @@ def fleet_for(plan: Plan, ssh_config: str | None = None, known_hosts: str | None
 def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
            connect_timeout: float = 10.0) -> dict[str, object]:
     """``{name, state, endpoint, processes: [{id, node, role, alive, healthy}], unreachable, ...}``."""
-    from k3launch.state import StateStore
+    from k3launch.deploy.state import StateStore
 
     rec = StateStore(Path(state_dir) if state_dir else None).load(name)
     if rec.slurm is not None:
-        from k3launch.slurm_ops import observe_job
+        from k3launch.deploy.slurm.ops import observe_job
 
         return observe_job(rec)
-    from k3launch.observe import observe
+    from k3launch.deploy.ssh.observe import observe
 
     fleet = fleet_for(rec.plan, rec.ssh_config, rec.known_hosts, accept_unknown_hosts, connect_timeout)
     try:
@@ -167,14 +167,14 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
 def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, accept_unknown_hosts: bool = False,
          connect_timeout: float = 10.0) -> TeardownReport:
     """Stop everything of ``name`` and verify; the record is deleted only when nothing is left."""
-    from k3launch.state import StateStore
-    from k3launch.teardown import teardown
+    from k3launch.deploy.ssh.teardown import teardown
+    from k3launch.deploy.state import StateStore
 
     store = StateStore(Path(state_dir) if state_dir else None)
     with store.lock(name):
         rec = store.load(name)
         if rec.slurm is not None:
-            from k3launch.slurm_ops import cancel_job
+            from k3launch.deploy.slurm.ops import cancel_job
 
             report = cancel_job(rec, store, grace_s=grace)
         else:
@@ -190,14 +190,14 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
 
 def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord | None:
     """The record of deployment ``name``, or None when there is none (no error)."""
-    from k3launch.state import StateStore
+    from k3launch.deploy.state import StateStore
 
     store = StateStore(Path(state_dir) if state_dir else None)
     return store.load(name) if store.exists(name) else None
 
 
 def deployments(state_dir: str | Path | None = None) -> list[DeploymentRecord]:
-    from k3launch.state import StateStore
+    from k3launch.deploy.state import StateStore
 
     return StateStore(Path(state_dir) if state_dir else None).list()
 
@@ -207,10 +207,10 @@ def submit_array(plans: Sequence[Plan], inventory: str | Path | Inventory, *, wo
                  extra_sbatch: Sequence[str] = (), ready_timeout: float = 1800.0, state_dir: str | Path | None = None) -> list[ArrayJob]:
     """Slurm: one job-array task per plan (one array per shape), each bringing its deployment up
     in its own allocation, running ``work(i, plan)`` (argv; ``K3LAUNCH_ENDPOINT`` set) once it
-    serves, and tearing down. Returns :class:`~k3launch.slurm_array.ArrayJob` s; see :func:`wait_array`.
+    serves, and tearing down. Returns :class:`~k3launch.deploy.slurm.array.ArrayJob` s; see :func:`wait_array`.
     Logs and per-task results go to ``log_dir`` (default ``<state dir>/slurm/arrays``)."""
-    from k3launch.slurm_array import submit_array as _submit
-    from k3launch.state import StateStore
+    from k3launch.deploy.slurm.array import submit_array as _submit
+    from k3launch.deploy.state import StateStore
 
     inv = load(inventory)[0]
     root = Path(log_dir) if log_dir else StateStore(Path(state_dir) if state_dir else None).root / "slurm" / "arrays"
@@ -218,7 +218,7 @@ def submit_array(plans: Sequence[Plan], inventory: str | Path | Inventory, *, wo
 
 
 def wait_array(job: ArrayJob, timeout: float = 3600.0) -> ArrayResult:
-    """Wait for every task of an array job; its :class:`~k3launch.slurm_array.ArrayResult` (per-task results)."""
-    from k3launch.slurm_array import wait_array as _wait
+    """Wait for every task of an array job; its :class:`~k3launch.deploy.slurm.array.ArrayResult` (per-task results)."""
+    from k3launch.deploy.slurm.array import wait_array as _wait
 
     return _wait(job, timeout)

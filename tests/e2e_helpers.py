@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-    from k3launch.state import DeploymentRecord
+    from k3launch.deploy.state import DeploymentRecord
 
 CLI = [sys.executable, "-m", "k3launch"]
 # Short loads and latencies; rendezvous that give up within seconds if a rank is missing.
@@ -144,12 +144,12 @@ class Recording:
 
 def lib_fleet(inv_path: Path, port_base: int, wrap: Callable[[Any], Any] = lambda r: r, name: str | None = None, **sel: Any) -> Any:
     """plan + Fleet the way a library user builds them (no CLI code involved)."""
-    from k3launch.inventory import load_inventory
-    from k3launch.nodes import Fleet
-    from k3launch.plan import build_plan
-    from k3launch.recipes import RecipeTree
-    from k3launch.runners import LocalRunner, SshRunner
-    from k3launch.selection import Selection
+    from k3launch.models.selection import Selection
+    from k3launch.planning.build import build_plan
+    from k3launch.planning.inventory import load_inventory
+    from k3launch.planning.recipes import RecipeTree
+    from k3launch.transport.fleet import Fleet
+    from k3launch.transport.runners import LocalRunner, SshRunner
 
     inv = load_inventory(inv_path)
     plan = build_plan(RecipeTree(), Selection(**sel), inventory=inv, port_base=port_base, name=name)
@@ -160,9 +160,9 @@ def lib_fleet(inv_path: Path, port_base: int, wrap: Callable[[Any], Any] = lambd
 def lib_up(inv_path: Path, state_dir: Path, port_base: int, wrap: Callable[[Any], Any] = lambda r: r, name: str | None = None,
            **sel: Any) -> tuple[DeploymentRecord, list[str], Any]:
     """doctor + Launch.up through the library; (record, stages seen, fleet — closed)."""
-    from k3launch.doctor import doctor
-    from k3launch.launch import Launch
-    from k3launch.state import StateStore
+    from k3launch.deploy.ssh.doctor import doctor
+    from k3launch.deploy.ssh.launch import Launch
+    from k3launch.deploy.state import StateStore
 
     inv, fleet = lib_fleet(inv_path, port_base, wrap, name, **sel)
     store = StateStore(state_dir)
@@ -179,10 +179,10 @@ def lib_up(inv_path: Path, state_dir: Path, port_base: int, wrap: Callable[[Any]
 
 
 def lib_down(name: str, state_dir: Path) -> Any:
-    from k3launch.nodes import Fleet
-    from k3launch.runners import LocalRunner, SshRunner
-    from k3launch.state import StateStore
-    from k3launch.teardown import teardown
+    from k3launch.deploy.ssh.teardown import teardown
+    from k3launch.deploy.state import StateStore
+    from k3launch.transport.fleet import Fleet
+    from k3launch.transport.runners import LocalRunner, SshRunner
 
     store = StateStore(state_dir)
     rec = store.load(name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from k3launch.runners import Result, Target
+from k3launch.transport.runners import Result, Target
 
 Handler = Callable[[Target, str], tuple[int, str, str]]
 

@@ -16,7 +16,7 @@ from typing import Any
 from typer.testing import CliRunner
 
 from k3launch.cli import app
-from k3launch.inventory import Inventory, load_inventory
+from k3launch.planning.inventory import Inventory, load_inventory
 
 ROOT = Path(__file__).resolve().parents[1]
 INVENTORIES = ROOT / "inventories"

@@ -1,4 +1,4 @@
-"""Invariants every composed :class:`~k3launch.plan_models.Plan` must satisfy.
+"""Invariants every composed :class:`~k3launch.models.plan.Plan` must satisfy.
 
 Shared by the property tests (bundled recipe) and the upstream-tree tests. Each check derives
 what it needs from the argv itself (as vLLM would parse it), never from k3launch's own notion of
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import Counter
 from itertools import pairwise
 
-from k3launch.lint import ERROR, lint
-from k3launch.plan_models import Plan, Process
-from k3launch.schema import Arg, FlagSchema
+from k3launch.models.plan import Plan, Process
+from k3launch.planning.lint import ERROR, lint
+from k3launch.planning.schema import Arg, FlagSchema
 
 ENGINE_ROLES = ("serve", "prefill", "decode")
 NIXL_PORT = {"prefill": "5557", "decode": "5558"}

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from simproc import Procs, free_port, wait_healthy
 
-from k3launch.bench_models import BenchMetrics, LoadPoint, bench_argv
-from k3launch.campaign import invalid_reason
-from k3launch.campaign_models import Validity
+from k3launch.campaign.file import Validity
+from k3launch.campaign.matrix import invalid_reason
+from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
 from k3launch.sim import bench as simbench
 from k3launch.sim.bench_stats import Outcome, percentile, std, summarize
 

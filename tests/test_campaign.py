@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from k3launch import api
-from k3launch.bench_models import BenchMetrics, LoadPoint
-from k3launch.campaign import expand, group, invalid_reason, plan_hash
-from k3launch.campaign_models import BaseSelection, Campaign, Validity, load_campaign
-from k3launch.campaign_report import front_rows, pareto, series, tables
-from k3launch.campaign_results import RESULTS, ResultRow, append_row, done_cells, latest, read_rows
-from k3launch.campaign_run import build_plan, prepare
+from k3launch.campaign.file import BaseSelection, Campaign, Validity, load_campaign
+from k3launch.campaign.matrix import expand, group, invalid_reason, plan_hash
+from k3launch.campaign.report import front_rows, pareto, series, tables
+from k3launch.campaign.results import RESULTS, ResultRow, append_row, done_cells, latest, read_rows
+from k3launch.campaign.run import build_plan, prepare
 from k3launch.errors import K3Error
-from k3launch.selection import Selection
+from k3launch.models.bench import BenchMetrics, LoadPoint
+from k3launch.models.selection import Selection
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,7 +233,7 @@ def test_dry_run_counts_engine_starts(tmp_path: Path) -> None:
 
 
 def test_a_line_torn_inside_a_multibyte_character_is_skipped_not_fatal(tmp_path: Path) -> None:
-    from k3launch.campaign_results import RESULTS, append_row, read_rows
+    from k3launch.campaign.results import RESULTS, append_row, read_rows
 
     bad = row("c2", False).model_copy(update={"reason": "client log: \u201cboom\u201d"})
     append_row(tmp_path, row("c1", True))
@@ -247,7 +247,7 @@ def test_a_line_torn_inside_a_multibyte_character_is_skipped_not_fatal(tmp_path:
 
 def test_a_set_that_repeats_the_recipe_default_is_the_same_deployment() -> None:
     from k3launch import api
-    from k3launch.campaign import plan_hash
+    from k3launch.campaign.matrix import plan_hash
 
     plain = api.plan(None, strategy="single_node_tp", name="h-a")
     same = api.plan(None, strategy="single_node_tp", name="h-b", sets=("gpu-memory-utilization=0.95",))
@@ -262,8 +262,8 @@ def test_a_set_that_repeats_the_recipe_default_is_the_same_deployment() -> None:
 def test_a_group_another_process_runs_is_skipped_or_refused_and_a_bad_out_is_a_user_error(tmp_path: Path) -> None:
     import json
 
-    from k3launch.campaign_results import group_lock
-    from k3launch.campaign_run import prepare
+    from k3launch.campaign.results import group_lock
+    from k3launch.campaign.run import prepare
 
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"name": "busy", "port_base": 40960, "base": {"strategy": "single_node_tp"},
@@ -290,7 +290,7 @@ def test_a_group_another_process_runs_is_skipped_or_refused_and_a_bad_out_is_a_u
 
 
 def test_a_cell_without_inter_token_samples_is_not_on_the_latency_front() -> None:
-    from k3launch.campaign_report import front_rows
+    from k3launch.campaign.report import front_rows
 
     fast = row("fast", True, tput=80.0).model_copy(update={"metrics": metrics(output_throughput=80.0, p99_tpot_ms=4.0)})
     # one output token per request: vLLM reports TPOT 0 ms, which is no latency at all
@@ -301,7 +301,7 @@ def test_a_cell_without_inter_token_samples_is_not_on_the_latency_front() -> Non
 
 
 def test_the_random_datasets_seed_is_part_of_a_cell(tmp_path: Path) -> None:
-    from k3launch.campaign_run import prepare
+    from k3launch.campaign.run import prepare
 
     def ids(bench: dict[str, object]) -> set[str]:
         f = tmp_path / "c.yaml"
@@ -315,8 +315,8 @@ def test_the_random_datasets_seed_is_part_of_a_cell(tmp_path: Path) -> None:
 
 
 def test_a_tighter_validity_gate_re_runs_cells_whose_figures_no_longer_pass(tmp_path: Path) -> None:
-    from k3launch.campaign_results import append_row
-    from k3launch.campaign_run import Prepared, pending, prepare
+    from k3launch.campaign.results import append_row
+    from k3launch.campaign.run import Prepared, pending, prepare
 
     f = tmp_path / "c.yaml"
 
@@ -337,7 +337,7 @@ def test_a_tighter_validity_gate_re_runs_cells_whose_figures_no_longer_pass(tmp_
 
 
 def test_report_judges_rows_by_the_current_gates(tmp_path: Path) -> None:
-    from k3launch.campaign_results import append_row
+    from k3launch.campaign.results import append_row
 
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump({"name": "gate", "base": {"strategy": "single_node_tp"}, "load": {"max_concurrency": [1]},

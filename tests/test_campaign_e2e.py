@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from k3launch import api
-from k3launch.campaign_results import read_rows
+from k3launch.campaign.results import read_rows
 
 TTFT_MS, ITL_MS = 30.0, 2.0
 FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": str(TTFT_MS), "K3LAUNCH_SIM_ITL_MS": str(ITL_MS)}

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
-from k3launch.campaign_results import read_rows
+from k3launch.campaign.results import read_rows
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from k3launch.compose import Locked, Source, compose
 from k3launch.errors import K3Error
-from k3launch.schema import load_schema
+from k3launch.planning.compose import Locked, Source, compose
+from k3launch.planning.schema import load_schema
 
 S = load_schema()
 PROG = ["vllm", "serve", "m"]

@@ -65,7 +65,7 @@ CASES = [
 def test_up_serve_status_logs_down(ssh_hosts: Hosts, tmp_path: Path, case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
     if case.router and shutil.which("vllm-router") is None:
         pytest.skip("vllm-router is not installed (pip install '.[test]')")
-    from k3launch import runners
+    from k3launch.transport import runners
 
     # library cases count SSH connections and remote shells: one of each per host for the whole up
     opened: list[str] = []

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from k3launch.plan import build_plan
-from k3launch.recipes import RecipeTree
-from k3launch.selection import Selection
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.recipes import RecipeTree
 
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"

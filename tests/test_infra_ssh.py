@@ -78,7 +78,7 @@ def test_every_host_answers_with_its_own_name(ssh_hosts: Hosts) -> None:
 
 
 def test_inventory_of_the_hosts_loads(ssh_hosts: Hosts, tmp_path: Path) -> None:
-    from k3launch.inventory import load_inventory
+    from k3launch.planning.inventory import load_inventory
 
     inv = load_inventory(ssh_hosts.write_inventory(tmp_path / "all.yaml"))
     assert (inv.backend, inv.engine, inv.hardware) == ("ssh", "sim", "b300")

@@ -15,9 +15,9 @@ from inventory_helpers import EXAMPLES, ROOT, example, inventory_addresses, load
 from plan_checks import check_plan
 
 from k3launch.errors import K3Error
-from k3launch.inventory import Inventory, apply_ssh_config, load_inventory
-from k3launch.plan_models import Plan
-from k3launch.schema import load_schema
+from k3launch.models.plan import Plan
+from k3launch.planning.inventory import Inventory, apply_ssh_config, load_inventory
+from k3launch.planning.schema import load_schema
 
 HEAD = "name: t\nbackend: ssh\nhardware: b300\n"
 HOSTILE = ("a;b", "$(x)", "a b", "a'b", 'a"b', "`id`", "a|b", "a&&b", "-oProxyCommand=x", "a..b", "a\nb", "")

@@ -26,12 +26,12 @@ from hypothesis import strategies as st
 from plan_checks import check_plan
 
 from k3launch.errors import K3Error
-from k3launch.inventory import Inventory
-from k3launch.plan import build_plan
-from k3launch.plan_models import Plan, Process
-from k3launch.recipes import RecipeTree
-from k3launch.schema import load_schema
-from k3launch.selection import Selection
+from k3launch.models.plan import Plan, Process
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.inventory import Inventory
+from k3launch.planning.recipes import RecipeTree
+from k3launch.planning.schema import load_schema
 
 TREE = RecipeTree()
 SCHEMA = load_schema()

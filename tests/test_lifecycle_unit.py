@@ -8,18 +8,18 @@ from pathlib import Path
 import pytest
 from fakes import FakeRunner
 
-from k3launch import remote
-from k3launch.doctor import doctor
+from k3launch.deploy.ssh.doctor import doctor
+from k3launch.deploy.ssh.launch import Launch, LaunchFailed
+from k3launch.deploy.ssh.teardown import teardown
+from k3launch.deploy.state import DeploymentRecord, ProcessRecord, StateStore
 from k3launch.errors import K3Error
-from k3launch.inventory import load_inventory
-from k3launch.launch import Launch, LaunchFailed
-from k3launch.nodes import Fleet
-from k3launch.plan import build_plan
-from k3launch.recipes import RecipeTree
-from k3launch.runners import Target
-from k3launch.selection import Selection
-from k3launch.state import DeploymentRecord, ProcessRecord, StateStore
-from k3launch.teardown import teardown
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.inventory import load_inventory
+from k3launch.planning.recipes import RecipeTree
+from k3launch.render import snippets as remote
+from k3launch.transport.fleet import Fleet
+from k3launch.transport.runners import Target
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -7,12 +7,12 @@ import json
 from typer.testing import CliRunner
 
 from k3launch.cli import app
-from k3launch.explain import explain, flag_key
-from k3launch.lint import lint
-from k3launch.plan import build_plan
-from k3launch.recipes import RecipeTree
-from k3launch.schema import load_schema
-from k3launch.selection import Selection
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.explain import explain, flag_key
+from k3launch.planning.lint import lint
+from k3launch.planning.recipes import RecipeTree
+from k3launch.planning.schema import load_schema
 
 S = load_schema()
 runner = CliRunner()

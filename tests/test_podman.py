@@ -25,8 +25,8 @@ from typing import Any
 
 import pytest
 
-from k3launch.plan_models import Plan
-from k3launch.state import StateStore
+from k3launch.deploy.state import StateStore
+from k3launch.models.plan import Plan
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "infra" / "podman-image.sh"
@@ -342,7 +342,8 @@ def test_doctor_sees_a_stopped_leftover_container(k3: K3) -> None:
 
 def test_podman_start_commands_suit_podman(tmp_path: Path) -> None:
     """podman specifics: no --shm-size with --ipc=host, HF_TOKEN never as -e, `ps` label format."""
-    from k3launch import doctor, render
+    from k3launch.deploy.ssh import doctor
+    from k3launch.render import scripts as render
 
     inv = tmp_path / "inv.yaml"
     inv.write_text(INVENTORY.format(image=TAG, hf_cache=tmp_path / "hf", env="{}"), encoding="utf-8")

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 from plan_checks import check_plan, engine_processes, flags, lint_errors
 
 from k3launch.errors import K3Error
-from k3launch.plan import build_plan
-from k3launch.plan_models import Plan
-from k3launch.recipes import RecipeTree
-from k3launch.schema import load_schema
-from k3launch.selection import Selection
+from k3launch.models.plan import Plan
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.recipes import RecipeTree
+from k3launch.planning.schema import load_schema
 
 HARDWARE = ("h100", "h200", "b200", "gb200", "b300", "gb300", "mi300x", "mi325x", "mi355x")
 STRATEGIES = (None, "single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster")

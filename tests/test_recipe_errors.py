@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from k3launch.cli import app
 from k3launch.errors import K3Error
-from k3launch.plan import build_plan
-from k3launch.recipes import RecipeTree, default_recipes_dir
-from k3launch.selection import Selection
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.recipes import RecipeTree, default_recipes_dir
 
 K3 = Path("models/moonshotai/Kimi-K3.yaml")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from inventory_helpers import ROOT, example, plan_json, q, run_cli, write_yaml
 
-from k3launch.plan_models import Plan, Process
+from k3launch.models.plan import Plan, Process
 
 GOLDEN = Path(__file__).parent / "golden" / "render"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
@@ -424,7 +424,7 @@ def test_an_image_that_is_not_an_image_reference_is_refused_before_any_script(tm
 
 @pytest.mark.parametrize("where", ["home", "missing"])
 def test_an_hf_token_file_under_the_home_directory_is_read_there(where: str, tmp_path: Path) -> None:
-    from k3launch.render import token_snippet
+    from k3launch.render.scripts import token_snippet
 
     home = tmp_path / "home"
     (home / ".cache" / "huggingface").mkdir(parents=True)

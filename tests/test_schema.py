@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3launch.errors import K3Error
-from k3launch.schema import load_schema, vendored_versions
+from k3launch.planning.schema import load_schema, vendored_versions
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,14 @@ import yaml
 from typer.testing import CliRunner
 
 from k3launch.cli import app
-from k3launch.compose import LAYERS
 from k3launch.errors import K3Error
-from k3launch.lint import lint
-from k3launch.plan import NodeSpec, build_plan
-from k3launch.plan_models import Plan, Process
-from k3launch.recipes import RecipeTree
-from k3launch.schema import load_schema
-from k3launch.selection import Selection
+from k3launch.models.plan import Plan, Process
+from k3launch.models.selection import Selection
+from k3launch.planning.build import NodeSpec, build_plan
+from k3launch.planning.compose import LAYERS
+from k3launch.planning.lint import lint
+from k3launch.planning.recipes import RecipeTree
+from k3launch.planning.schema import load_schema
 
 # ---------------------------------------------------------------------------------------------
 # The seed's figures

@@ -87,7 +87,7 @@ def test_sim_imports_only_the_stdlib_and_the_schema() -> None:
     third_party = {m for m in new if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "k3launch"}
     ours = {m for m in new if m.startswith("k3launch") and not m.startswith("k3launch.sim")}
     assert not third_party
-    assert ours == {"k3launch", "k3launch.schema", "k3launch.errors"}
+    assert ours == {"k3launch", "k3launch.planning.schema", "k3launch.errors"}
 
 
 def test_unknown_fault_knob_is_refused() -> None:

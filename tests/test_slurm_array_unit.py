@@ -1,5 +1,5 @@
 """Job arrays without a cluster: ``submit_array`` / ``wait_array`` against a fake
-:class:`~k3launch.slurm_cmd.SlurmClient` whose ``squeue`` answers are scripted poll by poll.
+:class:`~k3launch.deploy.slurm.client.SlurmClient` whose ``squeue`` answers are scripted poll by poll.
 
 What ``wait_array`` must get right: a task Slurm forgot (``MinJobAge``) has ended, a failed
 ``squeue`` says nothing, "Invalid job id" means every task ended, only a final result (``ended``)
@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from k3launch import slurm_array
+from k3launch.deploy.slurm import array as slurm_array
+from k3launch.deploy.slurm.array import ArrayJob, submit_array, wait_array
 from k3launch.errors import K3Error
-from k3launch.inventory import Inventory
-from k3launch.plan import build_plan
-from k3launch.plan_models import Plan
-from k3launch.recipes import RecipeTree
-from k3launch.runners import Result
-from k3launch.selection import Selection
-from k3launch.slurm_array import ArrayJob, submit_array, wait_array
+from k3launch.models.plan import Plan
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.inventory import Inventory
+from k3launch.planning.recipes import RecipeTree
+from k3launch.transport.runners import Result
 
 TREE = RecipeTree()
 INVALID = (1, "", "slurm_load_jobs error: Invalid job id specified\n")

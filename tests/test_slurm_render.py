@@ -1,4 +1,4 @@
-"""The Slurm backend's sbatch script (``k3launch.slurm_render.make_sbatch_string``).
+"""The Slurm backend's sbatch script (``k3launch.render.sbatch.make_sbatch_string``).
 
 Three levels, like the ssh renderer's tests:
 
@@ -39,12 +39,12 @@ from infrahelpers import pid_alive
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
-from k3launch.inventory import Inventory, SlurmSection
-from k3launch.plan import build_plan
-from k3launch.plan_models import Plan, Process
-from k3launch.recipes import RecipeTree
-from k3launch.selection import Selection
-from k3launch.slurm_render import DOCTOR_FAILED_EXIT, job_library, make_array_string, make_sbatch_string
+from k3launch.models.plan import Plan, Process
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.inventory import Inventory, SlurmSection
+from k3launch.planning.recipes import RecipeTree
+from k3launch.render.sbatch import DOCTOR_FAILED_EXIT, job_library, make_array_string, make_sbatch_string
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster

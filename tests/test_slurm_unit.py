@@ -1,5 +1,5 @@
 """The Slurm backend without a cluster: parsers of Slurm's output and of the job's, plan binding,
-and ``SlurmLaunch`` against a fake :class:`~k3launch.slurm_cmd.SlurmClient` (the one seam)."""
+and ``SlurmLaunch`` against a fake :class:`~k3launch.deploy.slurm.client.SlurmClient` (the one seam)."""
 
 from __future__ import annotations
 
@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from k3launch.deploy.slurm.client import JobInfo, expand, parse_sacct, parse_squeue, parse_steps, submit_env
+from k3launch.deploy.slurm.job import bind_plan, parse_output
+from k3launch.deploy.slurm.launch import SlurmLaunch
+from k3launch.deploy.ssh.launch import LaunchFailed
+from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.inventory import Inventory
-from k3launch.launch import LaunchFailed
-from k3launch.plan import build_plan
-from k3launch.plan_models import Plan
-from k3launch.recipes import RecipeTree
-from k3launch.runners import Result
-from k3launch.selection import Selection
-from k3launch.slurm_backend import SlurmLaunch
-from k3launch.slurm_cmd import JobInfo, expand, parse_sacct, parse_squeue, parse_steps, submit_env
-from k3launch.slurm_job import bind_plan, parse_output
-from k3launch.slurm_render import make_sbatch_string
-from k3launch.state import StateStore
+from k3launch.models.plan import Plan
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.inventory import Inventory
+from k3launch.planning.recipes import RecipeTree
+from k3launch.render.sbatch import make_sbatch_string
+from k3launch.transport.runners import Result
 
 TREE = RecipeTree()
 
@@ -176,7 +176,7 @@ def test_render_writes_the_sbatch_script_up_would_submit(tmp_path: Path) -> None
 
 
 def test_a_running_job_whose_output_never_appears_means_an_unshared_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import k3launch.slurm_backend as sb
+    import k3launch.deploy.slurm.launch as sb
 
     monkeypatch.setattr(sb, "OUTPUT_VISIBLE_S", 0.2)
     fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1", "k3n2"])], write_output=False)
@@ -211,8 +211,8 @@ class StuckSlurm(FakeSlurm):
 
 
 def test_down_sends_the_grace_signal_to_the_job_script_with_the_grace_then_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import k3launch.slurm_ops as ops
-    from k3launch.state import DeploymentRecord, SlurmJob
+    import k3launch.deploy.slurm.ops as ops
+    from k3launch.deploy.state import DeploymentRecord, SlurmJob
 
     plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inventory(), name="u-down")
     log_dir = tmp_path / "logs"
@@ -244,8 +244,8 @@ def test_skip_doctor_leaves_the_doctor_step_out_of_the_job(tmp_path: Path) -> No
 
 
 def test_status_of_an_ended_or_queued_job_and_following_logs(tmp_path: Path) -> None:
-    from k3launch.slurm_ops import follow_files, observe_job
-    from k3launch.state import DeploymentRecord, SlurmJob
+    from k3launch.deploy.slurm.ops import follow_files, observe_job
+    from k3launch.deploy.state import DeploymentRecord, SlurmJob
 
     plan = build_plan(TREE, Selection(strategy="multi_node_tp", nodes=2), inventory=inventory(), name="u-status")
     log_dir = tmp_path / "logs"

@@ -14,11 +14,11 @@ import pytest
 from plan_checks import check_plan, engine_processes, flags, lint_errors
 
 from k3launch.errors import K3Error
-from k3launch.plan import build_plan
-from k3launch.plan_models import Plan, Process
-from k3launch.recipes import RecipeTree
-from k3launch.schema import load_schema
-from k3launch.selection import Selection
+from k3launch.models.plan import Plan, Process
+from k3launch.models.selection import Selection
+from k3launch.planning.build import build_plan
+from k3launch.planning.recipes import RecipeTree
+from k3launch.planning.schema import load_schema
 
 UPSTREAM = Path(__file__).resolve().parents[2] / "shared" / "upstream-recipes"
 if not UPSTREAM.is_dir():

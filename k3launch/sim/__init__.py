@@ -5,7 +5,7 @@ accepts exactly the flags of the vendored vLLM schema, makes vLLM's startup chec
 the TP/PP master, DP coordinator and NIXL side-channel exchanges over real TCP (so a wrong
 address, rank or port fails as on GPUs), then serves ``/health``, ``/v1/models``,
 ``/v1/completions``, ``/v1/chat/completions`` (plain and SSE), ``/metrics`` and ``/version``.
-It depends on the standard library and ``k3launch.schema``/``k3launch.errors`` only, so it runs
+It depends on the standard library and ``k3launch.planning.schema``/``k3launch.errors`` only, so it runs
 in a minimal container image.
 
 Environment knobs (besides vLLM's own VLLM_HOST_IP, VLLM_NIXL_SIDE_CHANNEL_HOST/PORT,

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from k3launch.errors import K3Error
-from k3launch.schema import DEFAULT_VLLM_VERSION, FlagSchema, FlagSpec, Problem, load_schema
+from k3launch.planning.schema import DEFAULT_VLLM_VERSION, FlagSchema, FlagSpec, Problem, load_schema
 from k3launch.sim import options
 from k3launch.sim.logs import Logger
 from k3launch.sim.runner import Runner

@@ -1,6 +1,6 @@
 """What one sim process was told: the ``vllm serve`` flags it acts on, its env, and its knobs.
 
-The flags arrive already tokenized by the vendored schema (:mod:`k3launch.schema`), so the sim
+The flags arrive already tokenized by the vendored schema (:mod:`k3launch.planning.schema`), so the sim
 accepts exactly the flags of the selected vLLM version; here they become typed settings and
 go through the consistency checks vLLM itself makes before it touches a GPU.
 """
@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from k3launch.schema import DEFAULT_VLLM_VERSION, Arg
+from k3launch.planning.schema import DEFAULT_VLLM_VERSION, Arg
 
 FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready", "empty-after-ready")
 

@@ -1,0 +1,1 @@
+"""Benchmark campaigns: single load points (bench), campaign files, matrix, runs, results, reports."""

@@ -1,0 +1,252 @@
+"""``k3launch bench``: one load point against a live deployment, read back from vLLM's result JSON.
+
+Where the client runs:
+
+* ``engine`` — ``<runtime> exec <head container> vllm bench serve ...`` on the head node (the
+  engine image ships vLLM's own client, tokenizer included), then ``<runtime> cp`` of the result
+  file it wrote inside the container and ``cat`` of it on the node; both through the
+  deployment's fleet (SSH or local).
+* ``local`` — ``python -m k3launch.sim bench serve ...`` on this machine: the same command line
+  and JSON from k3launch's stdlib client, for deployments without a container (bare runtimes,
+  the simulated engine) or whose endpoint the head node cannot reach.
+
+``auto`` takes ``engine`` when the head engine runs in a docker/podman container and the public
+endpoint is reachable from the head node, else ``local``. The figures are always parsed from
+the result JSON, never from the printed summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from k3launch import api
+from k3launch.errors import K3Error
+from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
+
+if TYPE_CHECKING:
+    from k3launch.deploy.state import DeploymentRecord
+    from k3launch.models.plan import Process
+
+CONTAINER_RUNTIMES = ("docker", "podman")
+CONTAINER_RESULT_DIR = "/tmp/k3launch-bench"  # inside the head container
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    client: str  # local | engine
+    started: str
+    ended: str
+    result_file: Path | None
+    log_file: Path | None
+    metrics: BenchMetrics | None
+    error: str | None  # why there are no figures (the client failed, the JSON is unreadable)
+    # True when a timed-out client could not be stopped: it may still load the deployment, so no
+    # further load point against it would measure what it claims
+    stray: bool = False
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the running deployment says about itself (None where it cannot tell)."""
+
+    vllm_version: str | None
+    runtime: str
+    image: str | None
+    image_id: str | None
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord:
+    for rec in api.deployments(state_dir):
+        if rec.name == name:
+            return rec
+    known = ", ".join(r.name for r in api.deployments(state_dir)) or "none"
+    raise K3Error("unknown-deployment", f"no deployment named {name!r}", f"deployments: {known} (`k3launch list`)")
+
+
+def head(rec: DeploymentRecord) -> Process:
+    """The engine process whose container runs the client: the first HTTP head (serve, else prefill)."""
+    engines = [p for p in rec.plan.processes if p.role != "router" and p.head and p.http_port is not None]
+    if not engines:
+        raise K3Error("no-head", f"{rec.name}: the plan has no engine head with an HTTP port", "check `k3launch status`")
+    return engines[0]
+
+
+def served_name(proc: Process) -> str | None:
+    """The first ``--served-model-name`` of an engine's argv (requests must use it), if any."""
+    argv = proc.argv
+    for i, a in enumerate(argv):
+        if a == "--served-model-name" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--served-model-name="):
+            return a.split("=", 1)[1] or None
+    return None
+
+
+def _loopback(url: str) -> bool:
+    host = urllib.parse.urlsplit(url).hostname or ""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def choose_client(rec: DeploymentRecord, mode: str) -> str:
+    h = head(rec)
+    runtime = rec.processes[h.id].runtime if h.id in rec.processes else "bare"
+    in_container = runtime in CONTAINER_RUNTIMES
+    reachable = rec.plan.backend == "local" or not _loopback(rec.endpoint)  # a login-node router on 127.0.0.1 is not
+    if mode == "engine":
+        if not in_container:
+            raise K3Error("no-container", f"{rec.name}: the head engine runs {runtime}, not in a container", "use --client local")
+        if not reachable:
+            raise K3Error("endpoint-unreachable", f"{rec.name}: {rec.endpoint} is a login-node address the head node cannot reach",
+                          "use --client local")
+        return "engine"
+    if mode == "local":
+        return "local"
+    return "engine" if in_container and reachable else "local"
+
+
+def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, client: str = "auto", seed: int = 0,
+        range_ratio: float = 0.0, warmups: int = 0, timeout_s: float = 3600.0) -> BenchRun:
+    """Run one load point; a client failure is a BenchRun with ``error`` (the caller decides)."""
+    mode = choose_client(rec, client)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise K3Error("bad-result-dir", f"{out_dir}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
+    result = out_dir / f"{tag}.json"
+    log = out_dir / f"{tag}.log"
+    result.unlink(missing_ok=True)  # never read an earlier attempt's figures
+    started = now_iso()
+    kw = {"base_url": rec.endpoint, "model": rec.plan.model, "served_name": served_name(head(rec)), "seed": seed, "range_ratio": range_ratio, "warmups": warmups,
+          "result_filename": result.name}
+    stray = False
+    if mode == "local":
+        error = _run_local(bench_argv(load, result_dir=str(out_dir), **kw), log, timeout_s)  # type: ignore[arg-type]
+    else:
+        error, stray = _run_engine(rec, bench_argv(load, result_dir=CONTAINER_RESULT_DIR, **kw), result, log, timeout_s)  # type: ignore[arg-type]
+    metrics = None
+    if error is None:
+        metrics, error = read_result(result)
+    return BenchRun(mode, started, now_iso(), result if result.is_file() else None, log, metrics, error, stray)
+
+
+def read_result(path: Path) -> tuple[BenchMetrics | None, str | None]:
+    try:
+        return BenchMetrics.model_validate(json.loads(path.read_text(encoding="utf-8"))), None
+    except FileNotFoundError:
+        return None, f"the client wrote no result file ({path.name})"
+    except (ValueError, ValidationError) as exc:
+        return None, f"unreadable result JSON {path.name}: {str(exc).splitlines()[0]}"
+
+
+def _tail(text: str) -> str:
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _run_local(argv: list[str], log: Path, timeout_s: float) -> str | None:
+    cmd = [sys.executable, "-m", "k3launch.sim", "bench", "serve", *argv]
+    with log.open("w", encoding="utf-8") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        # its own session: a timeout or Ctrl-C stops the client and everything it started, so no
+        # stray load reaches the deployment's next load point
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(p)
+            return f"the benchmark client did not finish within {timeout_s:g}s"
+        except BaseException:
+            _kill_group(p)
+            raise
+    if p.returncode != 0:
+        return f"the benchmark client exited {p.returncode}: {_tail(log.read_text(encoding='utf-8'))}"
+    return None
+
+
+def _kill_group(p: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def _container(rec: DeploymentRecord) -> tuple[str, str, str]:
+    """(node, runtime, container name) of the head engine."""
+    h = head(rec)
+    pr = rec.processes[h.id]
+    return h.node, pr.runtime, pr.handle
+
+
+def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
+    """(error, stray): ``stray`` when a timed-out client inside the container could not be stopped."""
+    node, rt, cname = _container(rec)
+    ex = f"{shlex.quote(rt)} exec {shlex.quote(cname)}"
+    inner = f"{CONTAINER_RESULT_DIR}/{result.name}"
+    fleet = api.fleet_for(rec.plan, rec.ssh_config, rec.known_hosts)
+    try:
+        r = fleet.run(node, f"{ex} vllm bench serve {shlex.join(argv)} 2>&1", timeout=timeout_s)
+        log.write_text(f"$ {ex} vllm bench serve {shlex.join(argv)}\n{r.stdout}{r.stderr}", encoding="utf-8")
+        if r.exit_code == 124:
+            # the exec client on the node is gone, the benchmark inside the container is not:
+            # stop it by its unique result file name (images without pkill cannot be helped)
+            stop = fleet.run(node, f"{ex} pkill -INT -f {shlex.quote(result.name)}", timeout=30)
+            return f"vllm bench serve on {node} did not finish within {timeout_s:g}s", stop.exit_code not in (0, 1)
+        if not r.ok:
+            return f"vllm bench serve on {node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}", False
+        # `<runtime> cp` to the node, then cat there: engine images need not ship cat (or a shell)
+        tmp = shlex.quote(f"/tmp/k3launch-bench-{result.name}")
+        got = fleet.run(node, f"{shlex.quote(rt)} cp {shlex.quote(f'{cname}:{inner}')} {tmp} && cat {tmp}; rc=$?; rm -f {tmp}; exit $rc",
+                        timeout=60)
+        if not got.ok:
+            return f"cannot read {inner} in the head container on {node}: {_tail(got.stderr)}", False
+        result.write_text(got.stdout, encoding="utf-8")
+        return None, False
+    except K3Error as exc:
+        return f"{node}: {exc.message}", False
+    finally:
+        fleet.close()
+
+
+def engine_facts(rec: DeploymentRecord) -> EngineFacts:
+    """vLLM's own ``/version`` of the head engine, and the container image id where there is one."""
+    h = head(rec)
+    version = None
+    with contextlib.suppress(OSError, ValueError):
+        with urllib.request.urlopen(f"http://{h.address}:{h.http_port}/version", timeout=5) as r:
+            said = json.loads(r.read().decode() or "{}").get("version")
+            version = str(said) if said else None
+    pr = rec.processes.get(h.id)
+    runtime = pr.runtime if pr else "bare"
+    image_id = None
+    if pr is not None and runtime in CONTAINER_RUNTIMES:
+        fleet = api.fleet_for(rec.plan, rec.ssh_config, rec.known_hosts)
+        try:
+            r = fleet.run(h.node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
+            image_id = (r.stdout.strip() or None) if r.ok else None
+        except K3Error:
+            image_id = None
+        finally:
+            fleet.close()
+    return EngineFacts(version, runtime, h.image if runtime in CONTAINER_RUNTIMES else None, image_id)

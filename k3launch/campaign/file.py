@@ -1,0 +1,220 @@
+"""The campaign file (``campaigns/*.yaml``): what to deploy, what load to put on it, what counts.
+
+Unknown keys are errors with file and line (the same loader as recipes and inventories)::
+
+    name: tep-vs-dep                 # results and deployment names derive from it
+    inventory: local                 # a bundled inventory name, or a path relative to this file
+    port_base: 9000                  # optional: every deployment's port block (README "--port-base")
+    engine_env: {K3LAUNCH_SIM_LOAD_S: "0.2"}   # extra engine env, checked like an inventory's env
+    base: {strategy: multi_node_tep, nodes: 2} # selection fields every deployment starts from
+    deployments:                     # axes: the product of every listed value
+      strategy: [multi_node_tep, multi_node_dep]
+      set: {max-num-seqs: [64, 256]} # one axis per flag (--set FLAG=VALUE)
+    load:                            # axes of `vllm bench serve`; a scalar is a one-value axis
+      max_concurrency: [1, 8, 64]
+      input_len: 1024
+      output_len: 128
+    exclude:                         # drop cells matching every key of one entry
+      - {strategy: multi_node_dep, max_concurrency: 1}
+    validity: {max_error_rate: 0.01}
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from k3launch.planning.inventory import NodeSettings
+from k3launch.planning.recipes import load_yaml_model
+
+Scalar = str | int | float | bool | None
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"  # + "-<8 hex>" stays a valid deployment name (≤ 63)
+
+# Selection fields a deployment axis may vary (see k3launch.models.selection.Selection).
+SCALAR_AXES = ("recipe", "variant", "hardware", "strategy", "nodes", "prefill_strategy", "prefill_nodes",
+               "decode_strategy", "decode_nodes", "kv_offload", "vllm_version")
+LIST_AXES = ("features", "no_features", "advanced")
+LOAD_AXES = ("max_concurrency", "input_len", "output_len", "request_rate", "num_prompts")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _as_list(v: object) -> object:
+    """A scalar where a list of values is expected is a one-value axis."""
+    return v if isinstance(v, list) or v is None else [v]
+
+
+def _as_lists(v: object) -> object:
+    """A list axis takes lists; a flat list of strings is one value per string."""
+    if isinstance(v, list):
+        return [x if isinstance(x, list) else [x] for x in v]
+    return v if v is None else [[v]]
+
+
+class BaseSelection(Strict):
+    """Selection fields shared by every deployment of the campaign."""
+
+    recipe: str | None = None
+    variant: str | None = None
+    hardware: str | None = None
+    strategy: str | None = None
+    nodes: int | None = None
+    prefill_strategy: str | None = None
+    prefill_nodes: int | None = None
+    decode_strategy: str | None = None
+    decode_nodes: int | None = None
+    features: list[str] = []
+    no_features: list[str] = []
+    kv_offload: str = "off"
+    sets: list[str] = []
+    advanced: list[str] = []
+    vllm_version: str | None = None
+
+    @field_validator("sets")
+    @classmethod
+    def _sets(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if "=" not in s:
+                raise ValueError(f"sets entry {s!r}: use FLAG=VALUE")
+        return v
+
+
+class DeploymentAxes(Strict):
+    """Each listed field is an axis of the deployment matrix (in this order); ``null`` is the default."""
+
+    recipe: list[str | None] | None = None
+    variant: list[str | None] | None = None
+    hardware: list[str | None] | None = None
+    strategy: list[str | None] | None = None
+    nodes: list[int | None] | None = None
+    prefill_strategy: list[str | None] | None = None
+    prefill_nodes: list[int | None] | None = None
+    decode_strategy: list[str | None] | None = None
+    decode_nodes: list[int | None] | None = None
+    features: list[list[str]] | None = None
+    no_features: list[list[str]] | None = None
+    kv_offload: list[str | None] | None = None
+    advanced: list[list[str]] | None = None
+    vllm_version: list[str | None] | None = None
+    set: dict[str, list[str | int | float | bool]] = {}
+
+    @field_validator(*SCALAR_AXES, mode="before")
+    @classmethod
+    def _scalar_axes(cls, v: object) -> object:
+        return _as_list(v)
+
+    @field_validator(*LIST_AXES, mode="before")
+    @classmethod
+    def _list_axes(cls, v: object) -> object:
+        return _as_lists(v)
+
+    @field_validator("set", mode="before")
+    @classmethod
+    def _set(cls, v: object) -> object:
+        return {k: _as_list(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> DeploymentAxes:
+        for name in (*SCALAR_AXES, *LIST_AXES):
+            if getattr(self, name) == []:
+                raise ValueError(f"deployment axis {name!r} has no values")
+        for flag, values in self.set.items():
+            if not values:
+                raise ValueError(f"deployment axis set.{flag} has no values")
+            if "=" in flag or not flag.strip("-"):
+                raise ValueError(f"set: {flag!r} is not a flag name (write `set: {{max-num-seqs: [64, 256]}}`)")
+        return self
+
+
+def _rate(v: object) -> object:
+    return float("inf") if isinstance(v, str) and v.strip().lower() in ("inf", "infinity") else v
+
+
+class LoadAxes(Strict):
+    """``vllm bench serve`` load axes (random dataset); every combination is a load point."""
+
+    max_concurrency: list[int | None] = [None]
+    input_len: list[int] = [1024]
+    output_len: list[int] = [128]
+    request_rate: list[float] = [math.inf]
+    num_prompts: list[int] = [200]
+
+    @field_validator(*LOAD_AXES, mode="before")
+    @classmethod
+    def _load_axes(cls, v: object) -> object:
+        v = _as_list(v)
+        return [_rate(x) for x in v] if isinstance(v, list) else v
+
+    @model_validator(mode="after")
+    def _positive(self) -> LoadAxes:
+        for name in LOAD_AXES:
+            values = getattr(self, name)
+            if not values:
+                raise ValueError(f"load axis {name!r} has no values")
+            if any(x is not None and not x > 0 for x in values):
+                raise ValueError(f"load axis {name!r}: values must be positive")
+        return self
+
+
+class Validity(Strict):
+    """When a cell's numbers count; a cell failing any gate is recorded invalid with the reason."""
+
+    min_completed: int = Field(default=1, ge=1)
+    max_error_rate: float = Field(default=0.01, ge=0.0, le=1.0)  # failed / (completed + failed)
+    min_output_tokens: int = Field(default=1, ge=1)
+
+
+class BenchSettings(Strict):
+    client: Literal["auto", "local", "engine"] = "auto"  # engine: `vllm bench serve` in the head's container
+    seed: int = 0
+    random_range_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
+    num_warmups: int = Field(default=0, ge=0)
+    timeout_s: float = Field(default=3600.0, gt=0)  # one load point, end to end
+
+
+class Campaign(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    description: str = ""
+    inventory: str | None = None  # None: the bundled local inventory
+    port_base: int | None = None
+    ready_timeout: float | None = Field(default=None, gt=0)
+    engine_env: dict[str, str] = {}
+    base: BaseSelection = BaseSelection()
+    deployments: DeploymentAxes = DeploymentAxes()
+    load: LoadAxes = LoadAxes()
+    exclude: list[dict[str, Scalar | list[Scalar]]] = []
+    validity: Validity = Validity()
+    bench: BenchSettings = BenchSettings()
+
+    @field_validator("engine_env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        NodeSettings(env=v)  # the inventory's checks: no secrets, no placement-owned names
+        return v
+
+    @model_validator(mode="after")
+    def _exclude_keys(self) -> Campaign:
+        known = set(self.axis_names())
+        for i, entry in enumerate(self.exclude):
+            unknown = sorted(set(entry) - known)
+            if unknown:
+                raise ValueError(f"exclude[{i}]: {unknown[0]!r} is not an axis of this campaign (axes: {', '.join(sorted(known))})")
+        return self
+
+    def deployment_axis_names(self) -> list[str]:
+        d = self.deployments
+        names = [n for n in (*SCALAR_AXES, *LIST_AXES) if getattr(d, n) is not None]
+        return names + [f"set.{flag}" for flag in d.set]
+
+    def axis_names(self) -> list[str]:
+        return [*self.deployment_axis_names(), *LOAD_AXES]
+
+
+def load_campaign(path: Path) -> Campaign:
+    """Parse a campaign file; every problem is one ``file:line`` K3Error (exit 2)."""
+    return load_yaml_model(path, Campaign, doc="README 'Benchmark campaigns'", code="bad-campaign")

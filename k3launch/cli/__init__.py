@@ -1,0 +1,170 @@
+"""The ``k3launch`` command line: parse, call the library, render (rich for people, ``--json`` for scripts).
+
+Exit codes: 0 success; 1 ``lint`` found problems; 2 refused (bad input, a combination that
+cannot work, a deployment that does not fit) with a one-line reason and a hint. A Python
+traceback is shown only with ``--debug``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from k3launch import __version__
+from k3launch.cli import campaign as _cli_campaign  # registers `bench` and `campaign run/report`
+from k3launch.cli import deploy as _cli_deploy  # registers up/status/logs/down/list
+from k3launch.cli import recipes as _cli_recipes  # registers `recipes` and `lint`
+from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, with_selection
+from k3launch.errors import K3Error
+
+__all__ = ["app", "main"]
+_ = (_cli_recipes, _cli_deploy, _cli_campaign)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"k3launch {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
+) -> None:
+    STATE.debug = debug
+
+
+@app.command()
+@with_selection
+def plan(json_out: JsonOut = False, *, args: PlanArgs) -> None:
+    """Compose every process of a deployment: argv, env, ranks, ports, provenance."""
+    STATE.json = json_out
+    try:
+        p = args.build()
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(p.to_json())
+    else:
+        from k3launch.cli import show_plan as show
+
+        show.plan(console(), p)
+
+
+@app.command()
+@with_selection
+def explain(
+    flag: Annotated[str, typer.Argument(help="A vllm serve flag (max-num-seqs, --max-num-seqs, -tp) or an env name.")],
+    process: Annotated[str | None, typer.Option("--process", help="Only this process id (e.g. decode-1).")] = None,
+    json_out: JsonOut = False, *, args: PlanArgs,
+) -> None:
+    """Show which layers wrote FLAG, in order, and which value runs."""
+    STATE.json = json_out
+    from k3launch.planning.explain import explain as do_explain
+    from k3launch.planning.explain import flag_key
+
+    try:
+        p = args.build()
+        key = flag_key(p, flag)
+        items = do_explain(p, flag, process)
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        out = {"flag": key, "histories": [{"processes": h.processes, "final": h.final,
+                                           "entries": [e.model_dump() for e in h.entries]} for h in items]}
+        typer.echo(json.dumps(out, indent=2))
+    else:
+        from k3launch.cli import show_plan as show
+
+        show.history(console(), items, key)
+
+
+@app.command()
+@with_selection
+def render(
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for plan.json and one launch script per node (created; must be empty).")],
+    force: Annotated[bool, typer.Option("--force", help="Write into a non-empty --out directory (overwrites same-named files only).")] = False,
+    json_out: JsonOut = False, *, args: PlanArgs,
+) -> None:
+    """Write plan.json and one runnable launch script per node (and the router) into --out."""
+    STATE.json = json_out
+    from k3launch.cli.writeout import write_render
+
+    try:
+        p = args.build()
+        written = write_render(p, out, args, force)
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps({"name": p.name, "out": str(out), "files": written}, indent=2))
+    else:
+        typer.echo(f"plan {p.name}: wrote {len(written)} files to {out}")
+        for f in written:
+            typer.echo(f"  {f}")
+
+
+@app.command()
+def chat(
+    name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")],
+    message: Annotated[str, typer.Argument(help="The user message.")],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 64,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch).")] = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Send one chat completion to a deployment's public endpoint and print the reply."""
+    STATE.json = json_out
+    import urllib.error
+    import urllib.request
+
+    from k3launch.deploy.state import StateStore
+
+    try:
+        rec = StateStore(state_dir).load(name)
+        body = json.dumps({"model": rec.plan.model, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens}).encode()
+        req = urllib.request.Request(rec.endpoint + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=600) as r:
+                data = json.loads(r.read().decode())
+        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+            raise K3Error("chat-failed", f"{rec.endpoint}: {getattr(exc, 'reason', exc)}", f"check `k3launch status {name}`") from None
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps(data))
+        return
+    choice = (data.get("choices") or [{}])[0].get("message", {})
+    typer.echo(choice.get("content") or "")
+    usage = data.get("usage") or {}
+    typer.echo(f"[{usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} completion tokens, {rec.endpoint}]", err=True)
+
+
+def main() -> None:
+    """Console entry point: K3Error → exit 2; unexpected errors → one line unless --debug."""
+    debug = "--debug" in sys.argv[1:]
+    try:
+        app()
+    except K3Error as err:  # raised outside a command's own handler
+        typer.echo(f"error: {err.message}", err=True)
+        if err.hint:
+            typer.echo(f"hint: {err.hint}", err=True)
+        sys.exit(2)
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+    except Exception as exc:  # the last line of defence against tracebacks
+        if debug:
+            raise
+        typer.echo(f"internal error: {type(exc).__name__}: {exc}", err=True)
+        typer.echo("hint: rerun with --debug for a traceback and report it", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""``k3launch bench`` and ``k3launch campaign run / report``.
+
+Exit codes: 0 success; 1 ``campaign run`` finished but some cells are invalid (each recorded
+with its reason), or ``bench`` gave invalid figures; 2 refused (bad campaign file with
+file:line, unknown deployment, bad option); 130 interrupted (Ctrl-C or SIGTERM: the deployment
+in use is taken down first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from k3launch.cli.common import STATE, JsonOut, app, console, fail
+from k3launch.errors import K3Error
+
+INTERRUPTED = 130
+StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
+Client = Annotated[str | None, typer.Option("--client", help="auto, local (k3launch's client here) or engine (`vllm bench serve` in the head container).")]
+CampaignFile = Annotated[Path, typer.Argument(help="Campaign YAML, or the name of a bundled one (local-demo).")]
+OutDir = Annotated[Path, typer.Option("--out", "-o", help="Campaign directory: results.jsonl/.csv, bench/ (raw result JSON and logs), plots/.")]
+
+campaign_app = typer.Typer(help="Benchmark campaigns: deployments × load points, results, plots.", no_args_is_help=True)
+app.add_typer(campaign_app, name="campaign")
+
+
+def _client(value: str | None) -> str | None:
+    if value is not None and value not in ("auto", "local", "engine"):
+        raise K3Error("bad-client", f"--client {value!r}: use auto, local or engine", "auto picks engine for container deployments")
+    return value
+
+
+@app.command()
+def bench(
+    name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")],
+    num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, help="Requests to send.")] = 200,
+    input_len: Annotated[int, typer.Option("--random-input-len", min=1, help="Prompt tokens per request.")] = 1024,
+    output_len: Annotated[int, typer.Option("--random-output-len", min=1, help="Output tokens per request (ignore_eos).")] = 128,
+    max_concurrency: Annotated[int | None, typer.Option("--max-concurrency", min=1, help="Requests in flight at most (default: unbounded).")] = None,
+    request_rate: Annotated[str, typer.Option("--request-rate", help="Requests per second (Poisson arrivals), or inf: all at once.")] = "inf",
+    seed: Annotated[int, typer.Option("--seed", help="Random dataset seed.")] = 0,
+    client: Client = "auto",
+    result_dir: Annotated[Path, typer.Option("--result-dir", help="Where the result JSON (vLLM's format) and the client log go.")] = Path("."),
+    result_filename: Annotated[str | None, typer.Option("--result-filename", help="Result file name (default bench-<deployment>-<load>.json).")] = None,
+    state_dir: StateDir = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Run one `vllm bench serve` load point against a live deployment's public endpoint."""
+    STATE.json = json_out
+    from k3launch.campaign import bench as benchmod
+    from k3launch.campaign.file import Validity
+    from k3launch.campaign.matrix import invalid_reason
+    from k3launch.models.bench import LoadPoint
+
+    try:
+        rate = math.inf if request_rate.strip().lower() in ("inf", "infinity") else float(request_rate)
+        if not rate > 0:
+            raise ValueError
+    except ValueError:
+        fail(K3Error("bad-rate", f"--request-rate {request_rate!r}: use a positive number or inf", "e.g. --request-rate 4"))
+    try:
+        rec = benchmod.record(name, state_dir)
+        load = LoadPoint(max_concurrency=max_concurrency, input_len=input_len, output_len=output_len, request_rate=rate, num_prompts=num_prompts)
+        tag = (result_filename or f"bench-{name}-{load.key}.json").removesuffix(".json")
+        run = benchmod.run(rec, load, out_dir=result_dir, tag=tag, client=_client(client) or "auto", seed=seed)
+    except K3Error as err:
+        fail(err)
+    reason = run.error or (invalid_reason(run.metrics, Validity()) if run.metrics else "no figures")
+    if json_out:
+        body = json.loads(run.result_file.read_text(encoding="utf-8")) if run.result_file and run.result_file.is_file() else None
+        typer.echo(json.dumps({"deployment": name, "client": run.client, "result_file": str(run.result_file) if run.result_file else None,
+                               "valid": reason is None, "reason": reason, "result": body}))
+    else:
+        from k3launch.cli import show_campaign
+
+        if run.metrics is not None:
+            show_campaign.metrics(console(), run.metrics, load, run.result_file, run.client)
+        if reason:
+            typer.echo(f"invalid: {reason} (client log: {run.log_file})", err=True)
+    if reason:
+        raise typer.Exit(1)
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # scancel / a time limit: stop like Ctrl-C, taking the deployment down
+
+
+@campaign_app.command("run")
+def campaign_run(
+    file: CampaignFile,
+    out: OutDir,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the matrix, the deployment groups and the engine starts it would cost.")] = False,
+    group: Annotated[int | None, typer.Option("--group", min=0, help="Run only deployment group N (a Slurm array task: $SLURM_ARRAY_TASK_ID).")] = None,
+    port_base: Annotated[int | None, typer.Option("--port-base", help="Port block of every deployment (overrides the campaign's port_base).")] = None,
+    client: Client = None,
+    slurm_array: Annotated[bool, typer.Option("--slurm-array", help="Slurm inventory: one job array task per deployment group, each in its own allocation; waits for all.")] = False,
+    array_limit: Annotated[int | None, typer.Option("--array-limit", min=1, help="--slurm-array: at most this many tasks at once (--array=0-N%K).")] = None,
+    no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm-array: submit and return.")] = False,
+    attached: Annotated[bool, typer.Option("--attached", hidden=True, help="Inside an array task: use the deployment the task's job started.")] = False,
+    state_dir: StateDir = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Bring each distinct deployment up once, run all its load points, take it down; resumable."""
+    STATE.json = json_out
+    from k3launch.campaign import run as cr
+    from k3launch.cli import show_campaign
+
+    con = console()
+    try:
+        _client(client)
+        prep = cr.prepare(file, port_base=port_base)
+        if attached and group is None:
+            raise K3Error("bad-option", "--attached needs --group", "it is how a job array task names its group")
+        if slurm_array and group is not None:
+            raise K3Error("bad-option", "--slurm-array submits every pending group; --group runs one", "drop one of them")
+        if slurm_array and not dry_run:
+            from k3launch.campaign import slurm as campaign_slurm
+
+            emit = (lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True))
+            try:
+                arr = campaign_slurm.submit(prep, out, limit=array_limit, client=client, wait=not no_wait, on_event=emit)
+            except campaign_slurm.ArrayInterrupted as stop:
+                ids = " ".join(stop.jobs)
+                typer.echo(f"interrupted: array job(s) {ids} keep running and still append their rows; `scancel {ids}` stops them, "
+                           "running this command again collects what is missing", err=True)
+                raise typer.Exit(INTERRUPTED) from None
+            if json_out:
+                typer.echo(json.dumps(dataclasses.asdict(arr)))
+            else:
+                con.print(f"{len(arr.submitted)} group(s) submitted as job(s) {', '.join(arr.jobs) or '-'}; {len(arr.skipped)} already done; "
+                          f"cells valid {arr.valid}, invalid {arr.invalid}; results {arr.results}")
+            if any(not r.get("ok") for r in arr.tasks.values()) or arr.invalid:
+                raise typer.Exit(1)
+            return
+        if dry_run:
+            todo = cr.pending(prep, out)
+            if json_out:
+                typer.echo(json.dumps(_dry_json(prep, todo)))
+            else:
+                show_campaign.dry_run(con, prep, todo)
+            return
+        # SIGTERM (scancel, a time limit) and SIGHUP (the ssh session is gone) stop like Ctrl-C
+        old = signal.signal(signal.SIGTERM, _sigterm)
+        old_hup = signal.signal(signal.SIGHUP, _sigterm)
+        try:
+            opts = cr.Options(out=out, state_dir=state_dir, only_group=group, client=client, attached=attached,
+                              on_event=(lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True)))
+            summary = cr.run(prep, opts)
+        finally:
+            signal.signal(signal.SIGTERM, old)
+            signal.signal(signal.SIGHUP, old_hup)
+    except K3Error as err:
+        fail(err)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: the deployment in use was taken down; rows written so far are kept (run again to resume)", err=True)
+        raise typer.Exit(INTERRUPTED) from None
+    if json_out:
+        typer.echo(json.dumps(dataclasses.asdict(summary)))
+    else:
+        show_campaign.summary(con, summary)
+    if summary.invalid:
+        raise typer.Exit(1)
+
+
+def _dry_json(prep: object, todo: dict[int, int]) -> dict[str, object]:
+    from k3launch.campaign.run import Prepared
+
+    assert isinstance(prep, Prepared)
+    return {"campaign": prep.campaign.name, "cells": len(prep.cells), "excluded": prep.excluded,
+            "deployments": [{"label": prep.spec_label(s), "axes": dict(s.axes), "plan_hash": h.plan_hash, "group": h.index}
+                            for h in prep.groups for s in h.specs],
+            "refused": {k: e.as_dict() for k, e in prep.refused.items()},
+            "load_points": [ld.key for ld in dict.fromkeys(c.load for c in prep.cells)],
+            "groups": [{"group": g.index, "plan_hash": g.plan_hash, "name": f"{prep.campaign.name}-{g.plan_hash[:8]}",
+                        "cells": len(g.loads), "pending": todo.get(g.index, 0)} for g in prep.groups],
+            "engine_starts": sum(1 for n in todo.values() if n)}
+
+
+@campaign_app.command("report")
+def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) -> None:
+    """Tables per load axis, CSV, and PNG plots (throughput vs TPOT/ITL p99 with the Pareto front, TTFT vs concurrency)."""
+    STATE.json = json_out
+    from k3launch.campaign import report as rep
+    from k3launch.campaign.plots import plot_all
+    from k3launch.campaign.results import latest, read_rows, write_csv
+    from k3launch.campaign.run import campaign_path, prepare
+    from k3launch.cli import show_campaign
+
+    try:
+        prep = prepare(campaign_path(file))
+        c = prep.campaign
+        every = latest(read_rows(out), c.name)
+        current = prep.cell_ids()
+        rows = [prep.rejudge(r) for r in every if r.cell in current]  # rows of an earlier version of the matrix stay out
+        if not rows:
+            raise K3Error("no-results", f"{out}: no results of campaign {c.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
+        csv_path = write_csv(out, rows)
+        plots = plot_all(rows, out / "plots", c.name)
+    except K3Error as err:
+        fail(err)
+    tables = rep.tables(rows)
+    bad = rep.invalid_table(rows)
+    if json_out:
+        fronts = {m: [r.cell for r in rep.front_rows(rows, m)] for m in ("tpot", "itl")}
+        typer.echo(json.dumps({"campaign": c.name, "cells": len(rows), "valid": sum(r.valid for r in rows), "stale": len(every) - len(rows),
+                               "csv": str(csv_path),
+                               "plots": [str(p) for p in plots], "pareto": fronts,
+                               "invalid": [{"cell": r.cell, "reason": r.reason} for r in rows if not r.valid]}))
+        return
+    con = console()
+    show_campaign.tables(con, [*tables, *([bad] if bad else [])])
+    if len(every) > len(rows):
+        con.print(f"{len(every) - len(rows)} cell(s) in {out} belong to an earlier version of the matrix and are left out")
+    con.print(f"csv: {csv_path}")
+    for p in plots:
+        con.print(f"plot: {p}")

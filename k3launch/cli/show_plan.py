@@ -1,0 +1,139 @@
+"""Rich renderings for people (the ``--json`` forms are the plan/recipe models themselves)."""
+
+from __future__ import annotations
+
+import shlex
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from k3launch.models.plan import Plan, Process
+from k3launch.models.recipe import Recipe, Taxonomy
+from k3launch.planning.explain import FlagHistory
+from k3launch.planning.lint import Finding
+
+
+def command_lines(proc: Process) -> str:
+    """The process as a copy-pasteable shell command: ``NAME=value ... \\`` then argv, one flag a line."""
+    lines = [f"{k}={shlex.quote(v)} \\" for k, v in proc.env.items()]
+    argv = proc.argv
+    head = shlex.join(argv[:3]) if argv[:2] == ["vllm", "serve"] else shlex.quote(argv[0])
+    rest = argv[3:] if argv[:2] == ["vllm", "serve"] else argv[1:]
+    parts: list[str] = []
+    for tok in rest:
+        if tok.startswith("-") or not parts:
+            parts.append(shlex.quote(tok))
+        else:
+            parts[-1] += " " + shlex.quote(tok)
+    body = [head] + ["  " + p for p in parts]
+    lines += [line + " \\" for line in body[:-1]] + [body[-1]]
+    return "\n".join(lines)
+
+
+def plan(console: Console, p: Plan) -> None:
+    summary = Table.grid(padding=(0, 2))
+    summary.add_column(style="bold")
+    summary.add_column()
+    summary.add_row("recipe", f"{p.recipe} ({p.variant})  model {p.model}")
+    summary.add_row("hardware", f"{p.hardware} x {p.nodes} nodes, {p.gpus_per_node} GPUs each" + ("  [green]verified[/]" if p.verified else "  [yellow]unverified[/]"))
+    summary.add_row("strategy", p.strategy + "".join(f"  {c.role}: {c.parallelism} on {c.nodes} (TP {c.tp} DP {c.dp}{f' PP {c.pp}' if c.pp > 1 else ''})" for c in p.capacity.pools))
+    fit = "[green]fits[/]" if p.capacity.fits else "[red]does not fit[/]"
+    summary.add_row("capacity", f"weights {p.capacity.weights_gb:g} GB ({p.capacity.formula}) vs {p.capacity.gpu_memory_gb:g} GB GPU memory per pool: {fit}")
+    if p.capacity.kv_offload:
+        kv = p.capacity.kv_offload
+        summary.add_row("kv offload", f"{kv.option}: {kv.host_gib_per_rank:g} GiB host RAM per rank x {kv.ranks_per_node} = {kv.host_gib_per_node:g} GiB per node")
+    summary.add_row("features", ", ".join(p.features) or "none")
+    summary.add_row("endpoint", p.endpoint)
+    console.print(Panel(summary, title="k3launch plan", expand=False))
+    if p.notices:
+        notes = Table(show_header=True, header_style="bold", box=None)
+        notes.add_column("notice")
+        notes.add_column("what changed")
+        for n in p.notices:
+            notes.add_row(n.code, n.message)
+        console.print(notes)
+    table = Table(title="processes", show_lines=False)
+    for col in ("id", "node", "address", "role", "head", "port", "GPUs", "image"):
+        table.add_column(col)
+    for proc in p.processes:
+        table.add_row(proc.id, proc.node, proc.address, proc.role, "yes" if proc.head else "headless" if proc.role != "router" and proc.http_port is None else "",
+                      str(proc.http_port or ""), str(proc.gpus or ""), proc.image or "")
+    console.print(table)
+    for proc in p.processes:
+        # Plain text (no box) so a command can be copied straight into a shell.
+        console.rule(f"{proc.id} on {proc.node} ({proc.address})", align="left")
+        console.print(Text(command_lines(proc)), soft_wrap=True)
+
+
+def history(console: Console, items: list[FlagHistory], key: str) -> None:
+    if not items:
+        console.print(f"{key} is not set by any layer in this selection (vLLM's default applies)")
+        return
+    for h in items:
+        t = Table(title=f"{key}  ({', '.join(h.processes)})", show_header=True, header_style="bold")
+        for col in ("#", "layer", "value", "from"):
+            t.add_column(col)
+        for i, e in enumerate(h.entries, 1):
+            mark = " <- runs" if i == len(h.entries) else ""
+            t.add_row(str(i), e.layer, e.value + mark, e.origin)
+        console.print(t)
+
+
+def findings(console: Console, items: list[Finding]) -> None:
+    if not items:
+        console.print("[green]clean[/]: no findings")
+        return
+    for f in items:
+        color = "red" if f.severity == "error" else "yellow"
+        console.print(f"[{color}]{f.severity}[/] {f.code}: {f.message}" + (f"\n  hint: {f.hint}" if f.hint else ""))
+
+
+def recipes_list(console: Console, rows: list[tuple[str, str, str]], taxonomy: Taxonomy, strategies: list[str]) -> None:
+    t = Table(title="recipes")
+    for col in ("id", "title", "verified hardware"):
+        t.add_column(col)
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
+    hw = Table(title="hardware (per node)")
+    for col in ("id", "GPUs", "GPU memory", "brand", "generation", "platform"):
+        hw.add_column(col)
+    for hid, prof in taxonomy.hardware_profiles.items():
+        if not prof.restricted:
+            hw.add_row(hid, str(prof.gpu_count), f"{prof.vram_gb} GB", prof.brand, prof.generation, prof.vendor_platform)
+    console.print(hw)
+    console.print("strategies: " + ", ".join(strategies))
+
+
+def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, kv: dict[str, dict[str, bool]], kv_hw: str) -> None:
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("model", rec.model.model_id)
+    head.add_row("parameters", f"{rec.model.parameter_count or '?'} ({rec.model.architecture})")
+    head.add_row("default", f"hardware {rec.meta.default_hardware or '-'}, strategy {rec.default_strategy or '-'}")
+    head.add_row("strategies", ", ".join(rec.compatible_strategies) or "any")
+    head.add_row("floors (GPUs)", ", ".join(f"{k} {v}" for k, v in rec.strategy_min_gpus.items()) or "-")
+    head.add_row("variants", ", ".join(f"{k} ({v.precision or '?'}, {v.vram_minimum_gb or '?'} GB)" for k, v in rec.variants.items()))
+    head.add_row("features", ", ".join(f"{k}{' (opt-in)' if k in rec.opt_in_features else ''}" for k in rec.features))
+    console.print(Panel(head, title=rid, expand=False))
+    hw = Table(title="hardware")
+    for col in ("id", "GPUs x memory", "verified", "one node holds the weights"):
+        hw.add_column(col)
+    need = rec.variants[next(iter(rec.variants))].vram_minimum_gb or 0
+    for hid, prof in taxonomy.hardware_profiles.items():
+        if prof.restricted and hid not in rec.meta.hardware:
+            continue
+        hw.add_row(hid, f"{prof.gpu_count} x {prof.gpu_memory_gb:g} GB = {prof.vram_gb} GB", rec.meta.hardware.get(hid, "no"), "yes" if prof.vram_gb >= need else "no")
+    console.print(Group(hw))
+    if kv:
+        opts = list(next(iter(kv.values())))
+        t = Table(title=f"KV offload on {kv_hw}")
+        t.add_column("strategy")
+        for o in opts:
+            t.add_column(o)
+        for sname, row in kv.items():
+            t.add_row(sname, *("yes" if row[o] else "-" for o in opts))
+        console.print(t)

@@ -1,0 +1,66 @@
+"""Write a rendered plan to disk: ``plan.json`` and one launch script per node.
+
+The one I/O step of ``k3launch render``; the text itself comes from :mod:`k3launch.render.scripts`.
+Nothing is lost: the output directory must be new or empty unless ``--force``, and then only
+files of the same names are replaced. Scripts are written 0755, atomically (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from k3launch.cli.common import PlanArgs
+from k3launch.errors import K3Error
+from k3launch.models.plan import Plan
+from k3launch.render.scripts import script, script_names
+
+
+def _atomic_write(path: Path, text: str, mode: int) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_render(plan: Plan, out: Path, args: PlanArgs, force: bool) -> list[str]:
+    """plan.json and one script per node; for a slurm inventory, the sbatch script ``up`` would
+    submit (``<deployment>.sbatch``, logs under slurm.log_dir or ``<state dir>/slurm/<deployment>``)."""
+    hf_token_file = None
+    inv = None
+    if args.inventory_path is not None:
+        from k3launch.planning.inventory import load_inventory
+
+        inv = load_inventory(args.inventory_path)
+        hf_token_file = inv.hf_token_file
+    if out.exists() and not out.is_dir():
+        raise K3Error("bad-out", f"--out {out} exists and is not a directory", "choose a new directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise K3Error("out-not-empty", f"--out {out} is not empty", "choose a new directory, or pass --force to replace same-named files")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        written: list[str] = []
+        _atomic_write(out / "plan.json", plan.to_json() + "\n", 0o644)
+        written.append("plan.json")
+        if inv is not None and inv.slurm is not None and inv.backend == "slurm":
+            from k3launch.deploy.slurm.launch import log_dir_for
+            from k3launch.deploy.state import StateStore
+            from k3launch.render.sbatch import make_sbatch_string
+
+            fname = f"{plan.name}.sbatch"
+            text = make_sbatch_string(plan, inv.slurm, log_dir_for(StateStore(), inv, plan.name), hf_token_file=hf_token_file)
+            _atomic_write(out / fname, text, 0o755)
+            written.append(fname)
+            return written
+        for node, fname in script_names(plan).items():
+            _atomic_write(out / fname, script(plan, node, hf_token_file), 0o755)
+            written.append(fname)
+    except OSError as exc:
+        raise K3Error("write-failed", f"cannot write to {out}: {exc.strerror}", "check the path and permissions") from None
+    return written

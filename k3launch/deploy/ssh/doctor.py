@@ -1,0 +1,171 @@
+"""The ``doctor`` stage: check every node before anything starts.
+
+One shell round trip per node collects everything, then Python judges it:
+
+* reachable (the command ran at all);
+* GPUs: model and count from ``nvidia-smi``/``rocm-smi`` match the plan — *skipped* (never
+  passed) when the engine is the simulated one;
+* the runtime (and for containers the image) is present; ``vllm-router`` on the router's host;
+* every planned port of the node's address is free;
+* no leftover engine: no process or container marked by k3launch whose deployment is not live
+  (or that carries this deployment's own name) — only a warning on a router-only host (the
+  login node is shared: other deployments' routers hold no GPU, and their ports are checked);
+* no stale vLLM/NCCL files in ``/dev/shm`` (a warning);
+* the fabric NIC of a multi-node pool exists.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from k3launch.errors import K3Error
+from k3launch.models.plan import Host, Plan
+from k3launch.render import snippets as remote
+from k3launch.transport.fleet import Fleet
+from k3launch.transport.runners import HOST_KEY_HINT
+
+PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
+
+
+@dataclass(frozen=True)
+class Check:
+    node: str
+    name: str
+    status: str
+    detail: str = ""
+    code: str = ""  # the error code of a failed connection (host-key-unknown, unreachable, ...)
+
+
+@dataclass
+class DoctorReport:
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return not any(c.status == FAIL for c in self.checks)
+
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
+    def failed_nodes(self) -> list[str]:
+        return sorted({c.node for c in self.failures()})
+
+    def error(self) -> K3Error:
+        """The refusal to raise when not ok: connection problems first, with their own codes."""
+        bad = self.failures()
+        keys = [c for c in bad if c.code in ("host-key-unknown", "host-key-mismatch")]
+        if keys:
+            nodes = ", ".join(sorted({c.node for c in keys}))
+            if any(c.code == "host-key-mismatch" for c in keys):
+                return K3Error("host-key-mismatch", f"host key mismatch on {nodes}: {keys[0].detail}",
+                               "the host's key changed: check why before fixing known_hosts")
+            return K3Error("host-key-unknown", f"host key of {nodes} not in known_hosts ({keys[0].detail})", HOST_KEY_HINT)
+        unreach = [c for c in bad if c.name == "reachable"]
+        if unreach:
+            return K3Error("unreachable", f"cannot reach {', '.join(sorted({c.node for c in unreach}))}: {unreach[0].detail}",
+                           "check the address, ssh config and that sshd runs there; or --exclude the node")
+        return K3Error("doctor-failed", f"pre-flight checks failed on {', '.join(self.failed_nodes())}: {bad[0].name}: {bad[0].detail}",
+                       "fix the nodes or --exclude them; --skip-doctor to launch anyway")
+
+
+def _section(name: str, body: str) -> str:
+    return f"echo '@@{name}'\n{body}\n"
+
+
+def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
+    parts = [_section("listening", remote.LISTENING), _section("procs", remote.find_any_deployment())]
+    if router_only:
+        parts.append(_section("runtime", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing"))
+        return "".join(parts)
+    rt = host.runtime
+    if rt in ("docker", "podman", "apptainer"):
+        q = shlex.quote(rt)
+        check = f"command -v {q} >/dev/null 2>&1 && echo ok || echo missing"
+        parts.append(_section("runtime", check))
+        image = next((p.image for p in plan.processes if p.node == host.name and p.image), None)
+        if image and rt in ("docker", "podman"):
+            parts.append(_section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
+            # -a: a stopped leftover still holds its name; podman's ps has no .Label method
+            label = '{{index .Labels "k3launch.deployment"}}' if rt == "podman" else '{{.Label "k3launch.deployment"}}'
+            parts.append(_section("containers", f"{q} ps -a --filter label=k3launch.deployment --format {shlex.quote(label)} 2>/dev/null || true"))
+    elif plan.engine == "sim":
+        py = shlex.quote(host.python or "python3")
+        parts.append(_section("runtime", f"{py} -c 'import k3launch.sim' >/dev/null 2>&1 && echo ok || echo missing"))
+    else:
+        parts.append(_section("runtime", "command -v vllm >/dev/null 2>&1 && echo ok || echo missing"))
+    if plan.engine != "sim":
+        gpu = ("nvidia-smi --query-gpu=name --format=csv,noheader 2>&1" if plan.platform == "cuda"
+               else "rocm-smi --showproductname 2>&1 | grep -i 'card series' || echo")
+        parts.append(_section("gpus", gpu))
+    parts.append(_section("shm", remote.shm_files()))
+    if host.iface and any(p.node == host.name and ("--nnodes" in p.argv or "--data-parallel-address" in p.argv) for p in plan.processes):
+        parts.append(_section("nic", f"test -e /sys/class/net/{shlex.quote(host.iface)} && echo ok || echo missing"))
+    return "".join(parts)
+
+
+def _parse(out: str) -> dict[str, list[str]]:
+    sections: dict[str, list[str]] = {}
+    cur = None
+    for line in out.splitlines():
+        if line.startswith("@@"):
+            cur = line[2:].strip()
+            sections[cur] = []
+        elif cur is not None and line.strip():
+            sections[cur].append(line.strip())
+    return sections
+
+
+def _judge(plan: Plan, host: Host, sec: dict[str, list[str]], live: set[str], router_only: bool, gpus_expected: int) -> list[Check]:
+    n = host.name
+    checks = [Check(n, "reachable", PASS)]
+    rt_label = "vllm-router" if router_only else (host.runtime if host.runtime != "bare" else ("k3launch.sim" if plan.engine == "sim" else "vllm"))
+    checks.append(Check(n, "runtime", PASS if sec.get("runtime") == ["ok"] else FAIL, f"{rt_label} {'found' if sec.get('runtime') == ['ok'] else 'not found'}"))
+    if "image" in sec:
+        checks.append(Check(n, "image", PASS if sec["image"] == ["ok"] else FAIL, "image present" if sec["image"] == ["ok"] else "image not pulled on this node"))
+    if not router_only:
+        if plan.engine == "sim":
+            checks.append(Check(n, "gpus", SKIP, "simulated engine: no GPU check"))
+        else:
+            names = sec.get("gpus", [])
+            want = (plan.hardware or "").replace("gb", "").upper()
+            count_ok = len(names) == gpus_expected
+            model_ok = all(want[-4:] in x.upper().replace(" ", "") for x in names) if names else False
+            checks.append(Check(n, "gpus", PASS if count_ok and model_ok else FAIL, f"{len(names)} GPU(s): {', '.join(sorted(set(names)))[:120] or 'none found'}; plan needs {gpus_expected} x {plan.hardware}"))
+    listening = remote.parse_listening("\n".join(sec.get("listening", [])))
+    busy = [f"{u.port} ({u.purpose})" for u in plan.ports if u.node == n and remote.port_busy(listening, u.address, u.port)]
+    checks.append(Check(n, "ports", FAIL if busy else PASS, ("in use: " + ", ".join(busy)) if busy else "planned ports free"))
+    stale = sorted({ln.split()[1] for ln in sec.get("procs", []) if len(ln.split()) >= 2 and (ln.split()[1] not in live or ln.split()[1] == plan.name)})
+    stale += sorted({c for c in sec.get("containers", []) if c not in live or c == plan.name})
+    what = ("routers" if router_only else "engines") + " of " + ", ".join(sorted(set(stale))) + " still run"
+    checks.append(Check(n, "leftovers", (WARN if router_only else FAIL) if stale else PASS, what if stale else "none"))
+    if sec.get("shm"):
+        checks.append(Check(n, "shm", WARN, f"{len(sec['shm'])} stale file(s) in /dev/shm: {', '.join(sec['shm'][:3])}"))
+    if "nic" in sec:
+        checks.append(Check(n, "nic", PASS if sec["nic"] == ["ok"] else FAIL, f"{host.iface} {'present' if sec['nic'] == ['ok'] else 'missing'}"))
+    return checks
+
+
+def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorReport:
+    live = set(live_deployments) - {plan.name}
+    hosts = {h.name: h for h in plan.hosts}
+    router_nodes = {p.node for p in plan.processes if p.role == "router"}
+    engine_nodes = {p.node for p in plan.processes if p.role != "router"}
+    scripts = {}
+    for name, h in hosts.items():
+        scripts[name] = _probe_script(plan, h, router_only=name in router_nodes and name not in engine_nodes)
+        if name in router_nodes and name in engine_nodes:
+            scripts[name] += _section("router", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing")
+    checks: list[Check] = []
+    for name, o in fleet.run_many(scripts, timeout=60).items():
+        if isinstance(o, K3Error):
+            checks.append(Check(name, "reachable", FAIL, o.message, o.code))
+            continue
+        sec = _parse(o.stdout)
+        gpus = max((p.gpus for p in plan.processes if p.node == name), default=0)
+        router_only = name in router_nodes and name not in engine_nodes
+        checks += _judge(plan, hosts[name], sec, live, router_only, gpus)
+        if "router" in sec:
+            checks.append(Check(name, "router", PASS if sec["router"] == ["ok"] else FAIL, "vllm-router " + ("found" if sec["router"] == ["ok"] else "not found")))
+    return DoctorReport(checks)

@@ -1,0 +1,197 @@
+"""What a deployment is doing now: per-process liveness and health, and its logs.
+
+One round trip per node for liveness (the poll ``up`` uses), HTTP probes in parallel, log tails
+batched per node (one command prints every requested process's tail between markers).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from k3launch.deploy.state import DeploymentRecord, ProcessRecord
+from k3launch.errors import K3Error
+from k3launch.render import snippets as remote
+from k3launch.transport import http as health
+from k3launch.transport.fleet import Fleet
+from k3launch.transport.runners import CommandFailed
+
+POLL_TIMEOUT_S = 10.0  # a poll takes milliseconds; a node silent this long has failed
+PROBE_TIMEOUT_S = 1.0  # per /health probe; the next poll asks again
+# How a rank says it went down *because another did* (torch/gloo/NCCL, vLLM, the simulated engine)
+PEER_LOSS = re.compile(r"by peer|peer process|remote process exited|disconnected|lost the connection|lost a member|"
+                       r"connection (?:reset|closed|refused)|broken pipe", re.IGNORECASE)
+
+Snapshot = dict[str, object]
+
+
+@dataclass
+class Poll:
+    """One liveness check of every started process: one round trip per node."""
+
+    dead: list[str] = field(default_factory=list)  # process ids, the first to die first
+    unreachable: dict[str, str] = field(default_factory=dict)  # node → why
+    tails: dict[str, str] = field(default_factory=dict)  # dead process id → its last log lines
+    codes: dict[str, str] = field(default_factory=dict)  # dead process id → exit code ("?" unknown)
+
+
+def poll(rec: DeploymentRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30) -> Poll:
+    by_node: dict[str, list[ProcessRecord]] = {}
+    for pr in rec.processes.values():
+        if pr.handle:
+            by_node.setdefault(pr.node, []).append(pr)
+    cmds = {}
+    for node, prs in by_node.items():
+        bare = [(p.handle, p.log) for p in prs if p.runtime not in ("docker", "podman")]
+        parts = [remote.process_status(bare, tail_lines)] if bare else []
+        for rt in ("docker", "podman"):
+            names = [p.handle for p in prs if p.runtime == rt]
+            if names:
+                parts.append(remote.containers_alive(rt, names))
+        cmds[node] = "\n".join(parts) or "true"
+    out = Poll()
+    died: dict[str, float] = {}
+    for node, o in fleet.run_many(cmds, timeout=timeout).items():
+        if isinstance(o, K3Error):
+            out.unreachable[node] = o.message
+            continue
+        if not o.ok:
+            out.unreachable[node] = CommandFailed(o).message
+            continue
+        status: dict[str, list[str]] = {}
+        tails: dict[str, list[str]] = {}
+        for ln in o.stdout.splitlines():
+            if ln.startswith("@@"):
+                handle, _, text = ln[2:].partition(" ")
+                tails.setdefault(handle, []).append(text)
+            elif len(ln.split()) >= 2:
+                status[ln.split()[0]] = ln.split()[1:]
+        for p in by_node[node]:
+            st = status.get(p.handle)
+            if st is None:  # an answer cut short says nothing about the processes
+                out.unreachable[node] = f"{node}: incomplete answer to the liveness check"
+            elif st[0] != "up":
+                # "down CODE TIME": CODE "?" and TIME the log's mtime when the exit was not recorded
+                out.codes[p.id] = st[1] if len(st) > 2 else "?"
+                died[p.id] = _float(st[2]) if len(st) > 2 else 0.0
+                if p.handle in tails:
+                    out.tails[p.id] = "\n".join(tails[p.handle]) + "\n"
+    # The cause first: a rank whose last lines do not blame a peer, then the earliest exit (a
+    # failing rank may take longer to exit than the peers it brought down); unknown times last.
+    out.dead = sorted(died, key=lambda i: (bool(PEER_LOSS.search(out.tails.get(i, ""))), died[i] <= 0, died[i]))
+    return out
+
+
+def _float(s: str) -> float:
+    try:
+        return float(s.replace(",", "."))  # $EPOCHREALTIME follows the locale's decimal point
+    except ValueError:
+        return 0.0
+
+
+def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, bool]:
+    """id → /health answered 200, all probes at once."""
+    if not urls:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(urls))) as pool:
+        oks = pool.map(lambda u: health.health(u, timeout=timeout).ok, urls.values())
+        return dict(zip(urls, oks, strict=True))
+
+
+def observe(rec: DeploymentRecord, fleet: Fleet) -> Snapshot:
+    """``{name, state, endpoint, processes: [{id, node, role, alive, healthy}], unreachable}``.
+
+    A process on a node that does not answer is reported not alive (unknown is not alive);
+    ``unreachable`` lists those nodes with the reason.
+    """
+    pl = poll(rec, fleet)
+    dead = set(pl.dead)
+    alive = {p.id: p.id in rec.processes and p.id not in dead and p.node not in pl.unreachable for p in rec.plan.processes}
+    urls = {p.id: f"http://{p.address}:{p.http_port}" for p in rec.plan.processes if p.http_port is not None and alive[p.id]}
+    ok = probe_all(urls, timeout=2.0)
+    procs = []
+    for p in rec.plan.processes:
+        healthy: bool | None = None if p.http_port is None else ok.get(p.id, False)
+        procs.append({"id": p.id, "node": p.node, "role": p.role, "alive": alive[p.id], "healthy": healthy})
+    state: str = rec.state
+    if state == "ready" and not all(alive.values()):
+        state = "degraded"
+    return {"name": rec.name, "state": state, "endpoint": rec.endpoint, "processes": procs,
+            "unreachable": [why for _, why in sorted(pl.unreachable.items())]}
+
+
+def _log_cmd(rec: DeploymentRecord, pid: str, lines: int) -> tuple[str, str]:
+    pr = rec.processes.get(pid)
+    if pr is None:
+        return "", "echo '(never started)'"
+    if pr.runtime in ("docker", "podman"):
+        return pr.node, remote.container_log_tail(pr.runtime, pr.handle, lines)
+    return pr.node, remote.log_tail(pr.log, lines)
+
+
+def _batched(rec: DeploymentRecord, fleet: Fleet, cmds: dict[str, tuple[str, str]], timeout: float = 20.0) -> dict[str, str]:
+    """{process id: (node, command)} → {process id: output}, one round trip per node."""
+    per_node: dict[str, list[str]] = {}
+    for pid, (node, _) in cmds.items():
+        per_node.setdefault(node, []).append(pid)
+    scripts = {node: "\n".join(f"echo {shlex.quote('@@log ' + pid)}\n{{ {cmds[pid][1]}\n}}" for pid in pids) for node, pids in per_node.items()}
+    out: dict[str, str] = {}
+    for node, o in fleet.run_many(scripts, timeout=timeout).items():
+        if isinstance(o, K3Error):
+            for pid in per_node[node]:
+                out[pid] = f"(unavailable: {o.message})"
+            continue
+        cur = None
+        for line in o.stdout.splitlines(keepends=True):
+            if line.startswith("@@log ") and line.split(None, 1)[1].strip() in per_node[node]:
+                cur = line.split(None, 1)[1].strip()
+                out[cur] = ""
+            elif cur is not None:
+                out[cur] += line
+    return out
+
+
+def tail_logs(rec: DeploymentRecord, fleet: Fleet, ids: Iterable[str], lines: int) -> dict[str, str]:
+    ids = list(ids)
+    cmds = {pid: _log_cmd(rec, pid, lines) for pid in ids}
+    got = _batched(rec, fleet, {pid: c for pid, c in cmds.items() if c[0]})
+    return {pid: got.get(pid, "(never started)") for pid in ids}
+
+
+def follow_logs(rec: DeploymentRecord, fleet: Fleet, ids: Iterable[str], emit: Callable[[str], None], poll_s: float = 1.0,
+                max_s: float | None = None) -> None:
+    """Print new log lines as they appear (bare runtimes: by byte offset; containers: --since)."""
+    ids = [i for i in ids if i in rec.processes]
+    bare = [i for i in ids if rec.processes[i].runtime not in ("docker", "podman")]
+    sizes = _batched(rec, fleet, {i: (rec.processes[i].node, f"wc -c < {remote.path_word(rec.processes[i].log)} 2>/dev/null || echo 0")
+                                  for i in bare})
+    offsets = {i: _int(sizes.get(i, "")) for i in bare}
+    t_end = None if max_s is None else time.monotonic() + max_s
+    since = time.time()
+    while t_end is None or time.monotonic() < t_end:
+        time.sleep(poll_s)
+        now = time.time()
+        cmds: dict[str, tuple[str, str]] = {}
+        for pid in ids:
+            pr = rec.processes[pid]
+            if pr.runtime in ("docker", "podman"):
+                cmds[pid] = (pr.node, f"{shlex.quote(pr.runtime)} logs --since {int(since)} {shlex.quote(pr.handle)} 2>&1 || true")
+            else:
+                cmds[pid] = (pr.node, f"tail -c +{offsets[pid] + 1} {remote.path_word(pr.log)} 2>/dev/null || true")
+        for pid, text in _batched(rec, fleet, cmds).items():
+            if text.startswith("(unavailable: "):
+                continue
+            if pid in offsets:
+                offsets[pid] += len(text.encode())
+            for line in text.splitlines():
+                emit(f"{pid}| {line}")
+        since = now
+
+
+def _int(text: str) -> int:
+    words = text.split()
+    return int(words[0]) if words and words[0].isdigit() else 0

@@ -1,0 +1,162 @@
+"""``down``: stop every process of a deployment, in order, and verify nothing is left.
+
+Order: the router, then the HTTP-serving heads, then headless ranks (so no request is routed to
+a half-stopped deployment and heads do not wait on vanished workers). Each phase sends SIGTERM
+to whole process groups (containers: ``stop -t GRACE``), waits up to the grace period, then
+SIGKILLs what is left. Reality, not the record, decides what runs: processes are found on each
+node by their ``K3LAUNCH_DEPLOYMENT`` marker (containers by label), so processes whose pid was
+never recorded are stopped too. Verification: no marked process or labelled container remains
+and every planned port is free. Unreachable nodes are reported and kept in the record so the
+next ``down`` finishes the job; ``down`` is idempotent.
+
+Cost: every step is one round trip per node, all nodes in parallel — a phase's "find the
+processes and signal the new ones" is one script (:func:`remote.find_and_signal`), and so is
+the verification (processes, containers and listening ports together). A node that fails to
+answer once is not asked again in the same teardown (an isolated node costs one connect
+timeout, not one per step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from k3launch.deploy.state import DeploymentRecord, StateStore
+from k3launch.errors import K3Error
+from k3launch.render import snippets as remote
+from k3launch.transport.fleet import Fleet
+from k3launch.transport.runners import Outcome
+
+DEFAULT_GRACE_S = 10.0
+KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap before reporting leftovers
+VERIFY_S = 5.0  # ports can take a moment to close after the last process exits
+STEP_TIMEOUT_S = 30.0
+
+
+@dataclass
+class TeardownReport:
+    stopped: list[str] = field(default_factory=list)
+    leftovers: dict[str, list[str]] = field(default_factory=dict)  # node -> what remains
+    unreachable: dict[str, str] = field(default_factory=dict)  # node -> why
+    busy_ports: list[str] = field(default_factory=list)
+    verified: str = "no process or container left; planned ports free"  # what a clean report checked
+
+    @property
+    def clean(self) -> bool:
+        return not (self.leftovers or self.unreachable or self.busy_ports)
+
+
+def _phases(rec: DeploymentRecord) -> list[list[str]]:
+    procs = rec.plan.processes
+    router = [p.id for p in procs if p.role == "router"]
+    heads = [p.id for p in procs if p.role != "router" and p.http_port is not None]
+    rest = [p.id for p in procs if p.id not in router and p.id not in heads]
+    return [ph for ph in (router, heads, rest) if ph]
+
+
+def _run(fleet: Fleet, cmds: Mapping[str, str], report: TeardownReport, timeout: float = STEP_TIMEOUT_S) -> dict[str, str]:
+    """Run on every node not known unreachable; node → stdout of those that answered."""
+    todo = {n: c for n, c in cmds.items() if n not in report.unreachable}
+    out: dict[str, str] = {}
+    outcomes: dict[str, Outcome] = fleet.run_many(todo, timeout=timeout) if todo else {}
+    for node, o in outcomes.items():
+        if isinstance(o, K3Error):
+            report.unreachable[node] = o.message
+        elif o.exit_code == 124:
+            report.unreachable[node] = f"{node}: no answer within {timeout:g}s"
+        else:
+            out[node] = o.stdout
+    return out
+
+
+def _pairs(text: str) -> list[tuple[str, str]]:
+    return [(ln.split()[0], ln.split()[1] if len(ln.split()) > 1 else "") for ln in text.splitlines() if ln.strip()]
+
+
+def _stop_containers(rec: DeploymentRecord, fleet: Fleet, ids: list[str], grace_s: float, report: TeardownReport) -> None:
+    containers: dict[str, list[tuple[str, str]]] = {}
+    for pid in ids:
+        pr = rec.processes.get(pid)
+        if pr is not None and pr.runtime in ("docker", "podman"):
+            containers.setdefault(pr.node, []).append((pr.runtime, pr.handle))
+    if containers:
+        cmds = {node: "\n".join(remote.stop_containers(rt, [h], int(grace_s)) for rt, h in items) for node, items in containers.items()}
+        _run(fleet, cmds, report, timeout=grace_s + 60)
+
+
+def _stop_phase(rec: DeploymentRecord, fleet: Fleet, ids: list[str], grace_s: float, report: TeardownReport) -> None:
+    node_of = {p.id: p.node for p in rec.plan.processes}
+    _stop_containers(rec, fleet, ids, grace_s, report)
+    nodes = sorted({node_of[i] for i in ids})
+    signalled: dict[str, set[str]] = {n: set() for n in nodes}
+    t_term = time.monotonic() + grace_s
+    t_give_up = t_term + KILL_WAIT_S
+    while nodes:
+        now = time.monotonic()
+        sig = "KILL" if now > t_term else "TERM"
+        # On a shared machine (local backend) every "node" sees every process: act only on
+        # this phase's process ids. SIGTERM goes once to each pid; SIGKILL every round.
+        cmds = {n: remote.find_and_signal(rec.name, ids, sig, signalled[n] if sig == "TERM" else ()) for n in nodes}
+        found = {n: _pairs(text) for n, text in _run(fleet, cmds, report).items()}
+        for n, items in found.items():
+            signalled[n].update(pid for pid, _ in items)
+        nodes = sorted(n for n, items in found.items() if items)
+        if not nodes or now > t_give_up:
+            break  # what is left is reported by verify
+        time.sleep(0.1 if sig == "TERM" else 0.25)
+    report.stopped += ids
+
+
+def _verify_script(rec: DeploymentRecord, node_runtimes: Iterable[str]) -> str:
+    parts = [f"echo @@procs\n{remote.find_processes(rec.name)}", f"echo @@listening\n{remote.LISTENING}"]
+    for rt in sorted(set(node_runtimes)):
+        parts.append(f"echo @@containers\n{remote.labelled_containers(rt, rec.name)}")
+    return "\n".join(parts)
+
+
+def verify(rec: DeploymentRecord, fleet: Fleet, report: TeardownReport) -> None:
+    """One round trip per node: marked processes, labelled containers, listening ports."""
+    runtimes = {h.name: [h.runtime] if h.runtime in ("docker", "podman") else [] for h in rec.plan.hosts}
+    cmds = {n: _verify_script(rec, runtimes.get(n, [])) for n in fleet.nodes()}
+    listening: dict[str, set[tuple[str, int]]] = {}
+    for node, text in _run(fleet, cmds, report).items():
+        sec: dict[str, list[str]] = {}
+        cur = ""
+        for line in text.splitlines():
+            if line.startswith("@@"):
+                cur = line[2:]
+                sec.setdefault(cur, [])
+            elif line.strip():
+                sec.setdefault(cur, []).append(line.strip())
+        left = [f"pid {pid} ({proc})" for pid, proc in _pairs("\n".join(sec.get("procs", [])))]
+        left += [f"container {c}" for c in sec.get("containers", [])]
+        if left:
+            report.leftovers.setdefault(node, []).extend(left)
+        listening[node] = remote.parse_listening("\n".join(sec.get("listening", [])))
+    for use in rec.plan.ports:
+        if use.node in listening and remote.port_busy(listening[use.node], use.address, use.port):
+            report.busy_ports.append(f"{use.address}:{use.port} ({use.purpose} of {use.process})")
+
+
+def teardown(rec: DeploymentRecord, fleet: Fleet, store: StateStore, grace_s: float = DEFAULT_GRACE_S,
+             unreachable: Mapping[str, str] | None = None) -> TeardownReport:
+    """Stop and verify. ``unreachable``: nodes already known not to answer (not tried again)."""
+    report = TeardownReport(unreachable=dict(unreachable or {}))
+    rec.state = "stopping"
+    store.save(rec)
+    for phase in _phases(rec):
+        _stop_phase(rec, fleet, phase, grace_s, report)
+    t_end = time.monotonic() + VERIFY_S
+    while True:
+        report.leftovers.clear()
+        report.busy_ports.clear()
+        verify(rec, fleet, report)
+        if report.clean or report.unreachable or time.monotonic() > t_end:
+            break
+        time.sleep(0.2)
+    if not report.clean:
+        rec.state = "down-incomplete"
+        rec.unreachable = sorted(report.unreachable)
+        store.save(rec)
+    return report

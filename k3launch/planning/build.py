@@ -1,0 +1,253 @@
+"""Selection (+ inventory) → :class:`Plan`: every process of the deployment, fully composed.
+
+Placement rules (README "Placement"): nodes are taken in order; a P/D deployment puts the
+prefill pool first and the decode pool on the next, disjoint nodes; within a pool node 0 is the
+head (its address is the TP master / DP coordinator of the pool). Multi-node TP/TEP: every node
+gets ``--nnodes/--node-rank/--master-addr/--master-port`` and non-head nodes ``--headless``.
+DEP: ``--data-parallel-size g·N --data-parallel-size-local g`` and ``--data-parallel-start-rank
+i·g``; with hybrid load balancing every node serves HTTP, so a router fronts them.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import replace
+
+from k3launch.errors import K3Error
+from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry
+from k3launch.models.selection import Pool, Resolved, Selection
+from k3launch.planning.compose import Composed, Notice, Source, compose
+from k3launch.planning.inventory import Inventory
+from k3launch.planning.layers import RESERVED, locks_for, pool_sources
+from k3launch.planning.placement import (
+    LOGIN,
+    PLACEHOLDER_IFACE,
+    NodeSpec,
+    Ports,
+    inventory_hardware,
+    placeholder_nodes,
+    router_node,
+    select_nodes,
+)
+from k3launch.planning.porttable import flag_value, port_table
+from k3launch.planning.recipes import RecipeTree
+from k3launch.planning.resolve import resolve
+from k3launch.planning.router import router_process
+from k3launch.planning.schema import load_schema
+
+__all__ = ["LOGIN", "NodeSpec", "build_plan", "placeholder_nodes"]
+
+GIB_PER_GB = 1e9 / 2**30
+_PLACEHOLDER = re.compile(r"\$\{?([A-Z_][A-Z0-9_]*)\}?")
+
+
+def _substitute(text: str, values: dict[str, str], origin: str) -> str:
+    def repl(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name in values:
+            return values[name]
+        if re.fullmatch(r"(PREFILL|DECODE)_NODE_\d+", name):
+            return values["NODE_IP"]  # upstream's per-rank placeholder: this node's own address
+        raise K3Error("unresolved-placeholder", f"{origin}: ${name} has no value in a k3launch plan",
+                      "replace the placeholder in the recipe with a literal value")
+
+    return _PLACEHOLDER.sub(repl, text)
+
+
+def _resolve_source(src: Source, values: dict[str, str]) -> Source:
+    args = tuple(_substitute(a, values, src.origin) for a in src.args)
+    env = tuple((k, _substitute(v, values, src.origin)) for k, v in src.env)
+    return Source(src.layer, src.origin, args, env, src.user)
+
+
+def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool, ports: Ports) -> tuple[list[str], bool, int | None, int | None]:
+    """Placement flags of node ``i`` of ``pool``: (tokens, serves_http, node_rank, dp_start_rank)."""
+    g, n, par = pool.gpus_per_node, pool.nodes, pool.parallelism
+    if par in ("tp", "tep", "tp_pp"):
+        toks = ["--tensor-parallel-size", str(g if par == "tp_pp" else g * n)]
+        if par == "tp_pp":
+            toks += ["--pipeline-parallel-size", str(n)]
+        if n == 1:
+            return toks, True, None, None
+        toks += ["--nnodes", str(n), "--node-rank", str(i), "--master-addr", head.address, "--master-port", str(ports.master)]
+        if i > 0:
+            toks.append("--headless")
+        return toks, i == 0, i, None
+    local = g if par == "dep" else 1
+    toks = ["--tensor-parallel-size", str(1 if par == "dep" else g), "--data-parallel-size", str(local * n), "--data-parallel-size-local", str(local)]
+    if n == 1:
+        return toks, True, None, 0
+    toks += ["--data-parallel-address", head.address, "--data-parallel-rpc-port", str(ports.dp_rpc)]
+    if i > 0:
+        toks += ["--data-parallel-start-rank", str(i * local)]
+        if not hybrid:
+            toks.append("--headless")
+    return toks, i == 0 or hybrid, None, i * local
+
+
+def _image(r: Resolved, node: NodeSpec) -> str | None:
+    if node.image:
+        return node.image
+    vb = r.variant.hardware_overrides.get(r.hardware_id)
+    if vb is not None and vb.docker_image:
+        return vb.docker_image
+    return r.recipe.model.docker_image.get(r.hardware.brand.lower()) or r.hardware.image
+
+
+NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+
+
+def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None, *,
+               inventory: Inventory | None = None, exclude: Sequence[str] = (), port_base: int | None = None,
+               name: str | None = None) -> Plan:
+    # A plan is a burst of small acyclic objects (one composed command per node); the cyclic
+    # GC would rescan all of them again and again on large inventories, so it waits until done.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _build_plan(tree, sel, nodes, inventory, exclude, port_base, name)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None, inventory: Inventory | None,
+                exclude: Sequence[str], port_base: int | None, name: str | None) -> Plan:
+    # The name becomes a file name, a job name, container names and #SBATCH values: plain words only.
+    if name is not None and not NAME.fullmatch(name):
+        raise K3Error("bad-name", f"deployment name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. --name k3-tep-lab")
+    if inventory is not None:
+        sel = replace(sel, hardware=inventory_hardware(inventory, sel.hardware))
+    r = resolve(tree, sel)
+    schema = load_schema(sel.vllm_version)
+    ports = Ports.shifted(port_base)
+    rf, sf = f"models/{r.recipe_id}.yaml", f"strategies/{r.strategy.name}.yaml"
+    kv = tree.taxonomy.kv_offload.get(r.kv_offload) if r.kv_offload != "off" else None
+    locks = locks_for(r.recipe, r.hardware_id, r.hardware)
+    model_id = r.variant.model_id or r.recipe.model.model_id
+    notices = list(r.notices)
+    if inventory is not None:
+        placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude)
+        if any(n.placeholder for n in placed):
+            notices.append(Notice("placeholder-nodes", f"slurm inventory {inventory.name} has no nodelist: nodes ({placed[0].name}, ...) are bound to the allocation at launch"))
+    elif nodes is not None:
+        placed = list(nodes)
+        if len(placed) < r.nodes:
+            raise K3Error("too-few-nodes", f"the plan needs {r.nodes} nodes, {len(placed)} given", "add nodes or shrink the selection")
+    else:
+        placed = placeholder_nodes(r.nodes)
+        notices.append(Notice("placeholder-nodes", f"placed on placeholder nodes ({', '.join(n.name for n in placed)}) with NIC {PLACEHOLDER_IFACE}; pass --inventory for real machines"))
+    reserved = dict(RESERVED)
+    if r.is_pd:
+        reserved["--kv-transfer-config"] = "P/D pools own the NIXL KV transfer config"
+    pool_strats = {par: tree.strategies[s] for par, s in (("tep", "multi_node_tep"), ("dep", "multi_node_dep")) if s in tree.strategies}
+    procs: list[Process] = []
+    hosts: list[Host] = []
+    pool_caps: list[PoolCapacity] = []
+    cursor = 0
+    for pool in r.pools:
+        pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
+        pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strats)
+        hybrid = any(t in ("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe") for s in pre for t in s.args)
+        recipe_port = flag_value([t for src in pre for t in src.args], "--port")
+        http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
+        nixl_env = next((v for s in pre for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
+        head = pool_nodes[0]
+        for i, node in enumerate(pool_nodes):
+            toks, serves, node_rank, dp_start = _layout(pool, i, head, hybrid, ports)
+            env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
+            if pool.nodes > 1:
+                env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
+            if nixl_env is not None and ports.compact:
+                env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(ports.nixl_for(pool.role))))
+            if serves and (recipe_port is None or ports.compact):
+                toks += ["--port", str(http)]
+            if serves:
+                # Bind the planned address, not every interface: ports are planned per address.
+                toks += ["--host", node.address]
+            placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
+            extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
+            values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
+            c = compose(schema, ["vllm", "serve", model_id], [*[_resolve_source(s, values) for s in (*pre, placement)], *extra, *[_resolve_source(s, values) for s in (*post, *tail)]], locks, reserved)
+            notices.extend(c.notices)
+            procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, http if serves else None, c, _image(r, node), node_rank, dp_start, pool.gpus_per_node))
+            hosts.append(_host(node, pool.role, pool.gpus_per_node))
+        tp, dp, pp = {"tp": (pool.gpus, 1, 1), "tep": (pool.gpus, 1, 1), "dep": (1, pool.gpus, 1),
+                      "tp_pp": (pool.gpus_per_node, 1, pool.nodes), "tp_dp": (pool.gpus_per_node, pool.nodes, 1)}[pool.parallelism]
+        if tp & (tp - 1):
+            notices.append(Notice("tp-not-power-of-two", f"{pool.role} pool: TP {tp} must divide the model's attention heads or vLLM refuses it; "
+                                  "a power of two (other node count, multi_node_tp_pp or DEP) is the safe choice"))
+        pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
+                                      gpu_memory_gb=pool.nodes * r.hardware.vram_gb, weights_gb=r.weights_gb,
+                                      fits=pool.nodes * r.hardware.vram_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
+    # On Slurm the router runs inside the allocation, on the first engine node (the login node
+    # cannot be assumed to reach compute nodes' ports, nor to outlive a job array task).
+    rnode = placed[0] if inventory is not None and inventory.backend == "slurm" else router_node(inventory, exclude)
+    router_port = inventory.router.port if inventory is not None and inventory.router.port else None
+    router = router_process(r, procs, notices, rnode, ports, router_port)
+    if router is not None:
+        procs.append(router)
+        if not any(h.name == rnode.name for h in hosts):
+            hosts.append(_host(rnode, "router", 0))
+    kv_cap = _kv_capacity(r, kv.host_memory_gib_per_rank if kv else None, placed[:r.nodes], notices)
+    cap = Capacity(weights_gb=r.weights_gb, formula=r.weights_formula, gpu_memory_gb=min(p.gpu_memory_gb for p in pool_caps),
+                   fits=all(p.fits for p in pool_caps), pools=pool_caps, kv_offload=kv_cap)
+    table = port_table(procs, ports)
+    front = next((p for p in procs if p.role == "router"), None) or next(p for p in procs if p.http_port is not None)
+    digest = hashlib.sha256(json.dumps([[p.node, p.argv, p.env] for p in procs], sort_keys=True).encode()).hexdigest()[:6]
+    short = {"pd_cluster": "pd"}.get(r.strategy.name, r.strategy.name.replace("single_node_", "").replace("multi_node_", "").replace("_", ""))
+    slug = (r.recipe.meta.slug or r.recipe_id.split("/")[-1]).lower()
+    return Plan(
+        name=name or f"{slug}-{short}-{r.hardware_id}-{digest}", recipe=r.recipe_id, recipe_file=rf, model=model_id,
+        variant=r.variant_name, hardware=r.hardware_id, strategy=r.strategy.name, nodes=r.nodes, gpus_per_node=r.hardware.gpu_count,
+        verified=r.verified, vllm_version=schema.version, features=r.features, kv_offload=r.kv_offload, advanced=list(sel.advanced),
+        sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
+        processes=procs, ports=table, inventory=inventory.name if inventory else None,
+        backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
+        platform=r.hardware.vendor_platform, exclude=list(exclude),
+    )
+
+
+def _host(node: NodeSpec, role: str, gpus: int) -> Host:
+    return Host(name=node.name, address=node.address, role=role, gpus=gpus, placeholder=node.placeholder, hardware=node.hardware,
+                runtime=node.runtime, iface=node.iface, user=node.user, ssh_port=node.ssh_port, identity_file=node.identity_file,
+                cpu_memory_gb=node.cpu_memory_gb, hf_cache=node.hf_cache, shm_size=node.shm_size, workdir=node.workdir, python=node.python,
+                ssh_host=node.ssh_host)
+
+
+def _process(pid: str, role: str, node: NodeSpec, head: bool, port: int | None, c: Composed, image: str | None,
+             node_rank: int | None, dp_start: int | None, gpus: int) -> Process:
+    prov = {k: [ProvenanceEntry(layer=e.layer, value=e.value, origin=e.origin) for e in v] for k, v in c.provenance.items()}
+    return Process(id=pid, role=role, node=node.name, address=node.address, head=head, http_port=port, argv=c.argv,
+                   env=c.env, image=image, provenance=prov, pool=role, node_rank=node_rank, dp_start_rank=dp_start, gpus=gpus)
+
+
+def _kv_capacity(r: Resolved, gib: float | None, nodes: Sequence[NodeSpec], notices: list[Notice]) -> KvOffloadCapacity | None:
+    if gib is None:
+        return None
+    ranks = r.hardware.gpu_count
+    need = gib * ranks
+    for node in nodes:
+        if node.cpu_memory_gb is None:
+            if not node.placeholder:
+                notices.append(Notice("kv-offload-host-ram", f"{node.name}: host RAM unknown (cpu_memory_gb); {r.kv_offload} KV offload pins {need:g} GiB"))
+            continue
+        have = node.cpu_memory_gb * GIB_PER_GB
+        if have < need:
+            raise K3Error("kv-offload-host-ram", f"{node.name}: {r.kv_offload} KV offload pins {ranks} ranks x {gib:g} GiB = {need:g} GiB of host RAM, the node has {have:.0f} GiB",
+                          "use --kv-offload off, or nodes with more cpu_memory_gb")
+    return KvOffloadCapacity(option=r.kv_offload, host_gib_per_rank=gib, ranks_per_node=ranks, host_gib_per_node=need)
+
+
+def _dedupe(notices: list[Notice]) -> list[NoticeOut]:
+    seen: set[tuple[str, str]] = set()
+    out: list[NoticeOut] = []
+    for n in notices:
+        if (n.code, n.message) not in seen:
+            seen.add((n.code, n.message))
+            out.append(NoticeOut(code=n.code, message=n.message))
+    return out

@@ -1,0 +1,272 @@
+"""Inventories: the machines a deployment may use (``inventories/*.yaml``).
+
+An inventory names a backend (``ssh``, ``slurm`` or ``local``), the hardware of its nodes, and
+the nodes themselves in the order they are taken. ``defaults`` apply to every node and each node
+may override them. Unknown keys are errors with file and line; node names and addresses must be
+plain host names or IP addresses (they reach ssh and shell command lines, so anything else is
+refused here instead of being quoted later). Free-form values (paths, images, NIC names) are
+data and are quoted wherever they reach a shell.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+
+from k3launch.errors import K3Error
+from k3launch.models.recipe import Strict
+from k3launch.planning.recipes import load_yaml_model
+
+# RFC 1123 host names, IPv4 and bracket-less IPv6; also ~/.ssh/config aliases (same charset).
+_HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._:-]{0,252})$")
+_IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+
+Runtime = Literal["docker", "podman", "apptainer", "bare"]
+SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "OPENAI_API_KEY"})
+NOT_SECRETS = frozenset({"TOKENIZERS_PARALLELISM"})
+PLACEMENT_ENV = frozenset({"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_NIXL_SIDE_CHANNEL_HOST",
+                           "VLLM_NIXL_SIDE_CHANNEL_PORT", "K3LAUNCH_DEPLOYMENT", "K3LAUNCH_PROCESS"})
+
+
+def _check_host(value: str, what: str) -> str:
+    if not _HOST.match(value) or ".." in value:
+        raise ValueError(f"{what} {value!r} is not a plain host name or IP address")
+    return value
+
+
+class NodeSettings(Strict):
+    """Per-node settings; every one may be given in ``defaults`` or on a node."""
+
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    identity_file: str | None = None
+    runtime: Runtime | None = None
+    iface: str | None = None
+    cpu_memory_gb: float | None = Field(default=None, gt=0)
+    hf_cache: str | None = None
+    shm_size: str | None = None
+    image: str | None = None
+    workdir: str | None = None
+    python: str | None = None  # interpreter for the simulated engine on bare runtimes
+    env: dict[str, str] | None = None  # extra environment of every engine process (e.g. NCCL_DEBUG)
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        for k in v or {}:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+                raise ValueError(f"env name {k!r} is not a valid variable name")
+            up = k.upper()
+            if up in SECRET_NAMES or (any(w in up for w in ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY")) \
+                    and up not in NOT_SECRETS and not up.endswith(("_PATH", "_FILE", "_DIR"))):
+                raise ValueError(f"env {k} looks like a secret; secrets never go into inventories or plans (use hf_token_file)")
+            if up in PLACEMENT_ENV:
+                raise ValueError(f"env {k} is set by k3launch's placement for each process; it cannot be set in an inventory")
+        return v
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[a-z_][a-z0-9_.-]{0,31}\$?", v):
+            raise ValueError(f"user {v!r} is not a valid login name")
+        return v
+
+    @field_validator("hf_cache")
+    @classmethod
+    def _hf_cache(cls, v: str | None) -> str | None:
+        # docker -v, pyxis --container-mounts and apptainer --bind split on ':' and ','
+        if v is not None and ("," in v or ":" in v or "\n" in v):
+            raise ValueError(f"hf_cache {v!r} contains ',' or ':' (container mount lists split on them)")
+        return v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*", v):
+            raise ValueError(f"image {v!r} is not a container image reference")
+        return v
+
+    @field_validator("iface")
+    @classmethod
+    def _iface(cls, v: str | None) -> str | None:
+        if v is not None and not _IFACE.match(v):
+            raise ValueError(f"iface {v!r} is not a network interface name")
+        return v
+
+
+class InventoryNode(NodeSettings):
+    name: str
+    address: str | None = None  # engines' address; default: ~/.ssh/config HostName of the name, else the name
+    ssh_host: str | None = None  # what ssh connects to; default: the name when it is an ssh alias, else address
+    hardware: str | None = None
+    drain: bool = False
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_host(v, "node name")
+
+    @field_validator("address", "ssh_host")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        return None if v is None else _check_host(v, "address")
+
+
+def _one_line(v: str, what: str) -> str:
+    if "\n" in v or "\r" in v:
+        raise ValueError(f"{what} {v!r} spans lines (each value ends up on one #SBATCH line)")
+    return v
+
+
+class SlurmSection(Strict):
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    reservation: str | None = None
+    constraint: str | None = None
+    nodelist: str | None = None  # Slurm hostlist syntax, e.g. "gpu-[01-16]"
+    exclude: str | None = None
+    container: Literal["pyxis", "apptainer", "bare"] = "pyxis"
+    time_limit: str = "04:00:00"
+    exclusive: bool = True
+    gres: Literal["gres", "gpus-per-node"] = "gres"
+    extra_sbatch: list[str] = []
+    # Job scripts, the job's output and every process's log; must be on a filesystem the login
+    # node shares with the compute nodes (default: <state dir>/slurm/<deployment>, under $HOME).
+    log_dir: str | None = None
+
+    @field_validator("partition", "account", "qos", "reservation", "constraint", "nodelist", "exclude", "time_limit")
+    @classmethod
+    def _word(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # sbatch splits a directive line at white space: "gpu --uid=0" would be two options
+        if v is not None and (not v or any(c.isspace() for c in v)):
+            raise ValueError(f"slurm.{info.field_name} {v!r} must be one word (Slurm names have no spaces)")
+        return v
+
+    @field_validator("log_dir")
+    @classmethod
+    def _line(cls, v: str | None) -> str | None:
+        return None if v is None else _one_line(v, "slurm.log_dir")
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _lines(cls, v: list[str]) -> list[str]:
+        return [_one_line(x, "extra_sbatch line") for x in v]
+
+
+class RouterSection(Strict):
+    node: str = "login"  # "login" (where k3launch runs) or an inventory node name
+    address: str | None = None  # how clients reach it; default 127.0.0.1 on the login node
+    port: int | None = Field(default=None, ge=1, le=65535)
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str | None) -> str | None:
+        return None if v is None else _check_host(v, "router address")
+
+
+class Inventory(Strict):
+    name: str
+    backend: Literal["ssh", "slurm", "local"]
+    hardware: str | None = None
+    engine: Literal["vllm", "sim"] = "vllm"
+    description: str = ""
+    defaults: NodeSettings = NodeSettings()
+    nodes: list[InventoryNode] = []
+    slurm: SlurmSection | None = None
+    router: RouterSection = RouterSection()
+    hf_token_file: str | None = None  # read on the login node at launch; never copied into plans
+    ssh_config: str | None = None
+    known_hosts: str | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Inventory:
+        names = [n.name for n in self.nodes]
+        dup = {n for n, c in Counter(names).items() if c > 1}
+        if dup:
+            raise ValueError(f"node names repeat: {', '.join(sorted(dup))}")
+        addrs = [n.address or n.name for n in self.nodes]
+        dup = {a for a, c in Counter(addrs).items() if c > 1}
+        if dup:
+            raise ValueError(f"nodes share an address ({', '.join(sorted(dup))}); ports are planned per address")
+        if self.backend == "slurm" and self.slurm is None:
+            raise ValueError("backend slurm needs a 'slurm:' section (partition, ...)")
+        if self.backend != "slurm" and not self.nodes:
+            raise ValueError(f"backend {self.backend} needs at least one node under 'nodes:'")
+        if self.backend == "slurm" and (self.router.node != "login" or self.router.address):
+            raise ValueError("on slurm the router runs inside the allocation, on the first engine node: "
+                             "router.node and router.address do not apply (router.port does)")
+        if self.router.node != "login" and self.router.node not in names:
+            raise ValueError(f"router.node {self.router.node!r} is neither 'login' nor a node of this inventory")
+        return self
+
+
+def load_inventory(path: Path | str) -> Inventory:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise K3Error("missing-inventory", f"{p}: no such inventory file", "see inventories/ for examples")
+    return load_yaml_model(p, Inventory, doc="README 'Inventories'", code="bad-inventory")
+
+
+def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
+    """Resolve ``~/.ssh/config`` aliases: engines need a real address, ssh keeps the alias.
+
+    A node with no ``address`` whose name the ssh config maps to another ``HostName`` gets that
+    HostName as its address and its name as ``ssh_host``. Pure: the caller reads the file.
+    """
+    if not ssh_config_text:
+        return inv
+    import paramiko
+
+    cfg = paramiko.SSHConfig.from_text(ssh_config_text)
+    nodes = []
+    for n in inv.nodes:
+        if n.address is None:
+            host = cfg.lookup(n.name).get("hostname", n.name)
+            if host != n.name:
+                try:
+                    host = _check_host(host, f"ssh config HostName of {n.name}")
+                except ValueError as exc:
+                    raise K3Error("bad-ssh-config", str(exc), "fix the HostName in the ssh config") from None
+                n = n.model_copy(update={"address": host, "ssh_host": n.ssh_host or n.name})
+        nodes.append(n)
+    from pydantic import ValidationError
+
+    try:  # re-validate: two aliases may resolve to one HostName
+        return Inventory.model_validate({**inv.model_dump(), "nodes": [n.model_dump(exclude_unset=False) for n in nodes]})
+    except ValidationError as exc:
+        raise K3Error("bad-inventory", f"inventory {inv.name} after resolving ssh aliases: {exc.errors()[0]['msg']}",
+                      "give the nodes distinct HostNames or explicit addresses") from None
+
+
+def read_ssh_config(inv: Inventory) -> str | None:
+    """The text of the inventory's ``ssh_config`` (default ``~/.ssh/config``), if it exists."""
+    path = Path(inv.ssh_config or "~/.ssh/config").expanduser()
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        if inv.ssh_config:
+            raise K3Error("missing-file", f"ssh_config {path}: no such file", "fix the inventory's ssh_config path") from None
+        return None
+    except OSError as exc:
+        raise K3Error("unreadable-file", f"{path}: {exc.strerror}", "check permissions") from None
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Slurm hostlist syntax (``gpu-[01-04,07]``) → names, with python-hostlist."""
+    import hostlist
+
+    try:
+        names: list[str] = hostlist.expand_hostlist(nodelist)
+    except hostlist.BadHostlist as exc:
+        raise K3Error("bad-nodelist", f"nodelist {nodelist!r}: {exc}", "use Slurm hostlist syntax, e.g. gpu-[01-16]") from None
+    for n in names:
+        try:
+            _check_host(n, "node name")
+        except ValueError as exc:
+            raise K3Error("bad-nodelist", str(exc), "use plain host names") from None
+    return names

@@ -1,0 +1,187 @@
+"""Turn a resolved selection into the ordered :class:`Source` list of one pool's engine processes.
+
+This is where the recipe schema's blocks are mapped onto the seven layers, following the
+upstream generator (see README "Composition"), with these choices made explicit:
+
+* hardware blocks are looked up by generation (``hopper``/``blackwell``/``amd``), falling back
+  to the brand (``nvidia``); a strategy's (or P/D role's) block for the generation *replaces*
+  the recipe's and the variant's generation blocks; blocks keyed by an exact hardware id
+  (``gb300``) are applied after, additively;
+* a feature's ``hardware_overrides.<generation|brand>.args`` replaces its ``args``;
+* placement flags (TP/DP sizes, ranks, addresses, ports) are written by k3launch in the
+  strategy layer and are reserved: ``--set`` cannot change them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from k3launch.errors import K3Error
+from k3launch.models.recipe import AdvancedPreset, Env, HardwareOverride, HardwareProfile, Recipe, Strategy
+from k3launch.models.selection import Pool, Resolved
+from k3launch.planning.compose import Locked, Source
+from k3launch.planning.schema import FlagSchema
+
+# The seed's four Advanced knobs, used when neither the taxonomy nor the recipe defines its own.
+DEFAULT_ADVANCED: dict[str, AdvancedPreset] = {
+    "max-num-batched-tokens": AdvancedPreset(description="one generic batch budget", args=["--max-num-batched-tokens", "8192"]),
+    "max-num-seqs": AdvancedPreset(description="one generic concurrency cap", args=["--max-num-seqs", "256"]),
+    "gpu-memory-utilization": AdvancedPreset(description="GPU memory fraction", args=["--gpu-memory-utilization", "0.95"]),
+    "max-model-len": AdvancedPreset(description="let vLLM size the context from free KV cache", args=["--max-model-len", "auto"]),
+}
+
+# Flag keys placement owns, with the reason shown when a user tries to --set them.
+RESERVED: dict[str, str] = {
+    "--tensor-parallel-size": "TP size follows the strategy and node count",
+    "--pipeline-parallel-size": "PP size follows the strategy and node count",
+    "--data-parallel-size": "DP size follows the strategy and node count",
+    "--data-parallel-size-local": "DP ranks per node follow the GPUs per node",
+    "--data-parallel-start-rank": "each node's first DP rank is planned",
+    "--data-parallel-address": "the DP coordinator is the pool head",
+    "--data-parallel-rpc-port": "ports are planned",
+    "--data-parallel-hybrid-lb": "load balancing follows the strategy",
+    "--data-parallel-external-lb": "load balancing follows the strategy",
+    "--nnodes": "node count is planned",
+    "--node-rank": "node ranks are planned",
+    "--master-addr": "the TP master is the pool head",
+    "--master-port": "ports are planned",
+    "--headless": "head/headless follows the node rank",
+    "--port": "ports are planned",
+    "--host": "each engine binds its node's planned address",
+    "--enable-expert-parallel": "expert parallelism is what distinguishes TP from TEP/DEP; pick the strategy",
+}
+
+
+def _env(env: Env) -> tuple[tuple[str, str], ...]:
+    return tuple((k, str(v)) for k, v in env.items())
+
+
+def _hw_block(blocks: Mapping[str, HardwareOverride], hw: HardwareProfile) -> tuple[str, HardwareOverride] | None:
+    for key in (hw.generation, hw.brand.lower()):
+        if key in blocks:
+            return key, blocks[key]
+    return None
+
+
+def advanced_presets(recipe: Recipe, taxonomy_presets: Mapping[str, AdvancedPreset]) -> dict[str, AdvancedPreset]:
+    return dict(recipe.advanced or taxonomy_presets or DEFAULT_ADVANCED)
+
+
+def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_presets: Mapping[str, AdvancedPreset],
+                 kv_args: tuple[list[str], Env] | None, schema: FlagSchema,
+                 pool_strategies: Mapping[str, Strategy] | None = None) -> tuple[list[Source], list[Source], list[Source]]:
+    """Sources before placement (base, variant, strategy), and after (hardware..kv_offload).
+
+    Returned as (pre, post, user) so placement flags can be inserted at the end of the strategy
+    layer; ``user`` are the ``--set`` sources (applied inside the advanced layer).
+    """
+    rec, hw, hid = r.recipe, r.hardware, r.hardware_id
+    role = pool.role
+    sname = r.strategy.name
+    pre: list[Source] = [Source("base", f"{rf} model.base_args", tuple(rec.model.base_args), _env(rec.model.base_env))]
+    v = r.variant
+    pre.append(Source("variant", f"{rf} variants.{r.variant_name}", tuple(v.extra_args), _env(v.extra_env)))
+    if hid in v.hardware_overrides:
+        vb = v.hardware_overrides[hid]
+        pre.append(Source("variant", f"{rf} variants.{r.variant_name}.hardware_overrides.{hid}", tuple(vb.extra_args), _env(vb.extra_env)))
+    st = r.strategy
+    role_args = getattr(st, role, None) if role in ("prefill", "decode") else None
+    if role_args is not None:
+        pre.append(Source("strategy", f"{strategy_file} {role}", tuple(role_args.vllm_args), _env(role_args.env)))
+        # A P/D pool laid out as TEP or DEP takes that strategy's args (expert parallelism,
+        # hybrid load balancing); its env (NIC names) comes from placement.
+        ps = (pool_strategies or {}).get(pool.parallelism)
+        if ps is not None:
+            pre.append(Source("strategy", f"strategies/{ps.name}.yaml ({role} pool)", tuple(ps.vllm_args)))
+        elif pool.parallelism in ("tep", "dep"):
+            pre.append(Source("strategy", f"k3launch placement ({role} pool is {pool.parallelism})", ("--enable-expert-parallel",)))
+    else:
+        pre.append(Source("strategy", strategy_file, tuple(st.vllm_args), _env(st.env)))
+    ov = rec.strategy_overrides.get(sname)
+    role_ov = getattr(ov, role, None) if ov is not None and role in ("prefill", "decode") else None
+    if ov is not None:
+        pre.append(Source("strategy", f"{rf} strategy_overrides.{sname}", tuple(ov.extra_args + ov.vllm_args), _env({**ov.env, **ov.extra_env})))
+    if role_ov is not None:
+        pre.append(Source("strategy", f"{rf} strategy_overrides.{sname}.{role}", tuple(role_ov.vllm_args), _env(role_ov.env)))
+
+    post: list[Source] = []
+    # Hardware: a strategy- or role-level generation block replaces the recipe's and variant's.
+    replacing = None
+    for blocks, where in ((role_ov.hardware_overrides if role_ov else {}, f"strategy_overrides.{sname}.{role}"),
+                          (ov.hardware_overrides if ov else {}, f"strategy_overrides.{sname}")):
+        found = _hw_block(blocks, hw)
+        if found is not None and replacing is None:
+            replacing = (f"{where}.hardware_overrides.{found[0]}", found[1])
+    if replacing is not None:
+        post.append(Source("hardware", f"{rf} {replacing[0]}", tuple(replacing[1].extra_args), _env(replacing[1].extra_env)))
+    else:
+        found = _hw_block(rec.hardware_overrides, hw)
+        if found is not None:
+            post.append(Source("hardware", f"{rf} hardware_overrides.{found[0]}", tuple(found[1].extra_args), _env(found[1].extra_env)))
+        vfound = v.hardware_overrides.get(hw.generation)
+        if vfound is not None:
+            post.append(Source("hardware", f"{rf} variants.{r.variant_name}.hardware_overrides.{hw.generation}", tuple(vfound.extra_args), _env(vfound.extra_env)))
+    for blocks, where in ((rec.hardware_overrides, "hardware_overrides"),
+                          (ov.hardware_overrides if ov else {}, f"strategy_overrides.{sname}.hardware_overrides"),
+                          (role_ov.hardware_overrides if role_ov else {}, f"strategy_overrides.{sname}.{role}.hardware_overrides")):
+        if hid in blocks and hid not in (hw.generation, hw.brand.lower()):
+            post.append(Source("hardware", f"{rf} {where}.{hid}", tuple(blocks[hid].extra_args), _env(blocks[hid].extra_env)))
+
+    presets = advanced_presets(rec, taxonomy_presets)
+    for name in r.selection.advanced:
+        if name not in presets:
+            raise K3Error("unknown-advanced", f"unknown Advanced preset {name!r}", "choose one of: " + ", ".join(presets))
+        post.append(Source("advanced", f"advanced preset {name}", tuple(presets[name].args)))
+    user = [Source("advanced", f"--set {s}", set_tokens(s, schema), user=True) for s in r.selection.sets]
+
+    feats: list[Source] = []
+    for name in r.features:
+        feat = rec.features[name]
+        args, where = feat.args, f"features.{name}"
+        for key in (hw.generation, hw.brand.lower()):
+            if key in feat.hardware_overrides:
+                args, where = feat.hardware_overrides[key].args, f"features.{name}.hardware_overrides.{key}"
+                break
+        feats.append(Source("features", f"{rf} {where}", tuple(args)))
+    tail = list(feats)
+    if kv_args is not None:
+        tail.append(Source("kv_offload", f"taxonomy.yaml kv_offload.{r.kv_offload}", tuple(kv_args[0]), _env(kv_args[1])))
+    return pre, post, user + tail
+
+
+_TRUE = ("true", "yes", "on", "1")
+_FALSE = ("false", "no", "off", "0")
+
+
+def set_tokens(text: str, schema: FlagSchema) -> tuple[str, ...]:
+    """``FLAG=VALUE`` as typed after ``--set``; booleans as ``FLAG``, ``no-FLAG`` or ``FLAG=true|false``."""
+    name, eq, value = text.partition("=")
+    name = name.strip()
+    if not name:
+        raise K3Error("bad-set", f"--set {text!r}: no flag name", "write --set FLAG=VALUE, e.g. --set max-num-seqs=64")
+    flag = name if name.startswith("-") else "--" + name
+    found = schema.lookup(flag.partition(".")[0])
+    if found is None:
+        raise K3Error("unknown-flag", f"--set {text!r}: {flag} is not a flag of vllm serve {schema.version}", schema.suggest(flag))
+    spec, polarity, _ = found
+    if spec.kind in ("bool", "store_true"):
+        if not eq:
+            return (flag,)
+        if value.lower() in _TRUE + _FALSE:
+            want = (value.lower() in _TRUE) == bool(polarity)
+            return (spec.bool_form(want),)
+        raise K3Error("bad-set", f"--set {text!r}: {spec.canonical} is a boolean", f"write --set {name} or --set {name}=false")
+    if not eq:
+        raise K3Error("bad-set", f"--set {text!r} has no '='", f"write --set {name}=VALUE")
+    return (flag, value)
+
+
+def locks_for(recipe: Recipe, hw_id: str, hw: HardwareProfile) -> list[Locked]:
+    out: list[Locked] = []
+    for key in (hw_id, hw.generation, hw.brand.lower()):
+        for lk in recipe.locked.get(key, []):
+            if lk.flag:
+                out.append(Locked(lk.flag, lk.reason))
+            if lk.env:
+                out.append(Locked("env:" + lk.env, lk.reason))
+    return out

@@ -1,0 +1,188 @@
+"""Placement inputs: which machines a plan uses, and the port numbers it plans.
+
+Nodes are taken in inventory order, skipping drained ones and ``--exclude``d ones, keeping only
+those of the selected hardware. Ports are planned, not hoped for: every port a process listens
+on is in the plan's port table, two processes on one address never share one, and
+``--port-base`` shifts the whole table so two deployments can share a cluster.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from k3launch.errors import K3Error
+from k3launch.planning.inventory import Inventory, expand_nodelist
+
+PLACEHOLDER_IFACE = "ib0"
+DEFAULT_PORT_BASE = 8000
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """A machine to place processes on: an inventory node (settings merged) or a placeholder."""
+
+    name: str
+    address: str
+    iface: str = PLACEHOLDER_IFACE
+    placeholder: bool = False
+    hardware: str | None = None
+    runtime: str = "docker"
+    user: str | None = None
+    ssh_port: int | None = None
+    identity_file: str | None = None
+    cpu_memory_gb: float | None = None
+    hf_cache: str = "~/.cache/huggingface"
+    shm_size: str = "64g"
+    image: str | None = None
+    workdir: str | None = None
+    python: str | None = None
+    ssh_host: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class Ports:
+    """Every port k3launch plans.
+
+    Without ``--port-base`` the conventional ports are used (vLLM 8000, P/D 8001/8002, NIXL
+    5557/5558 + DP rank, DP RPC 13345, TP master 29501, router 8000 + metrics 29000). With
+    ``--port-base B`` every port of the deployment lies in one block ``B .. B+511``: HTTP B,
+    prefill B+1, decode B+2, router B+3, router metrics B+4, TP master B+5, DP RPC B+6, NIXL
+    prefill B+16 + rank, NIXL decode B+144 + rank (P/D pools have at most 16 x 8 ranks). Two
+    deployments whose bases are at least 512 apart never collide, and a block may not overlap
+    the conventional ports of a default deployment.
+    """
+
+    serve: int = 8000
+    prefill: int = 8001
+    decode: int = 8002
+    master: int = 29501
+    dp_rpc: int = 13345
+    nixl_prefill: int = 5557
+    nixl_decode: int = 5558
+    router: int = 8000
+    router_metrics: int = 29000
+    compact: bool = False  # True: every port from --port-base's block, recipe ports overridden
+
+    BLOCK = 512
+
+    def http_for(self, role: str) -> int:
+        return {"prefill": self.prefill, "decode": self.decode}.get(role, self.serve)
+
+    def nixl_for(self, role: str) -> int:
+        return self.nixl_decode if role == "decode" else self.nixl_prefill
+
+    @classmethod
+    def shifted(cls, base: int | None) -> Ports:
+        if base is None:
+            return cls()
+        if base < 1024 or base + cls.BLOCK - 1 > 65535:
+            raise K3Error("bad-port-base", f"--port-base {base}: its block {base}-{base + cls.BLOCK - 1} leaves 1024-65535",
+                          f"choose a base between 1024 and {65536 - cls.BLOCK}")
+        d = cls()
+        conventional = {d.serve, d.prefill, d.decode, d.master, d.dp_rpc, d.router_metrics, *range(d.nixl_prefill, d.nixl_prefill + 130)}
+        block = range(base, base + cls.BLOCK)
+        clash = sorted(p for p in conventional if p in block)
+        if clash:
+            raise K3Error("bad-port-base", f"--port-base {base}: its block {base}-{base + cls.BLOCK - 1} overlaps the default ports ({clash[0]})",
+                          "choose a base whose 512-port block avoids 5557-5686, 8000-8002, 13345, 29000 and 29501, e.g. 9000 or 20000")
+        return cls(serve=base, prefill=base + 1, decode=base + 2, router=base + 3, router_metrics=base + 4, master=base + 5,
+                   dp_rpc=base + 6, nixl_prefill=base + 16, nixl_decode=base + 144, compact=True)
+
+
+def placeholder_nodes(count: int) -> list[NodeSpec]:
+    return [NodeSpec(f"node-{i}", f"node-{i}", PLACEHOLDER_IFACE, True) for i in range(count)]
+
+
+LOGIN = NodeSpec("login", "login", PLACEHOLDER_IFACE, True, runtime="bare")
+
+
+def inventory_hardware(inv: Inventory, asked: str | None) -> str | None:
+    """The hardware a plan on ``inv`` uses: the one asked for, or the inventory's only one."""
+    if asked is not None:
+        return asked
+    if inv.hardware is not None:
+        return inv.hardware
+    kinds = Counter(n.hardware for n in inv.nodes if n.hardware is not None)
+    if len(kinds) > 1:
+        mix = ", ".join(f"{k}: {v}" for k, v in kinds.items())
+        raise K3Error("mixed-hardware", f"inventory {inv.name} mixes GPU models ({mix})", "pass --hardware to pick one")
+    return next(iter(kinds), None)
+
+
+def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: object | None, placeholder: bool,
+          ssh_host: str | None = None) -> NodeSpec:
+    d = inv.defaults
+
+    def pick(field: str, default: object) -> object:
+        v = getattr(over, field, None) if over is not None else None
+        if v is None:
+            v = getattr(d, field)
+        return default if v is None else v
+
+    return NodeSpec(
+        name=name, address=address or name, iface=str(pick("iface", PLACEHOLDER_IFACE)), placeholder=placeholder,
+        hardware=hw, runtime=str(pick("runtime", "bare" if inv.backend == "local" else "docker")),
+        user=pick("user", None), ssh_port=pick("port", None), identity_file=pick("identity_file", None),  # type: ignore[arg-type]
+        cpu_memory_gb=pick("cpu_memory_gb", None), hf_cache=str(pick("hf_cache", "~/.cache/huggingface")),  # type: ignore[arg-type]
+        shm_size=str(pick("shm_size", "64g")), image=pick("image", None), workdir=pick("workdir", None),  # type: ignore[arg-type]
+        python=pick("python", None), ssh_host=ssh_host,  # type: ignore[arg-type]
+        env=tuple({**(d.env or {}), **((getattr(over, "env", None) or {}) if over is not None else {})}.items()),
+    )
+
+
+def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[str] = ()) -> list[NodeSpec]:
+    """The first ``count`` usable nodes of ``hardware``, or a refusal saying what is missing."""
+    unknown = [x for x in exclude if x not in {n.name for n in inv.nodes}] if inv.nodes else []
+    if unknown:
+        raise K3Error("unknown-node", f"--exclude {unknown[0]}: no such node in inventory {inv.name}", "node names: " + ", ".join(n.name for n in inv.nodes))
+    if inv.backend == "slurm" and not inv.nodes:
+        assert inv.slurm is not None
+        if inv.slurm.nodelist:
+            all_names = expand_nodelist(inv.slurm.nodelist)
+            bad = [x for x in exclude if x not in all_names]
+            if bad:
+                raise K3Error("unknown-node", f"--exclude {bad[0]}: not in slurm.nodelist {inv.slurm.nodelist}", "exclude nodes of the nodelist")
+            names = [n for n in all_names if n not in exclude]
+            nodes = [_spec(inv, n, None, hardware, None, False) for n in names]
+        else:
+            nodes = [_spec(inv, f"slurm-node-{i}", None, hardware, None, True) for i in range(count)]
+        if len(nodes) < count:
+            raise K3Error("too-few-nodes", f"the plan needs {count} {hardware} nodes; nodelist {inv.slurm.nodelist} has {len(nodes)} usable",
+                          f"widen slurm.nodelist by {count - len(nodes)} nodes or shrink the selection")
+        return nodes[:count]
+    usable: list[NodeSpec] = []
+    drained = excluded = other = 0
+    for n in inv.nodes:
+        hw = n.hardware or inv.hardware
+        if hw is not None and hw != hardware:
+            other += 1
+        elif n.drain:
+            drained += 1
+        elif n.name in exclude:
+            excluded += 1
+        else:
+            usable.append(_spec(inv, n.name, n.address, hw or hardware, n, False, n.ssh_host))
+    if len(usable) < count:
+        why = ", ".join(f"{k} {v}" for k, v in (("drained", drained), ("excluded", excluded), ("of other hardware", other)) if v)
+        raise K3Error(
+            "too-few-nodes",
+            f"the plan needs {count} {hardware} nodes; inventory {inv.name} has {len(usable)} usable" + (f" ({why})" if why else ""),
+            f"add {count - len(usable)} more {hardware} node(s) to the inventory, or choose a smaller selection",
+        )
+    return usable[:count]
+
+
+def router_node(inv: Inventory | None, exclude: Sequence[str] = ()) -> NodeSpec:
+    if inv is None:
+        return LOGIN
+    if inv.router.node == "login":
+        return replace(LOGIN, address=inv.router.address or "127.0.0.1", placeholder=False)
+    node = next(n for n in inv.nodes if n.name == inv.router.node)
+    if node.drain or node.name in exclude:
+        raise K3Error("router-node-unavailable", f"router.node {node.name} is {'drained' if node.drain else 'excluded'}",
+                      "set router.node to another node or to login")
+    spec = _spec(inv, node.name, node.address, node.hardware or inv.hardware, node, False, node.ssh_host)
+    return replace(spec, address=inv.router.address or spec.address)

@@ -1,0 +1,70 @@
+"""The router process of a plan: ``vllm-router`` in front of several HTTP-serving engines.
+
+P/D: ``--vllm-pd-disaggregation`` with one ``--prefill``/``--decode`` URL per serving process
+of each pool (the head of a TP/TEP pool, every node of a hybrid-LB DEP pool). Aggregated
+deployments whose nodes all serve HTTP (DEP with hybrid load balancing) get a round-robin
+router too, so one endpoint reaches every DP rank.
+"""
+
+from __future__ import annotations
+
+from k3launch.models.plan import Process, ProvenanceEntry
+from k3launch.models.selection import Resolved
+from k3launch.planning.compose import Notice
+from k3launch.planning.placement import NodeSpec, Ports
+from k3launch.planning.porttable import process_ports
+
+DEFAULT_READY_TIMEOUT_S = 1800
+
+
+def router_process(r: Resolved, procs: list[Process], notices: list[Notice], node: NodeSpec, ports: Ports,
+                   port: int | None = None) -> Process | None:
+    serving = [p for p in procs if p.http_port is not None]
+    if not r.is_pd and len(serving) <= 1:
+        return None
+    # A node is one machine whatever address a process binds, and one address may be shared by
+    # several nodes of a local inventory: a port is taken if either its node or its address uses it.
+    taken = {("node:" + p.node, q) for p in procs for q, _ in process_ports(p)} | {(p.address, q) for p in procs for q, _ in process_ports(p)}
+    want = ports.router if ports.compact or not port else port
+    if port and ports.compact:
+        notices.append(Notice("router-port", f"router.port {port} of the inventory ignored: --port-base puts the router at {ports.router}"))
+
+    def free(start: int) -> int:
+        q = start
+        while ("node:" + node.name, q) in taken or (node.address, q) in taken:
+            q += 1
+        return q
+
+    http = free(want)
+    if http != want:
+        notices.append(Notice("router-port", f"router on {node.name}: port {want} is taken by an engine there; using {http}"))
+    taken |= {("node:" + node.name, http), (node.address, http)}
+    metrics = free(ports.router_metrics)
+    timeout = next((p.env["VLLM_ENGINE_READY_TIMEOUT_S"] for p in procs if "VLLM_ENGINE_READY_TIMEOUT_S" in p.env), str(DEFAULT_READY_TIMEOUT_S))
+    policy = r.strategy.router.policy if r.strategy.router else "round_robin"
+    argv = ["vllm-router"]
+    prov: dict[str, list[ProvenanceEntry]] = {}
+    sfile = f"strategies/{r.strategy.name}.yaml"
+
+    def add(flag: str, *vals: str, origin: str = "k3launch placement") -> None:
+        argv.append(flag)
+        argv.extend(vals)
+        prov.setdefault(flag, []).append(ProvenanceEntry(layer="strategy", value=" ".join(vals) or flag, origin=origin))
+
+    if r.is_pd:
+        add("--vllm-pd-disaggregation", origin=sfile)
+        for p in serving:
+            add("--prefill" if p.role == "prefill" else "--decode", f"http://{p.address}:{p.http_port}")
+    else:
+        add("--worker-urls", *[f"http://{p.address}:{p.http_port}" for p in serving])
+        notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP (hybrid load balancing); a vllm-router on {node.name} fronts all {len(serving)}"))
+    add("--policy", policy, origin=sfile if r.strategy.router else "k3launch placement")
+    add("--host", node.address)
+    add("--port", str(http))
+    add("--prometheus-port", str(metrics))
+    # The router probes workers every 30 s by default: a deployment would look unready for up to
+    # 30 s after its last engine came up.
+    add("--worker-startup-check-interval", "1")
+    add("--worker-startup-timeout-secs", timeout, origin="VLLM_ENGINE_READY_TIMEOUT_S of the engines" if any("VLLM_ENGINE_READY_TIMEOUT_S" in p.env for p in procs) else "k3launch placement")
+    return Process(id="router", role="router", node=node.name, address=node.address, head=True, http_port=http,
+                   argv=argv, env={}, image=None, provenance=prov, pool=None, gpus=0)

@@ -1,0 +1,204 @@
+"""Plan → one sbatch script (a pure string builder, golden-tested like submitit's ``_make_sbatch_string``).
+
+The script is ``#SBATCH`` directives, the job library ``slurm/k3launch-job.sh`` (copied verbatim:
+binding, doctor, steps, fail-fast supervision) and the deployment's own calls of it.
+
+One job per deployment: P/D pools are one allocation split in plan order (prefill nodes first,
+then decode) — one allocation starts all pools at once and ends them together, which a
+heterogeneous job would not make simpler. Inside the job the plan's nodes are bound to the
+allocated hosts with Slurm's own hostlist expansion (``scontrol show hostnames``): plan node *i*
+is the *i*-th allocated host, and every occurrence of a plan node's address in an argv, env value
+or URL becomes ``$K3_ADDR_i`` (the host's ``NodeAddr``). The router, when the plan has one, runs
+inside the allocation on plan node 0. Each process is one ``srun`` step on its node —
+pyxis/enroot (``--container-image``), apptainer (``exec --nv``/``--rocm``) or bare — with its
+output in its own log. A doctor step first checks every node (GPUs visible, engine found,
+planned ports free). The job fails fast: the first step to exit ends the job (the others are
+stopped) and the script names the process and node.
+
+Job arrays (:func:`make_array_string`): one task per deployment, all of one shape (node count and
+GPUs per node: Slurm gives every task of an array the same request); each task starts its
+deployment, runs its work command on the batch host, and ends when the work ends.
+
+``HF_TOKEN`` never travels through sbatch's environment (Slurm stores a job's environment in its
+state files): a job reads it from the inventory's ``hf_token_file`` when it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+from collections.abc import Iterable, Sequence
+
+from k3launch.errors import K3Error
+from k3launch.models.plan import Plan, Process
+from k3launch.planning.inventory import SlurmSection
+from k3launch.planning.porttable import process_ports
+from k3launch.render.scripts import CONTAINER_HF_CACHE, Raw, engine_argv, home_path, markers, shell_join, token_snippet
+
+SECRET_ENV = ("HF_TOKEN",)
+LIBRARY = "k3launch-job.sh"
+DOCTOR_FAILED_EXIT = 3  # the job's exit code when its doctor step refused a node
+
+
+@functools.cache
+def job_library() -> str:
+    """The bash library every job script carries (bundled as ``k3launch/_slurm``; ``slurm/`` in a checkout)."""
+    from k3launch.resources import bundled
+
+    path = bundled("slurm", LIBRARY)
+    if path is not None:
+        return path.read_text()
+    raise K3Error("missing-slurm-template", f"the job library {LIBRARY} is missing from the installation", "reinstall k3launch")
+
+
+def node_order(plan: Plan) -> list[str]:
+    """Plan nodes that need an allocated host, in plan order (index = position in the allocation)."""
+    return list(dict.fromkeys(h.name for h in plan.hosts if h.role != "router" or h.gpus))
+
+
+def address_pattern(addresses: Iterable[str]) -> re.Pattern[str]:
+    """Any of ``addresses`` inside a word, the longest first (``node-1`` never matches in ``node-10``)."""
+    return re.compile("|".join(re.escape(a) for a in sorted({a for a in addresses if a}, key=len, reverse=True)) or r"(?!)")
+
+
+def _bind(word: str, addrs: dict[str, int], pat: re.Pattern[str]) -> str:
+    """Replace plan node addresses inside ``word`` by ``$K3_ADDR_i`` (the rest stays quoted)."""
+    out, pos = "", 0
+    for m in pat.finditer(word):
+        if m.start() > pos:
+            out += shlex.quote(word[pos:m.start()])
+        out += f'"$K3_ADDR_{addrs[m.group(0)]}"'
+        pos = m.end()
+    if not out:
+        return word
+    return Raw(out + (shlex.quote(word[pos:]) if pos < len(word) else ""))
+
+
+def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int], image: str | None) -> list[str]:
+    pat = address_pattern(addrs)
+    """srun options and command of one process (after ``k3_step NAME I``)."""
+    host = next(h for h in plan.hosts if h.name == proc.node)
+    env = {**proc.env, **markers(plan, proc)}
+    # Slurm's container mode, not the host's runtime, decides whether the engine runs bare.
+    bare = proc.role == "router" or slurm.container == "bare" or not image
+    argv = engine_argv(plan, proc, host.model_copy(update={"runtime": "bare"}) if bare else host)
+    hf_word = home_path(host.hf_cache or "~/.cache/huggingface")  # "$HOME"/... expands on the node
+
+    def mount(prefix: str) -> str:
+        if isinstance(hf_word, Raw):
+            return Raw(shlex.quote(prefix) + hf_word + shlex.quote(":" + CONTAINER_HF_CACHE))
+        return f"{prefix}{hf_word}:{CONTAINER_HF_CACHE}"
+
+    if bare:
+        words = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    elif slurm.container == "pyxis":
+        words = [f"--container-image={image}", mount("--container-mounts="), "--container-env=" + ",".join([*env, *SECRET_ENV]),
+                 "env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    else:  # apptainer: --cleanenv so the job's environment does not leak into the engine
+        words = ["apptainer", "exec", "--rocm" if plan.platform == "rocm" else "--nv", "--cleanenv", "--bind", mount("")]
+        words += [w for k, v in env.items() for w in ("--env", f"{k}={v}")] + [f"docker://{image}", *argv]
+    return [_bind(w, addrs, pat) for w in words]
+
+
+def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
+    if slurm.container == "apptainer" and image:
+        return "apptainer"
+    if slurm.container == "pyxis" and image:
+        return ""  # pyxis is an srun plugin: nothing to find on the node's PATH
+    engines = [p for p in plan.processes if p.role != "router"]
+    host = next(h for h in plan.hosts if h.name == engines[0].node)
+    return engine_argv(plan, engines[0], host.model_copy(update={"runtime": "bare"}))[0]
+
+
+def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bool = True, work: Sequence[str] = (),
+                    hf_token_file: str | None = None) -> list[str]:
+    """The calls of the job library that start ``plan`` in the current allocation."""
+    order = node_order(plan)
+    index = {n: i for i, n in enumerate(order)}
+    addrs = {h.address: index[h.name] for h in plan.hosts if h.name in index}
+    lines = [f"K3_LOGDIR={shlex.quote(log_dir)}", f"K3_NODES={len(order)}", 'mkdir -p "$K3_LOGDIR"']
+    lines += [ln for ln in token_snippet(hf_token_file).splitlines() if ln]
+    lines.append("k3_bind")
+    image = next((p.image for p in plan.processes if p.image), None)
+    if doctor:
+        specs = []
+        for n in order:
+            ports = sorted({q for p in plan.processes if p.node == n for q, _ in process_ports(p)})
+            specs.append(f"{index[n]}:{','.join(map(str, ports))}")
+        lines.append(shell_join(["k3_doctor", str(plan.gpus_per_node), _doctor_program(plan, slurm, image), *specs]))
+    engines = [p for p in plan.processes if p.role != "router"]
+    routers = [p for p in plan.processes if p.role == "router"]
+    for proc in (*engines, *routers):
+        node_i = index.get(proc.node, 0)
+        lines.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on plan node {node_i} ({proc.node})")
+        lines.append(shell_join(["k3_step", proc.id, str(node_i), *_step(plan, proc, slurm, addrs, image)]))
+    if work:
+        lines.append(shell_join(["k3_work", *work]))
+    lines.append("k3_supervise")
+    return lines
+
+
+def _check_lines(*values: str) -> None:
+    for v in values:
+        if "\n" in v or "\r" in v:
+            raise K3Error("bad-sbatch-value", f"{v!r} spans lines; each value ends up on one #SBATCH line", "remove the line break")
+
+
+def directives(plan: Plan, slurm: SlurmSection, output: str, extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (),
+               job_name: str | None = None) -> list[str]:
+    _check_lines(*extra_sbatch, *exclude, output)
+    gpus = plan.gpus_per_node
+    # --no-requeue: a requeued job would start over on other nodes behind the login node's back
+    # (its binding, endpoint and record would all be stale); k3launch resubmits itself instead.
+    d = [f"--job-name={job_name or 'k3-' + plan.name}", f"--nodes={len(node_order(plan))}", "--ntasks-per-node=1",
+         f"--output={output}", f"--time={slurm.time_limit}", f"--gres=gpu:{gpus}" if slurm.gres == "gres" else f"--gpus-per-node={gpus}",
+         "--no-requeue"]
+    for key in ("partition", "account", "qos", "reservation", "constraint"):
+        val = getattr(slurm, key)
+        if val:
+            d.append(f"--{key}={val}")
+    if slurm.exclusive:
+        d.append("--exclusive")
+    excl = list(dict.fromkeys(x for x in ([slurm.exclude] if slurm.exclude else []) + list(exclude) if x))
+    if excl:
+        d.append("--exclude=" + ",".join(excl))
+    return [f"#SBATCH {x}" for x in (*d, *slurm.extra_sbatch, *extra_sbatch)]
+
+
+def make_sbatch_string(plan: Plan, slurm: SlurmSection, log_dir: str, extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (),
+                       *, doctor: bool = True, hf_token_file: str | None = None) -> str:
+    """The job script of one deployment: it serves until cancelled, a step ends, or the time limit."""
+    head = ["#!/bin/bash", f"# Generated by k3launch: deployment {plan.name} ({plan.recipe}, {plan.strategy} on {plan.nodes} x {plan.hardware}).",
+            f"# By hand: mkdir -p {shlex.quote(log_dir)} && sbatch THIS_FILE (slurmd opens --output before the script runs)."]
+    head += directives(plan, slurm, f"{log_dir}/slurm-%j.out", extra_sbatch, [*plan.exclude, *exclude])
+    body = deployment_body(plan, slurm, log_dir, doctor=doctor, hf_token_file=hf_token_file)
+    return "\n".join([*head, job_library().rstrip("\n"), "", *body, ""])
+
+
+def make_array_string(tasks: Sequence[tuple[Plan, Sequence[str]]], slurm: SlurmSection, log_dir: str, *, concurrency: int | None = None,
+                      name: str = "k3-array", extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (), doctor: bool = True,
+                      hf_token_file: str | None = None) -> str:
+    """One array task per (plan, work argv); task *i*'s logs in ``LOG_DIR/task-i``."""
+    if not tasks:
+        raise K3Error("empty-array", "a job array needs at least one task", "add deployments")
+    shapes = {(len(node_order(p)), p.gpus_per_node) for p, _ in tasks}
+    if len(shapes) > 1:
+        raise K3Error("mixed-array", f"array tasks need one shape (nodes x GPUs per node); got {sorted(shapes)}",
+                      "submit one array per shape (k3launch.deploy.slurm.launch.submit_arrays groups them)")
+    first = tasks[0][0]
+    limit = f"%{concurrency}" if concurrency else ""
+    head = ["#!/bin/bash", f"# Generated by k3launch: job array {name}, {len(tasks)} task(s), one deployment each."]
+    excl = [x for p, _ in tasks for x in p.exclude]  # every task runs anywhere in the array's allocation pool
+    head += directives(first, slurm, f"{log_dir}/slurm-%A_%a.out", [f"--array=0-{len(tasks) - 1}{limit}", *extra_sbatch],
+                       [*excl, *exclude], job_name=name)
+    out = [*head, job_library().rstrip("\n"), ""]
+    for i, (plan, work) in enumerate(tasks):
+        out.append(f"k3_task_{i}() {{  # {plan.name}: {plan.strategy} on {plan.nodes} x {plan.hardware}")
+        # not indented: a quoted word may span lines, and indenting would change it
+        out += deployment_body(plan, slurm, f"{log_dir}/task-{i}", doctor=doctor, work=work, hf_token_file=hf_token_file)
+        out += ["}", ""]
+    out.append('case "${SLURM_ARRAY_TASK_ID:-}" in')
+    out += [f"  {i}) k3_task_{i} ;;" for i in range(len(tasks))]
+    out += ['  *) k3_say "no task ${SLURM_ARRAY_TASK_ID:-} in this array" >&2; exit 2 ;;', "esac", ""]
+    return "\n".join(out)

@@ -1,0 +1,213 @@
+"""Plan → the commands that start each process, and per-node shell scripts (pure string builders).
+
+This is the only place values meet a shell, and every value goes through :func:`shlex.quote`;
+a hostile value in an inventory or recipe (spaces, ``;``, ``$(...)``, quotes) ends up as data.
+
+Runtimes:
+
+* ``docker``: ``docker run -d`` with ``--gpus all`` (CUDA) or ``/dev/kfd`` + ``/dev/dri`` +
+  ``video`` group (ROCm), ``--ipc=host --network host --shm-size``, the HF cache mounted at
+  ``/root/.cache/huggingface``, ``--entrypoint`` + the plan's argv so the engine command line is
+  exactly the plan's, and labels ``k3launch.deployment/process/role`` so a deployment's
+  containers are found even without local state.
+* ``podman``: the same, with CDI (``--device nvidia.com/gpu=all``) for CUDA GPUs, minus
+  ``--shm-size`` (podman refuses it with ``--ipc=host``, where it means nothing), the HF cache
+  directory created first (podman refuses a missing bind source), and ``HF_TOKEN`` as a secret.
+* ``apptainer``: ``apptainer exec --nv|--rocm`` of ``docker://IMAGE``, started in the background.
+* ``bare``: the engine on the host (an installed vLLM, or the simulated engine).
+
+Secrets never appear: ``HF_TOKEN`` is passed by name (``-e HF_TOKEN``; ``APPTAINERENV_HF_TOKEN``),
+its value comes from the environment of whoever runs the script, or from ``hf_token_file`` read
+at run time. podman stores (and ``podman inspect`` prints) every ``-e`` value, even a by-name one,
+so there the token becomes a root-only podman secret mounted at ``/run/secrets/hf_token`` and
+named by ``HF_TOKEN_PATH`` (where huggingface_hub reads it); ``down`` removes the secret.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+
+from k3launch.models.plan import Host, Plan, Process
+
+CONTAINER_HF_CACHE = "/root/.cache/huggingface"
+TOKEN_TARGET = "hf_token"  # podman: /run/secrets/hf_token
+LABEL = "k3launch.deployment"
+SECRET_ENV = ("HF_TOKEN",)
+
+
+class Raw(str):
+    """A word already quoted for the shell (only built here, from quoted pieces)."""
+
+
+def home_path(path: str) -> str:
+    """``~/x`` → ``"$HOME"/'x'`` so the home directory expands while the rest stays data."""
+    if path == "~" or path.startswith("~/"):
+        return Raw('"$HOME"' + (("/" + shlex.quote(path[2:])) if path[2:] else ""))
+    return path
+
+
+def _mount(src: str, dst: str) -> str:
+    word = home_path(src)
+    if isinstance(word, Raw):
+        return Raw(word + shlex.quote(":" + dst))
+    return f"{src}:{dst}"
+
+
+def run_dir(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> str:
+    """The process's working directory and log home: ``<workdir>/k3launch/<deployment>/<process>``.
+
+    Being the cwd matters: tools like setproctitle (vLLM and vllm-router use it) clobber
+    ``/proc/PID/environ``, so a process whose environment markers vanished is still recognised
+    by its working directory.
+    """
+    root = (log_dir or host.workdir or "/tmp").rstrip("/")
+    return f"{root}/k3launch/{plan.name}/{proc.id}"
+
+
+def container_name(plan: Plan, proc: Process) -> str:
+    return f"k3-{plan.name}-{proc.id}"
+
+
+def token_secret(container: str) -> str:
+    """The podman secret holding a container's HF_TOKEN."""
+    return f"{container}-hf-token"
+
+
+def markers(plan: Plan, proc: Process) -> dict[str, str]:
+    """Env markers on every process, so a bare process is found from /proc even without state."""
+    return {"K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
+
+
+def engine_argv(plan: Plan, proc: Process, host: Host) -> list[str]:
+    """The program to exec for ``proc`` (``vllm serve ...``, or the simulated engine)."""
+    if plan.engine == "sim" and proc.argv[:2] == ["vllm", "serve"]:
+        if host.runtime == "bare":
+            return [host.python or "python3", "-m", "k3launch.sim", *proc.argv[1:]]
+        return list(proc.argv)  # the image's `vllm` is the simulated engine
+    return list(proc.argv)
+
+
+def _gpu_flags(runtime: str, platform: str) -> list[str]:
+    if platform == "rocm":
+        return ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video", "--security-opt", "seccomp=unconfined"]
+    return ["--device", "nvidia.com/gpu=all"] if runtime == "podman" else ["--gpus", "all"]
+
+
+def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> list[str]:
+    # Words of type Raw are pre-quoted shell words; everything else is quoted by shell_join.
+    """argv that starts ``proc`` detached on ``host`` (joined with shlex by :func:`script`)."""
+    env = {**proc.env, **markers(plan, proc)}
+    argv = engine_argv(plan, proc, host)
+    runtime = host.runtime if proc.role != "router" else "bare"
+    if runtime in ("docker", "podman"):
+        cmd = [runtime, "run", "-d", "--name", container_name(plan, proc),
+               "--label", f"{LABEL}={plan.name}", "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}"]
+        if proc.gpus and plan.engine != "sim":  # the simulated engine needs (and has) no GPUs
+            cmd += _gpu_flags(runtime, plan.platform)
+        cmd += ["--ipc=host", "--network", "host"]
+        if runtime == "docker":  # podman refuses --shm-size with the host IPC namespace
+            cmd += ["--shm-size", host.shm_size or "64g"]
+        cmd += ["-v", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        for k, v in env.items():
+            cmd += ["-e", f"{k}={v}"]
+        if runtime == "podman":
+            cmd.append(Raw('"${K3_SECRET[@]}"'))  # set by start_line: the token as a secret file
+        else:
+            for k in SECRET_ENV:
+                cmd += ["-e", k]  # by name: the value stays in the caller's environment
+        return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
+    log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
+    if runtime == "apptainer":
+        gpu = "--rocm" if plan.platform == "rocm" else "--nv"
+        inner = ["apptainer", "exec", gpu, "--cleanenv", "--bind", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        for k, v in env.items():
+            inner += ["--env", f"{k}={v}"]
+        inner += [f"docker://{proc.image}", *argv]
+    else:
+        inner = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    return ["k3launch_background", log, *inner]
+
+
+def start_line(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> str:
+    """The shell text that starts ``proc``: :func:`start_command`, after what podman needs first."""
+    run = shell_join(start_command(plan, proc, host, log_dir))
+    if proc.role == "router" or host.runtime != "podman":
+        return run
+    cache = home_path(host.hf_cache or "~/.cache/huggingface")
+    sec = shlex.quote(token_secret(container_name(plan, proc)))
+    return (f"mkdir -p {cache if isinstance(cache, Raw) else shlex.quote(cache)}\n"
+            f"podman secret rm {sec} >/dev/null 2>&1 || true\nK3_SECRET=()\n"
+            f'if [ -n "${{HF_TOKEN:-}}" ]; then printf %s "$HF_TOKEN" | podman secret create {sec} - >/dev/null && '
+            f"K3_SECRET=(--secret {sec},type=mount,target={TOKEN_TARGET} -e HF_TOKEN_PATH=/run/secrets/{TOKEN_TARGET}); fi\n"
+            f"{run}")
+
+
+# Starts a process detached, in its run directory, with exit bookkeeping (used by `up` and by
+# the rendered scripts alike, so a manual run and `up` start identically): the engine still leads its own
+# session (signals reach its whole tree) with the recorded pid, but its parent is a small waiter
+# that writes "CODE TIME" to .k3launch-exit when it ends (bash's $EPOCHREALTIME: µs, no fork
+# between the exit and the clock) -- log mtimes are too coarse to tell which of several ranks
+# that died within a millisecond of each other died first. The pid comes back
+# through a file: nothing of the background part may write to the caller's stdout.
+BACKGROUND_HELPER = (
+    "k3launch_background() { local log=$1 dir; shift; dir=$(dirname \"$log\"); mkdir -p \"$dir\"; "
+    "rm -f \"$dir/.k3launch-pid\" \"$dir/.k3launch-exit\"; "
+    "(cd \"$dir\" || exit 1; trap '' HUP; nohup setsid \"$@\" >\"$log\" 2>&1 </dev/null & echo $! >.k3launch-pid; "
+    "wait $!; echo \"$? ${EPOCHREALTIME:-$(date +%s.%N)}\" >.k3launch-exit) </dev/null >/dev/null 2>&1 & "
+    "local i=0; while [ ! -s \"$dir/.k3launch-pid\" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i + 1)); done; "
+    "echo \"started pid $(cat \"$dir/.k3launch-pid\" 2>/dev/null)\"; }\n"
+)
+
+
+_PRELUDE = """#!/usr/bin/env bash
+# Generated by k3launch from plan {name} ({recipe}, {strategy} on {hardware}). Runnable by hand.
+set -euo pipefail
+{token}
+# Processes without a container run detached, with their output (and exit code, in
+# .k3launch-exit) in their run directory.
+"""
+
+_TOKEN = """# HF_TOKEN is passed by name; read it from a file when it is not in the environment.
+if [ -z "${{HF_TOKEN:-}}" ]; then
+  if [ -r {file} ]; then HF_TOKEN=$(cat {file}); export HF_TOKEN; else echo "k3launch: hf_token_file "{file}" is not readable here; no HF_TOKEN" >&2; fi
+fi
+export APPTAINERENV_HF_TOKEN="${{HF_TOKEN:-}}"
+"""
+
+
+def token_snippet(hf_token_file: str | None) -> str:
+    if not hf_token_file:
+        return 'export APPTAINERENV_HF_TOKEN="${HF_TOKEN:-}"\n'
+    word = home_path(hf_token_file)  # ~/... is the user's home where the script runs
+    return _TOKEN.format(file=word if isinstance(word, Raw) else shlex.quote(word))
+
+
+def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str = "") -> str:
+    """The launch script of every process of ``plan`` on ``node``."""
+    host = next(h for h in plan.hosts if h.name == node)
+    procs = [p for p in plan.processes if p.node == node]
+    out = [_PRELUDE.format(name=plan.name, recipe=plan.recipe, strategy=plan.strategy, hardware=plan.hardware, token=token_snippet(hf_token_file))
+           + BACKGROUND_HELPER]
+    for proc in procs:
+        out.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on {node} ({host.address})")
+        out.append(start_line(plan, proc, host, log_dir))
+        out.append("")
+    return "\n".join(out)
+
+
+def shell_join(argv: Sequence[str]) -> str:
+    """One flag per line with continuation backslashes; every word quoted."""
+    parts: list[str] = []
+    for tok in argv:
+        q = tok if isinstance(tok, Raw) else shlex.quote(tok)
+        if tok.startswith("-") or not parts:
+            parts.append(q)
+        else:
+            parts[-1] += " " + q
+    return " \\\n  ".join(parts)
+
+
+def script_names(plan: Plan) -> dict[str, str]:
+    """node name → script file name."""
+    return {h.name: f"{h.name}.sh" for h in plan.hosts}

@@ -1,0 +1,1 @@
+"""Side effects, one seam: command runners (local, SSH), fleets of nodes, HTTP probes."""

@@ -1,0 +1,74 @@
+"""How to reach each host of a plan: a :class:`~k3launch.transport.runners.Target` per node, and the runner.
+
+``local`` backend and the login node (the router's default home) run through the local runner;
+``ssh`` nodes through one shared :class:`~k3launch.transport.runners.SshRunner`. :class:`Fleet` hides the
+difference, so executors just say "run this on node X" or "run these on their nodes".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from k3launch.models.plan import Host, Plan
+from k3launch.transport.runners import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, LocalRunner, Outcome, Result, Runner, Target, run_many
+
+
+def target_for(plan: Plan, host: Host) -> Target:
+    if plan.backend in ("local", "none") or host.name == "login":
+        return Target(host.name, "localhost", local=True)
+    return Target(host.name, host.ssh_host or host.address, host.user, host.ssh_port, host.identity_file, local=False)
+
+
+@dataclass
+class Fleet:
+    plan: Plan
+    remote: Runner
+    local: Runner
+    concurrency: int = DEFAULT_CONCURRENCY
+    _targets: dict[str, Target] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def for_plan(cls, plan: Plan, remote: Runner | None = None, local: Runner | None = None, concurrency: int = DEFAULT_CONCURRENCY) -> Fleet:
+        loc = local or LocalRunner()
+        return cls(plan, remote or loc, loc, concurrency)
+
+    def target(self, node: str) -> Target:
+        t = self._targets.get(node)
+        if t is None:
+            t = self._targets[node] = target_for(self.plan, self.host(node))
+        return t
+
+    def host(self, node: str) -> Host:
+        return next(h for h in self.plan.hosts if h.name == node)
+
+    def nodes(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for h in self.plan.hosts:
+            seen.setdefault(h.name, None)
+        return list(seen)
+
+    def run(self, node: str, command: str, timeout: float = DEFAULT_TIMEOUT_S) -> Result:
+        t = self.target(node)
+        return (self.local if t.local else self.remote).run(t, command, timeout=timeout)
+
+    def run_many(self, commands: Mapping[str, str] | Iterable[tuple[str, str]], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Outcome]:
+        """One command per node, in parallel (bounded); one outcome per node, errors included."""
+        items = list(commands.items()) if isinstance(commands, Mapping) else list(commands)
+        jobs = [(self.target(n), c) for n, c in items]
+        loc = [(t, c) for t, c in jobs if t.local]
+        rem = [(t, c) for t, c in jobs if not t.local]
+        if not loc or not rem:
+            return run_many(self.local if loc else self.remote, loc or rem, timeout=timeout, concurrency=self.concurrency)
+        # the login node's commands (router) run alongside the remote fan-out, not after it
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            local_future = pool.submit(run_many, self.local, loc, timeout=timeout, concurrency=self.concurrency)
+            out = run_many(self.remote, rem, timeout=timeout, concurrency=self.concurrency)
+            out.update(local_future.result())
+        return out
+
+    def close(self) -> None:
+        self.remote.close()
+        if self.local is not self.remote:
+            self.local.close()
