@@ -1,41 +1,41 @@
 """The Python API: plan, bring up, observe and tear down deployments from a script.
 
-The CLI commands ``up``/``status``/``down``/``list`` are thin wrappers of these functions, so a
-benchmark script, a notebook or a submitit job drives deployments exactly as a user at the
-shell does (same checks, same state records, same errors)::
+The CLI is a thin layer over these functions, so a benchmark script, a notebook or a submitit
+job drives deployments exactly as a user at the shell does (same checks, same state records,
+same errors)::
 
     from k3launch import api
 
     plan = api.plan("inventories/h200-pair.yaml", strategy="multi_node_tep", nodes=2)
     rec = api.up(plan, "inventories/h200-pair.yaml")       # returns once a completion came back
-    print(rec.endpoint)
+    print(rec.endpoint, api.status(rec.name).state)
     api.down(rec.name)
 
 Every refusal is a :class:`~k3launch.errors.K3Error` (``code``, ``message``, ``hint``); a launch
-that fails is a :class:`~k3launch.deploy.ssh.launch.LaunchFailed` naming the failing process and node,
-with its last log lines. Backends: ``ssh`` and ``local`` (processes over SSH / on this machine)
-and ``slurm`` (one sbatch job per deployment, :mod:`k3launch.deploy.slurm.launch`).
+that fails is a :class:`~k3launch.deploy.base.LaunchFailed` naming the failing process and node,
+with its last log lines. This module is the only caller of the backends: it picks one from the
+registry (:mod:`k3launch.deploy.registry`) by the inventory's or the record's ``backend``
+(``ssh`` and ``local``: processes over SSH / on this machine; ``slurm``: one sbatch job per
+deployment).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
+    from k3launch.deploy.base import DoctorReport, DryRun, LaunchFailed, TeardownReport
     from k3launch.deploy.slurm.array import ArrayJob, ArrayResult
-    from k3launch.deploy.ssh.doctor import DoctorReport
-    from k3launch.deploy.ssh.launch import LaunchFailed
-    from k3launch.deploy.ssh.teardown import TeardownReport
-    from k3launch.deploy.state import DeploymentRecord
+    from k3launch.deploy.state import StateStore
     from k3launch.models.plan import Plan
+    from k3launch.models.record import DeploymentRecord, StageFn, Status
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
-
-StageFn = Callable[[str, str], None]
 
 
 def bundled_inventory(name: str) -> Path:
@@ -78,6 +78,12 @@ def plan(inventory: str | Path | Inventory | None = None, *, name: str | None = 
                       port_base=port_base, name=name)
 
 
+def _store(state_dir: str | Path | None) -> StateStore:
+    from k3launch.deploy.state import StateStore
+
+    return StateStore(Path(state_dir) if state_dir else None)
+
+
 def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir: str | Path | None = None,
        ready_timeout: float | None = None, keep_on_failure: bool = False, force: bool = False, skip_doctor: bool = False,
        accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, extra_sbatch: Sequence[str] = (),
@@ -90,116 +96,110 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
     Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
     bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
     step and the automatic exclusion of nodes it refused in the last day."""
-    from k3launch.deploy.state import StateStore
+    from k3launch.deploy.base import Access, Events, UpOptions, no_op
+    from k3launch.deploy.registry import backend
 
     inv, inv_path = load(inventory)
-    if plan.backend != inv.backend and not (plan.backend == "none"):
+    if plan.backend != inv.backend and plan.backend != "none":
         raise K3Error("inventory-mismatch", f"the plan was built for backend {plan.backend}, the inventory is {inv.backend}",
                       "build the plan from the same inventory")
-    store = StateStore(Path(state_dir) if state_dir else None)
+    store = _store(state_dir)
     if store.exists(plan.name):
         raise K3Error("deployment-exists", f"a deployment named {plan.name!r} already exists", f"`k3launch down {plan.name}` first, or pass --name")
-    stage = on_stage or (lambda s, m: None)
-    if inv.backend == "slurm":
-        from k3launch.deploy.slurm.launch import SlurmLaunch
-
-        with store.lock(plan.name):
-            sl = SlurmLaunch(plan, inv, store, inventory=inv_path, on_stage=stage, on_failure=on_failure or (lambda e: None),
-                             extra_sbatch=tuple(extra_sbatch), queue_timeout=queue_timeout, doctor=not skip_doctor)
-            return sl.up(timeout=ready_timeout, keep_on_failure=keep_on_failure, use_bad_nodes=not skip_doctor)
-    if extra_sbatch:
-        raise K3Error("not-slurm", "--extra-sbatch applies to slurm inventories only", "drop --extra-sbatch")
-    from k3launch.deploy.ssh.doctor import doctor
-    from k3launch.deploy.ssh.launch import Launch
-
-    held = store.nodes_in_use()
-    clash = sorted({f"{h.name} ({held[h.address]})" for h in plan.hosts if h.address in held and h.gpus})
-    if clash and not force:
-        raise K3Error("nodes-in-use", f"nodes held by live deployments: {', '.join(clash)}", "`k3launch down` that deployment, --exclude the nodes, or pass --force")
-    fleet = fleet_for(plan, inv.ssh_config, inv.known_hosts, accept_unknown_hosts, connect_timeout)
+    opts = UpOptions(ready_timeout=ready_timeout, keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor,
+                     access=Access(accept_unknown_hosts, connect_timeout), extra_sbatch=tuple(extra_sbatch), queue_timeout=queue_timeout)
+    events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op)
     with store.lock(plan.name):
-        try:
-            if not skip_doctor:
-                report = doctor(plan, fleet, [r.name for r in store.list()])
-                if on_doctor:
-                    on_doctor(report)
-                if not report.ok:
-                    raise report.error()
-                stage("doctor", f"{len(fleet.nodes())} node(s) checked")
-            launch = Launch(plan, fleet, store, inventory=inv_path, hf_token_file=inv.hf_token_file, on_stage=stage,
-                            on_failure=on_failure or (lambda e: None), ssh_config=inv.ssh_config, known_hosts=inv.known_hosts)
-            return launch.up(timeout=ready_timeout, keep_on_failure=keep_on_failure)
-        finally:
-            fleet.close()
+        return backend(inv.backend).up(plan, inv, inv_path, store, opts, events)
 
 
-def fleet_for(plan: Plan, ssh_config: str | None = None, known_hosts: str | None = None, accept_unknown: bool = False,
-              connect_timeout: float = 10.0) -> Fleet:
-    """The :class:`~k3launch.transport.fleet.Fleet` that reaches a plan's nodes (ssh or local)."""
-    from k3launch.transport.fleet import Fleet
-    from k3launch.transport.runners import LocalRunner, SshRunner
+def dry_run(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir: str | Path | None = None,
+            extra_sbatch: Sequence[str] = ()) -> DryRun:
+    """What ``up`` would run for ``plan`` (per-node scripts, or the sbatch script); starts nothing."""
+    from k3launch.deploy.base import UpOptions
+    from k3launch.deploy.registry import backend
 
-    if plan.backend == "ssh":
-        runner = SshRunner(known_hosts=known_hosts, ssh_config=ssh_config, accept_unknown_hosts=accept_unknown, connect_timeout=connect_timeout)
-        return Fleet.for_plan(plan, runner, LocalRunner())
-    return Fleet.for_plan(plan)
+    inv = load(inventory)[0]
+    return backend(inv.backend).dry_run(plan, inv, _store(state_dir), UpOptions(extra_sbatch=tuple(extra_sbatch)))
+
+
+def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord | None:
+    """The record of deployment ``name``, or None when there is none (no error)."""
+    store = _store(state_dir)
+    return store.load(name) if store.exists(name) else None
+
+
+def deployments(state_dir: str | Path | None = None) -> list[DeploymentRecord]:
+    return _store(state_dir).list()
 
 
 def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
-           connect_timeout: float = 10.0) -> dict[str, object]:
-    """``{name, state, endpoint, processes: [{id, node, role, alive, healthy}], unreachable, ...}``."""
-    from k3launch.deploy.state import StateStore
+           connect_timeout: float = 10.0) -> Status:
+    """The deployment now: per process alive and healthy, its state and endpoint (``status --json``)."""
+    from k3launch.deploy.base import Access
+    from k3launch.deploy.registry import backend
 
-    rec = StateStore(Path(state_dir) if state_dir else None).load(name)
-    if rec.slurm is not None:
-        from k3launch.deploy.slurm.ops import observe_job
+    rec = _store(state_dir).load(name)
+    return backend(rec.backend).status(rec, Access(accept_unknown_hosts, connect_timeout))
 
-        return observe_job(rec)
-    from k3launch.deploy.ssh.observe import observe
 
-    fleet = fleet_for(rec.plan, rec.ssh_config, rec.known_hosts, accept_unknown_hosts, connect_timeout)
-    try:
-        return observe(rec, fleet)
-    finally:
-        fleet.close()
+def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, node: str | None = None, lines: int = 40,
+         follow: bool = False, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
+         connect_timeout: float = 10.0) -> None:
+    """Hand ``emit`` the last ``lines`` of each process (only ``role``/``node`` when given; without
+    them the backend's own log first, e.g. a Slurm job's output); ``follow`` keeps going (Ctrl-C)."""
+    from k3launch.deploy.base import Access
+    from k3launch.deploy.registry import backend
+
+    rec = _store(state_dir).load(name)
+    ids = [p.id for p in rec.plan.processes if (role is None or p.role == role) and (node is None or p.node == node)]
+    if not ids:
+        raise K3Error("no-processes", "no process matches --role/--node", "processes: " + ", ".join(f"{p.id}@{p.node}" for p in rec.plan.processes))
+    backend(rec.backend).logs(rec, ids, lines, follow, emit, Access(accept_unknown_hosts, connect_timeout),
+                              everything=role is None and node is None)
 
 
 def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, accept_unknown_hosts: bool = False,
          connect_timeout: float = 10.0) -> TeardownReport:
     """Stop everything of ``name`` and verify; the record is deleted only when nothing is left."""
-    from k3launch.deploy.ssh.teardown import teardown
-    from k3launch.deploy.state import StateStore
+    from k3launch.deploy.base import Access
+    from k3launch.deploy.registry import backend
 
-    store = StateStore(Path(state_dir) if state_dir else None)
+    store = _store(state_dir)
     with store.lock(name):
         rec = store.load(name)
-        if rec.slurm is not None:
-            from k3launch.deploy.slurm.ops import cancel_job
-
-            report = cancel_job(rec, store, grace_s=grace)
-        else:
-            fleet = fleet_for(rec.plan, rec.ssh_config, rec.known_hosts, accept_unknown_hosts, connect_timeout)
-            try:
-                report = teardown(rec, fleet, store, grace_s=grace)
-            finally:
-                fleet.close()
+        report = backend(rec.backend).down(rec, store, grace, Access(accept_unknown_hosts, connect_timeout))
         if report.clean:
             store.delete(name)
     return report
 
 
-def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord | None:
-    """The record of deployment ``name``, or None when there is none (no error)."""
-    from k3launch.deploy.state import StateStore
+def chat(name: str, message: str, *, max_tokens: int = 64, state_dir: str | Path | None = None) -> Mapping[str, Any]:
+    """One chat completion through the deployment's public endpoint: vLLM's JSON answer."""
+    import urllib.error
+    import urllib.request
 
-    store = StateStore(Path(state_dir) if state_dir else None)
-    return store.load(name) if store.exists(name) else None
+    rec = _store(state_dir).load(name)
+    body = json.dumps({"model": rec.plan.model, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(rec.endpoint + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            data: dict[str, Any] = json.loads(r.read().decode())
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+        raise K3Error("chat-failed", f"{rec.endpoint}: {getattr(exc, 'reason', exc)}", f"check `k3launch status {name}`") from None
+    return data
 
 
-def deployments(state_dir: str | Path | None = None) -> list[DeploymentRecord]:
-    from k3launch.deploy.state import StateStore
+def fleet(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Fleet:
+    """A :class:`~k3launch.transport.fleet.Fleet` reaching the nodes of an ssh/local deployment, for
+    commands on them (``bench --client engine``); the caller closes it."""
+    from k3launch.deploy.base import Access
+    from k3launch.deploy.ssh.backend import connect
+    from k3launch.models.record import SshRecord
 
-    return StateStore(Path(state_dir) if state_dir else None).list()
+    if not isinstance(rec, SshRecord):
+        raise K3Error("not-ssh", f"{rec.name} runs on {rec.backend}: its nodes are not reached over SSH", "use --client local")
+    return connect(rec.plan, rec.ssh_config, rec.known_hosts, Access(accept_unknown_hosts, connect_timeout))
 
 
 def submit_array(plans: Sequence[Plan], inventory: str | Path | Inventory, *, work: Callable[[int, Plan], Sequence[str]] | None = None,
@@ -210,10 +210,9 @@ def submit_array(plans: Sequence[Plan], inventory: str | Path | Inventory, *, wo
     serves, and tearing down. Returns :class:`~k3launch.deploy.slurm.array.ArrayJob` s; see :func:`wait_array`.
     Logs and per-task results go to ``log_dir`` (default ``<state dir>/slurm/arrays``)."""
     from k3launch.deploy.slurm.array import submit_array as _submit
-    from k3launch.deploy.state import StateStore
 
     inv = load(inventory)[0]
-    root = Path(log_dir) if log_dir else StateStore(Path(state_dir) if state_dir else None).root / "slurm" / "arrays"
+    root = Path(log_dir) if log_dir else _store(state_dir).root / "slurm" / "arrays"
     return _submit(plans, inv, root, work=work, concurrency=concurrency, name=name, extra_sbatch=extra_sbatch, ready_timeout=ready_timeout)
 
 

@@ -314,7 +314,7 @@ def test_a_submitit_job_drives_a_deployment_through_the_api(cluster: Cluster, st
         rec = api.up(api.plan(inventory, strategy="single_node_tp", name=name), inventory, state_dir=state_dir, ready_timeout=60)
         snap = api.status(name, state_dir=state_dir)
         report = api.down(name, state_dir=state_dir)
-        return {"endpoint": rec.endpoint, "state": snap["state"], "clean": report.clean, "host": os.uname().nodename}
+        return {"endpoint": rec.endpoint, "state": snap.state, "clean": report.clean, "host": os.uname().nodename}
 
     monkeypatch.setenv("SLURM_CONF", cluster.conf)  # submitit's sbatch, and (exported) the job's own
     ex = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")

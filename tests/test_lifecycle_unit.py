@@ -11,8 +11,9 @@ from fakes import FakeRunner
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import Launch, LaunchFailed
 from k3launch.deploy.ssh.teardown import teardown
-from k3launch.deploy.state import DeploymentRecord, ProcessRecord, StateStore
+from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.record import ProcessRecord, SshRecord
 from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import load_inventory
@@ -29,7 +30,7 @@ def _plan(**kw):  # type: ignore[no-untyped-def]
 
 
 def _record(plan, procs):  # type: ignore[no-untyped-def]
-    rec = DeploymentRecord(name=plan.name, state="ready", created=0, updated=0, endpoint=plan.endpoint, plan=plan)
+    rec = SshRecord(name=plan.name, state="ready", created=0, updated=0, endpoint=plan.endpoint, plan=plan)
     for p in plan.processes:
         rec.processes[p.id] = ProcessRecord(id=p.id, node=p.node, runtime="bare", handle=procs[p.id], log=f"/tmp/{p.id}.log", started=True)
     return rec

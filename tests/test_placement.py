@@ -131,7 +131,7 @@ PROCESS = {"id": str, "role": str, "node": str, "address": str, "head": bool, "a
 
 @pytest.mark.parametrize("case", GOLDEN_CASES)
 def test_design_contract_holds_with_an_inventory(case: str, plans: dict[str, dict[str, Any]]) -> None:
-    """DESIGN.md §4: the keys other programs rely on, with their types."""
+    """docs/design.md ("The plan JSON contract"): the keys other programs rely on, with their types."""
     plan = plans[case]
     for key, typ in CONTRACT.items():
         assert isinstance(plan[key], typ), key

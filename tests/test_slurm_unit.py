@@ -212,13 +212,13 @@ class StuckSlurm(FakeSlurm):
 
 def test_down_sends_the_grace_signal_to_the_job_script_with_the_grace_then_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import k3launch.deploy.slurm.ops as ops
-    from k3launch.deploy.state import DeploymentRecord, SlurmJob
+    from k3launch.models.record import SlurmJob, SlurmRecord
 
     plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inventory(), name="u-down")
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
-    rec = DeploymentRecord(name="u-down", state="ready", created=0.0, updated=0.0, endpoint=plan.endpoint, plan=plan,
-                           slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script=""))
+    rec = SlurmRecord(name="u-down", state="ready", created=0.0, updated=0.0, endpoint=plan.endpoint, plan=plan,
+                      slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script=""))
     fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1"])])
     report = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=25, client=fake)  # type: ignore[arg-type]
     assert fake.calls == [["scancel", "--batch", "--signal=TERM", "42"]]  # the job script stops its own steps
@@ -245,19 +245,19 @@ def test_skip_doctor_leaves_the_doctor_step_out_of_the_job(tmp_path: Path) -> No
 
 def test_status_of_an_ended_or_queued_job_and_following_logs(tmp_path: Path) -> None:
     from k3launch.deploy.slurm.ops import follow_files, observe_job
-    from k3launch.deploy.state import DeploymentRecord, SlurmJob
+    from k3launch.models.record import SlurmJob, SlurmRecord
 
     plan = build_plan(TREE, Selection(strategy="multi_node_tp", nodes=2), inventory=inventory(), name="u-status")
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
-    rec = DeploymentRecord(name="u-status", state="ready", created=0.0, updated=0.0, endpoint="http://10.9.9.1:8000", plan=plan,
-                           slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script="",
-                                          hosts={"slurm-node-0": "k3n1", "slurm-node-1": "k3n2"},
-                                          addresses={"slurm-node-0": "127.0.0.201", "slurm-node-1": "127.0.0.202"}))
-    ended = json.loads(json.dumps(observe_job(rec, FakeSlurm([JobInfo("42", "FAILED", ["k3n1", "k3n2"])]))))  # type: ignore[arg-type]
+    rec = SlurmRecord(name="u-status", state="ready", created=0.0, updated=0.0, endpoint="http://10.9.9.1:8000", plan=plan,
+                      slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script="",
+                                     hosts={"slurm-node-0": "k3n1", "slurm-node-1": "k3n2"},
+                                     addresses={"slurm-node-0": "127.0.0.201", "slurm-node-1": "127.0.0.202"}))
+    ended = observe_job(rec, FakeSlurm([JobInfo("42", "FAILED", ["k3n1", "k3n2"])])).as_dict()  # type: ignore[arg-type]
     assert ended["state"] == "ended (FAILED)" and not any(p["alive"] for p in ended["processes"])
     assert [p["node"] for p in ended["processes"]] == ["k3n1", "k3n2"]
-    queued = json.loads(json.dumps(observe_job(rec, FakeSlurm([JobInfo("42", "PENDING", [], "Resources")]))))  # type: ignore[arg-type]
+    queued = observe_job(rec, FakeSlurm([JobInfo("42", "PENDING", [], "Resources")])).as_dict()  # type: ignore[arg-type]
     assert queued["state"] == "queued"
     assert queued["job"] == {"id": "42", "state": "PENDING", "nodes": [], "reason": "Resources", "log_dir": str(log_dir)}
     (log_dir / "serve-0.log").write_text("old line\n")

@@ -204,7 +204,7 @@ def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path,
     node, rt, cname = _container(rec)
     ex = f"{shlex.quote(rt)} exec {shlex.quote(cname)}"
     inner = f"{CONTAINER_RESULT_DIR}/{result.name}"
-    fleet = api.fleet_for(rec.plan, rec.ssh_config, rec.known_hosts)
+    fleet = api.fleet(rec)
     try:
         r = fleet.run(node, f"{ex} vllm bench serve {shlex.join(argv)} 2>&1", timeout=timeout_s)
         log.write_text(f"$ {ex} vllm bench serve {shlex.join(argv)}\n{r.stdout}{r.stderr}", encoding="utf-8")
@@ -241,7 +241,7 @@ def engine_facts(rec: DeploymentRecord) -> EngineFacts:
     runtime = pr.runtime if pr else "bare"
     image_id = None
     if pr is not None and runtime in CONTAINER_RUNTIMES:
-        fleet = api.fleet_for(rec.plan, rec.ssh_config, rec.known_hosts)
+        fleet = api.fleet(rec)
         try:
             r = fleet.run(h.node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
             image_id = (r.stdout.strip() or None) if r.ok else None

@@ -290,10 +290,10 @@ class Runner:
             return None
         if rec.state == "ready" and plan_hash(rec.plan) == want:
             try:
-                procs = api.status(name, state_dir=self.o.state_dir).get("processes")
+                healthy = api.status(name, state_dir=self.o.state_dir).healthy
             except K3Error:
-                procs = None  # a node that does not answer: not reusable, take it down below
-            if isinstance(procs, list) and all(p.get("alive") and p.get("healthy") is not False for p in procs if isinstance(p, dict)):
+                healthy = False  # a node that does not answer: not reusable, take it down below
+            if healthy:
                 self.event(f"{name}: reusing the deployment an interrupted run left (ready, all processes healthy)")
                 self.s.reused += 1
                 return rec
@@ -379,14 +379,7 @@ class Runner:
                           recipe_sha256=_sha256(default_recipes_dir() / plan.recipe_file), campaign_sha256=self.p.sha256,
                           k3launch_version=__version__, vllm_version=facts.vllm_version, vllm_schema=plan.vllm_version,
                           runtime=facts.runtime, image=facts.image, image_id=facts.image_id, inventory=rec.inventory or "",
-                          nodes=_nodes(rec), client=run.client, started=run.started, ended=run.ended)
-
-
-def _nodes(rec: DeploymentRecord) -> list[str]:
-    """The machines that ran the cell: on Slurm the allocated hosts, not the plan's placeholders."""
-    if rec.slurm is not None and rec.slurm.hosts:
-        return sorted(set(rec.slurm.hosts.values()))
-    return sorted({p.node for p in rec.plan.processes})
+                          nodes=rec.machines(), client=run.client, started=run.started, ended=run.ended)
 
 
 def named_plan(prep: Prepared, g: Group) -> Plan:

@@ -108,41 +108,6 @@ def render(
             typer.echo(f"  {f}")
 
 
-@app.command()
-def chat(
-    name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")],
-    message: Annotated[str, typer.Argument(help="The user message.")],
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 64,
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch).")] = None,
-    json_out: JsonOut = False,
-) -> None:
-    """Send one chat completion to a deployment's public endpoint and print the reply."""
-    STATE.json = json_out
-    import urllib.error
-    import urllib.request
-
-    from k3launch.deploy.state import StateStore
-
-    try:
-        rec = StateStore(state_dir).load(name)
-        body = json.dumps({"model": rec.plan.model, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens}).encode()
-        req = urllib.request.Request(rec.endpoint + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=600) as r:
-                data = json.loads(r.read().decode())
-        except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
-            raise K3Error("chat-failed", f"{rec.endpoint}: {getattr(exc, 'reason', exc)}", f"check `k3launch status {name}`") from None
-    except K3Error as err:
-        fail(err)
-    if json_out:
-        typer.echo(json.dumps(data))
-        return
-    choice = (data.get("choices") or [{}])[0].get("message", {})
-    typer.echo(choice.get("content") or "")
-    usage = data.get("usage") or {}
-    typer.echo(f"[{usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} completion tokens, {rec.endpoint}]", err=True)
-
-
 def main() -> None:
     """Console entry point: K3Error → exit 2; unexpected errors → one line unless --debug."""
     debug = "--debug" in sys.argv[1:]

@@ -10,26 +10,19 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, with_selection
-from k3launch.deploy.state import DeploymentRecord, StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan
-from k3launch.planning.inventory import Inventory
-from k3launch.transport.fleet import Fleet
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+    from k3launch.deploy.base import DryRun
+    from k3launch.models.plan import Plan
+    from k3launch.models.record import DeploymentRecord
 
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
 AcceptUnknown = Annotated[bool, typer.Option("--accept-unknown-hosts", help="Accept (and remember) SSH host keys not in known_hosts. Off by default.")]
 ConnectTimeout = Annotated[float, typer.Option("--connect-timeout", help="Seconds to wait for a node's SSH connection (ssh_config ConnectTimeout wins).")]
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
-
-
-def fleet_for(plan: Plan, ssh_config: str | None, known_hosts: str | None, accept_unknown: bool, connect_timeout: float = 10.0) -> Fleet:
-    from k3launch.api import fleet_for as _fleet_for
-
-    fleet: Fleet = _fleet_for(plan, ssh_config, known_hosts, accept_unknown, connect_timeout)
-    return fleet
 
 
 @app.command()
@@ -58,10 +51,9 @@ def up(
             args = PlanArgs({**args.values, "inventory": api.bundled_inventory("local")})
             if not json_out:
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
-        inv = api.load(args.inventory_path)[0]
         plan = args.build()
         if dry_run:
-            _dry_run(con, plan, inv, state_dir, tuple(extra_sbatch or ()), json_out)
+            _dry_run(con, plan, api.dry_run(plan, args.inventory_path, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
             return
         emit = show_deploy.stage_printer(con, quiet=json_out)  # times count from here, doctor included
         t0 = time.monotonic()
@@ -78,34 +70,28 @@ def up(
         raise typer.Exit(INTERRUPTED) from None
     if json_out:
         out: dict[str, object] = {"name": rec.name, "state": rec.state, "endpoint": rec.endpoint, "seconds": round(time.monotonic() - t0, 2)}
-        if rec.slurm is not None:
-            out["job"] = {"id": rec.slurm.job_id, "hosts": rec.slurm.hosts, "log_dir": rec.slurm.log_dir, "attempts": rec.slurm.attempts}
+        if rec.job is not None:
+            out["job"] = {"id": rec.job.job_id, "hosts": rec.job.hosts, "log_dir": rec.job.log_dir, "attempts": rec.job.attempts}
         typer.echo(json.dumps(out))
     else:
         show_deploy.ready(con, rec)
 
 
-def _dry_run(con: Console, plan: Plan, inv: Inventory, state_dir: Path | None, extra_sbatch: tuple[str, ...], json_out: bool) -> None:
+def _dry_run(con: Console, plan: Plan, dry: DryRun, json_out: bool) -> None:
     from k3launch.cli import show_deploy
 
-    if inv.backend == "slurm":
-        from k3launch.deploy.slurm.launch import log_dir_for
-        from k3launch.render.sbatch import make_sbatch_string
-
-        assert inv.slurm is not None
-        text = make_sbatch_string(plan, inv.slurm, log_dir_for(StateStore(state_dir), inv, plan.name), extra_sbatch,
-                                  hf_token_file=inv.hf_token_file)
+    if dry.sbatch is not None:
         if json_out:
-            typer.echo(json.dumps({"name": plan.name, "sbatch": text}, indent=2))
+            typer.echo(json.dumps({"name": dry.name, "sbatch": dry.sbatch}, indent=2))
         else:
-            con.rule(f"{plan.name}: the sbatch script `up` would submit (nothing is submitted)", align="left")
-            typer.echo(text)
+            con.rule(f"{dry.name}: the sbatch script `up` would submit (nothing is submitted)", align="left")
+            typer.echo(dry.sbatch)
         return
-    steps = show_deploy.start_scripts(plan, inv.hf_token_file)
     if json_out:
-        typer.echo(json.dumps({"name": plan.name, "steps": [{"step": st, "node": n, "script": sc} for st, n, sc in steps]}, indent=2))
+        typer.echo(json.dumps({"name": dry.name, "steps": [{"step": st.step, "node": st.node, "script": st.script} for st in dry.steps]},
+                              indent=2))
     else:
-        show_deploy.dry_run(con, plan, steps)
+        show_deploy.dry_run(con, plan, dry)
 
 
 @app.command()
@@ -121,7 +107,7 @@ def status(name: Annotated[str, typer.Argument(help="Deployment name (see `k3lau
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps(snap, indent=2))
+        typer.echo(snap.to_json())
     else:
         show_deploy.status(console(), snap)
 
@@ -136,35 +122,11 @@ def logs(
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0,
 ) -> None:
     """Print the last log lines of a deployment's processes."""
-    from k3launch.deploy.ssh.observe import follow_logs, tail_logs
+    from k3launch import api
 
     try:
-        rec = StateStore(state_dir).load(name)
-        ids = [p.id for p in rec.plan.processes if (role is None or p.role == role) and (node is None or p.node == node)]
-        if not ids:
-            raise K3Error("no-processes", "no process matches --role/--node", "processes: " + ", ".join(f"{p.id}@{p.node}" for p in rec.plan.processes))
-        if rec.slurm is not None:
-            from k3launch.deploy.slurm.ops import follow_files
-            from k3launch.deploy.slurm.ops import tail_logs as slurm_tail
-
-            hosts = {p.id: rec.slurm.hosts.get(p.node, p.node) for p in rec.plan.processes}
-            # without --role/--node, the job's own output (binding, doctor, which step ended) comes first
-            for pid, text in slurm_tail(rec, ids if role or node else ["job", *ids], lines).items():
-                typer.echo(f"==> job {rec.slurm.job_id} output <==" if pid == "job" else f"==> {pid} on {hosts[pid]} <==")
-                typer.echo(text.rstrip())
-            if follow:
-                follow_files(rec, ids, typer.echo)
-            return
-        fleet = fleet_for(rec.plan, rec.ssh_config, rec.known_hosts, accept_unknown_hosts, connect_timeout)
-        node_of = {p.id: p.node for p in rec.plan.processes}
-        try:
-            for pid, text in tail_logs(rec, fleet, ids, lines).items():
-                typer.echo(f"==> {pid} on {node_of[pid]} <==")
-                typer.echo(text.rstrip())
-            if follow:
-                follow_logs(rec, fleet, ids, typer.echo)
-        finally:
-            fleet.close()
+        api.logs(name, typer.echo, role=role, node=node, lines=lines, follow=follow, state_dir=state_dir,
+                 accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     except K3Error as err:
         fail(err)
     except KeyboardInterrupt:
@@ -198,15 +160,46 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
 def list_(state_dir: StateDir = None, json_out: JsonOut = False) -> None:
     """Deployments in the state directory."""
     STATE.json = json_out
+    from k3launch import api
+
     try:
-        recs: list[DeploymentRecord] = StateStore(state_dir).list()
+        recs: list[DeploymentRecord] = api.deployments(state_dir)
     except K3Error as err:
         fail(err)
     if json_out:
         typer.echo(json.dumps([{"name": r.name, "state": r.state, "endpoint": r.endpoint, "strategy": r.plan.strategy,
-                                "hardware": r.plan.hardware, "nodes": r.plan.nodes, "slurm_job": r.slurm.job_id if r.slurm else None}
+                                "hardware": r.plan.hardware, "nodes": r.plan.nodes, "slurm_job": r.job.job_id if r.job else None}
                                for r in recs], indent=2))
         return
     from k3launch.cli import show_deploy
 
     show_deploy.listing(console(), recs)
+
+
+@app.command()
+def chat(
+    name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")],
+    message: Annotated[str, typer.Argument(help="The user message.")],
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 64,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch).")] = None,
+    json_out: JsonOut = False,
+) -> None:
+    """Send one chat completion to a deployment's public endpoint and print the reply."""
+    STATE.json = json_out
+    from k3launch import api
+
+    try:
+        data = api.chat(name, message, max_tokens=max_tokens, state_dir=state_dir)
+        rec = api.record(name, state_dir)
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps(data))
+        return
+    choice = (data.get("choices") or [{}])[0].get("message", {})
+    typer.echo(choice.get("content") or "")
+    usage = data.get("usage") or {}
+    where = f", {rec.endpoint}" if rec is not None else ""
+    typer.echo(f"[{usage.get('prompt_tokens', '?')} prompt + {usage.get('completion_tokens', '?')} completion tokens{where}]", err=True)
+
+

@@ -16,58 +16,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan
-
-State = Literal["starting", "ready", "failed", "stopping", "down-incomplete"]
-LIVE_STATES = ("starting", "ready", "failed", "stopping", "down-incomplete")
-
-
-class ProcessRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    id: str
-    node: str
-    runtime: str
-    handle: str = ""  # pid (bare/apptainer) or container name (docker/podman)
-    log: str = ""  # log file on the node (bare/apptainer); containers: `<runtime> logs`
-    started: bool = False
-
-
-class SlurmJob(BaseModel):
-    """A deployment's Slurm job: where it runs and what it was given (backend slurm)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    job_id: str
-    log_dir: str  # job script, slurm-<job>.out and one <process>.log each (shared with the nodes)
-    script: str
-    excluded: list[str] = []  # --exclude of the submission
-    attempts: int = 1  # submissions (a node refused by the job's doctor step is excluded next time)
-    hosts: dict[str, str] = {}  # plan node -> allocated host
-    addresses: dict[str, str] = {}  # plan node -> that host's NodeAddr
-
-
-class DeploymentRecord(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str
-    state: State
-    created: float
-    updated: float
-    inventory: str | None = None
-    ssh_config: str | None = None
-    known_hosts: str | None = None
-    endpoint: str
-    plan: Plan
-    processes: dict[str, ProcessRecord] = {}
-    unreachable: list[str] = []
-    error: str | None = None
-    slurm: SlurmJob | None = None
+from k3launch.models.record import LIVE_STATES, DeploymentRecord, ProcessRecord, SlurmJob, SlurmRecord, SshRecord, parse_record
 
 
 def default_state_dir() -> Path:
@@ -94,7 +47,7 @@ class StateStore:
     def load(self, name: str) -> DeploymentRecord:
         p = self.path(name)
         try:
-            return DeploymentRecord.model_validate_json(p.read_text())
+            return parse_record(p.read_text())
         except FileNotFoundError:
             known = ", ".join(r.name for r in self.list()) or "none"
             raise K3Error("unknown-deployment", f"no deployment named {name!r} in {self.root}", f"deployments: {known}") from None
@@ -107,7 +60,7 @@ class StateStore:
         fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{rec.name}.")
         try:
             with os.fdopen(fd, "w") as f:
-                f.write(rec.model_dump_json(indent=1))
+                f.write(rec.to_json())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path(rec.name))
@@ -125,7 +78,7 @@ class StateStore:
         out = []
         for p in sorted(self.dir.glob("*.json")):
             try:
-                out.append(DeploymentRecord.model_validate_json(p.read_text()))
+                out.append(parse_record(p.read_text()))
             except (ValidationError, ValueError, OSError):
                 continue  # a half-written or foreign file is not a deployment
         return out
@@ -148,9 +101,12 @@ class StateStore:
         """address → deployment name, for every node held by a live deployment."""
         held: dict[str, str] = {}
         for rec in self.list():
-            if rec.name == exclude or rec.state not in LIVE_STATES or rec.slurm is not None:
+            if rec.name == exclude or rec.state not in LIVE_STATES or not rec.holds_nodes:
                 continue  # Slurm itself arbitrates its nodes
             for h in rec.plan.hosts:
                 if h.role != "router" or h.gpus:
                     held[h.address] = rec.name
         return held
+
+
+__all__ = ["LIVE_STATES", "DeploymentRecord", "ProcessRecord", "SlurmJob", "SlurmRecord", "SshRecord", "StateStore", "default_state_dir"]

@@ -1,6 +1,6 @@
 """The Plan: a frozen, JSON-serialisable description of every process of a deployment.
 
-Executors consume Plans only (never recipes). The JSON shape is the contract of DESIGN.md §4:
+Executors consume Plans only (never recipes). The JSON shape is the contract of docs/design.md ("The plan JSON contract"):
 ``recipe, variant, hardware, strategy, nodes, gpus_per_node, verified, capacity, notices,
 processes[{id, role, node, address, head, http_port, argv, env, image, provenance}]``; the other
 keys are additive.

@@ -10,9 +10,11 @@ import json
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 PROBE_PROMPT = "k3launch readiness probe: say hello"
+PROBE_TIMEOUT_S = 1.0  # per /health probe in a readiness poll; the next poll asks again
 
 
 @dataclass(frozen=True)
@@ -73,3 +75,12 @@ def completion(base: str, model: str, max_tokens: int = 8, timeout: float = 60.0
     if not choices or tokens <= 0:
         return Completion(False, f"no tokens generated (choices={len(choices)}, completion_tokens={tokens})", tokens, text, dt)
     return Completion(True, "", tokens, text, dt)
+
+
+def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, bool]:
+    """id → /health answered 200, all probes at once."""
+    if not urls:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(urls))) as pool:
+        oks = pool.map(lambda u: health(u, timeout=timeout).ok, urls.values())
+        return dict(zip(urls, oks, strict=True))

@@ -19,9 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3launch.deploy.state import DeploymentRecord, ProcessRecord, SlurmJob, StateStore
+from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.record import ProcessRecord, SlurmJob, SlurmRecord
 from k3launch.render.sbatch import address_pattern, node_order
 
 BAD_NODE_TTL_S = 24 * 3600.0
@@ -132,7 +133,7 @@ def read_file(path: Path) -> str:
 
 
 
-def attached_record(plan: Plan, env: Mapping[str, str], inventory: str | None = None) -> DeploymentRecord:
+def attached_record(plan: Plan, env: Mapping[str, str], inventory: str | None = None) -> SlurmRecord:
     """The record of a deployment the current job array task runs (bound by the job library:
     ``K3_ADDR_i`` per plan node), for code that uses a deployment it did not start."""
     order = node_order(plan)
@@ -146,5 +147,5 @@ def attached_record(plan: Plan, env: Mapping[str, str], inventory: str | None = 
     procs = {p.id: ProcessRecord(id=p.id, node=p.node, runtime="slurm", handle=f"{job}:{p.id}", started=True) for p in bound.processes}
     hosts = {n: env.get(f"K3_HOST_{i}", "") for i, n in enumerate(order)}
     slurm = SlurmJob(job_id=job, log_dir=env.get("K3_LOGDIR", ""), script="", hosts=hosts, addresses={n: env[f"K3_ADDR_{i}"] for i, n in enumerate(order)})
-    return DeploymentRecord(name=plan.name, state="ready", created=now, updated=now, inventory=inventory, endpoint=bound.endpoint,
+    return SlurmRecord(name=plan.name, state="ready", created=now, updated=now, inventory=inventory, endpoint=bound.endpoint,
                             plan=bound, processes=procs, slurm=slurm)

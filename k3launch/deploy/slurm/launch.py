@@ -7,6 +7,8 @@ submits it, and watches the job from the login node, stage by stage: ``submit`` 
 per process) → ``health`` (every HTTP endpoint answers ``/health``) → ``completion`` (one real
 completion through the public endpoint) → ``ready``. The readiness deadline counts from the
 moment the job runs; the time in the queue is bounded separately (``queue_timeout``).
+:class:`SlurmLaunch` is this backend's set of hooks for the shared ``up`` skeleton
+(:func:`k3launch.deploy.base.run_up`).
 
 Fail fast: the job script ends the job when any step exits; ``up`` sees the job leave RUNNING
 within one poll and reports the process and node the job named, with that process's last log
@@ -27,17 +29,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3launch.deploy.base import PEER_LOSS, LaunchFailed, Progress, TeardownReport, rank_label, ready_timeout, run_up
 from k3launch.deploy.slurm.client import NEVER_RUNS, JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import JobOutput, bad_nodes, bind_plan, parse_output, read_file, record_bad_node, tail_file
 from k3launch.deploy.slurm.ops import cancel_job
-from k3launch.deploy.ssh.launch import LaunchFailed, Readiness, rank_label, ready_timeout
-from k3launch.deploy.ssh.observe import PEER_LOSS
-from k3launch.deploy.state import DeploymentRecord, ProcessRecord, SlurmJob, StateStore
+from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.record import ProcessRecord, SlurmJob, SlurmRecord, Stage, StageFn
 from k3launch.planning.inventory import Inventory
 from k3launch.render.sbatch import make_sbatch_string, node_order
-from k3launch.transport import http as health
 
 POLL_S = 0.5
 SLURM_UNAVAILABLE_S = 60.0  # squeue failing this long (slurmctld down or unreachable) fails up
@@ -51,9 +52,6 @@ def poll_interval(elapsed_s: float) -> float:
     return POLL_S if elapsed_s < 60 else 2.0 if elapsed_s < 600 else 5.0
 
 
-StageFn = Callable[[str, str], None]
-
-
 # What may stand in an `#SBATCH --output=` path: sbatch's directive parser cuts at white space,
 # quotes and '#', and Slurm expands '%' patterns in file names.
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._/+,:@=~-]+")
@@ -61,8 +59,7 @@ _SAFE_PATH = re.compile(r"[A-Za-z0-9._/+,:@=~-]+")
 
 def log_dir_for(store: StateStore, inv: Inventory, name: str) -> str:
     """Absolute: slurmd resolves a relative --output against the job's working directory."""
-    assert inv.slurm is not None
-    base = inv.slurm.log_dir
+    base = inv.slurm.log_dir if inv.slurm is not None else None
     d = (Path(base).expanduser().resolve() if base else store.root.expanduser().resolve() / "slurm") / name
     if not _SAFE_PATH.fullmatch(str(d)):
         raise K3Error("bad-log-dir", f"log directory {str(d)!r} cannot stand on an #SBATCH line (white space, quotes, '#' or '%')",
@@ -70,14 +67,10 @@ def log_dir_for(store: StateStore, inv: Inventory, name: str) -> str:
     return str(d)
 
 
-class _DoctorRefused(Exception):
-    def __init__(self, failed: dict[str, str]) -> None:
-        super().__init__(", ".join(failed))
-        self.failed = failed
-
-
 @dataclass
 class SlurmLaunch:
+    """One ``up`` on Slurm: submit, then watch the job from the login node (the shared skeleton's hooks)."""
+
     plan: Plan
     inv: Inventory
     store: StateStore
@@ -89,14 +82,34 @@ class SlurmLaunch:
     queue_timeout: float | None = None
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     doctor: bool = True  # the job's doctor step (and, with it, the automatic exclusion of refused nodes)
+    use_bad_nodes: bool = True  # exclude nodes the job's doctor refused in the last day
+    record: SlurmRecord = field(init=False)
+    # what the polls have seen of the current submission
+    _exclude: list[str] = field(default_factory=list, init=False)
+    _t_queue: float = field(default=0.0, init=False)
+    _running: bool = field(default=False, init=False)
+    _t_running: float = field(default=0.0, init=False)
+    _stage: Stage = field(default=Stage.QUEUED, init=False)
+    _reason: str | None = field(default=None, init=False)
+    _bound: Plan | None = field(default=None, init=False)
+    _t_unavailable: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        now = time.time()
+        self.record = SlurmRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
+                                  endpoint=self.plan.endpoint, plan=self.plan, slurm=SlurmJob(job_id="", log_dir="", script=""))
+
+    @property
+    def slurm(self) -> SlurmJob:
+        return self.record.slurm
 
     def script(self, log_dir: str, exclude: Sequence[str]) -> str:
         assert self.inv.slurm is not None
         return make_sbatch_string(self.plan, self.inv.slurm, log_dir, self.extra_sbatch, exclude, doctor=self.doctor,
                                   hf_token_file=self.inv.hf_token_file)
 
-    def submit(self, rec: DeploymentRecord, exclude: Sequence[str]) -> str:
-        log_dir = Path(rec.slurm.log_dir if rec.slurm else "")
+    def submit(self, rec: SlurmRecord, exclude: Sequence[str]) -> str:
+        log_dir = Path(rec.slurm.log_dir)
         try:
             log_dir.mkdir(parents=True, exist_ok=True)  # before sbatch: slurmd opens --output there
             path = log_dir / "job.sbatch"
@@ -106,70 +119,145 @@ class SlurmLaunch:
             raise K3Error("log-dir", f"cannot write the job script to {log_dir}: {exc.strerror}", "set slurm.log_dir in the inventory") from None
         return self.client.sbatch(str(path), str(log_dir), job_name=f"k3-{self.plan.name}")
 
-    # ------------------------------------------------------------------ up
-    def up(self, *, timeout: float | None = None, keep_on_failure: bool = False, use_bad_nodes: bool = True) -> DeploymentRecord:
-        now = time.time()
-        log_dir = log_dir_for(self.store, self.inv, self.plan.name)
-        rec = DeploymentRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
-                               endpoint=self.plan.endpoint, plan=self.plan,
-                               slurm=SlurmJob(job_id="", log_dir=log_dir, script=str(Path(log_dir) / "job.sbatch")))
-        assert rec.slurm is not None
+    # ------------------------------------------------------------------ hooks of run_up
+    def start(self) -> None:
         assert self.inv.slurm is not None
+        log_dir = log_dir_for(self.store, self.inv, self.plan.name)
+        self.slurm.log_dir, self.slurm.script = log_dir, str(Path(log_dir) / "job.sbatch")
         exclude = list(dict.fromkeys([*self.plan.exclude, *self.client.outside(self.inv.slurm.partition, self.inv.slurm.nodelist)]))
-        if use_bad_nodes:
+        if self.use_bad_nodes:
             auto = sorted(h for h, v in bad_nodes(self.store).items() if v.get("kind") == "doctor" and h not in exclude)
             if auto:
-                self.on_stage("exclude", f"excluding node(s) that failed the doctor step in the last day: {', '.join(auto)}")
+                self.on_stage(Stage.EXCLUDE, f"excluding node(s) that failed the doctor step in the last day: {', '.join(auto)}")
                 exclude += auto
-        try:
-            while True:
-                rec.slurm.excluded = exclude
-                rec.slurm.job_id = self.submit(rec, exclude)
-                self.store.save(rec)
-                self.on_stage("submit", f"job {rec.slurm.job_id} submitted (script {rec.slurm.script})")
-                try:
-                    self.wait_ready(rec, ready_timeout(self.plan, timeout))
-                    break
-                except _DoctorRefused as exc:
-                    for host, why in exc.failed.items():
-                        record_bad_node(self.store, host, why, "doctor", self.plan.name)
-                    bad = ", ".join(f"{h} ({w})" for h, w in exc.failed.items())
-                    if rec.slurm.attempts >= self.max_attempts:
-                        raise LaunchFailed(f"the job's doctor step refused {bad}", "fix those nodes, or --exclude them; they are excluded "
-                                           "automatically for a day", code="doctor-failed", node=next(iter(exc.failed))) from None
-                    self.on_stage("requeue", f"doctor refused {bad}; submitting again without them")
-                    exclude = [*exclude, *exc.failed]
-                    rec.slurm.attempts += 1
-        except (K3Error, KeyboardInterrupt) as exc:
-            rec.state = "failed"
-            rec.error = exc.message if isinstance(exc, K3Error) else "interrupted"
-            if rec.slurm.job_id:
-                self.store.save(rec)
-            self.on_stage("failed", rec.error)
-            if isinstance(exc, LaunchFailed):
-                if exc.node and exc.code == "process-exited":
-                    record_bad_node(self.store, exc.node, exc.message, "rank-died", self.plan.name)
-                self.on_failure(exc)
-            if rec.slurm.job_id and not keep_on_failure:
-                self.on_stage("teardown", f"cancelling job {rec.slurm.job_id}")
-                report = cancel_job(rec, self.store, client=self.client)
-                if report.clean:
-                    self.store.delete(rec.name)
-                    self.on_stage("teardown", "done: job gone, no step left")
-                else:
-                    self.on_stage("teardown", f"incomplete ({'; '.join(x for v in report.leftovers.values() for x in v)}); "
-                                  f"record kept: run `k3launch down {rec.name}`")
-            if not rec.slurm.job_id:
-                self.store.delete(rec.name)  # nothing was submitted: no record, and no lock file left behind
-            raise
-        rec.state = "ready"
-        rec.error = None
-        self.store.save(rec)
-        self.on_stage("ready", f"{self.plan.name} serving at {rec.endpoint} (job {rec.slurm.job_id})")
-        return rec
+        self._submit(exclude)
 
-    def _bind(self, rec: DeploymentRecord, out: JobOutput, info: JobInfo) -> Plan:
-        assert rec.slurm is not None
+    def _submit(self, exclude: list[str]) -> None:
+        self._exclude = exclude
+        self.slurm.excluded = exclude
+        self.slurm.job_id = self.submit(self.record, exclude)
+        self.store.save(self.record)
+        self.on_stage(Stage.SUBMIT, f"job {self.slurm.job_id} submitted (script {self.slurm.script})")
+        self._t_queue, self._running, self._stage, self._reason, self._bound = time.monotonic(), False, Stage.QUEUED, None, None
+
+    def started(self) -> bool:
+        return bool(self.slurm.job_id)
+
+    def poll_interval(self, elapsed_s: float) -> float:
+        return poll_interval(time.monotonic() - self._t_queue)
+
+    def failed(self, exc: LaunchFailed) -> None:
+        if exc.node and exc.code == "process-exited":
+            record_bad_node(self.store, exc.node, exc.message, "rank-died", self.plan.name)
+
+    def teardown(self, exc: BaseException) -> TeardownReport:
+        self.on_stage(Stage.TEARDOWN, f"cancelling job {self.slurm.job_id}")
+        report = cancel_job(self.record, self.store, client=self.client)
+        if report.clean:
+            self.on_stage(Stage.TEARDOWN, "done: job gone, no step left")
+        else:
+            self.on_stage(Stage.TEARDOWN, f"incomplete ({'; '.join(x for v in report.leftovers.values() for x in v)}); "
+                          f"record kept: run `k3launch down {self.record.name}`")
+        return report
+
+    def not_ready(self, deadline_s: float, stage: Stage, missing: list[str]) -> LaunchFailed:
+        return LaunchFailed(f"not ready {deadline_s:g}s after job {self.slurm.job_id} started (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
+                            "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
+                            tail_file(Path(self.slurm.log_dir) / f"{missing[0]}.log", 30) if missing else "", code="not-ready")
+
+    def up(self, *, timeout: float | None = None, keep_on_failure: bool = False, use_bad_nodes: bool = True) -> SlurmRecord:
+        """Submit and wait until the deployment serves (the shared skeleton with this backend's hooks)."""
+        self.use_bad_nodes = use_bad_nodes
+        run_up(self, self.store, ready_timeout(self.plan, timeout), keep_on_failure, self.on_failure)
+        return self.record
+
+    # ------------------------------------------------------------------ one poll
+    def poll(self, stage: Stage | None) -> Progress:
+        job = self.slurm.job_id
+        try:
+            info = self.client.job(job)
+            self._t_unavailable = None
+        except K3Error as exc:
+            # a busy slurmctld times out now and then: that says nothing about the job
+            now = time.monotonic()
+            if exc.code != "slurm-unavailable" or now - (self._t_unavailable or now) > SLURM_UNAVAILABLE_S:
+                raise
+            self._t_unavailable = self._t_unavailable or now
+            return self._progress()
+        cur = stage or self._stage
+        if not info.active or info.state == "COMPLETING":
+            return self._job_ended(info, cur)
+        if info.state == "PENDING":
+            self._pending(info)
+        elif info.state == "RUNNING":
+            self._advance(info)
+        return self._progress()
+
+    def _progress(self) -> Progress:
+        serving = self._bound is not None and self._stage in (Stage.HEALTH, Stage.COMPLETION)
+        return Progress(running=self._running, serving=self._bound.processes if serving and self._bound else None,
+                        endpoint=self._bound.endpoint if self._bound else "", stage=self._stage)
+
+    def _pending(self, info: JobInfo) -> None:
+        job = info.job_id
+        if info.reason != self._reason:
+            self._reason = info.reason
+            self.on_stage(Stage.QUEUED, f"job {job} pending ({info.reason or 'no reason given'})")
+        if info.reason in NEVER_RUNS and not self._may_still_run(info.reason):
+            raise LaunchFailed(f"job {job} can never start: Slurm keeps it pending with reason {info.reason}",
+                               "ask for fewer nodes or less time, or use another partition/account (see `sinfo`, `sacctmgr show assoc`)",
+                               code="job-never-runs")
+        if self.queue_timeout is not None and time.monotonic() - self._t_queue > self.queue_timeout:
+            raise LaunchFailed(f"job {job} still pending after {self.queue_timeout:g}s ({info.reason})",
+                               "raise --queue-timeout, or ask for fewer nodes / another partition", code="queue-timeout")
+
+    def _advance(self, info: JobInfo) -> None:
+        """RUNNING: bound hosts → doctor passed → every step running → (health, by the skeleton)."""
+        job = info.job_id
+        if not self._running:
+            self._running, self._t_running, self._stage = True, time.monotonic(), Stage.RUNNING
+        out_path = Path(self.slurm.log_dir) / f"slurm-{job}.out"
+        out = parse_output(read_file(out_path))
+        if self._bound is None and not out_path.exists() and time.monotonic() - self._t_running > OUTPUT_VISIBLE_S:
+            raise LaunchFailed(f"job {job} runs, but its output {out_path} does not appear on this machine",
+                               "slurm.log_dir must be on a filesystem the login node shares with the compute nodes",
+                               code="log-dir-not-shared")
+        if self._bound is None and len(out.hosts) >= len(node_order(self.plan)):
+            self._bound = self._bind(out, info)
+            self._stage = Stage.DOCTOR
+        if self._stage == Stage.DOCTOR and out.doctor_ok:
+            self.on_stage(Stage.DOCTOR, f"{len(out.hosts)} node(s) ok (GPUs visible, engine found, ports free)")
+            self._stage = Stage.ALIVE
+        if self._stage == Stage.ALIVE:
+            steps = self.client.steps(job)
+            if all(p.id in steps for p in self.plan.processes):
+                self.on_stage(Stage.ALIVE, f"all {len(self.plan.processes)} steps running")
+                self._stage = Stage.HEALTH
+
+    def _job_ended(self, info: JobInfo, stage: Stage) -> Progress:
+        # COMPLETING: its processes are being cleaned up; the final state (CANCELLED, FAILED, ...)
+        # says why it ended, and the job's last lines reach its output file
+        t_final = time.monotonic() + 10
+        while info.state == "COMPLETING" and time.monotonic() < t_final:
+            time.sleep(0.2)
+            info = self.client.job(info.job_id)
+        time.sleep(0.2)
+        refused = parse_output(read_file(Path(self.slurm.log_dir) / f"slurm-{info.job_id}.out")).doctor_failed
+        if not refused:
+            raise self._ended(info, stage)
+        for host, why in refused.items():
+            record_bad_node(self.store, host, why, "doctor", self.plan.name)
+        bad = ", ".join(f"{h} ({w})" for h, w in refused.items())
+        if self.slurm.attempts >= self.max_attempts:
+            raise LaunchFailed(f"the job's doctor step refused {bad}", "fix those nodes, or --exclude them; they are excluded "
+                               "automatically for a day", code="doctor-failed", node=next(iter(refused)))
+        self.on_stage(Stage.REQUEUE, f"doctor refused {bad}; submitting again without them")
+        self.slurm.attempts += 1
+        self._submit([*self._exclude, *refused])
+        return Progress(running=False, stage=Stage.QUEUED, restarted=True)
+
+    def _bind(self, out: JobOutput, info: JobInfo) -> Plan:
+        rec = self.record
         order = node_order(self.plan)
         rec.slurm.hosts = {n: out.hosts[i][0] for i, n in enumerate(order)}
         rec.slurm.addresses = {n: out.hosts[i][1] for i, n in enumerate(order)}
@@ -180,16 +268,13 @@ class SlurmLaunch:
                                                 log=str(Path(rec.slurm.log_dir) / f"{p.id}.log"), started=True)
         self.store.save(rec)
         hosts = ", ".join(f"{n}={rec.slurm.hosts[n]} ({rec.slurm.addresses[n]})" for n in order)
-        self.on_stage("running", f"job {info.job_id} running on {hosts}")
+        self.on_stage(Stage.RUNNING, f"job {info.job_id} running on {hosts}")
         return bound
 
-    def _ended(self, rec: DeploymentRecord, info: JobInfo, stage: str) -> Exception:
-        assert rec.slurm is not None
-        log_dir = Path(rec.slurm.log_dir)
+    def _ended(self, info: JobInfo, stage: str) -> LaunchFailed:
+        log_dir = Path(self.slurm.log_dir)
         out_path = log_dir / f"slurm-{info.job_id}.out"
         out = parse_output(read_file(out_path))
-        if out.doctor_failed:
-            return _DoctorRefused(out.doctor_failed)
         if out.step_exit is not None:
             # the cause: the first to end whose last lines do not blame a lost peer (as for ssh)
             tails = {pid: tail_file(log_dir / f"{pid}.log", 30) for pid, _, _ in out.step_exits}
@@ -213,82 +298,3 @@ class SlurmLaunch:
         assert self.inv.slurm is not None
         size = self.client.partition_nodes(self.inv.slurm.partition)
         return size is not None and len(node_order(self.plan)) <= size
-
-    def wait_ready(self, rec: DeploymentRecord, deadline_s: float) -> health.Completion:
-        assert rec.slurm is not None
-        job = rec.slurm.job_id
-        out_path = Path(rec.slurm.log_dir) / f"slurm-{job}.out"
-        t_queue = time.monotonic()
-        t_end: float | None = None
-        t_running = 0.0
-        stage, reason = "queued", None
-        ready: Readiness | None = None  # once the job bound its hosts
-        http = [p for p in self.plan.processes if p.http_port is not None]
-        t_unavailable: float | None = None
-        while True:
-            t_poll = time.monotonic()
-            try:
-                info = self.client.job(job)
-                t_unavailable = None
-            except K3Error as exc:
-                # a busy slurmctld times out now and then: that says nothing about the job
-                if exc.code != "slurm-unavailable":
-                    raise
-                t_unavailable = t_unavailable or t_poll
-                if t_poll - t_unavailable > SLURM_UNAVAILABLE_S:
-                    raise
-                time.sleep(POLL_S)
-                continue
-            if not info.active or info.state == "COMPLETING":
-                # COMPLETING: its processes are being cleaned up; the final state (CANCELLED,
-                # FAILED, ...) says why it ended, and the job's last lines reach its output file
-                t_final = time.monotonic() + 10
-                while info.state == "COMPLETING" and time.monotonic() < t_final:
-                    time.sleep(0.2)
-                    info = self.client.job(job)
-                time.sleep(0.2)
-                raise self._ended(rec, info, stage)
-            if info.state == "PENDING":
-                if info.reason != reason:
-                    reason = info.reason
-                    self.on_stage("queued", f"job {job} pending ({reason or 'no reason given'})")
-                if info.reason in NEVER_RUNS and not self._may_still_run(info.reason):
-                    raise LaunchFailed(f"job {job} can never start: Slurm keeps it pending with reason {info.reason}",
-                                       "ask for fewer nodes or less time, or use another partition/account (see `sinfo`, `sacctmgr show assoc`)",
-                                       code="job-never-runs")
-                if self.queue_timeout is not None and time.monotonic() - t_queue > self.queue_timeout:
-                    raise LaunchFailed(f"job {job} still pending after {self.queue_timeout:g}s ({info.reason})",
-                                       "raise --queue-timeout, or ask for fewer nodes / another partition", code="queue-timeout")
-            elif info.state == "RUNNING":
-                if t_end is None:
-                    t_end, t_running, stage = time.monotonic() + deadline_s, time.monotonic(), "running"
-                out = parse_output(read_file(out_path))
-                if ready is None and not out_path.exists() and time.monotonic() - t_running > OUTPUT_VISIBLE_S:
-                    raise LaunchFailed(f"job {job} runs, but its output {out_path} does not appear on this machine",
-                                       "slurm.log_dir must be on a filesystem the login node shares with the compute nodes",
-                                       code="log-dir-not-shared")
-                if ready is None and len(out.hosts) >= len(node_order(self.plan)):
-                    bound = self._bind(rec, out, info)
-                    ready = Readiness(bound.processes, bound.endpoint, self.plan.model, self.on_stage)
-                    stage = "doctor"
-                if stage == "doctor" and out.doctor_ok:
-                    self.on_stage("doctor", f"{len(out.hosts)} node(s) ok (GPUs visible, engine found, ports free)")
-                    stage = "alive"
-                if stage == "alive":
-                    steps = self.client.steps(job)
-                    if all(p.id in steps for p in self.plan.processes):
-                        self.on_stage("alive", f"all {len(self.plan.processes)} steps running")
-                        stage = "health"
-                if stage in ("health", "completion") and ready is not None:
-                    c = ready.check(t_end)
-                    if c is not None:
-                        return c
-                    stage = ready.stage()
-                if time.monotonic() > t_end:
-                    missing = ready.missing if ready else [p.id for p in http]
-                    raise LaunchFailed(f"not ready {deadline_s:g}s after job {job} started (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
-                                       "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
-                                       tail_file(Path(rec.slurm.log_dir) / f"{missing[0]}.log", 30) if missing else "", code="not-ready")
-            time.sleep(max(0.0, poll_interval(t_poll - t_queue) - (time.monotonic() - t_poll)))
-
-

@@ -6,20 +6,20 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from k3launch.deploy.base import TeardownReport
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import bind_plan, tail_file
-from k3launch.deploy.ssh.observe import probe_all
-from k3launch.deploy.ssh.teardown import TeardownReport
-from k3launch.deploy.state import DeploymentRecord, StateStore
+from k3launch.deploy.state import StateStore
+from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status
+from k3launch.transport.http import probe_all
 
 JOB_STOP_GRACE_S = 10.0  # the job script's TERM -> KILL grace when no --grace reaches it (K3_STOP_GRACE_S)
 STOP_MARGIN_S = 5.0  # the steps' exits and Slurm's bookkeeping after that
 CANCEL_WAIT_S = 90.0  # after scancel: Slurm's KillWait (30 s by default) plus epilog
 
 
-def observe_job(rec: DeploymentRecord, client: SlurmClient | None = None) -> dict[str, object]:
-    """The shape of :func:`k3launch.deploy.ssh.observe.observe`, from squeue and the bound addresses, plus ``job``."""
-    assert rec.slurm is not None
+def observe_job(rec: SlurmRecord, client: SlurmClient | None = None) -> Status:
+    """The deployment's :class:`~k3launch.models.record.Status` from squeue and the bound addresses, with its ``job``."""
     cl = client or SlurmClient()
     info = cl.job(rec.slurm.job_id)
     steps = cl.steps(rec.slurm.job_id) if info.state == "RUNNING" else {}
@@ -27,8 +27,8 @@ def observe_job(rec: DeploymentRecord, client: SlurmClient | None = None) -> dic
     alive = {p.id: p.id in steps for p in bound.processes}
     urls = {p.id: f"http://{p.address}:{p.http_port}" for p in bound.processes if p.http_port is not None and alive[p.id]}
     ok = probe_all(urls, timeout=2.0)
-    procs = [{"id": p.id, "node": rec.slurm.hosts.get(p.node, p.node), "role": p.role, "alive": alive[p.id],
-              "healthy": None if p.http_port is None else ok.get(p.id, False)} for p in bound.processes]
+    procs = [ProcessStatus(id=p.id, node=rec.slurm.hosts.get(p.node, p.node), role=p.role, alive=alive[p.id],
+                           healthy=None if p.http_port is None else ok.get(p.id, False)) for p in bound.processes]
     state: str = rec.state
     if info.state == "PENDING":
         state = "queued"
@@ -36,21 +36,19 @@ def observe_job(rec: DeploymentRecord, client: SlurmClient | None = None) -> dic
         state = f"ended ({info.state})"
     elif state == "ready" and not all(alive.values()):
         state = "degraded"
-    return {"name": rec.name, "state": state, "endpoint": rec.endpoint, "processes": procs, "unreachable": [],
-            "job": {"id": rec.slurm.job_id, "state": info.state, "nodes": info.nodes, "reason": info.reason, "log_dir": rec.slurm.log_dir}}
+    return Status(name=rec.name, state=state, endpoint=rec.endpoint, processes=procs, unreachable=[],
+                  job=JobStatus(id=rec.slurm.job_id, state=info.state, nodes=info.nodes, reason=info.reason, log_dir=rec.slurm.log_dir))
 
 
-def tail_logs(rec: DeploymentRecord, ids: Sequence[str], lines: int) -> dict[str, str]:
+def tail_logs(rec: SlurmRecord, ids: Sequence[str], lines: int) -> dict[str, str]:
     """process id (or ``job``: the job's own output) -> its last lines, read from the shared log directory."""
-    assert rec.slurm is not None
     d = Path(rec.slurm.log_dir)
     return {i: tail_file(d / (f"slurm-{rec.slurm.job_id}.out" if i == "job" else f"{i}.log"), lines) for i in ids}
 
 
-def follow_files(rec: DeploymentRecord, ids: Sequence[str], emit: Callable[[str], None], poll_s: float = 1.0,
+def follow_files(rec: SlurmRecord, ids: Sequence[str], emit: Callable[[str], None], poll_s: float = 1.0,
                  max_s: float | None = None) -> None:
     """Print new lines of the processes' logs as they appear (by byte offset)."""
-    assert rec.slurm is not None
     paths = {i: Path(rec.slurm.log_dir) / f"{i}.log" for i in ids}
     offsets = {i: (p.stat().st_size if p.exists() else 0) for i, p in paths.items()}
     t_end = None if max_s is None else time.monotonic() + max_s
@@ -68,13 +66,12 @@ def follow_files(rec: DeploymentRecord, ids: Sequence[str], emit: Callable[[str]
                 emit(f"{i}| {line}")
 
 
-def cancel_job(rec: DeploymentRecord, store: StateStore, grace_s: float = 10.0, client: SlurmClient | None = None) -> TeardownReport:
+def cancel_job(rec: SlurmRecord, store: StateStore, grace_s: float = 10.0, client: SlurmClient | None = None) -> TeardownReport:
     """The grace signal first: ``scancel --batch --signal=TERM`` makes the job script stop its
     steps (TERM, then KILL after ``grace_s``, which it reads from ``<log dir>/.k3launch-grace``)
     and end as COMPLETED; if the job is still active after that, ``scancel`` (Slurm's TERM,
     KillWait, KILL). Verified: the job is no longer active and no step of it is left. A pending
     job is simply cancelled."""
-    assert rec.slurm is not None
     cl = client or SlurmClient()
     job = rec.slurm.job_id
     report = TeardownReport(verified=f"job {job} ended, no step left")

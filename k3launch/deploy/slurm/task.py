@@ -22,8 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from k3launch.deploy.base import LaunchFailed, Readiness
 from k3launch.deploy.slurm.job import bind_plan
-from k3launch.deploy.ssh.launch import LaunchFailed, Readiness
 from k3launch.models.plan import Plan
 from k3launch.render.sbatch import node_order
 

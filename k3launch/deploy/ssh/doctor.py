@@ -18,56 +18,14 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+from k3launch.deploy.base import Check, DoctorReport
 from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
-from k3launch.transport.runners import HOST_KEY_HINT
 
 PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
-
-
-@dataclass(frozen=True)
-class Check:
-    node: str
-    name: str
-    status: str
-    detail: str = ""
-    code: str = ""  # the error code of a failed connection (host-key-unknown, unreachable, ...)
-
-
-@dataclass
-class DoctorReport:
-    checks: list[Check]
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.status == FAIL for c in self.checks)
-
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if c.status == FAIL]
-
-    def failed_nodes(self) -> list[str]:
-        return sorted({c.node for c in self.failures()})
-
-    def error(self) -> K3Error:
-        """The refusal to raise when not ok: connection problems first, with their own codes."""
-        bad = self.failures()
-        keys = [c for c in bad if c.code in ("host-key-unknown", "host-key-mismatch")]
-        if keys:
-            nodes = ", ".join(sorted({c.node for c in keys}))
-            if any(c.code == "host-key-mismatch" for c in keys):
-                return K3Error("host-key-mismatch", f"host key mismatch on {nodes}: {keys[0].detail}",
-                               "the host's key changed: check why before fixing known_hosts")
-            return K3Error("host-key-unknown", f"host key of {nodes} not in known_hosts ({keys[0].detail})", HOST_KEY_HINT)
-        unreach = [c for c in bad if c.name == "reachable"]
-        if unreach:
-            return K3Error("unreachable", f"cannot reach {', '.join(sorted({c.node for c in unreach}))}: {unreach[0].detail}",
-                           "check the address, ssh config and that sshd runs there; or --exclude the node")
-        return K3Error("doctor-failed", f"pre-flight checks failed on {', '.join(self.failed_nodes())}: {bad[0].name}: {bad[0].detail}",
-                       "fix the nodes or --exclude them; --skip-doctor to launch anyway")
 
 
 def _section(name: str, body: str) -> str:

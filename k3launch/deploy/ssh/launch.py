@@ -20,6 +20,9 @@ unreachable node fails it naming the node. The failure is reported (``failed`` s
 torn down; nodes known to be unreachable are not waited for again (the record keeps them, state
 ``down-incomplete``, for the next ``down``). The readiness deadline is per deployment
 (``--ready-timeout``, else the plan's ``VLLM_ENGINE_READY_TIMEOUT_S``, else 1800 s).
+
+:class:`Launch` is this backend's set of hooks for the shared ``up`` skeleton
+(:func:`k3launch.deploy.base.run_up`).
 """
 
 from __future__ import annotations
@@ -29,40 +32,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from k3launch.deploy.ssh.observe import Poll, poll, probe_all
+from k3launch.deploy.base import LaunchFailed, Progress, TeardownReport, rank_label, ready_timeout, run_up
+from k3launch.deploy.ssh.observe import Poll, poll
 from k3launch.deploy.ssh.teardown import teardown
-from k3launch.deploy.state import DeploymentRecord, ProcessRecord, StateStore
+from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
+from k3launch.models.record import ProcessRecord, SshBackendName, SshRecord, Stage, StageFn
 from k3launch.render import snippets as remote
 from k3launch.render.scripts import BACKGROUND_HELPER, Raw, container_name, start_command, start_line, token_snippet
-from k3launch.transport import http as health
 from k3launch.transport.fleet import Fleet
 
-DEFAULT_READY_TIMEOUT_S = 1800.0
 POLL_S = 0.5
 START_TIMEOUT_S = 120.0
-
-StageFn = Callable[[str, str], None]  # (stage, message)
-
-
-class LaunchFailed(K3Error):
-    def __init__(self, message: str, hint: str, failing: str | None = None, log_tail: str = "", code: str = "launch-failed",
-                 node: str | None = None) -> None:
-        super().__init__(code, message, hint)
-        self.failing = failing
-        self.log_tail = log_tail
-        self.node = node
-
-
-def ready_timeout(plan: Plan, override: float | None) -> float:
-    if override is not None:
-        return override
-    for p in plan.processes:
-        v = p.env.get("VLLM_ENGINE_READY_TIMEOUT_S")
-        if v and v.isdigit():
-            return float(v)
-    return DEFAULT_READY_TIMEOUT_S
 
 
 def _start_line(plan: Plan, proc: Process, fleet: Fleet, hf_token_file: str | None, log_dir: str) -> str:
@@ -117,62 +99,10 @@ def _record_for(plan: Plan, proc: Process, fleet: Fleet, out: str, log_dir: str)
     return ProcessRecord(id=proc.id, node=proc.node, runtime=runtime, handle=pid, log=str(log), started=bool(pid))
 
 
-def rank_label(proc: Process) -> str:
-    """``node rank 2`` / ``DP ranks 8-15`` / ``router`` — how people name the rank."""
-    a = proc.argv
-
-    def flag(name: str) -> str | None:
-        return a[a.index(name) + 1] if name in a and a.index(name) + 1 < len(a) else None
-
-    if (r := flag("--node-rank")) is not None:
-        return f"{proc.role}, node rank {r}"
-    local = flag("--data-parallel-size-local")
-    if local and local.isdigit() and flag("--data-parallel-size"):
-        start = int(flag("--data-parallel-start-rank") or 0)
-        return f"{proc.role}, DP ranks {start}-{start + int(local) - 1}"
-    return proc.role
-
-
-@dataclass
-class Readiness:
-    """The ``health`` and ``completion`` stages, shared by every backend: every HTTP endpoint
-    answers ``/health`` 200, then one real completion comes back through the public endpoint."""
-
-    processes: Sequence[Process]  # with the addresses the processes really bind
-    endpoint: str
-    model: str
-    on_stage: StageFn
-    healthy: set[str] = field(default_factory=set)
-
-    @property
-    def missing(self) -> list[str]:
-        return [p.id for p in self.processes if p.http_port is not None and p.id not in self.healthy]
-
-    def check(self, t_end: float) -> health.Completion | None:
-        """One poll: probe what is not healthy yet; once all are, try the completion."""
-        n = sum(1 for p in self.processes if p.http_port is not None)
-        todo = {p.id: f"http://{p.address}:{p.http_port}" for p in self.processes if p.id in self.missing}
-        for pid, ok in probe_all(todo).items():
-            if ok:
-                self.healthy.add(pid)
-                self.on_stage("health", f"{pid} healthy ({len(self.healthy)}/{n})")
-        if self.missing:
-            return None
-        c = health.completion(self.endpoint, self.model, timeout=max(5.0, min(60.0, t_end - time.monotonic())))
-        if c.ok:
-            self.on_stage("completion", f"completion through {self.endpoint}: {c.completion_tokens} tokens in {c.seconds:.2f}s")
-            return c
-        if c.detail.startswith("no tokens"):
-            raise LaunchFailed(f"completion stage: {self.endpoint} answers but generated no tokens ({c.detail})",
-                               "check the engine logs (`k3launch logs`)", code="no-tokens")
-        return None
-
-    def stage(self) -> str:
-        return "health" if self.missing else "completion"
-
-
 @dataclass
 class Launch:
+    """One ``up`` over SSH (or on this machine): start every process, then watch them per node."""
+
     plan: Plan
     fleet: Fleet
     store: StateStore
@@ -183,15 +113,21 @@ class Launch:
     on_failure: Callable[[LaunchFailed], None] = field(default=lambda e: None)
     ssh_config: str | None = None
     known_hosts: str | None = None
+    backend: SshBackendName | None = None  # default: the plan's (local when it was planned without an inventory)
+    record: SshRecord = field(init=False)
 
-    def record(self) -> DeploymentRecord:
+    def __post_init__(self) -> None:
         now = time.time()
+        backend: SshBackendName = self.backend or ("ssh" if self.plan.backend == "ssh" else "local")
         # ssh settings from the start: a `down` after a failed `up` must check the same host keys
-        return DeploymentRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
-                                ssh_config=self.ssh_config, known_hosts=self.known_hosts, endpoint=self.plan.endpoint, plan=self.plan)
+        self.record = SshRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
+                                backend=backend, ssh_config=self.ssh_config, known_hosts=self.known_hosts, endpoint=self.plan.endpoint,
+                                plan=self.plan)
 
     # ------------------------------------------------------------------ start
-    def start(self, rec: DeploymentRecord) -> None:
+    def start(self) -> None:
+        rec = self.record
+        self.store.save(rec)
         for group in start_steps(self.plan):
             by_node: dict[str, list[Process]] = {}
             for p in group:
@@ -222,22 +158,71 @@ class Launch:
             self.store.save(rec)
             if failed:
                 raise failed[0]
-            self.on_stage("start", f"started {len(group)} {'router' if group[0].role == 'router' else 'engine'} process(es) on {len(by_node)} node(s)")
+            self.on_stage(Stage.START, f"started {len(group)} {'router' if group[0].role == 'router' else 'engine'} process(es) on {len(by_node)} node(s)")
+
+    # ------------------------------------------------------------------ hooks of run_up
+    def poll(self, stage: Stage | None) -> Progress:
+        rec = self.record
+        pl = poll(rec, self.fleet)
+        during = stage or Stage.ALIVE
+        if pl.unreachable:
+            node, why = next(iter(sorted(pl.unreachable.items())))
+            raise LaunchFailed(f"node {node} stopped answering during {during}: {why}",
+                               "check the node (sshd, network); `k3launch down` finishes the teardown once it answers",
+                               code="node-unreachable", node=node)
+        if pl.dead:
+            raise self._died(rec, pl, during)
+        if stage is None:
+            self.on_stage(Stage.ALIVE, f"all {len(rec.processes)} processes running")
+        return Progress(running=True, serving=self.plan.processes, endpoint=self.plan.endpoint, stage=Stage.ALIVE)
+
+    def poll_interval(self, elapsed_s: float) -> float:
+        return POLL_S
+
+    def not_ready(self, deadline_s: float, stage: Stage, missing: list[str]) -> LaunchFailed:
+        rec = self.record
+        return LaunchFailed(f"not ready after {deadline_s:g}s (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
+                            "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
+                            self.log_tail(rec, missing[0]) if missing and missing[0] in rec.processes else "", code="not-ready")
+
+    def started(self) -> bool:
+        return True  # the record is saved before anything starts; teardown finds processes by their markers
+
+    def failed(self, exc: LaunchFailed) -> None:
+        return None
+
+    def teardown(self, exc: BaseException) -> TeardownReport:
+        rec = self.record
+        self.on_stage(Stage.TEARDOWN, "tearing down what was started")
+        # a node that just failed to answer is not waited for again (isolated: a connect timeout)
+        known = {exc.node: exc.message} if isinstance(exc, LaunchFailed) and exc.node and exc.code in ("node-unreachable", "unreachable") else {}
+        report = teardown(rec, self.fleet, self.store, unreachable=known)
+        if report.clean:
+            self.on_stage(Stage.TEARDOWN, "done: nothing left, ports free")
+        else:
+            self.on_stage(Stage.TEARDOWN, f"incomplete ({', '.join(sorted(report.unreachable)) or 'leftovers'}); record kept: "
+                          f"run `k3launch down {rec.name}` once the nodes answer")
+        return report
+
+    def up(self, *, timeout: float | None = None, keep_on_failure: bool = False) -> SshRecord:
+        """Start and wait until the deployment serves (the shared skeleton with this backend's hooks)."""
+        run_up(self, self.store, ready_timeout(self.plan, timeout), keep_on_failure, self.on_failure)
+        return self.record
 
     # ------------------------------------------------------------------ observe
-    def poll(self, rec: DeploymentRecord) -> Poll:
+    def poll_once(self, rec: SshRecord) -> Poll:
         return poll(rec, self.fleet)
 
-    def dead_processes(self, rec: DeploymentRecord) -> list[str]:
+    def dead_processes(self, rec: SshRecord) -> list[str]:
         """Ids of started processes that are not running (first to die first); raises on an unreachable node."""
-        pl = self.poll(rec)
+        pl = self.poll_once(rec)
         if pl.unreachable:
             node, why = next(iter(sorted(pl.unreachable.items())))
             raise LaunchFailed(f"node {node} stopped answering: {why}", "check the node; `k3launch down` cleans up what is reachable",
                                None, code="node-unreachable", node=node)
         return pl.dead
 
-    def log_tail(self, rec: DeploymentRecord, pid: str, lines: int = 30) -> str:
+    def log_tail(self, rec: SshRecord, pid: str, lines: int = 30) -> str:
         pr = rec.processes[pid]
         cmd = remote.container_log_tail(pr.runtime, pr.handle, lines) if pr.runtime in ("docker", "podman") else remote.log_tail(pr.log, lines)
         try:
@@ -245,7 +230,7 @@ class Launch:
         except K3Error as exc:
             return f"(log unavailable: {exc.message})"
 
-    def _died(self, rec: DeploymentRecord, pl: Poll, stage: str) -> LaunchFailed:
+    def _died(self, rec: SshRecord, pl: Poll, stage: str) -> LaunchFailed:
         dead = pl.dead
         cause = dead[0]
         proc = next(p for p in self.plan.processes if p.id == cause)
@@ -257,68 +242,6 @@ class Launch:
                             pl.tails.get(cause) or self.log_tail(rec, cause),
                             code="process-exited", node=proc.node)
 
-    def wait_ready(self, rec: DeploymentRecord, deadline_s: float) -> health.Completion:
-        t_end = time.monotonic() + deadline_s
-        ready = Readiness(self.plan.processes, self.plan.endpoint, self.plan.model, self.on_stage)
-        stage = "alive"
-        while True:
-            t_poll = time.monotonic()
-            pl = self.poll(rec)
-            if pl.unreachable:
-                node, why = next(iter(sorted(pl.unreachable.items())))
-                raise LaunchFailed(f"node {node} stopped answering during {stage}: {why}",
-                                   "check the node (sshd, network); `k3launch down` finishes the teardown once it answers",
-                                   code="node-unreachable", node=node)
-            if pl.dead:
-                raise self._died(rec, pl, stage)
-            if stage == "alive":
-                self.on_stage("alive", f"all {len(rec.processes)} processes running")
-            c = ready.check(t_end)
-            if c is not None:
-                return c
-            stage = ready.stage()
-            if time.monotonic() > t_end:
-                missing = ready.missing
-                raise LaunchFailed(f"not ready after {deadline_s:g}s (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
-                                   "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
-                                   self.log_tail(rec, missing[0]) if missing and missing[0] in rec.processes else "", code="not-ready")
-            # a fixed cadence: the round trips and probes of this poll are part of the interval
-            time.sleep(max(0.0, POLL_S - (time.monotonic() - t_poll)))
-
-    # ------------------------------------------------------------------ up
-    def up(self, *, timeout: float | None = None, keep_on_failure: bool = False) -> DeploymentRecord:
-        rec = self.record()
-        self.store.save(rec)
-        try:
-            self.start(rec)
-            self.wait_ready(rec, ready_timeout(self.plan, timeout))
-        except (K3Error, KeyboardInterrupt) as exc:
-            rec.state = "failed"
-            rec.error = exc.message if isinstance(exc, K3Error) else "interrupted"
-            self.store.save(rec)
-            self.on_stage("failed", rec.error)  # now, not after a teardown that may take a while
-            if isinstance(exc, LaunchFailed):
-                self.on_failure(exc)
-            if not keep_on_failure:
-                self._teardown(rec, exc)
-            raise
-        rec.state = "ready"
-        rec.error = None
-        self.store.save(rec)
-        self.on_stage("ready", f"{self.plan.name} serving at {self.plan.endpoint}")
-        return rec
-
-    def _teardown(self, rec: DeploymentRecord, exc: BaseException) -> None:
-        self.on_stage("teardown", "tearing down what was started")
-        # a node that just failed to answer is not waited for again (isolated: a connect timeout)
-        known = {exc.node: exc.message} if isinstance(exc, LaunchFailed) and exc.node and exc.code in ("node-unreachable", "unreachable") else {}
-        report = teardown(rec, self.fleet, self.store, unreachable=known)
-        if report.clean:
-            self.store.delete(rec.name)
-            self.on_stage("teardown", "done: nothing left, ports free")
-        else:
-            self.on_stage("teardown", f"incomplete ({', '.join(sorted(report.unreachable)) or 'leftovers'}); record kept: "
-                          f"run `k3launch down {rec.name}` once the nodes answer")
 
 
 __all__ = ["Launch", "LaunchFailed", "Poll", "Raw", "node_script", "poll", "ready_timeout", "start_steps"]

@@ -6,28 +6,20 @@ batched per node (one command prints every requested process's tail between mark
 
 from __future__ import annotations
 
-import re
 import shlex
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from k3launch.deploy.state import DeploymentRecord, ProcessRecord
+from k3launch.deploy.base import PEER_LOSS
 from k3launch.errors import K3Error
+from k3launch.models.record import ProcessRecord, ProcessStatus, SshRecord, Status
 from k3launch.render import snippets as remote
-from k3launch.transport import http as health
 from k3launch.transport.fleet import Fleet
+from k3launch.transport.http import probe_all
 from k3launch.transport.runners import CommandFailed
 
 POLL_TIMEOUT_S = 10.0  # a poll takes milliseconds; a node silent this long has failed
-PROBE_TIMEOUT_S = 1.0  # per /health probe; the next poll asks again
-# How a rank says it went down *because another did* (torch/gloo/NCCL, vLLM, the simulated engine)
-PEER_LOSS = re.compile(r"by peer|peer process|remote process exited|disconnected|lost the connection|lost a member|"
-                       r"connection (?:reset|closed|refused)|broken pipe", re.IGNORECASE)
-
-Snapshot = dict[str, object]
-
 
 @dataclass
 class Poll:
@@ -39,7 +31,7 @@ class Poll:
     codes: dict[str, str] = field(default_factory=dict)  # dead process id → exit code ("?" unknown)
 
 
-def poll(rec: DeploymentRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30) -> Poll:
+def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30) -> Poll:
     by_node: dict[str, list[ProcessRecord]] = {}
     for pr in rec.processes.values():
         if pr.handle:
@@ -93,17 +85,8 @@ def _float(s: str) -> float:
         return 0.0
 
 
-def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, bool]:
-    """id → /health answered 200, all probes at once."""
-    if not urls:
-        return {}
-    with ThreadPoolExecutor(max_workers=min(32, len(urls))) as pool:
-        oks = pool.map(lambda u: health.health(u, timeout=timeout).ok, urls.values())
-        return dict(zip(urls, oks, strict=True))
-
-
-def observe(rec: DeploymentRecord, fleet: Fleet) -> Snapshot:
-    """``{name, state, endpoint, processes: [{id, node, role, alive, healthy}], unreachable}``.
+def observe(rec: SshRecord, fleet: Fleet) -> Status:
+    """The deployment now (:class:`~k3launch.models.record.Status`).
 
     A process on a node that does not answer is reported not alive (unknown is not alive);
     ``unreachable`` lists those nodes with the reason.
@@ -113,18 +96,16 @@ def observe(rec: DeploymentRecord, fleet: Fleet) -> Snapshot:
     alive = {p.id: p.id in rec.processes and p.id not in dead and p.node not in pl.unreachable for p in rec.plan.processes}
     urls = {p.id: f"http://{p.address}:{p.http_port}" for p in rec.plan.processes if p.http_port is not None and alive[p.id]}
     ok = probe_all(urls, timeout=2.0)
-    procs = []
-    for p in rec.plan.processes:
-        healthy: bool | None = None if p.http_port is None else ok.get(p.id, False)
-        procs.append({"id": p.id, "node": p.node, "role": p.role, "alive": alive[p.id], "healthy": healthy})
+    procs = [ProcessStatus(id=p.id, node=p.node, role=p.role, alive=alive[p.id], healthy=None if p.http_port is None else ok.get(p.id, False))
+             for p in rec.plan.processes]
     state: str = rec.state
     if state == "ready" and not all(alive.values()):
         state = "degraded"
-    return {"name": rec.name, "state": state, "endpoint": rec.endpoint, "processes": procs,
-            "unreachable": [why for _, why in sorted(pl.unreachable.items())]}
+    return Status(name=rec.name, state=state, endpoint=rec.endpoint, processes=procs,
+                  unreachable=[why for _, why in sorted(pl.unreachable.items())])
 
 
-def _log_cmd(rec: DeploymentRecord, pid: str, lines: int) -> tuple[str, str]:
+def _log_cmd(rec: SshRecord, pid: str, lines: int) -> tuple[str, str]:
     pr = rec.processes.get(pid)
     if pr is None:
         return "", "echo '(never started)'"
@@ -133,7 +114,7 @@ def _log_cmd(rec: DeploymentRecord, pid: str, lines: int) -> tuple[str, str]:
     return pr.node, remote.log_tail(pr.log, lines)
 
 
-def _batched(rec: DeploymentRecord, fleet: Fleet, cmds: dict[str, tuple[str, str]], timeout: float = 20.0) -> dict[str, str]:
+def _batched(rec: SshRecord, fleet: Fleet, cmds: dict[str, tuple[str, str]], timeout: float = 20.0) -> dict[str, str]:
     """{process id: (node, command)} → {process id: output}, one round trip per node."""
     per_node: dict[str, list[str]] = {}
     for pid, (node, _) in cmds.items():
@@ -155,14 +136,14 @@ def _batched(rec: DeploymentRecord, fleet: Fleet, cmds: dict[str, tuple[str, str
     return out
 
 
-def tail_logs(rec: DeploymentRecord, fleet: Fleet, ids: Iterable[str], lines: int) -> dict[str, str]:
+def tail_logs(rec: SshRecord, fleet: Fleet, ids: Iterable[str], lines: int) -> dict[str, str]:
     ids = list(ids)
     cmds = {pid: _log_cmd(rec, pid, lines) for pid in ids}
     got = _batched(rec, fleet, {pid: c for pid, c in cmds.items() if c[0]})
     return {pid: got.get(pid, "(never started)") for pid in ids}
 
 
-def follow_logs(rec: DeploymentRecord, fleet: Fleet, ids: Iterable[str], emit: Callable[[str], None], poll_s: float = 1.0,
+def follow_logs(rec: SshRecord, fleet: Fleet, ids: Iterable[str], emit: Callable[[str], None], poll_s: float = 1.0,
                 max_s: float | None = None) -> None:
     """Print new log lines as they appear (bare runtimes: by byte offset; containers: --since)."""
     ids = [i for i in ids if i in rec.processes]

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 
-from k3launch.deploy.state import DeploymentRecord, StateStore
+from k3launch.deploy.base import TeardownReport
+from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.record import SshRecord
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Outcome
@@ -34,20 +35,7 @@ VERIFY_S = 5.0  # ports can take a moment to close after the last process exits
 STEP_TIMEOUT_S = 30.0
 
 
-@dataclass
-class TeardownReport:
-    stopped: list[str] = field(default_factory=list)
-    leftovers: dict[str, list[str]] = field(default_factory=dict)  # node -> what remains
-    unreachable: dict[str, str] = field(default_factory=dict)  # node -> why
-    busy_ports: list[str] = field(default_factory=list)
-    verified: str = "no process or container left; planned ports free"  # what a clean report checked
-
-    @property
-    def clean(self) -> bool:
-        return not (self.leftovers or self.unreachable or self.busy_ports)
-
-
-def _phases(rec: DeploymentRecord) -> list[list[str]]:
+def _phases(rec: SshRecord) -> list[list[str]]:
     procs = rec.plan.processes
     router = [p.id for p in procs if p.role == "router"]
     heads = [p.id for p in procs if p.role != "router" and p.http_port is not None]
@@ -74,7 +62,7 @@ def _pairs(text: str) -> list[tuple[str, str]]:
     return [(ln.split()[0], ln.split()[1] if len(ln.split()) > 1 else "") for ln in text.splitlines() if ln.strip()]
 
 
-def _stop_containers(rec: DeploymentRecord, fleet: Fleet, ids: list[str], grace_s: float, report: TeardownReport) -> None:
+def _stop_containers(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, report: TeardownReport) -> None:
     containers: dict[str, list[tuple[str, str]]] = {}
     for pid in ids:
         pr = rec.processes.get(pid)
@@ -85,7 +73,7 @@ def _stop_containers(rec: DeploymentRecord, fleet: Fleet, ids: list[str], grace_
         _run(fleet, cmds, report, timeout=grace_s + 60)
 
 
-def _stop_phase(rec: DeploymentRecord, fleet: Fleet, ids: list[str], grace_s: float, report: TeardownReport) -> None:
+def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, report: TeardownReport) -> None:
     node_of = {p.id: p.node for p in rec.plan.processes}
     _stop_containers(rec, fleet, ids, grace_s, report)
     nodes = sorted({node_of[i] for i in ids})
@@ -108,14 +96,14 @@ def _stop_phase(rec: DeploymentRecord, fleet: Fleet, ids: list[str], grace_s: fl
     report.stopped += ids
 
 
-def _verify_script(rec: DeploymentRecord, node_runtimes: Iterable[str]) -> str:
+def _verify_script(rec: SshRecord, node_runtimes: Iterable[str]) -> str:
     parts = [f"echo @@procs\n{remote.find_processes(rec.name)}", f"echo @@listening\n{remote.LISTENING}"]
     for rt in sorted(set(node_runtimes)):
         parts.append(f"echo @@containers\n{remote.labelled_containers(rt, rec.name)}")
     return "\n".join(parts)
 
 
-def verify(rec: DeploymentRecord, fleet: Fleet, report: TeardownReport) -> None:
+def verify(rec: SshRecord, fleet: Fleet, report: TeardownReport) -> None:
     """One round trip per node: marked processes, labelled containers, listening ports."""
     runtimes = {h.name: [h.runtime] if h.runtime in ("docker", "podman") else [] for h in rec.plan.hosts}
     cmds = {n: _verify_script(rec, runtimes.get(n, [])) for n in fleet.nodes()}
@@ -139,7 +127,7 @@ def verify(rec: DeploymentRecord, fleet: Fleet, report: TeardownReport) -> None:
             report.busy_ports.append(f"{use.address}:{use.port} ({use.purpose} of {use.process})")
 
 
-def teardown(rec: DeploymentRecord, fleet: Fleet, store: StateStore, grace_s: float = DEFAULT_GRACE_S,
+def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = DEFAULT_GRACE_S,
              unreachable: Mapping[str, str] | None = None) -> TeardownReport:
     """Stop and verify. ``unreachable``: nodes already known not to answer (not tried again)."""
     report = TeardownReport(unreachable=dict(unreachable or {}))

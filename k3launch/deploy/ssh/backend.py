@@ -1,0 +1,108 @@
+"""The SSH backend (inventories with ``backend: ssh``, and ``local`` for this machine).
+
+Every node is reached through one :class:`~k3launch.transport.fleet.Fleet` (SSH with host keys
+verified, or local commands), opened for one command and closed after it. ``up`` refuses nodes
+another live deployment holds (``--force`` overrides), runs the ``doctor`` pre-flight checks,
+then the shared ``up`` skeleton with :class:`~k3launch.deploy.ssh.launch.Launch`'s hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from k3launch.deploy.base import Access, DryRun, DryRunStep, Emit, Events, TeardownReport, UpOptions, ready_timeout, run_up
+from k3launch.deploy.ssh.doctor import doctor
+from k3launch.deploy.ssh.launch import Launch, node_script, start_steps
+from k3launch.deploy.ssh.observe import follow_logs, observe, tail_logs
+from k3launch.deploy.ssh.teardown import teardown
+from k3launch.deploy.state import StateStore
+from k3launch.errors import K3Error
+from k3launch.models.plan import Plan
+from k3launch.models.record import DeploymentRecord, SshRecord, Stage, Status
+from k3launch.planning.inventory import Inventory
+from k3launch.transport.fleet import Fleet
+from k3launch.transport.runners import LocalRunner, SshRunner
+
+
+def connect(plan: Plan, ssh_config: str | None = None, known_hosts: str | None = None, access: Access | None = None) -> Fleet:
+    """The :class:`~k3launch.transport.fleet.Fleet` that reaches a plan's nodes (ssh or local)."""
+    access = access or Access()
+    if plan.backend == "ssh":
+        runner = SshRunner(known_hosts=known_hosts, ssh_config=ssh_config, accept_unknown_hosts=access.accept_unknown_hosts,
+                           connect_timeout=access.connect_timeout)
+        return Fleet.for_plan(plan, runner, LocalRunner())
+    return Fleet.for_plan(plan)
+
+
+def _own(rec: DeploymentRecord) -> SshRecord:
+    if not isinstance(rec, SshRecord):  # the registry hands each backend its own records
+        raise K3Error("wrong-backend", f"{rec.name} is a {rec.backend} deployment, not an ssh/local one", "report this as a k3launch bug")
+    return rec
+
+
+class SshBackend:
+    """Processes over SSH (or on this machine), one round trip per node and step."""
+
+    def up(self, plan: Plan, inv: Inventory, inv_path: str, store: StateStore, opts: UpOptions, events: Events) -> SshRecord:
+        if opts.extra_sbatch:
+            raise K3Error("not-slurm", "--extra-sbatch applies to slurm inventories only", "drop --extra-sbatch")
+        held = store.nodes_in_use()
+        clash = sorted({f"{h.name} ({held[h.address]})" for h in plan.hosts if h.address in held and h.gpus})
+        if clash and not opts.force:
+            raise K3Error("nodes-in-use", f"nodes held by live deployments: {', '.join(clash)}",
+                          "`k3launch down` that deployment, --exclude the nodes, or pass --force")
+        fleet = connect(plan, inv.ssh_config, inv.known_hosts, opts.access)
+        try:
+            if not opts.skip_doctor:
+                report = doctor(plan, fleet, [r.name for r in store.list()])
+                events.on_doctor(report)
+                if not report.ok:
+                    raise report.error()
+                events.on_stage(Stage.DOCTOR, f"{len(fleet.nodes())} node(s) checked")
+            launch = Launch(plan, fleet, store, inventory=inv_path, hf_token_file=inv.hf_token_file, on_stage=events.on_stage,
+                            ssh_config=inv.ssh_config, known_hosts=inv.known_hosts, backend="ssh" if inv.backend == "ssh" else "local")
+            run_up(launch, store, ready_timeout(plan, opts.ready_timeout), opts.keep_on_failure, events.on_failure)
+            return launch.record
+        finally:
+            fleet.close()
+
+    def status(self, rec: DeploymentRecord, access: Access) -> Status:
+        own = _own(rec)
+        fleet = connect(own.plan, own.ssh_config, own.known_hosts, access)
+        try:
+            return observe(own, fleet)
+        finally:
+            fleet.close()
+
+    def logs(self, rec: DeploymentRecord, ids: Sequence[str], lines: int, follow: bool, emit: Emit, access: Access,
+             everything: bool = False) -> None:
+        own = _own(rec)
+        fleet = connect(own.plan, own.ssh_config, own.known_hosts, access)
+        node_of = {p.id: p.node for p in own.plan.processes}
+        try:
+            for pid, text in tail_logs(own, fleet, ids, lines).items():
+                emit(f"==> {pid} on {node_of[pid]} <==")
+                emit(text.rstrip())
+            if follow:
+                follow_logs(own, fleet, ids, emit)
+        finally:
+            fleet.close()
+
+    def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport:
+        own = _own(rec)
+        fleet = connect(own.plan, own.ssh_config, own.known_hosts, access)
+        try:
+            return teardown(own, fleet, store, grace_s=grace_s)
+        finally:
+            fleet.close()
+
+    def dry_run(self, plan: Plan, inv: Inventory, store: StateStore, opts: UpOptions) -> DryRun:
+        """Exactly the text ``up`` hands to ``bash -c`` on each node, in order (nothing is connected to)."""
+        fleet = Fleet.for_plan(plan)
+        steps = []
+        for group in start_steps(plan):
+            step = "router" if group[0].role == "router" else "engines"
+            for node in dict.fromkeys(p.node for p in group):
+                script = node_script(plan, fleet, [p for p in group if p.node == node], inv.hf_token_file)
+                steps.append(DryRunStep(step, node, fleet.host(node).address, script))
+        return DryRun(plan.name, steps=tuple(steps))

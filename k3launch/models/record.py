@@ -1,0 +1,227 @@
+"""What a deployment is: its record (state dir), its lifecycle stages, and its status.
+
+* :class:`Stage` names every lifecycle stage any backend reports; :data:`StageFn` is the one
+  callback type that receives them (``(stage, message)``).
+* A deployment record is one of two typed variants, told apart by ``backend``:
+  :class:`SshRecord` (``ssh`` and ``local``: processes started over SSH or on this machine,
+  with the SSH client settings a later ``down`` must reuse) and :class:`SlurmRecord` (one
+  sbatch job: :class:`SlurmJob`). Records written before ``backend`` existed are read by the
+  presence of their ``slurm`` key.
+* :class:`Status` is exactly what ``k3launch status --json`` prints (its JSON schema is
+  published as ``docs/status.schema.json``).
+
+Records never hold secrets: plans never contain them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from enum import StrEnum
+from functools import cache
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, model_validator
+
+from k3launch.models.plan import Plan
+
+
+class Stage(StrEnum):
+    """A lifecycle stage, as ``up`` reports it (in the order a deployment meets them)."""
+
+    EXCLUDE = "exclude"  # Slurm: nodes left out of the submission
+    DOCTOR = "doctor"  # pre-flight checks passed on every node
+    SUBMIT = "submit"  # Slurm: the job was queued
+    QUEUED = "queued"  # Slurm: pending, with Slurm's reason
+    RUNNING = "running"  # Slurm: the job runs and bound its hosts
+    REQUEUE = "requeue"  # Slurm: submitted again without nodes the job's doctor refused
+    START = "start"  # processes started on their nodes
+    ALIVE = "alive"  # every process runs
+    HEALTH = "health"  # an HTTP endpoint answers /health
+    COMPLETION = "completion"  # a real completion came back through the public endpoint
+    READY = "ready"
+    FAILED = "failed"
+    TEARDOWN = "teardown"
+
+
+StageFn = Callable[[Stage, str], None]
+"""``(stage, message)``: how a backend reports progress (the CLI prints it, campaigns log it)."""
+
+State = Literal["starting", "ready", "failed", "stopping", "down-incomplete"]
+LIVE_STATES = ("starting", "ready", "failed", "stopping", "down-incomplete")
+SshBackendName = Literal["ssh", "local"]
+BackendName = Literal["ssh", "local", "slurm"]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProcessRecord(Record):
+    id: str
+    node: str
+    runtime: str
+    handle: str = ""  # pid (bare/apptainer) or container name (docker/podman); Slurm: "<job>:<process>"
+    log: str = ""  # log file on the node (bare/apptainer); containers: `<runtime> logs`
+    started: bool = False
+
+
+class SlurmJob(Record):
+    """A deployment's Slurm job: where it runs and what it was given."""
+
+    job_id: str
+    log_dir: str  # job script, slurm-<job>.out and one <process>.log each (shared with the nodes)
+    script: str
+    excluded: list[str] = []  # --exclude of the submission
+    attempts: int = 1  # submissions (a node refused by the job's doctor step is excluded next time)
+    hosts: dict[str, str] = {}  # plan node -> allocated host
+    addresses: dict[str, str] = {}  # plan node -> that host's NodeAddr
+
+
+class RecordBase(Record):
+    """What every deployment record holds, whatever its backend."""
+
+    name: str
+    state: State
+    created: float
+    updated: float
+    inventory: str | None = None
+    endpoint: str
+    plan: Plan
+    processes: dict[str, ProcessRecord] = {}
+    unreachable: list[str] = []
+    error: str | None = None
+
+    @property
+    def job(self) -> SlurmJob | None:
+        """The Slurm job running the deployment (None: not a Slurm deployment)."""
+        return None
+
+    @property
+    def holds_nodes(self) -> bool:
+        """Whether k3launch itself arbitrates the nodes (a live record refuses them to others)."""
+        return True
+
+    def machines(self) -> list[str]:
+        """The machines the deployment runs on (on Slurm the allocated hosts, once bound)."""
+        return sorted({p.node for p in self.plan.processes})
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=1)
+
+
+def _legacy(data: Any, backend: str) -> Any:
+    """Records written before ``backend`` existed carry ``slurm`` (null for ssh/local ones)."""
+    if isinstance(data, dict) and "backend" not in data:
+        data = {k: v for k, v in data.items() if not (k == "slurm" and v is None)}
+        plan = data.get("plan")
+        inferred = plan.get("backend") if isinstance(plan, dict) else None
+        data["backend"] = backend if backend == "slurm" else (inferred if inferred in ("ssh", "local") else "ssh")
+    return data
+
+
+class SshRecord(RecordBase):
+    """Processes started over SSH (``ssh``) or on this machine (``local``)."""
+
+    backend: SshBackendName = "ssh"
+    # the SSH client settings of the `up`: a later `down` must check the same host keys
+    ssh_config: str | None = None
+    known_hosts: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old(cls, data: Any) -> Any:
+        return _legacy(data, "ssh")
+
+
+class SlurmRecord(RecordBase):
+    """One sbatch job runs every process (Slurm arbitrates its nodes)."""
+
+    backend: Literal["slurm"] = "slurm"
+    slurm: SlurmJob
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old(cls, data: Any) -> Any:
+        return _legacy(data, "slurm")
+
+    @property
+    def job(self) -> SlurmJob:
+        return self.slurm
+
+    @property
+    def holds_nodes(self) -> bool:
+        return False
+
+    def machines(self) -> list[str]:
+        return sorted(set(self.slurm.hosts.values())) if self.slurm.hosts else super().machines()
+
+
+def _kind(data: Any) -> str:
+    if isinstance(data, dict):
+        backend = data.get("backend")
+        return "slurm" if backend == "slurm" or (backend is None and data.get("slurm")) else "ssh"
+    return "slurm" if isinstance(data, SlurmRecord) else "ssh"
+
+
+DeploymentRecord = Annotated[Annotated[SshRecord, Tag("ssh")] | Annotated[SlurmRecord, Tag("slurm")], Discriminator(_kind)]
+
+
+@cache
+def _records() -> TypeAdapter[SshRecord | SlurmRecord]:
+    # built on first use: `plan` and `--help` never read a record
+    return TypeAdapter(DeploymentRecord)
+
+
+def parse_record(text: str | bytes) -> SshRecord | SlurmRecord:
+    """A record from its JSON (raises pydantic's ValidationError or ValueError)."""
+    return _records().validate_json(text)
+
+
+# ---------------------------------------------------------------------- status
+class ProcessStatus(Record):
+    id: str
+    node: str  # on Slurm the allocated host
+    role: str
+    alive: bool
+    healthy: bool | None  # None: the process serves no HTTP (headless ranks)
+
+
+class JobStatus(Record):
+    """Slurm: the job behind a deployment."""
+
+    id: str
+    state: str  # Slurm's (RUNNING, PENDING, ...), or GONE when Slurm forgot the job
+    nodes: list[str]
+    reason: str
+    log_dir: str
+
+
+class Status(Record):
+    """A deployment now: exactly what ``k3launch status --json`` prints."""
+
+    name: str
+    state: str  # the record's state; "degraded" when ready but a process is gone; Slurm: "queued", "ended (STATE)"
+    endpoint: str
+    processes: list[ProcessStatus]
+    unreachable: list[str] = []  # nodes that did not answer, with the reason
+    job: JobStatus | None = None  # Slurm deployments only
+
+    def as_dict(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        if data["job"] is None:
+            del data["job"]  # ssh/local status has no job
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+    @property
+    def healthy(self) -> bool:
+        """Every process alive and every HTTP endpoint healthy."""
+        return all(p.alive and p.healthy is not False for p in self.processes)
+
+
+def status_schema() -> dict[str, Any]:
+    """The published JSON schema of ``status --json``."""
+    return Status.model_json_schema()
