@@ -34,13 +34,14 @@ if TYPE_CHECKING:
     from k3launch.deploy.state import StateStore
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, StageFn, Status
+    from k3launch.models.selection import Selection
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
 
 
 def bundled_inventory(name: str) -> Path:
     """A shipped example inventory (``local`` is the embedded default of ``up``)."""
-    from k3launch.resources import bundled
+    from k3launch.util.resources import bundled
 
     path = bundled("inventories", f"{name}.yaml")
     if path is not None:
@@ -61,18 +62,25 @@ def load(inventory: str | Path | Inventory | None) -> tuple[Inventory, str]:
     return inv, str(path)
 
 
-def plan(inventory: str | Path | Inventory | None = None, *, name: str | None = None, exclude: Sequence[str] = (),
-         port_base: int | None = None, recipes_dir: str | Path | None = None, **selection: Any) -> Plan:
-    """Build a plan: ``selection`` takes :class:`~k3launch.models.selection.Selection` fields
-    (``strategy``, ``nodes``, ``hardware``, ``features``, ``sets``, ...)."""
+def plan(inventory: str | Path | Inventory | None = None, *, selection: Selection | Mapping[str, Any] | None = None,
+         name: str | None = None, exclude: Sequence[str] = (), port_base: int | None = None, recipes_dir: str | Path | None = None,
+         **fields: Any) -> Plan:
+    """Build a plan from a :class:`~k3launch.models.selection.Selection` (or its fields as a mapping),
+    and/or its fields as keywords (``strategy``, ``nodes``, ``hardware``, ``features``, ``sets``, ...;
+    keywords win)."""
+    from pydantic import ValidationError
+
     from k3launch.models.selection import Selection
     from k3launch.planning.build import build_plan
     from k3launch.planning.recipes import RecipeTree
 
+    base = selection.model_dump() if isinstance(selection, Selection) else dict(selection or {})
     try:
-        sel = Selection(**selection)
-    except TypeError as exc:
-        raise K3Error("bad-selection", f"selection: {exc}", "use Selection fields: strategy, nodes, hardware, ...") from None
+        sel = Selection.model_validate({**base, **fields})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"]) or "selection"
+        raise K3Error("bad-selection", f"selection {where}: {err['msg']}", "use Selection fields: " + ", ".join(Selection.model_fields)) from None
     inv = load(inventory)[0]
     return build_plan(RecipeTree(Path(recipes_dir) if recipes_dir else None), sel, inventory=inv, exclude=tuple(exclude),
                       port_base=port_base, name=name)

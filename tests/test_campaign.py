@@ -3,7 +3,6 @@ the results file under concurrent appenders and torn lines, report tables and Pa
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import multiprocessing
 import subprocess
@@ -14,11 +13,12 @@ import pytest
 import yaml
 
 from k3launch import api
-from k3launch.campaign.file import BaseSelection, Campaign, Validity, load_campaign
+from k3launch.campaign.file import Campaign, DeploymentAxes, Validity, load_campaign
 from k3launch.campaign.matrix import expand, group, invalid_reason, plan_hash
 from k3launch.campaign.report import front_rows, pareto, series, tables
 from k3launch.campaign.results import RESULTS, ResultRow, append_row, done_cells, latest, read_rows
 from k3launch.campaign.run import build_plan, prepare
+from k3launch.defaults import ADVANCED_ALL, DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint
 from k3launch.models.selection import Selection
@@ -77,9 +77,15 @@ def test_port_base_override_keeps_the_cells() -> None:
     assert (a.port_base, b.port_base) == (9000, 30208)
 
 
-def test_base_selection_knows_every_selection_field() -> None:
-    # the campaign file's base mirrors Selection; a new Selection field must be added there too
-    assert set(BaseSelection.model_fields) == {f.name for f in dataclasses.fields(Selection)}
+def test_base_and_axes_are_derived_from_selection() -> None:
+    # one model of the user's choices: the campaign's base is a Selection, and every Selection
+    # field is a deployment axis (``sets`` as one ``set.<flag>`` axis per flag)
+    assert Campaign.model_fields["base"].annotation is Selection
+    assert set(DeploymentAxes.model_fields) == (set(Selection.model_fields) - {"sets"}) | {"set"}
+    c = camp(base={"advanced": ["all"], "vllm_version": None}, deployments={"nodes": [None, 4]})
+    assert c.base.advanced == ADVANCED_ALL and c.base.vllm_version == DEFAULT_VLLM_VERSION
+    with pytest.raises(ValueError, match="use FLAG=VALUE"):
+        camp(base={"sets": ["max-num-seqs"]})
 
 
 # ----------------------------------------------------------------- expansion

@@ -25,6 +25,8 @@ import pytest
 import yaml
 from e2e_helpers import processes
 
+from k3launch.models.record import Status
+
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
@@ -134,6 +136,7 @@ def test_up_serves_a_completion_and_down_leaves_no_job_and_no_process(shape: str
     st = k3(cluster, state, "status", name, "--json")
     assert st.returncode == 0, st.stderr
     snap = json.loads(st.stdout)
+    assert Status.model_validate(snap).as_dict() == snap  # exactly the published Status shape
     assert snap["state"] == "ready" and snap["job"]["id"] == job and snap["job"]["state"] == "RUNNING"
     assert all(p["alive"] for p in snap["processes"]) and all(p["healthy"] in (True, None) for p in snap["processes"])
     assert {p["node"] for p in snap["processes"]} == set(hosts.values())

@@ -34,6 +34,8 @@ from e2e_helpers import (
     session,
 )
 
+from k3launch.models.record import Status
+
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
@@ -117,6 +119,7 @@ def test_up_serve_status_logs_down(ssh_hosts: Hosts, tmp_path: Path, case: Case,
 
         # ---- status --json: every process alive, every HTTP process healthy --------------------
         snap = cli.json("status", name)
+        assert Status.model_validate(snap).as_dict() == snap  # exactly the published Status shape
         assert snap["state"] == "ready" and snap["unreachable"] == []
         assert {p["id"] for p in snap["processes"]} == {p["id"] for p in plan["processes"]}
         http = {p["id"] for p in plan["processes"] if p["http_port"] is not None}

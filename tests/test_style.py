@@ -27,6 +27,15 @@ def test_mypy_strict_clean() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_import_layers_hold() -> None:
+    """The import-linter contracts of pyproject.toml (the layers of docs/design.md)."""
+    pytest.importorskip("importlinter")
+    out = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; lint_imports_command()"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "3 kept, 0 broken" in out.stdout, out.stdout[-2000:]
+
+
 def test_modules_stay_small() -> None:
     """Modules stay under ~400 lines so each reads in one sitting."""
     big = {p.name: n for p in (ROOT / "k3launch").rglob("*.py") if (n := len(p.read_text().splitlines())) > 420}

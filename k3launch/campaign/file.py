@@ -4,7 +4,7 @@ Unknown keys are errors with file and line (the same loader as recipes and inven
 
     name: tep-vs-dep                 # results and deployment names derive from it
     inventory: local                 # a bundled inventory name, or a path relative to this file
-    port_base: 9000                  # optional: every deployment's port block (README "--port-base")
+    port_base: 9000                  # optional: every deployment's port block (docs/inventories.md ("Placement rules"))
     engine_env: {K3LAUNCH_SIM_LOAD_S: "0.2"}   # extra engine env, checked like an inventory's env
     base: {strategy: multi_node_tep, nodes: 2} # selection fields every deployment starts from
     deployments:                     # axes: the product of every listed value
@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from k3launch.models.selection import Selection
 from k3launch.planning.inventory import NodeSettings
 from k3launch.planning.recipes import load_yaml_model
 
 Scalar = str | int | float | bool | None
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"  # + "-<8 hex>" stays a valid deployment name (≤ 63)
 
-# Selection fields a deployment axis may vary (see k3launch.models.selection.Selection).
-SCALAR_AXES = ("recipe", "variant", "hardware", "strategy", "nodes", "prefill_strategy", "prefill_nodes",
-               "decode_strategy", "decode_nodes", "kv_offload", "vllm_version")
-LIST_AXES = ("features", "no_features", "advanced")
+# Selection fields a deployment axis may vary: every field, ``sets`` as one axis per flag (``set``).
+LIST_AXES = tuple(n for n in Selection.list_fields() if n != "sets")
+SCALAR_AXES = tuple(n for n in Selection.model_fields if n not in Selection.list_fields())
 LOAD_AXES = ("max_concurrency", "input_len", "output_len", "request_rate", "num_prompts")
 
 
@@ -56,59 +56,17 @@ def _as_lists(v: object) -> object:
     return v if v is None else [[v]]
 
 
-class BaseSelection(Strict):
-    """Selection fields shared by every deployment of the campaign."""
-
-    recipe: str | None = None
-    variant: str | None = None
-    hardware: str | None = None
-    strategy: str | None = None
-    nodes: int | None = None
-    prefill_strategy: str | None = None
-    prefill_nodes: int | None = None
-    decode_strategy: str | None = None
-    decode_nodes: int | None = None
-    features: list[str] = []
-    no_features: list[str] = []
-    kv_offload: str = "off"
-    sets: list[str] = []
-    advanced: list[str] = []
-    vllm_version: str | None = None
-
-    @field_validator("sets")
-    @classmethod
-    def _sets(cls, v: list[str]) -> list[str]:
-        for s in v:
-            if "=" not in s:
-                raise ValueError(f"sets entry {s!r}: use FLAG=VALUE")
-        return v
-
-
-class DeploymentAxes(Strict):
+class _Axes(Strict):
     """Each listed field is an axis of the deployment matrix (in this order); ``null`` is the default."""
 
-    recipe: list[str | None] | None = None
-    variant: list[str | None] | None = None
-    hardware: list[str | None] | None = None
-    strategy: list[str | None] | None = None
-    nodes: list[int | None] | None = None
-    prefill_strategy: list[str | None] | None = None
-    prefill_nodes: list[int | None] | None = None
-    decode_strategy: list[str | None] | None = None
-    decode_nodes: list[int | None] | None = None
-    features: list[list[str]] | None = None
-    no_features: list[list[str]] | None = None
-    kv_offload: list[str | None] | None = None
-    advanced: list[list[str]] | None = None
-    vllm_version: list[str | None] | None = None
     set: dict[str, list[str | int | float | bool]] = {}
 
-    @field_validator(*SCALAR_AXES, mode="before")
+    @field_validator(*SCALAR_AXES, mode="before", check_fields=False)
     @classmethod
     def _scalar_axes(cls, v: object) -> object:
         return _as_list(v)
 
-    @field_validator(*LIST_AXES, mode="before")
+    @field_validator(*LIST_AXES, mode="before", check_fields=False)
     @classmethod
     def _list_axes(cls, v: object) -> object:
         return _as_lists(v)
@@ -119,7 +77,7 @@ class DeploymentAxes(Strict):
         return {k: _as_list(x) for k, x in v.items()} if isinstance(v, dict) else v
 
     @model_validator(mode="after")
-    def _non_empty(self) -> DeploymentAxes:
+    def _non_empty(self) -> _Axes:
         for name in (*SCALAR_AXES, *LIST_AXES):
             if getattr(self, name) == []:
                 raise ValueError(f"deployment axis {name!r} has no values")
@@ -129,6 +87,24 @@ class DeploymentAxes(Strict):
             if "=" in flag or not flag.strip("-"):
                 raise ValueError(f"set: {flag!r} is not a flag name (write `set: {{max-num-seqs: [64, 256]}}`)")
         return self
+
+
+def _axis_type(name: str) -> Any:
+    """A deployment axis of Selection field ``name``: a list of its values (a list of lists for list fields)."""
+    if name in LIST_AXES:
+        return list[list[str]] | None
+    scalar = Selection.model_fields[name].annotation
+    return list[scalar | None] | None  # type: ignore[valid-type]
+
+
+# One axis per Selection field (``set`` replaces ``sets``: one axis per flag), derived from the model.
+if TYPE_CHECKING:
+    DeploymentAxes = _Axes
+else:
+    DeploymentAxes = create_model(
+        "DeploymentAxes", __base__=_Axes, __doc__=_Axes.__doc__,
+        **{name: (_axis_type(name), None) for name in Selection.model_fields if name != "sets"},
+    )
 
 
 def _rate(v: object) -> object:
@@ -184,7 +160,7 @@ class Campaign(Strict):
     port_base: int | None = None
     ready_timeout: float | None = Field(default=None, gt=0)
     engine_env: dict[str, str] = {}
-    base: BaseSelection = BaseSelection()
+    base: Selection = Selection()
     deployments: DeploymentAxes = DeploymentAxes()
     load: LoadAxes = LoadAxes()
     exclude: list[dict[str, Scalar | list[Scalar]]] = []
@@ -195,6 +171,14 @@ class Campaign(Strict):
     @classmethod
     def _env(cls, v: dict[str, str]) -> dict[str, str]:
         NodeSettings(env=v)  # the inventory's checks: no secrets, no placement-owned names
+        return v
+
+    @field_validator("base")
+    @classmethod
+    def _base_sets(cls, v: Selection) -> Selection:
+        for s in v.sets:
+            if "=" not in s:
+                raise ValueError(f"sets entry {s!r}: use FLAG=VALUE")
         return v
 
     @model_validator(mode="after")
@@ -217,4 +201,4 @@ class Campaign(Strict):
 
 def load_campaign(path: Path) -> Campaign:
     """Parse a campaign file; every problem is one ``file:line`` K3Error (exit 2)."""
-    return load_yaml_model(path, Campaign, doc="README 'Benchmark campaigns'", code="bad-campaign")
+    return load_yaml_model(path, Campaign, doc='docs/campaigns.md ("Campaign files")', code="bad-campaign")

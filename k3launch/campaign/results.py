@@ -10,16 +10,17 @@ and ``fsync``s before releasing it: a reader sees complete rows, and a writer ki
 from __future__ import annotations
 
 import csv
-import fcntl
 import os
 import socket
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint
+from k3launch.util.locks import locked
 
 RESULTS = "results.jsonl"
 CSV = "results.csv"
@@ -69,9 +70,8 @@ def append_row(out: Path, row: ResultRow) -> None:
     """Append one row durably and atomically with respect to other appenders."""
     out.mkdir(parents=True, exist_ok=True)
     line = (row.model_dump_json() + "\n").encode()
-    fd = os.open(out / RESULTS, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with locked(out / RESULTS, flags=os.O_WRONLY | os.O_CREAT | os.O_APPEND) as fd:
+        assert fd is not None  # waits for its turn
         size = os.fstat(fd).st_size
         if size:
             with open(out / RESULTS, "rb") as f:
@@ -80,8 +80,6 @@ def append_row(out: Path, row: ResultRow) -> None:
                     line = b"\n" + line
         os.write(fd, line)
         os.fsync(fd)
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def read_rows(out: Path) -> list[ResultRow]:
@@ -159,12 +157,6 @@ def make_out(out: Path) -> None:
         raise K3Error("bad-out", f"--out {out}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
 
 
-def group_lock(out: Path, plan_hash: str) -> int | None:
-    """An exclusive lock on a group's lock file, or None when another process holds it."""
-    fd = os.open(out / f".group-{plan_hash[:16]}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
+def group_lock(out: Path, plan_hash: str) -> AbstractContextManager[int | None]:
+    """An exclusive lock on a group's lock file while the block runs (None: another process holds it)."""
+    return locked(out / f".group-{plan_hash[:16]}.lock", wait=False)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 from k3launch import __version__, api
 from k3launch.campaign import bench as benchmod
@@ -33,7 +33,6 @@ from k3launch.campaign.matrix import (
     Cell,
     DeploymentSpec,
     Group,
-    SelValue,
     cell_id,
     deployment_name,
     deployment_specs,
@@ -124,30 +123,15 @@ def _inventory(c: Campaign, path: Path) -> Inventory:
     return Inventory.model_validate(data)
 
 
-def selection(spec: DeploymentSpec) -> dict[str, SelValue]:
-    """The spec's Selection fields for ``api.plan`` (``None`` version: the default one)."""
-    from k3launch.planning.layers import DEFAULT_ADVANCED
-
-    sel = spec.fields()
-    for name in ("vllm_version", "kv_offload"):  # Selection's own default where the campaign says null
-        if sel.get(name) is None:
-            sel.pop(name, None)
-    adv = sel.get("advanced")
-    if isinstance(adv, tuple) and "all" in adv:
-        sel["advanced"] = tuple(DEFAULT_ADVANCED)
-    return sel
-
-
 def build_plan(inv: Inventory, spec: DeploymentSpec, port_base: int | None, name: str | None = None) -> Plan:
-    sel = cast(dict[str, Any], selection(spec))  # Selection's own fields, checked by api.plan
-    return api.plan(inv, name=name, port_base=port_base, **sel)
+    return api.plan(inv, selection=spec.fields(), name=name, port_base=port_base)  # Selection owns the defaults and "all"
 
 
 def campaign_path(ref: Path) -> Path:
     """A file, or the name of a bundled campaign (``local-demo``)."""
     if ref.exists() or ref.suffix in (".yaml", ".yml") or "/" in str(ref):
         return ref
-    from k3launch.resources import bundled
+    from k3launch.util.resources import bundled
 
     return bundled("campaigns", f"{ref}.yaml") or ref
 
@@ -207,7 +191,7 @@ class Summary:
     results: str = ""
 
 
-class Runner:
+class CampaignRunner:
     def __init__(self, prep: Prepared, opts: Options) -> None:
         self.p = prep
         self.c = prep.campaign
@@ -313,17 +297,14 @@ class Runner:
     def _group(self, g: Group, todo: Sequence[LoadPoint]) -> None:
         # One process per deployment group at a time: two runs of one campaign (or a run and an
         # array task) would measure the same deployment at once, or take it down under each other.
-        lock = group_lock(self.o.out, g.plan_hash)
-        if lock is None:
-            if self.o.only_group is not None:
-                raise K3Error("campaign-busy", f"group {g.index} of {self.c.name} is being run by another process (lock in {self.o.out})",
-                              "wait for it; its rows land in the same results file")
-            self.event(f"group {g.index} ({self._label(g)}): another process is running it; skipped")
-            return
-        try:
+        with group_lock(self.o.out, g.plan_hash) as lock:
+            if lock is None:
+                if self.o.only_group is not None:
+                    raise K3Error("campaign-busy", f"group {g.index} of {self.c.name} is being run by another process (lock in {self.o.out})",
+                                  "wait for it; its rows land in the same results file")
+                self.event(f"group {g.index} ({self._label(g)}): another process is running it; skipped")
+                return
             self._group_locked(g, todo)
-        finally:
-            os.close(lock)
 
     def _group_locked(self, g: Group, todo: Sequence[LoadPoint]) -> None:
         lbl = self._label(g)
@@ -392,7 +373,7 @@ def named_plan(prep: Prepared, g: Group) -> Plan:
 
 
 def run(prep: Prepared, opts: Options) -> Summary:
-    return Runner(prep, opts).run()
+    return CampaignRunner(prep, opts).run()
 
 
 def pending(prep: Prepared, out: Path) -> dict[int, int]:

@@ -115,10 +115,10 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
 
 def _record_failed(prep: Prepared, out: Path, groups: list[int], tasks: dict[int, dict[str, object]]) -> None:
     """Cells of a group whose task wrote no row (its deployment never served) get invalid rows with the reason."""
-    from k3launch.campaign.run import Options, Runner
+    from k3launch.campaign.run import CampaignRunner, Options
 
     done = {r.cell for r in latest(read_rows(out), prep.campaign.name)}
-    runner = Runner(prep, Options(out=out))
+    runner = CampaignRunner(prep, Options(out=out))
     for gi in groups:
         g = prep.groups[gi]
         for ld in g.loads:

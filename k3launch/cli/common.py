@@ -1,9 +1,10 @@
 """Shared pieces of the CLI: the Typer app, error exit, and the selection options.
 
-The selection options (recipe, hardware, strategy, nodes, P/D pools, features, KV offload,
-``--set``, Advanced, inventory, ...) are the same for ``plan``, ``explain``, ``render`` and
-(later) ``up``; :func:`with_selection` adds them to a command once, and hands the command one
-:class:`PlanArgs` instead of twenty parameters.
+The selection options are generated from the fields of
+:class:`~k3launch.models.selection.Selection` (flag, help, default), plus the placement options
+(inventory, ``--exclude``, ``--port-base``, ``--name``, ``--recipes-dir``); they are the same for
+``plan``, ``explain``, ``render`` and ``up``. :func:`with_selection` adds them to a command once
+and hands the command one :class:`PlanArgs` instead of twenty parameters.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ if TYPE_CHECKING:  # heavy imports stay lazy so `--help` and `plan` start fast
     from rich.console import Console
 
     from k3launch.models.plan import Plan
+    from k3launch.models.selection import Selection
     from k3launch.planning.recipes import RecipeTree
 
 app = typer.Typer(
@@ -45,7 +47,7 @@ STATE = _State()
 
 JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object (errors: {\"error\": {code, message, hint}}).")]
 RecipesDir = Annotated[Path | None, typer.Option("--recipes-dir", help="A recipes tree (vLLM recipes layout) to use instead of the bundled one.")]
-VllmVersion = Annotated[str, typer.Option("--vllm-version", help="vLLM flag schema to check against.")]
+VllmVersion = Annotated[str, typer.Option("--vllm-version", help="vLLM flag schema to check against.")]  # the lint command's own
 
 
 def console() -> Console:
@@ -75,22 +77,23 @@ def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> in
                              annotation=Annotated[annotation, typer.Option(*flags, help=help)])
 
 
-SELECTION_PARAMS = [
-    _opt("recipe", str | None, None, "--recipe", help="Recipe id (org/Model), slug or model id. Default: moonshotai/Kimi-K3."),
-    _opt("variant", str | None, None, "--variant", help="Recipe variant (default: the recipe's first)."),
-    _opt("hardware", str | None, None, "--hardware", help="Hardware id (default: the inventory's, else the recipe's default_hardware)."),
-    _opt("strategy", str | None, None, "--strategy", help="single_node_tp, multi_node_tp, multi_node_tep, multi_node_dep, pd_cluster, ..."),
-    _opt("nodes", int | None, None, "--nodes", help="Node count (raised to the strategy floor with a notice)."),
-    _opt("prefill_strategy", str | None, None, "--prefill-strategy", help="P/D prefill pool: tp, tep or dep (default tep)."),
-    _opt("prefill_nodes", int | None, None, "--prefill-nodes", help="P/D prefill pool nodes (1-16)."),
-    _opt("decode_strategy", str | None, None, "--decode-strategy", help="P/D decode pool: tp, tep or dep (default dep)."),
-    _opt("decode_nodes", int | None, None, "--decode-nodes", help="P/D decode pool nodes (1-16)."),
-    _opt("feature", list[str] | None, None, "--feature", help="Enable a feature (repeatable): tool_calling, reasoning, spec_decoding, text_only."),
-    _opt("no_feature", list[str] | None, None, "--no-feature", help="Disable a feature the recipe enables by default (repeatable)."),
-    _opt("kv_offload", str, "off", "--kv-offload", help="off, simple, lmcache or mooncake."),
-    _opt("set_", list[str] | None, None, "--set", help="FLAG=VALUE applied at the Advanced layer (repeatable)."),
-    _opt("advanced", list[str] | None, None, "--advanced", help="Advanced preset (repeatable): max-num-batched-tokens, max-num-seqs, gpu-memory-utilization, max-model-len, or all."),
-    _opt("vllm_version", str, "0.33.0", "--vllm-version", help="vLLM flag schema to check against."),
+def _selection_params() -> list[inspect.Parameter]:
+    """One option per :class:`~k3launch.models.selection.Selection` field: flag, help and default from the model."""
+    from k3launch.models.selection import Selection
+
+    many = Selection.list_fields()
+    out = []
+    for name, flag, help_, annotation in Selection.cli_fields():
+        default = Selection.model_fields[name].default
+        if name in many:  # repeatable: typer collects a list
+            out.append(_opt(name, list[str] | None, None, flag, help=help_))
+        else:
+            out.append(_opt(name, annotation, default, flag, help=help_))
+    return out
+
+
+# Where to place the selection (not what to compose): the inventory and the deployment's name and ports.
+PLACEMENT_PARAMS = [
     _opt("recipes_dir", Path | None, None, "--recipes-dir", help="A recipes tree (vLLM recipes layout) to use instead of the bundled one."),
     _opt("inventory", Path | None, None, "--inventory", "-i", help="Inventory YAML: place on its nodes (see inventories/)."),
     _opt("exclude", list[str] | None, None, "--exclude", help="Do not use this inventory node (repeatable)."),
@@ -103,28 +106,24 @@ SELECTION_PARAMS = [
 class PlanArgs:
     values: dict[str, Any]
 
+    def selection(self) -> Selection:
+        """The :class:`~k3launch.models.selection.Selection` the options describe."""
+        from k3launch.models.selection import Selection
+
+        return Selection(**{n: self.values[n] for n in Selection.model_fields})
+
     def build(self) -> Plan:
         """Load recipes and inventory, build the plan; raises K3Error."""
-        from k3launch.models.selection import Selection
         from k3launch.planning.build import build_plan
         from k3launch.planning.inventory import apply_ssh_config, load_inventory, read_ssh_config
-        from k3launch.planning.layers import DEFAULT_ADVANCED
 
         v = self.values
-        name = v["name"]  # checked by build_plan (the API takes names too)
-        adv = tuple(v["advanced"] or ())
-        sel = Selection(
-            recipe=v["recipe"], variant=v["variant"], hardware=v["hardware"], strategy=v["strategy"], nodes=v["nodes"],
-            prefill_strategy=v["prefill_strategy"], prefill_nodes=v["prefill_nodes"], decode_strategy=v["decode_strategy"],
-            decode_nodes=v["decode_nodes"], features=tuple(v["feature"] or ()), no_features=tuple(v["no_feature"] or ()),
-            kv_offload=v["kv_offload"], sets=tuple(v["set_"] or ()), advanced=tuple(DEFAULT_ADVANCED) if "all" in adv else adv,
-            vllm_version=v["vllm_version"],
-        )
         inv = load_inventory(v["inventory"]) if v["inventory"] is not None else None
         if inv is not None and inv.backend == "ssh":
             inv = apply_ssh_config(inv, read_ssh_config(inv))
-        return build_plan(tree(v["recipes_dir"]), sel, inventory=inv, exclude=tuple(v["exclude"] or ()),
-                          port_base=v["port_base"], name=name)
+        # the name is checked by build_plan (the API takes names too)
+        return build_plan(tree(v["recipes_dir"]), self.selection(), inventory=inv, exclude=tuple(v["exclude"] or ()),
+                          port_base=v["port_base"], name=v["name"])
 
     @property
     def inventory_path(self) -> Path | None:
@@ -138,14 +137,15 @@ def with_selection(fn: Callable[..., None]) -> Callable[..., None]:
     # `from __future__ import annotations` leaves strings; Typer needs the evaluated Annotated types.
     hints = typing.get_type_hints(fn, include_extras=True)
     own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "args"]
-    names = [p.name for p in SELECTION_PARAMS]
+    added = _selection_params() + PLACEMENT_PARAMS
+    names = [p.name for p in added]
 
     @functools.wraps(fn)
     def wrapper(**kw: Any) -> None:
         values = {n: kw.pop(n) for n in names}
         fn(args=PlanArgs(values), **kw)
 
-    params = own + SELECTION_PARAMS
+    params = own + added
     wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper

@@ -40,7 +40,7 @@ def up(
 ) -> None:
     """Launch a deployment and wait until it serves (default: the simulated K3 on this machine).
 
-    On a slurm inventory: one sbatch job, watched from here until it serves (see README "Slurm")."""
+    On a slurm inventory: one sbatch job, watched from here until it serves (see docs/slurm.md)."""
     STATE.json = json_out
     from k3launch import api
     from k3launch.cli import show_deploy

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from k3launch.cli.common import STATE, JsonOut, RecipesDir, VllmVersion, app, console, fail, tree
+from k3launch.defaults import DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
 
 recipes_app = typer.Typer(help="List the recipes tree, or show one recipe.", invoke_without_command=True)
@@ -17,7 +18,7 @@ app.add_typer(recipes_app, name="recipes")
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def lint(
     ctx: typer.Context,
-    vllm_version: VllmVersion = "0.33.0",
+    vllm_version: VllmVersion = DEFAULT_VLLM_VERSION,
     json_out: JsonOut = False,
 ) -> None:
     """Check a pasted command: k3launch lint -- vllm serve MODEL --flag ... (exit 1 on findings)."""

@@ -9,7 +9,6 @@ so the next ``down`` finishes the job. Records never hold secrets: plans never c
 
 from __future__ import annotations
 
-import fcntl
 import os
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pydantic import ValidationError
 
 from k3launch.errors import K3Error
 from k3launch.models.record import LIVE_STATES, DeploymentRecord, ProcessRecord, SlurmJob, SlurmRecord, SshRecord, parse_record
+from k3launch.util.locks import locked
 
 
 def default_state_dir() -> Path:
@@ -87,15 +87,10 @@ class StateStore:
     def lock(self, name: str) -> Iterator[None]:
         """Exclusive per-deployment lock; refuses (not waits) if another command holds it."""
         self._ensure()
-        fd = os.open(self.dir / f"{name}.lock", os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise K3Error("deployment-busy", f"another k3launch command is acting on {name!r}", "wait for it to finish") from None
+        with locked(self.dir / f"{name}.lock", wait=False) as fd:
+            if fd is None:
+                raise K3Error("deployment-busy", f"another k3launch command is acting on {name!r}", "wait for it to finish")
             yield
-        finally:
-            os.close(fd)
 
     def nodes_in_use(self, exclude: str | None = None) -> dict[str, str]:
         """address → deployment name, for every node held by a live deployment."""

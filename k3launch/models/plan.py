@@ -8,7 +8,17 @@ keys are additive.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict
+
+Role = Literal["serve", "prefill", "decode", "router"]
+EngineRole = Literal["serve", "prefill", "decode"]  # a pool's role: what its engines do
+Parallelism = Literal["tp", "tep", "dep", "tp_pp", "tp_dp"]  # how a pool lays out its GPUs
+PlanBackend = Literal["none", "ssh", "slurm", "local"]  # "none": planned without an inventory
+Engine = Literal["vllm", "sim"]
+Platform = Literal["cuda", "rocm"]
+Runtime = Literal["docker", "podman", "apptainer", "bare"]
 
 
 class Frozen(BaseModel):
@@ -28,7 +38,7 @@ class ProvenanceEntry(Frozen):
 
 class Process(Frozen):
     id: str
-    role: str  # serve | prefill | decode | router
+    role: Role
     node: str
     address: str
     head: bool
@@ -44,8 +54,8 @@ class Process(Frozen):
 
 
 class PoolCapacity(Frozen):
-    role: str
-    parallelism: str
+    role: EngineRole
+    parallelism: Parallelism
     nodes: int
     gpus: int
     gpu_memory_gb: float
@@ -77,11 +87,11 @@ class Host(Frozen):
 
     name: str
     address: str
-    role: str
+    role: Role
     gpus: int
     placeholder: bool
     hardware: str | None = None
-    runtime: str = "docker"
+    runtime: Runtime = "docker"
     iface: str | None = None
     user: str | None = None
     ssh_port: int | None = None
@@ -127,10 +137,10 @@ class Plan(Frozen):
     processes: list[Process]
     ports: list[PortUse] = []
     inventory: str | None = None
-    backend: str = "none"
-    engine: str = "vllm"
+    backend: PlanBackend = "none"
+    engine: Engine = "vllm"
     port_base: int = 8000
-    platform: str = "cuda"  # cuda | rocm: which container device flags the engines need
+    platform: Platform = "cuda"  # which container device flags the engines need
     exclude: list[str] = []  # nodes the selection excluded (Slurm: passed on as sbatch --exclude)
 
     def to_json(self) -> str:

@@ -1,4 +1,10 @@
-"""What the user asked for (``Selection``) and what k3launch decided from it (``Resolved``).
+"""What the user asked for (:class:`Selection`) and what k3launch decided from it (:class:`Resolved`).
+
+:class:`Selection` is the one model of a user's choices: the CLI's selection options
+(``k3launch plan --help``), a campaign file's ``base`` and ``deployments`` axes and
+``api.plan(...)`` are all derived from its fields, and it owns their defaults (``None``: the
+recipe's default) and the ``--advanced all`` expansion. Each field's ``cli`` extra names its
+command-line flag (``features`` is ``--feature``, repeatable).
 
 Resolution is where floors, defaults and capacity are applied, in the documented order:
 defaults first, then strategy floors (raised with a notice), then capacity on the result (a
@@ -9,18 +15,20 @@ notice.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, get_args
 
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from k3launch.defaults import ADVANCED_ALL, DEFAULT_RECIPE, DEFAULT_VLLM_VERSION
+from k3launch.models.plan import EngineRole, Parallelism
 from k3launch.models.recipe import HardwareProfile, Recipe, Strategy, Variant
-from k3launch.planning.compose import Notice
-from k3launch.planning.schema import DEFAULT_VLLM_VERSION
 
-DEFAULT_RECIPE = "moonshotai/Kimi-K3"
 KV_OFFLOAD_OFF = "off"
 MAX_POOL_NODES = 16
 
 # How a strategy lays processes out; upstream strategies name it in ``parallelism`` or imply it.
-PARALLELISMS = ("tp", "tep", "dep", "tp_pp", "tp_dp")
-POOL_PARALLELISMS = ("tp", "tep", "dep")
+PARALLELISMS: tuple[Parallelism, ...] = get_args(Parallelism)
+POOL_PARALLELISMS: tuple[Parallelism, ...] = ("tp", "tep", "dep")
 # The multi-node sibling of each single-node strategy (used when a node cannot hold the weights).
 MULTI_NODE_SIBLING = {
     "single_node_tp": "multi_node_tp",
@@ -32,32 +40,80 @@ POOL_FLOOR_STRATEGY = {"tp": "multi_node_tp", "tep": "multi_node_tep", "dep": "m
 
 
 @dataclass(frozen=True)
-class Selection:
+class Notice:
+    """Something k3launch changed or decided on its own (every automatic change is one)."""
+
+    code: str
+    message: str
+
+
+def _opt(cli: str, help: str, **kw: Any) -> Any:
+    return Field(description=help, json_schema_extra={"cli": cli}, **kw)
+
+
+class Selection(BaseModel):
     """The user's choices; ``None`` means "the recipe's default"."""
 
-    recipe: str | None = None
-    variant: str | None = None
-    hardware: str | None = None
-    strategy: str | None = None
-    nodes: int | None = None
-    prefill_strategy: str | None = None
-    prefill_nodes: int | None = None
-    decode_strategy: str | None = None
-    decode_nodes: int | None = None
-    features: tuple[str, ...] = ()
-    no_features: tuple[str, ...] = ()
-    kv_offload: str = KV_OFFLOAD_OFF
-    sets: tuple[str, ...] = ()  # "FLAG=VALUE" as typed
-    advanced: tuple[str, ...] = ()
-    vllm_version: str = DEFAULT_VLLM_VERSION
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    recipe: str | None = _opt("--recipe", f"Recipe id (org/Model), slug or model id. Default: {DEFAULT_RECIPE}.", default=None)
+    variant: str | None = _opt("--variant", "Recipe variant (default: the recipe's first).", default=None)
+    hardware: str | None = _opt("--hardware", "Hardware id (default: the inventory's, else the recipe's default_hardware).", default=None)
+    strategy: str | None = _opt("--strategy", "single_node_tp, multi_node_tp, multi_node_tep, multi_node_dep, pd_cluster, ...", default=None)
+    nodes: int | None = _opt("--nodes", "Node count (raised to the strategy floor with a notice).", default=None)
+    prefill_strategy: str | None = _opt("--prefill-strategy", "P/D prefill pool: tp, tep or dep (default tep).", default=None)
+    prefill_nodes: int | None = _opt("--prefill-nodes", "P/D prefill pool nodes (1-16).", default=None)
+    decode_strategy: str | None = _opt("--decode-strategy", "P/D decode pool: tp, tep or dep (default dep).", default=None)
+    decode_nodes: int | None = _opt("--decode-nodes", "P/D decode pool nodes (1-16).", default=None)
+    features: tuple[str, ...] = _opt("--feature", "Enable a feature (repeatable): tool_calling, reasoning, spec_decoding, text_only.",
+                                     default=())
+    no_features: tuple[str, ...] = _opt("--no-feature", "Disable a feature the recipe enables by default (repeatable).", default=())
+    kv_offload: str = _opt("--kv-offload", "off, simple, lmcache or mooncake.", default=KV_OFFLOAD_OFF)
+    sets: tuple[str, ...] = _opt("--set", "FLAG=VALUE applied at the Advanced layer (repeatable).", default=())  # as typed
+    advanced: tuple[str, ...] = _opt("--advanced", "Advanced preset (repeatable): max-num-batched-tokens, max-num-seqs, "
+                                     "gpu-memory-utilization, max-model-len, or all.", default=())
+    vllm_version: str = _opt("--vllm-version", "vLLM flag schema to check against.", default=DEFAULT_VLLM_VERSION)
+
+    @field_validator("features", "no_features", "sets", "advanced", mode="before")
+    @classmethod
+    def _seq(cls, v: Any) -> Any:
+        """A bare string is one value, None none; lists become tuples (the model is frozen and hashable)."""
+        return () if v is None else (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
+
+    @field_validator("advanced")
+    @classmethod
+    def _all(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return ADVANCED_ALL if "all" in v else v
+
+    @field_validator("kv_offload", "vllm_version", mode="before")
+    @classmethod
+    def _default_for_none(cls, v: Any, info: Any) -> Any:
+        """``null`` (a campaign axis, an unset CLI option) is the default, like the other fields."""
+        if v is not None:
+            return v
+        return KV_OFFLOAD_OFF if info.field_name == "kv_offload" else DEFAULT_VLLM_VERSION
+
+    @classmethod
+    def cli_fields(cls) -> list[tuple[str, str, str, Any]]:
+        """``(field, flag, help, annotation)`` of each field, in order: what the CLI options are built from."""
+        out = []
+        for name, f in cls.model_fields.items():
+            extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+            out.append((name, str(extra.get("cli", "--" + name.replace("_", "-"))), f.description or "", f.annotation))
+        return out
+
+    @classmethod
+    def list_fields(cls) -> tuple[str, ...]:
+        """Fields that take several values (repeatable options, list axes)."""
+        return tuple(n for n, f in cls.model_fields.items() if getattr(f.annotation, "__origin__", None) is tuple)
 
 
 @dataclass(frozen=True)
 class Pool:
     """One group of nodes running one engine: the whole deployment, or a P/D role."""
 
-    role: str  # serve | prefill | decode
-    parallelism: str  # tp | tep | dep | tp_pp | tp_dp
+    role: EngineRole
+    parallelism: Parallelism
     nodes: int
     gpus_per_node: int
 
@@ -93,10 +149,11 @@ class Resolved:
         return self.strategy.deploy_type == "pd_cluster" or self.strategy.name == "pd_cluster"
 
 
-def parallelism_of(strategy: Strategy) -> str:
+def parallelism_of(strategy: Strategy) -> Parallelism:
     """The layout a strategy implies: explicit ``parallelism`` or its upstream name."""
-    if strategy.parallelism in PARALLELISMS:
-        return strategy.parallelism
+    for par in PARALLELISMS:
+        if strategy.parallelism == par:
+            return par
     name = strategy.name
     for par in ("tp_pp", "tp_dp", "dep", "tep"):
         if name.endswith(par):

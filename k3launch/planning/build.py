@@ -1,6 +1,6 @@
 """Selection (+ inventory) → :class:`Plan`: every process of the deployment, fully composed.
 
-Placement rules (README "Placement"): nodes are taken in order; a P/D deployment puts the
+Placement rules (docs/inventories.md ("Placement rules")): nodes are taken in order; a P/D deployment puts the
 prefill pool first and the decode pool on the next, disjoint nodes; within a pool node 0 is the
 head (its address is the TP master / DP coordinator of the pool). Multi-node TP/TEP: every node
 gets ``--nnodes/--node-rank/--master-addr/--master-port`` and non-head nodes ``--headless``.
@@ -15,12 +15,11 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import replace
 
 from k3launch.errors import K3Error
-from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry
-from k3launch.models.selection import Pool, Resolved, Selection
-from k3launch.planning.compose import Composed, Notice, Source, compose
+from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry, Role
+from k3launch.models.selection import Notice, Pool, Resolved, Selection
+from k3launch.planning.compose import Composed, Source, compose
 from k3launch.planning.inventory import Inventory
 from k3launch.planning.layers import RESERVED, locks_for, pool_sources
 from k3launch.planning.placement import (
@@ -121,7 +120,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     if name is not None and not NAME.fullmatch(name):
         raise K3Error("bad-name", f"deployment name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. --name k3-tep-lab")
     if inventory is not None:
-        sel = replace(sel, hardware=inventory_hardware(inventory, sel.hardware))
+        sel = sel.model_copy(update={"hardware": inventory_hardware(inventory, sel.hardware)})
     r = resolve(tree, sel)
     schema = load_schema(sel.vllm_version)
     ports = Ports.shifted(port_base)
@@ -212,14 +211,12 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     )
 
 
-def _host(node: NodeSpec, role: str, gpus: int) -> Host:
-    return Host(name=node.name, address=node.address, role=role, gpus=gpus, placeholder=node.placeholder, hardware=node.hardware,
-                runtime=node.runtime, iface=node.iface, user=node.user, ssh_port=node.ssh_port, identity_file=node.identity_file,
-                cpu_memory_gb=node.cpu_memory_gb, hf_cache=node.hf_cache, shm_size=node.shm_size, workdir=node.workdir, python=node.python,
-                ssh_host=node.ssh_host)
+def _host(node: NodeSpec, role: Role, gpus: int) -> Host:
+    """The plan's view of a placed node: every Host field is the NodeSpec field of that name, but role and GPUs."""
+    return Host.model_validate({**{f: getattr(node, f) for f in Host.model_fields if f not in ("role", "gpus")}, "role": role, "gpus": gpus})
 
 
-def _process(pid: str, role: str, node: NodeSpec, head: bool, port: int | None, c: Composed, image: str | None,
+def _process(pid: str, role: Role, node: NodeSpec, head: bool, port: int | None, c: Composed, image: str | None,
              node_rank: int | None, dp_start: int | None, gpus: int) -> Process:
     prov = {k: [ProvenanceEntry(layer=e.layer, value=e.value, origin=e.origin) for e in v] for k, v in c.provenance.items()}
     return Process(id=pid, role=role, node=node.name, address=node.address, head=head, http_port=port, argv=c.argv,

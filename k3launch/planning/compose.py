@@ -23,15 +23,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from k3launch.errors import K3Error
+from k3launch.models.selection import Notice
 from k3launch.planning.schema import Arg, FlagSchema
 
 LAYERS = ("base", "variant", "strategy", "hardware", "advanced", "features", "kv_offload")
-
-
-@dataclass(frozen=True)
-class Notice:
-    code: str
-    message: str
 
 
 @dataclass(frozen=True)

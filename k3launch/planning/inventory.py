@@ -20,9 +20,8 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from k3launch.errors import K3Error
 from k3launch.models.recipe import Strict
 from k3launch.planning.recipes import load_yaml_model
+from k3launch.util.hosts import check_host, expand_hostlist
 
-# RFC 1123 host names, IPv4 and bracket-less IPv6; also ~/.ssh/config aliases (same charset).
-_HOST = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._:-]{0,252})$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 
 Runtime = Literal["docker", "podman", "apptainer", "bare"]
@@ -30,12 +29,6 @@ SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", 
 NOT_SECRETS = frozenset({"TOKENIZERS_PARALLELISM"})
 PLACEMENT_ENV = frozenset({"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_NIXL_SIDE_CHANNEL_HOST",
                            "VLLM_NIXL_SIDE_CHANNEL_PORT", "K3LAUNCH_DEPLOYMENT", "K3LAUNCH_PROCESS"})
-
-
-def _check_host(value: str, what: str) -> str:
-    if not _HOST.match(value) or ".." in value:
-        raise ValueError(f"{what} {value!r} is not a plain host name or IP address")
-    return value
 
 
 class NodeSettings(Strict):
@@ -108,12 +101,12 @@ class InventoryNode(NodeSettings):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        return _check_host(v, "node name")
+        return check_host(v, "node name")
 
     @field_validator("address", "ssh_host")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
-        return None if v is None else _check_host(v, "address")
+        return None if v is None else check_host(v, "address")
 
 
 def _one_line(v: str, what: str) -> str:
@@ -166,7 +159,7 @@ class RouterSection(Strict):
     @field_validator("address")
     @classmethod
     def _address(cls, v: str | None) -> str | None:
-        return None if v is None else _check_host(v, "router address")
+        return None if v is None else check_host(v, "router address")
 
 
 class Inventory(Strict):
@@ -209,7 +202,7 @@ def load_inventory(path: Path | str) -> Inventory:
     p = Path(path).expanduser()
     if not p.is_file():
         raise K3Error("missing-inventory", f"{p}: no such inventory file", "see inventories/ for examples")
-    return load_yaml_model(p, Inventory, doc="README 'Inventories'", code="bad-inventory")
+    return load_yaml_model(p, Inventory, doc='docs/inventories.md ("Keys")', code="bad-inventory")
 
 
 def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
@@ -229,7 +222,7 @@ def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
             host = cfg.lookup(n.name).get("hostname", n.name)
             if host != n.name:
                 try:
-                    host = _check_host(host, f"ssh config HostName of {n.name}")
+                    host = check_host(host, f"ssh config HostName of {n.name}")
                 except ValueError as exc:
                     raise K3Error("bad-ssh-config", str(exc), "fix the HostName in the ssh config") from None
                 n = n.model_copy(update={"address": host, "ssh_host": n.ssh_host or n.name})
@@ -257,16 +250,5 @@ def read_ssh_config(inv: Inventory) -> str | None:
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
-    """Slurm hostlist syntax (``gpu-[01-04,07]``) → names, with python-hostlist."""
-    import hostlist
-
-    try:
-        names: list[str] = hostlist.expand_hostlist(nodelist)
-    except hostlist.BadHostlist as exc:
-        raise K3Error("bad-nodelist", f"nodelist {nodelist!r}: {exc}", "use Slurm hostlist syntax, e.g. gpu-[01-16]") from None
-    for n in names:
-        try:
-            _check_host(n, "node name")
-        except ValueError as exc:
-            raise K3Error("bad-nodelist", str(exc), "use plain host names") from None
-    return names
+    """A user's Slurm host list (``gpu-[01-04,07]``) → names; refused when malformed."""
+    return expand_hostlist(nodelist)

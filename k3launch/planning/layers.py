@@ -1,7 +1,7 @@
 """Turn a resolved selection into the ordered :class:`Source` list of one pool's engine processes.
 
 This is where the recipe schema's blocks are mapped onto the seven layers, following the
-upstream generator (see README "Composition"), with these choices made explicit:
+upstream generator (see docs/planning.md ("Composition")), with these choices made explicit:
 
 * hardware blocks are looked up by generation (``hopper``/``blackwell``/``amd``), falling back
   to the brand (``nvidia``); a strategy's (or P/D role's) block for the generation *replaces*

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from k3launch.errors import K3Error
-from k3launch.planning.inventory import Inventory, expand_nodelist
+from k3launch.planning.inventory import Inventory, NodeSettings, expand_nodelist
 
 PLACEHOLDER_IFACE = "ib0"
 DEFAULT_PORT_BASE = 8000
@@ -112,25 +112,26 @@ def inventory_hardware(inv: Inventory, asked: str | None) -> str | None:
     return next(iter(kinds), None)
 
 
-def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: object | None, placeholder: bool,
-          ssh_host: str | None = None) -> NodeSpec:
-    d = inv.defaults
+# A node's settings as placement knows them: NodeSettings' fields under the same names (``port``
+# is the SSH port), with these defaults when neither the node nor ``defaults`` sets them.
+SETTING_NAMES = {"port": "ssh_port"}
+SETTING_DEFAULTS: dict[str, object] = {"iface": PLACEHOLDER_IFACE, "hf_cache": "~/.cache/huggingface", "shm_size": "64g"}
 
-    def pick(field: str, default: object) -> object:
+
+def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: NodeSettings | None, placeholder: bool,
+          ssh_host: str | None = None) -> NodeSpec:
+    """The node's settings: its own, else the inventory's ``defaults``, else placement's defaults."""
+    d = inv.defaults
+    values: dict[str, object] = {**SETTING_DEFAULTS, "runtime": "bare" if inv.backend == "local" else "docker"}
+    for field in NodeSettings.model_fields:
         v = getattr(over, field, None) if over is not None else None
         if v is None:
             v = getattr(d, field)
-        return default if v is None else v
-
-    return NodeSpec(
-        name=name, address=address or name, iface=str(pick("iface", PLACEHOLDER_IFACE)), placeholder=placeholder,
-        hardware=hw, runtime=str(pick("runtime", "bare" if inv.backend == "local" else "docker")),
-        user=pick("user", None), ssh_port=pick("port", None), identity_file=pick("identity_file", None),  # type: ignore[arg-type]
-        cpu_memory_gb=pick("cpu_memory_gb", None), hf_cache=str(pick("hf_cache", "~/.cache/huggingface")),  # type: ignore[arg-type]
-        shm_size=str(pick("shm_size", "64g")), image=pick("image", None), workdir=pick("workdir", None),  # type: ignore[arg-type]
-        python=pick("python", None), ssh_host=ssh_host,  # type: ignore[arg-type]
-        env=tuple({**(d.env or {}), **((getattr(over, "env", None) or {}) if over is not None else {})}.items()),
-    )
+        if v is not None and field != "env":
+            values[SETTING_NAMES.get(field, field)] = v
+    env = {**(d.env or {}), **((over.env or {}) if over is not None else {})}
+    return NodeSpec(name=name, address=address or name, placeholder=placeholder, hardware=hw, ssh_host=ssh_host,
+                    env=tuple(env.items()), **values)  # type: ignore[arg-type]
 
 
 def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[str] = ()) -> list[NodeSpec]:

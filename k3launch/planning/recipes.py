@@ -32,7 +32,7 @@ def default_recipes_dir() -> Path:
     env = os.environ.get(ENV_RECIPES_DIR)
     if env:
         return Path(env)
-    from k3launch.resources import bundled
+    from k3launch.util.resources import bundled
 
     taxonomy = bundled("recipes", "taxonomy.yaml")
     if taxonomy is not None:
@@ -66,7 +66,7 @@ def _line_of(node: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
     return line
 
 
-def load_yaml_model(path: Path, model: type[M], doc: str = "README 'Recipe format'", code: str = "bad-recipe") -> M:
+def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("Recipe format")', code: str = "bad-recipe") -> M:
     """Parse ``path`` into ``model``; every failure is a one-line :class:`K3Error`."""
     try:
         text = path.read_text(encoding="utf-8")

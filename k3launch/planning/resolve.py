@@ -1,6 +1,6 @@
 """Resolve a :class:`Selection` against a recipes tree: defaults, floors, capacity, features, KV offload.
 
-Order of checks (documented in README): defaults are filled in, strategy floors raise node
+Order of checks (docs/planning.md ("Defaults and the order of checks")): defaults are filled in, strategy floors raise node
 counts (with a notice), then capacity is checked on the result and refused with the smallest
 node count that would fit. When the user named no strategy and the recipe's default cannot hold
 the weights on the chosen hardware, its multi-node sibling is taken at the smallest fitting size.
@@ -11,15 +11,17 @@ from __future__ import annotations
 import difflib
 import math
 
+from k3launch.defaults import DEFAULT_RECIPE
 from k3launch.errors import K3Error
+from k3launch.models.plan import EngineRole
 from k3launch.models.recipe import HardwareProfile, Recipe, Strategy
 from k3launch.models.selection import (
-    DEFAULT_RECIPE,
     KV_OFFLOAD_OFF,
     MAX_POOL_NODES,
     MULTI_NODE_SIBLING,
     POOL_FLOOR_STRATEGY,
     POOL_PARALLELISMS,
+    Notice,
     Pool,
     Resolved,
     Selection,
@@ -27,7 +29,6 @@ from k3launch.models.selection import (
     parallelism_of,
 )
 from k3launch.planning import capacity
-from k3launch.planning.compose import Notice
 from k3launch.planning.recipes import RecipeTree
 
 
@@ -183,23 +184,24 @@ def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
     )
 
 
-def _pd_pool(tree: RecipeTree, recipe: Recipe, role: str, asked: str | None, nodes: int | None, hw_id: str, hw: HardwareProfile, fit: int, notices: list[Notice]) -> Pool:
+def _pd_pool(tree: RecipeTree, recipe: Recipe, role: EngineRole, asked: str | None, nodes: int | None, hw_id: str, hw: HardwareProfile, fit: int, notices: list[Notice]) -> Pool:
     ov = recipe.strategy_overrides.get("pd_cluster")
     role_ov = getattr(ov, role) if ov else None
     default = (role_ov.parallelism if role_ov and role_ov.parallelism else None) or ("tep" if role == "prefill" else "dep")
     par = (asked or default).lower()
     par = {"multi_node_tp": "tp", "multi_node_tep": "tep", "multi_node_dep": "dep", "single_node_tp": "tp"}.get(par, par)
-    if par not in POOL_PARALLELISMS:
+    pool_par = next((x for x in POOL_PARALLELISMS if x == par), None)
+    if pool_par is None:
         raise _unknown(f"{role}-strategy", par, list(POOL_PARALLELISMS))
     if nodes is not None and nodes > MAX_POOL_NODES:
         raise K3Error("pool-too-large", f"--{role}-nodes {nodes}: a P/D pool has 1 to {MAX_POOL_NODES} nodes", f"use at most {MAX_POOL_NODES}")
-    fs = POOL_FLOOR_STRATEGY[par]
+    fs = POOL_FLOOR_STRATEGY[pool_par]
     floor, why = floor_nodes(recipe, fs, tree.strategies.get(fs), hw_id, hw, multi=False)
     requested = nodes if nodes is not None else (role_ov.nodes if role_ov and role_ov.nodes else None)
     n = _size(requested, floor, why, fit, f"{role} pool ({par})", notices, auto_fit=nodes is None)
     if n > MAX_POOL_NODES:
         raise K3Error("pool-too-large", f"the {role} pool needs {n} nodes; a P/D pool has at most {MAX_POOL_NODES}", "choose larger GPUs")
-    return Pool(role, par, n, hw.gpu_count)
+    return Pool(role, pool_par, n, hw.gpu_count)
 
 
 def _features(recipe: Recipe, sel: Selection, sname: str, hw_id: str, hw: HardwareProfile, notices: list[Notice]) -> list[str]:

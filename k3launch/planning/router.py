@@ -9,8 +9,7 @@ router too, so one endpoint reaches every DP rank.
 from __future__ import annotations
 
 from k3launch.models.plan import Process, ProvenanceEntry
-from k3launch.models.selection import Resolved
-from k3launch.planning.compose import Notice
+from k3launch.models.selection import Notice, Resolved
 from k3launch.planning.placement import NodeSpec, Ports
 from k3launch.planning.porttable import process_ports
 

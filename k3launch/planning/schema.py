@@ -26,9 +26,8 @@ from functools import cache
 from importlib import resources
 from typing import Literal
 
+from k3launch.defaults import DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
-
-DEFAULT_VLLM_VERSION = "0.33.0"
 
 Kind = Literal["value", "bool", "store_true", "multi", "optional", "other"]
 

@@ -44,7 +44,7 @@ DOCTOR_FAILED_EXIT = 3  # the job's exit code when its doctor step refused a nod
 @functools.cache
 def job_library() -> str:
     """The bash library every job script carries (bundled as ``k3launch/_slurm``; ``slurm/`` in a checkout)."""
-    from k3launch.resources import bundled
+    from k3launch.util.resources import bundled
 
     path = bundled("slurm", LIBRARY)
     if path is not None:

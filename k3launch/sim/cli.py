@@ -14,11 +14,12 @@ import sys
 from collections.abc import Mapping
 from typing import NoReturn
 
+from k3launch.defaults import DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
-from k3launch.planning.schema import DEFAULT_VLLM_VERSION, FlagSchema, FlagSpec, Problem, load_schema
+from k3launch.planning.schema import FlagSchema, FlagSpec, Problem, load_schema
 from k3launch.sim import options
 from k3launch.sim.logs import Logger
-from k3launch.sim.runner import Runner
+from k3launch.sim.runner import SimProcess
 
 _UNRECOGNIZED = ("unknown-flag", "stray-value")
 USAGE = "usage: vllm serve [model_tag] [options]"
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
         log.error(f"Error in vllm serve: {exc}", src="arg_utils.py")
         log.fatal("ValueError", str(exc))
         return 1
-    _exit(Runner(opts, knobs, log).run())
+    _exit(SimProcess(opts, knobs, log).run())
 
 
 def _exit(code: int) -> NoReturn:

@@ -12,7 +12,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from k3launch.planning.schema import DEFAULT_VLLM_VERSION, Arg
+from k3launch.defaults import DEFAULT_VLLM_VERSION
+from k3launch.planning.schema import Arg
 
 FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready", "empty-after-ready")
 

@@ -35,7 +35,7 @@ class StartupError(Exception):
         self.exc_type = exc_type
 
 
-class Runner:
+class SimProcess:
     def __init__(self, opts: ServeOptions, knobs: Knobs, log: Logger) -> None:
         self.opts = opts
         self.knobs = knobs

@@ -8,8 +8,8 @@ bounded concurrency and collects one outcome per host, like fabric's ``GroupResu
 
 Runners: :class:`LocalRunner` (this machine; the ``local`` backend and the login node),
 :class:`SshRunner` (fabric/paramiko, one connection per host reused for the whole run, host keys
-verified against known_hosts unless explicitly told otherwise), and, in tests, a fake that
-records commands and scripts replies.
+verified against known_hosts unless explicitly told otherwise), and, in tests,
+:class:`k3launch.testing.FakeRunner`, which records commands and scripts replies.
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def _short(cmd: str, n: int = 120) -> str:
 
 
 class Runner(Protocol):
-    def run(self, target: Target, command: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Result: ...
+    def run(self, target: Target, command: str, *, timeout: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> Result:
+        """Run ``command`` on ``target``; ``env``: the command's whole environment (None: the runner's default)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -227,7 +229,12 @@ class SshRunner:
             self._shells[target] = sh
             return sh
 
-    def run(self, target: Target, command: str, *, timeout: float = DEFAULT_TIMEOUT_S) -> Result:
+    def run(self, target: Target, command: str, *, timeout: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> Result:
+        """``env`` must be None: an environment is never sent over SSH (sshd drops most of it, and
+        what it keeps would be the remote login's business); put settings into the command."""
+        if env is not None:
+            raise K3Error("ssh-env", f"{target.name}: cannot pass an environment to a command over SSH",
+                          "put the variables into the command (the launch scripts do), or run it with the local runner")
         t0 = time.monotonic()
         conn = self._connection(target)
         sh = self._shell(target, conn)

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
-from k3launch.planning.inventory import SECRET_NAMES, expand_nodelist
-from k3launch.transport.runners import LocalRunner, Result, Target
+from k3launch.planning.inventory import SECRET_NAMES
+from k3launch.transport.runners import LocalRunner, Result, Runner, Target
+from k3launch.util.hosts import expand_hostlist
 
 LOGIN = Target("login", "localhost", local=True)
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "RESIZING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
@@ -46,15 +47,8 @@ class JobInfo:
 
 
 def expand(hostlist: str) -> list[str]:
-    """``gpu-[01-03],x`` → hosts, with python-hostlist (Slurm's own syntax and order)."""
-    import hostlist as hl
-
-    if not hostlist or hostlist in ("(null)", "None"):
-        return []
-    try:
-        return list(hl.expand_hostlist(hostlist))
-    except hl.BadHostlist:
-        return []
+    """Hosts of a host list Slurm printed (``(null)`` or garbage: none)."""
+    return expand_hostlist(hostlist, lenient=True)
 
 
 def parse_squeue(job_id: str, text: str) -> JobInfo | None:
@@ -94,7 +88,7 @@ def submit_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class SlurmClient:
-    runner: LocalRunner = field(default_factory=LocalRunner)  # Slurm's commands run on the login node
+    runner: Runner = field(default_factory=LocalRunner)  # Slurm's commands run on the login node (k3launch.testing.FakeSlurm fakes them)
     timeout: float = 30.0
 
     def call(self, argv: Sequence[str], *, timeout: float | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Result:
@@ -144,7 +138,7 @@ class SlurmClient:
         r = self.call(["sinfo", "-h", "-N", "-o", "%N", *(["-p", partition] if partition else [])])
         if not r.ok:
             raise K3Error("slurm-unavailable", f"sinfo failed: {r.stderr.strip()[:200]}", SLURM_HINT)
-        allowed = set(expand_nodelist(nodelist))  # the user's nodelist: refused, not emptied, when malformed
+        allowed = set(expand_hostlist(nodelist))  # the user's nodelist: refused, not emptied, when malformed
         return sorted({h for h in r.stdout.split() if h not in allowed})
 
     def partition_nodes(self, partition: str | None) -> int | None:

@@ -24,6 +24,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SlurmJob, SlurmRecord
 from k3launch.render.sbatch import address_pattern, node_order
+from k3launch.util.locks import locked
 
 BAD_NODE_TTL_S = 24 * 3600.0
 
@@ -100,13 +101,11 @@ def bad_nodes(store: StateStore, now: float | None = None) -> dict[str, dict[str
 def record_bad_node(store: StateStore, host: str, reason: str, kind: str, deployment: str) -> None:
     """Best effort, under a lock (several `up`s may record at once); a failure to record never
     hides the failure being reported."""
-    import fcntl
     import tempfile
 
     try:
         store.root.mkdir(parents=True, exist_ok=True)
-        with open(store.root / "slurm-bad-nodes.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with locked(store.root / "slurm-bad-nodes.lock"):
             data = bad_nodes(store)
             data[host] = {"reason": reason, "kind": kind, "time": time.time(), "deployment": deployment}
             fd, tmp = tempfile.mkstemp(dir=store.root, prefix=".slurm-bad-nodes.")

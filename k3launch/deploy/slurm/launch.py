@@ -39,6 +39,7 @@ from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SlurmJob, SlurmRecord, Stage, StageFn
 from k3launch.planning.inventory import Inventory
 from k3launch.render.sbatch import make_sbatch_string, node_order
+from k3launch.util.polling import poll_until
 
 POLL_S = 0.5
 SLURM_UNAVAILABLE_S = 60.0  # squeue failing this long (slurmctld down or unreachable) fails up
@@ -237,10 +238,8 @@ class SlurmLaunch:
     def _job_ended(self, info: JobInfo, stage: Stage) -> Progress:
         # COMPLETING: its processes are being cleaned up; the final state (CANCELLED, FAILED, ...)
         # says why it ended, and the job's last lines reach its output file
-        t_final = time.monotonic() + 10
-        while info.state == "COMPLETING" and time.monotonic() < t_final:
-            time.sleep(0.2)
-            info = self.client.job(info.job_id)
+        if info.state == "COMPLETING":
+            info = poll_until(lambda: self.client.job(info.job_id), lambda i: i.state != "COMPLETING", timeout=10, interval=0.2)
         time.sleep(0.2)
         refused = parse_output(read_file(Path(self.slurm.log_dir) / f"slurm-{info.job_id}.out")).doctor_failed
         if not refused:

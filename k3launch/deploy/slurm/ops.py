@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from k3launch.deploy.slurm.job import bind_plan, tail_file
 from k3launch.deploy.state import StateStore
 from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status
 from k3launch.transport.http import probe_all
+from k3launch.util.polling import poll_until, ticks
 
 JOB_STOP_GRACE_S = 10.0  # the job script's TERM -> KILL grace when no --grace reaches it (K3_STOP_GRACE_S)
 STOP_MARGIN_S = 5.0  # the steps' exits and Slurm's bookkeeping after that
@@ -51,9 +51,7 @@ def follow_files(rec: SlurmRecord, ids: Sequence[str], emit: Callable[[str], Non
     """Print new lines of the processes' logs as they appear (by byte offset)."""
     paths = {i: Path(rec.slurm.log_dir) / f"{i}.log" for i in ids}
     offsets = {i: (p.stat().st_size if p.exists() else 0) for i, p in paths.items()}
-    t_end = None if max_s is None else time.monotonic() + max_s
-    while t_end is None or time.monotonic() < t_end:
-        time.sleep(poll_s)
+    for _ in ticks(poll_s, max_s):
         for i, p in paths.items():
             try:
                 with p.open("rb") as f:
@@ -79,12 +77,7 @@ def cancel_job(rec: SlurmRecord, store: StateStore, grace_s: float = 10.0, clien
     store.save(rec)
 
     def wait_gone(limit: float) -> JobInfo:
-        t_end = time.monotonic() + limit
-        while True:
-            info = cl.job(job)
-            if not info.active or time.monotonic() > t_end:
-                return info
-            time.sleep(0.2)
+        return poll_until(lambda: cl.job(job), lambda info: not info.active, timeout=limit, interval=0.2)
 
     info = cl.job(job)
     if info.active:

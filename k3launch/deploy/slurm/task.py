@@ -26,6 +26,7 @@ from k3launch.deploy.base import LaunchFailed, Readiness
 from k3launch.deploy.slurm.job import bind_plan
 from k3launch.models.plan import Plan
 from k3launch.render.sbatch import node_order
+from k3launch.util.polling import poll_until
 
 
 def _write(path: Path, data: dict[str, object]) -> None:
@@ -38,14 +39,12 @@ def wait_ready(plan: Plan, timeout_s: float) -> tuple[bool, str, int]:
     """(ready, detail, completion tokens): the readiness stages of ``up``, from inside the job."""
     t_end = time.monotonic() + timeout_s
     ready = Readiness(plan.processes, plan.endpoint, plan.model, lambda stage, msg: print(f"k3launch: {stage}: {msg}", flush=True))
-    while time.monotonic() < t_end:
-        try:
-            c = ready.check(t_end)
-        except LaunchFailed as exc:
-            return False, exc.message, 0
-        if c is not None:
-            return True, f"{c.completion_tokens} tokens in {c.seconds:.2f}s", c.completion_tokens
-        time.sleep(0.5)
+    try:
+        c = poll_until(lambda: ready.check(t_end), lambda c: c is not None, timeout=timeout_s, interval=0.5)
+    except LaunchFailed as exc:
+        return False, exc.message, 0
+    if c is not None:
+        return True, f"{c.completion_tokens} tokens in {c.seconds:.2f}s", c.completion_tokens
     return False, f"not ready after {timeout_s:g}s (not healthy: {', '.join(ready.missing) or 'none'})", 0
 
 

@@ -18,6 +18,7 @@ from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.http import probe_all
 from k3launch.transport.runners import CommandFailed
+from k3launch.util.polling import ticks
 
 POLL_TIMEOUT_S = 10.0  # a poll takes milliseconds; a node silent this long has failed
 
@@ -151,11 +152,8 @@ def follow_logs(rec: SshRecord, fleet: Fleet, ids: Iterable[str], emit: Callable
     sizes = _batched(rec, fleet, {i: (rec.processes[i].node, f"wc -c < {remote.path_word(rec.processes[i].log)} 2>/dev/null || echo 0")
                                   for i in bare})
     offsets = {i: _int(sizes.get(i, "")) for i in bare}
-    t_end = None if max_s is None else time.monotonic() + max_s
     since = time.time()
-    while t_end is None or time.monotonic() < t_end:
-        time.sleep(poll_s)
-        now = time.time()
+    for now in ticks(poll_s, max_s):
         cmds: dict[str, tuple[str, str]] = {}
         for pid in ids:
             pr = rec.processes[pid]

@@ -28,6 +28,7 @@ from k3launch.models.record import SshRecord
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Outcome
+from k3launch.util.polling import poll_until
 
 DEFAULT_GRACE_S = 10.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap before reporting leftovers
@@ -135,14 +136,14 @@ def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = D
     store.save(rec)
     for phase in _phases(rec):
         _stop_phase(rec, fleet, phase, grace_s, report)
-    t_end = time.monotonic() + VERIFY_S
-    while True:
+
+    def check() -> TeardownReport:
         report.leftovers.clear()
         report.busy_ports.clear()
         verify(rec, fleet, report)
-        if report.clean or report.unreachable or time.monotonic() > t_end:
-            break
-        time.sleep(0.2)
+        return report
+
+    poll_until(check, lambda r: r.clean or r.unreachable, timeout=VERIFY_S, interval=0.2)
     if not report.clean:
         rec.state = "down-incomplete"
         rec.unreachable = sorted(report.unreachable)
