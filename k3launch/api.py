@@ -123,12 +123,15 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
 
 def dry_run(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir: str | Path | None = None,
             extra_sbatch: Sequence[str] = ()) -> DryRun:
-    """What ``up`` would run for ``plan`` (per-node scripts, or the sbatch script); starts nothing."""
+    """What ``up`` would run for ``plan`` (per-node scripts, or the sbatch script), and the same as
+    files for ``render``; starts nothing. Without an inventory, a plan on placeholder nodes gets
+    the SSH backend's scripts."""
     from k3launch.deploy.base import UpOptions
     from k3launch.deploy.registry import backend
 
-    inv = load(inventory)[0]
-    return backend(inv.backend).dry_run(plan, inv, _store(state_dir), UpOptions(extra_sbatch=tuple(extra_sbatch)))
+    inv = load(inventory)[0] if inventory is not None else None
+    name = inv.backend if inv is not None else plan.backend if plan.backend != "none" else "ssh"
+    return backend(name).dry_run(plan, inv, _store(state_dir), UpOptions(extra_sbatch=tuple(extra_sbatch)))
 
 
 def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord | None:

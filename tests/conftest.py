@@ -1,5 +1,17 @@
 import sys
 from pathlib import Path
 
-# tests import their helpers (fakes, plan_checks, sshhosts) as top-level modules
+import pytest
+
+# tests import their helpers (plan_checks, sshhosts, ...) as top-level modules; the fakes are k3launch.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiers import missing_markers
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test is checked
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    problems = missing_markers(items)
+    if problems:
+        raise pytest.UsageError("tests that start infrastructure need its markers (pytestmark = [pytest.mark.e2e, ...]; "
+                                "see tests/tiers.py):\n  " + "\n  ".join(problems))

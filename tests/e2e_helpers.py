@@ -134,9 +134,9 @@ class Recording:
     inner: Any
     calls: list[tuple[str, str]] = field(default_factory=list)
 
-    def run(self, target: Any, command: str, *, timeout: float = 60.0) -> Any:
+    def run(self, target: Any, command: str, *, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Any:
         self.calls.append((target.name, command))
-        return self.inner.run(target, command, timeout=timeout)
+        return self.inner.run(target, command, timeout=timeout, **({} if env is None else {"env": env}))
 
     def close(self) -> None:
         self.inner.close()

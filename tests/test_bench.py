@@ -95,6 +95,7 @@ def test_max_concurrent_requests_is_exact() -> None:
     assert summarize([], 1.0, ["ttft"], [99])["max_concurrent_requests"] == 0
 
 
+@pytest.mark.e2e
 def test_result_json_has_vllms_field_names(procs: Procs, tmp_path: Path) -> None:
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)], {"K3LAUNCH_SIM_TTFT_MS": "25", "K3LAUNCH_SIM_ITL_MS": "2"})
@@ -116,6 +117,7 @@ def test_result_json_has_vllms_field_names(procs: Procs, tmp_path: Path) -> None
     assert all(len(itl) == 5 for itl in data["itls"])
 
 
+@pytest.mark.e2e
 def test_default_file_name_and_percentiles(procs: Procs, tmp_path: Path) -> None:
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)])
@@ -129,6 +131,7 @@ def test_default_file_name_and_percentiles(procs: Procs, tmp_path: Path) -> None
     assert data["request_rate"] == 40.0
 
 
+@pytest.mark.e2e
 def test_zero_token_engine_is_completed_but_invalid(procs: Procs, tmp_path: Path) -> None:
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)], {"K3LAUNCH_SIM_FAIL": "zero-tokens"})
@@ -142,6 +145,7 @@ def test_zero_token_engine_is_completed_but_invalid(procs: Procs, tmp_path: Path
     assert reason is not None and "0 output tokens" in reason
 
 
+@pytest.mark.e2e
 def test_served_model_name_is_what_requests_ask_for(procs: Procs, tmp_path: Path) -> None:
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "k3"])

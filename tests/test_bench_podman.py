@@ -9,10 +9,13 @@ import json
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 from test_podman import K3, PREFIX, _containers, k3, podman_env  # noqa: F401  (fixtures)
 
 from k3launch.campaign.results import read_rows
+
+pytestmark = [pytest.mark.e2e, pytest.mark.podman]
 
 
 def test_bench_runs_vllm_bench_serve_inside_the_head_container(k3: K3, tmp_path: Path) -> None:  # noqa: F811

@@ -277,19 +277,15 @@ def test_a_group_another_process_runs_is_skipped_or_refused_and_a_bad_out_is_a_u
     out = tmp_path / "o"
     out.mkdir()
     (g,) = prepare(f).groups
-    held = group_lock(out, g.plan_hash)  # as another `campaign run` (or an array task) would
-    assert held is not None and group_lock(out, g.plan_hash) is None
-    try:
+    with group_lock(out, g.plan_hash) as held:  # as another `campaign run` (or an array task) would
+        with group_lock(out, g.plan_hash) as again:
+            assert held is not None and again is None
         r = k3("campaign", "run", str(f), "--out", str(out), "--group", "0", cwd=tmp_path)
         assert r.returncode == 2 and "is being run by another process" in r.stderr, r.stderr
         r = k3("campaign", "run", str(f), "--out", str(out), "--json", "--state-dir", str(tmp_path / "st"), cwd=tmp_path)
         s = json.loads(r.stdout)
         assert r.returncode == 0 and s["engine_starts"] == 0 and s["ran"] == 0, r.stderr  # skipped, nothing started
         assert "another process is running it; skipped" in (out / "campaign.log").read_text()
-    finally:
-        import os
-
-        os.close(held)
     (tmp_path / "afile").write_text("x")
     r = k3("campaign", "run", str(f), "--out", str(tmp_path / "afile"), cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.startswith("error: --out ") and "Traceback" not in r.stderr and "internal error" not in r.stderr

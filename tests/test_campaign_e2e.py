@@ -25,6 +25,7 @@ import yaml
 from k3launch import api
 from k3launch.campaign.results import read_rows
 
+pytestmark = pytest.mark.e2e  # local deployments of the simulated engine
 TTFT_MS, ITL_MS = 30.0, 2.0
 FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": str(TTFT_MS), "K3LAUNCH_SIM_ITL_MS": str(ITL_MS)}
 LOAD = {"max_concurrency": [1, 2, 4], "input_len": 32, "output_len": 8, "num_prompts": 8}

@@ -18,6 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 import yaml
 
 from k3launch.campaign.results import read_rows
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from slurmcluster import Cluster
 
 pytest_plugins = ["slurmcluster"]
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "20", "K3LAUNCH_SIM_ITL_MS": "2"}
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from slurmcluster import Cluster
 
 pytest_plugins = ["slurmcluster"]
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 MODEL = "moonshotai/Kimi-K3"
 

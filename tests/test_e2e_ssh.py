@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from sshhosts import Hosts
 
 pytest_plugins = ["sshhosts"]
+pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
 from e2e_helpers import Cli, Recording, cleanup, host_netns, inventory, leftovers, lib_down, lib_up, netns, processes, session
 
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
 pytest_plugins = ["sshhosts"]
+pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 SLOW_LOAD = {"K3LAUNCH_SIM_LOAD_S": "30"}
 TP3 = ["--strategy", "multi_node_tp", "--nodes", "3"]

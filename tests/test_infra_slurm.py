@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 # registers the slurm_cluster fixture once per session; slurmcluster itself is imported inside the
 # tests (importing it here, before pytest loads it as a plugin, earns an assert-rewrite warning)
 pytest_plugins = ["slurmcluster"]
+pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 ALL_GPUS = "0,1,2,3,4,5,6,7"
 

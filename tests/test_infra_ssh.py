@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # registers the ssh_hosts fixture once per session; sshhosts itself is imported inside the tests
 # (importing it here, before pytest loads it as a plugin, earns an assert-rewrite warning)
 pytest_plugins = ["sshhosts"]
+pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 
 def _probe(address: str, port: int, timeout: float) -> str:

@@ -6,19 +6,18 @@ import re
 from pathlib import Path
 
 import pytest
-from fakes import FakeRunner
 
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import Launch, LaunchFailed
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
-from k3launch.errors import K3Error
 from k3launch.models.record import ProcessRecord, SshRecord
 from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import load_inventory
 from k3launch.planning.recipes import RecipeTree
 from k3launch.render import snippets as remote
+from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Target
 
@@ -115,11 +114,10 @@ def test_dead_processes_and_unreachable_node(tmp_path: Path) -> None:
     launch = Launch(plan, Fleet.for_plan(plan, FakeRunner(handler), FakeRunner(handler)), StateStore(tmp_path))
     assert launch.dead_processes(_record(plan, pids)) == ["serve-1"]
 
-    class Broken(FakeRunner):
-        def run(self, target: Target, command: str, *, timeout: float = 60.0):  # type: ignore[no-untyped-def]
-            raise K3Error("unreachable", f"{target.name}: cannot connect", "")
+    def broken() -> FakeRunner:  # every node stopped answering
+        return FakeRunner(handler, fail_on=[h.name for h in plan.hosts])
 
-    launch = Launch(plan, Fleet.for_plan(plan, Broken(handler), Broken(handler)), StateStore(tmp_path))
+    launch = Launch(plan, Fleet.for_plan(plan, broken(), broken()), StateStore(tmp_path))
     with pytest.raises(LaunchFailed) as e:
         launch.dead_processes(_record(plan, pids))
     assert "stopped answering" in e.value.message

@@ -273,6 +273,8 @@ def _assert_secret_free(k3: K3, *texts: str) -> None:
             assert k3.token not in f.read_text(errors="replace"), f
 
 
+@pytest.mark.e2e
+@pytest.mark.podman
 def test_single_node_tp_in_a_container(k3: K3) -> None:
     name = f"{PREFIX}tp-{uuid.uuid4().hex[:6]}"
     r = k3.up(name, "--port-base", "18300", "--json")
@@ -287,6 +289,8 @@ def test_single_node_tp_in_a_container(k3: K3) -> None:
     _check_down(k3, name, plan)
 
 
+@pytest.mark.e2e
+@pytest.mark.podman
 def test_pd_engines_in_containers_router_bare(k3: K3) -> None:
     if shutil.which("vllm-router") is None:
         pytest.skip("vllm-router is not installed (pip install vllm-router)")
@@ -310,6 +314,8 @@ def test_pd_engines_in_containers_router_bare(k3: K3) -> None:
     _check_down(k3, name, plan)
 
 
+@pytest.mark.e2e
+@pytest.mark.podman
 def test_engine_exiting_during_load_fails_fast_and_leaves_nothing(k3: K3) -> None:
     k3.inventory = k3.write_inventory({"K3LAUNCH_SIM_LOAD_S": "1", "K3LAUNCH_SIM_FAIL": "exit-during-load"})
     name = f"{PREFIX}fail-{uuid.uuid4().hex[:6]}"
@@ -327,6 +333,8 @@ def test_engine_exiting_during_load_fails_fast_and_leaves_nothing(k3: K3) -> Non
     assert _port_free("127.0.0.11", 18500)
 
 
+@pytest.mark.e2e
+@pytest.mark.podman
 def test_doctor_sees_a_stopped_leftover_container(k3: K3) -> None:
     ghost = f"{PREFIX}ghost-{uuid.uuid4().hex[:6]}"
     podman("create", "--name", f"k3-{ghost}-serve-0", "--label", f"k3launch.deployment={ghost}", "--network", "none", TAG)

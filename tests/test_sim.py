@@ -87,7 +87,7 @@ def test_sim_imports_only_the_stdlib_and_the_schema() -> None:
     third_party = {m for m in new if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "k3launch"}
     ours = {m for m in new if m.startswith("k3launch") and not m.startswith("k3launch.sim")}
     assert not third_party
-    assert ours == {"k3launch", "k3launch.planning.schema", "k3launch.errors"}
+    assert ours == {"k3launch", "k3launch.defaults", "k3launch.planning", "k3launch.planning.schema", "k3launch.errors"}
 
 
 def test_unknown_fault_knob_is_refused() -> None:
@@ -97,6 +97,7 @@ def test_unknown_fault_knob_is_refused() -> None:
 
 # -- serving ------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_single_node_serves_the_openai_api(procs: Procs) -> None:
     port, proc = serve(procs, "--served-model-name", "k3", "--max-model-len", "4096", env={"K3LAUNCH_SIM_LOAD_S": "1.0"})
     proc.wait_log("Loading weights of")
@@ -128,6 +129,7 @@ def test_single_node_serves_the_openai_api(procs: Procs) -> None:
     assert get(f"{base}/nope")[0] == 404
 
 
+@pytest.mark.e2e
 def test_streaming_and_usage(procs: Procs) -> None:
     port, proc = serve(procs)
     wait_healthy(HOST, port, proc)
@@ -147,6 +149,7 @@ def test_streaming_and_usage(procs: Procs) -> None:
     assert all("usage" not in c for c in chat)  # no include_usage: no usage chunk
 
 
+@pytest.mark.e2e
 def test_finish_reason_rides_on_the_last_token_chunk(procs: Procs) -> None:
     # as vLLM's stream generators do: no empty chunk with choices after the last token, which a
     # benchmark client would count as one more token arrival; the usage chunk has no choices
@@ -168,6 +171,7 @@ def test_finish_reason_rides_on_the_last_token_chunk(procs: Procs) -> None:
                 assert all("usage" not in c for c in chunks)
 
 
+@pytest.mark.e2e
 def test_keep_alive_connection_serves_several_requests(procs: Procs) -> None:
     port, proc = serve(procs)
     wait_healthy(HOST, port, proc)
@@ -185,6 +189,7 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+@pytest.mark.e2e
 def test_metrics_and_max_num_seqs(procs: Procs) -> None:
     port, proc = serve(procs, "--max-num-seqs", "2", env={"K3LAUNCH_SIM_ITL_MS": "80"})
     wait_healthy(HOST, port, proc)
@@ -215,6 +220,7 @@ def test_metrics_and_max_num_seqs(procs: Procs) -> None:
 
 # -- faults -------------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_fault_exit_during_load(procs: Procs) -> None:
     _, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_LOAD_S": "0.6"})
     assert proc.wait_exit(30) == 1
@@ -222,6 +228,7 @@ def test_fault_exit_during_load(procs: Procs) -> None:
     assert "EngineCore failed to start" in log and "Starting vLLM API server" not in log
 
 
+@pytest.mark.e2e
 def test_fault_hang_never_ready_until_sigterm(procs: Procs) -> None:
     port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "hang"})
     proc.wait_log("simulated hang")
@@ -231,6 +238,7 @@ def test_fault_hang_never_ready_until_sigterm(procs: Procs) -> None:
     assert proc.wait_exit(3) == 0
 
 
+@pytest.mark.e2e
 def test_fault_zero_tokens(procs: Procs) -> None:
     port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "zero-tokens"})
     wait_healthy(HOST, port, proc)
@@ -239,6 +247,7 @@ def test_fault_zero_tokens(procs: Procs) -> None:
     assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
 
 
+@pytest.mark.e2e
 def test_fault_empty_after_ready(procs: Procs) -> None:
     port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "empty-after-ready"})
     wait_healthy(HOST, port, proc)
@@ -256,6 +265,7 @@ def test_fault_empty_after_ready(procs: Procs) -> None:
     assert "K3LAUNCH_SIM_FAIL=empty-after-ready" in proc.log()
 
 
+@pytest.mark.e2e
 def test_fault_crash_after_ready(procs: Procs) -> None:
     port, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "crash-after-ready", "K3LAUNCH_SIM_FAIL_AFTER_S": "1.0"})
     wait_healthy(HOST, port, proc)
@@ -264,6 +274,7 @@ def test_fault_crash_after_ready(procs: Procs) -> None:
     assert not port_open(HOST, port)
 
 
+@pytest.mark.e2e
 def test_fault_targets_one_process(procs: Procs) -> None:
     env = {"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_FAIL_PROCESS": "serve-1"}
     p0, a = serve(procs, env={**env, "K3LAUNCH_PROCESS": "serve-0"}, name="serve-0")
@@ -272,6 +283,7 @@ def test_fault_targets_one_process(procs: Procs) -> None:
     wait_healthy(HOST, p0, a)
 
 
+@pytest.mark.e2e
 def test_side_channel_on_an_address_not_of_this_node_fails_startup(procs: Procs) -> None:
     kv = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"fail"}'
     _, proc = serve(procs, "--kv-transfer-config", kv,
@@ -282,6 +294,7 @@ def test_side_channel_on_an_address_not_of_this_node_fails_startup(procs: Procs)
 
 # -- shutdown -----------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_sigterm_exits_0_and_frees_the_port(procs: Procs) -> None:
     port, proc = serve(procs)
     wait_healthy(HOST, port, proc)
@@ -293,6 +306,7 @@ def test_sigterm_exits_0_and_frees_the_port(procs: Procs) -> None:
         s.bind((HOST, port))
 
 
+@pytest.mark.e2e
 def test_batch_cost_stretches_decode_steps_with_the_batch(procs: Procs) -> None:
     """K3LAUNCH_SIM_BATCH_COST: 8 requests decoding together take longer per token than one alone."""
     port, proc = serve(procs, "--max-num-seqs", "8", env={"K3LAUNCH_SIM_ITL_MS": "20", "K3LAUNCH_SIM_TTFT_MS": "1",

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from simproc import Proc, Procs, free_port, get, port_open, post, wait_healthy
 
+pytestmark = pytest.mark.e2e  # simulated engine processes
 NODES = ["127.0.0.11", "127.0.0.12", "127.0.0.13", "127.0.0.14"]
 SHORT = {"K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "1.5"}
 

@@ -18,7 +18,7 @@ import pytest
 from simproc import Proc, Procs, free_port, get, post, stream, wait_healthy
 
 ROUTER = shutil.which("vllm-router")
-pytestmark = pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(ROUTER is None, reason="vllm-router is not installed (pip install vllm-router)")]
 
 PREFILL, DECODE = "127.0.0.11", ["127.0.0.12", "127.0.0.13"]
 KV = '{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_load_failure_policy":"fail"}}'

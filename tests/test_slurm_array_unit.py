@@ -1,5 +1,6 @@
 """Job arrays without a cluster: ``submit_array`` / ``wait_array`` against a fake
-:class:`~k3launch.deploy.slurm.client.SlurmClient` whose ``squeue`` answers are scripted poll by poll.
+:class:`~k3launch.deploy.slurm.client.SlurmClient` (:class:`k3launch.testing.FakeSlurm`) whose
+``squeue`` answers are scripted poll by poll.
 
 What ``wait_array`` must get right: a task Slurm forgot (``MinJobAge``) has ended, a failed
 ``squeue`` says nothing, "Invalid job id" means every task ended, only a final result (``ended``)
@@ -9,8 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
@@ -23,11 +23,9 @@ from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import Inventory
 from k3launch.planning.recipes import RecipeTree
-from k3launch.transport.runners import Result
+from k3launch.testing import BUSY, INVALID_JOB_ID, Fails, FakeSlurm, TaskPoll
 
 TREE = RecipeTree()
-INVALID = (1, "", "slurm_load_jobs error: Invalid job id specified\n")
-BUSY = (1, "", "slurm_load_jobs error: Socket timed out on send/recv operation\n")
 
 
 def inventory() -> Inventory:
@@ -39,43 +37,28 @@ def plans(*names: str) -> list[Plan]:
     return [build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inventory(), name=n) for n in names]
 
 
-@dataclass
-class Poll:
-    """One scripted squeue answer and what happens on the "cluster" just before it."""
+def poll(answer: Mapping[int, str] | Fails, before: Callable[[], None] | None = None) -> TaskPoll:
+    """One scripted ``squeue -r`` answer and what happens on the "cluster" just before it."""
+    if before is None:
+        return answer
 
-    exit_code: int = 0
-    stdout: str = ""
-    stderr: str = ""
-    before: Callable[[], None] | None = None
+    def then() -> Mapping[int, str] | Fails:
+        before()
+        return answer
 
-
-@dataclass
-class FakeSlurm:
-    polls: list[Poll] = field(default_factory=list)  # the last one repeats
-    calls: list[list[str]] = field(default_factory=list)
-    submitted: list[str] = field(default_factory=list)
-
-    def call(self, argv: Sequence[str], **kw: object) -> Result:
-        self.calls.append(list(argv))
-        assert argv[0] == "squeue" and "-r" in argv, argv
-        p = self.polls[min(len(self.calls) - 1, len(self.polls) - 1)]
-        if p.before is not None:
-            p.before()
-        return Result("login", " ".join(argv), p.exit_code, p.stdout, p.stderr, 0.01)
-
-    def outside(self, partition: str | None, nodelist: str | None) -> list[str]:
-        return []
-
-    def sbatch(self, path: str, cwd: str, job_name: str | None = None) -> str:
-        assert Path(path).is_file() and Path(path).parent == Path(cwd)
-        self.submitted.append(path)
-        return str(100 + len(self.submitted))
+    return then
 
 
-def squeue(job: str, before: Callable[[], None] | None = None, **states: str) -> Poll:
-    """``%i|%T`` lines, e.g. ``squeue("7", t0="RUNNING")``."""
+def squeue(before: Callable[[], None] | None = None, **states: str) -> TaskPoll:
+    """Task states, e.g. ``squeue(t0="RUNNING")`` (printed as ``<job>_0|RUNNING``)."""
     assert all(re.fullmatch(r"t\d+", t) for t in states), states
-    return Poll(stdout="".join(f"{job}_{t[1:]}|{s}\n" for t, s in states.items()), before=before)
+    return poll({int(t[1:]): s for t, s in states.items()}, before)
+
+
+def polls(fake: FakeSlurm) -> int:
+    """How many times squeue was asked; wait_array asks nothing else (and only ``squeue -r``)."""
+    assert all(c[0] == "squeue" and "-r" in c for c in fake.calls), fake.calls
+    return len(fake.calls)
 
 
 def job_of(n: int, tmp: Path, job_id: str = "7") -> ArrayJob:
@@ -103,15 +86,15 @@ def test_a_task_slurm_forgot_without_a_result_ended_and_its_output_says_why(tmp_
     job = job_of(2, tmp_path)
     out_file(job, 0).write_text("k3launch: node 0 = k3n1 10.0.0.1\n"
                                   "k3launch: doctor failed on k3n1: 0 of 8 GPUs visible\n")
-    fake = FakeSlurm([
-        squeue("7", t0="RUNNING", t1="RUNNING", before=lambda: provisional(job, 1)),
-        squeue("7", t0="FAILED", t1="RUNNING"),
-        squeue("7", t1="RUNNING"),  # MinJobAge: task 0's record purged, the array lives on
-        squeue("7", t1="RUNNING"),
-        squeue("7", t1="COMPLETED", before=lambda: final(job, 1)),
+    fake = FakeSlurm(tasks=[
+        squeue(t0="RUNNING", t1="RUNNING", before=lambda: provisional(job, 1)),
+        squeue(t0="FAILED", t1="RUNNING"),
+        squeue(t1="RUNNING"),  # MinJobAge: task 0's record purged, the array lives on
+        squeue(t1="RUNNING"),
+        squeue(t1="COMPLETED", before=lambda: final(job, 1)),
     ])
-    res = wait_array(job, timeout=5, client=fake, poll_s=0)  # type: ignore[arg-type]
-    assert len(fake.calls) == 5  # not before task 1 ended, not a poll later
+    res = wait_array(job, timeout=5, client=fake, poll_s=0)
+    assert polls(fake) == 5  # not before task 1 ended, not a poll later
     assert res.results[1]["ok"] is True and res.results[1]["ended"] == 1.0
     r0 = res.results[0]
     assert r0["ok"] is False and r0["deployment"] == "dep-0"
@@ -124,10 +107,10 @@ def test_a_task_that_ended_early_after_slurm_task_started_is_not_reported_by_its
     provisional(job, 0)
     out_file(job, 0).write_text("k3launch: started serve-0 on node 0 (k3n2)\n"
                                   "k3launch: serve-0 on node 0 (k3n2) exited with code 137; stopping the deployment\n")
-    res = wait_array(job, timeout=5, client=FakeSlurm([squeue("7", t0="FAILED")]), poll_s=0)  # type: ignore[arg-type]
+    res = wait_array(job, timeout=5, client=FakeSlurm(tasks=[squeue(t0="FAILED")]), poll_s=0)
     assert res.results[0]["ok"] is False and res.results[0]["error"] == "serve-0 on k3n2 exited with code 137"
     bare = job_of(1, tmp_path / "b")  # no output either: the state and where to look
-    res = wait_array(bare, timeout=5, client=FakeSlurm([Poll(*INVALID)]), poll_s=0)  # type: ignore[arg-type]
+    res = wait_array(bare, timeout=5, client=FakeSlurm(tasks=[INVALID_JOB_ID]), poll_s=0)
     assert re.fullmatch(r"task ended GONE without a result; see \S+slurm-7_0\.out", str(res.results[0]["error"]))
 
 
@@ -140,15 +123,15 @@ def test_a_failed_squeue_does_not_end_the_wait_while_tasks_run(tmp_path: Path) -
         final(job, 0)
         final(job, 1, ok=False)
 
-    fake = FakeSlurm([
-        squeue("7", t0="RUNNING", t1="RUNNING"),
-        Poll(*BUSY),
-        Poll(*BUSY),
-        squeue("7", t0="RUNNING", t1="RUNNING"),
-        squeue("7", t0="COMPLETED", t1="COMPLETED", before=both_end),
+    fake = FakeSlurm(tasks=[
+        squeue(t0="RUNNING", t1="RUNNING"),
+        BUSY,
+        BUSY,
+        squeue(t0="RUNNING", t1="RUNNING"),
+        squeue(t0="COMPLETED", t1="COMPLETED", before=both_end),
     ])
-    res = wait_array(job, timeout=5, client=fake, poll_s=0)  # type: ignore[arg-type]
-    assert len(fake.calls) == 5
+    res = wait_array(job, timeout=5, client=fake, poll_s=0)
+    assert polls(fake) == 5
     assert res.results[0]["ok"] is True and res.results[1]["ok"] is False and res.results[1]["error"] == "work exited with code 2"
     assert res.states == {0: "COMPLETED", 1: "COMPLETED"}
 
@@ -156,10 +139,10 @@ def test_a_failed_squeue_does_not_end_the_wait_while_tasks_run(tmp_path: Path) -
 def test_invalid_job_id_means_slurm_forgot_the_whole_array(tmp_path: Path) -> None:
     job = job_of(2, tmp_path)
     out_file(job, 1).write_text("k3launch: doctor failed on k3n3: nvidia-smi not found\n")  # task 1: no result file at all
-    fake = FakeSlurm([squeue("7", t0="RUNNING", t1="PENDING"), squeue("7", t0="RUNNING", t1="RUNNING"),
-                      Poll(*INVALID, before=lambda: final(job, 0))])
-    res = wait_array(job, timeout=5, client=fake, poll_s=0)  # type: ignore[arg-type]
-    assert len(fake.calls) == 3 and res.states == {}
+    fake = FakeSlurm(tasks=[squeue(t0="RUNNING", t1="PENDING"), squeue(t0="RUNNING", t1="RUNNING"),
+                            poll(INVALID_JOB_ID, before=lambda: final(job, 0))])
+    res = wait_array(job, timeout=5, client=fake, poll_s=0)
+    assert polls(fake) == 3 and res.states == {}
     assert res.results[0]["ok"] is True
     assert res.results[1] == {"task": "1", "deployment": "dep-1", "ok": False, "error": "doctor refused k3n3 (nvidia-smi not found)"}
 
@@ -168,31 +151,32 @@ def test_squeue_failing_for_good_raises_slurm_unavailable(tmp_path: Path, monkey
     monkeypatch.setattr(slurm_array, "SQUEUE_FAILURE_S", 0.05)
     job = job_of(1, tmp_path)
     provisional(job, 0)
-    fake = FakeSlurm([squeue("7", t0="RUNNING"), Poll(*BUSY)])
+    fake = FakeSlurm(tasks=[squeue(t0="RUNNING"), BUSY])
     with pytest.raises(K3Error) as exc:
-        wait_array(job, timeout=5, client=fake, poll_s=0.01)  # type: ignore[arg-type]
-    assert exc.value.code == "slurm-unavailable" and "7" in exc.value.message and len(fake.calls) > 2
+        wait_array(job, timeout=5, client=fake, poll_s=0.01)
+    assert exc.value.code == "slurm-unavailable" and "7" in exc.value.message and polls(fake) > 2
     # one success in between restarts the count: the wait goes on until the task ends
-    flaky = FakeSlurm([Poll(*BUSY), Poll(*BUSY), Poll(*BUSY), squeue("7", t0="RUNNING"), Poll(*BUSY), Poll(*BUSY),
-                       Poll(*BUSY), squeue("7", t0="COMPLETED", before=lambda: final(job, 0))])
+    flaky = FakeSlurm(tasks=[BUSY, BUSY, BUSY, squeue(t0="RUNNING"), BUSY, BUSY,
+                             BUSY, squeue(t0="COMPLETED", before=lambda: final(job, 0))])
     monkeypatch.setattr(slurm_array, "SQUEUE_FAILURE_S", 1.0)  # 3 failures: ~0.1 s
-    assert wait_array(job, timeout=5, client=flaky, poll_s=0.05).results[0]["ok"] is True  # type: ignore[arg-type]
+    assert wait_array(job, timeout=5, client=flaky, poll_s=0.05).results[0]["ok"] is True
 
 
 def test_the_timeout_counts_the_tasks_still_running(tmp_path: Path) -> None:
     job = job_of(3, tmp_path)
-    fake = FakeSlurm([squeue("7", t0="COMPLETED", t2="RUNNING")])  # task 1 forgot, task 2 runs forever
+    fake = FakeSlurm(tasks=[squeue(t0="COMPLETED", t2="RUNNING")])  # task 1 forgot, task 2 runs forever
     with pytest.raises(K3Error) as exc:
-        wait_array(job, timeout=0.05, client=fake, poll_s=0.01)  # type: ignore[arg-type]
+        wait_array(job, timeout=0.05, client=fake, poll_s=0.01)
     assert exc.value.code == "array-timeout" and "1 task(s) still running" in exc.value.message
 
 
 def test_two_submissions_with_the_same_name_do_not_share_results(tmp_path: Path) -> None:
-    fake = FakeSlurm()
-    first = submit_array(plans("a-0", "a-1"), inventory(), tmp_path, name="k3c-x", client=fake)  # type: ignore[arg-type]
-    second = submit_array(plans("b-0"), inventory(), tmp_path, name="k3c-x", client=fake)  # type: ignore[arg-type]
+    fake = FakeSlurm(first_id=101)
+    first = submit_array(plans("a-0", "a-1"), inventory(), tmp_path, name="k3c-x", client=fake)
+    second = submit_array(plans("b-0"), inventory(), tmp_path, name="k3c-x", client=fake)
     (j1,), (j2,) = first, second
     assert j1.job_id == "101" and j2.job_id == "102" and j1.log_dir != j2.log_dir
+    assert [Path(s).parent for s, _ in fake.submitted] == [Path(c) for _, c in fake.submitted] == [Path(j1.log_dir), Path(j2.log_dir)]
     for j in (j1, j2):
         d = Path(j.log_dir)
         assert d.parent == tmp_path.resolve() and re.fullmatch(r"k3c-x-\d{8}T\d{6}Z-[0-9a-f]{6}", d.name), d
@@ -200,6 +184,6 @@ def test_two_submissions_with_the_same_name_do_not_share_results(tmp_path: Path)
         assert str(d / "results" / "task-0.json") in (d / "array.sbatch").read_text()
     final(j1, 0)  # the first array's task 0 succeeded ...
     out_file(j2, 0).write_text("k3launch: allocation has 0 nodes, the plan needs 1\n")  # ... the second's failed before slurm_task
-    res = wait_array(j2, timeout=5, client=FakeSlurm([squeue("102", t0="FAILED")]), poll_s=0)  # type: ignore[arg-type]
+    res = wait_array(j2, timeout=5, client=FakeSlurm(tasks=[squeue(t0="FAILED")]), poll_s=0)
     assert res.results[0]["ok"] is False and res.results[0]["deployment"] == "b-0"
     assert "allocation has 0 nodes, the plan needs 1" in str(res.results[0]["error"])

@@ -690,6 +690,8 @@ def submit_sim(c: Cluster, tmp: Path, jobs: list[str], sel: Selection, env: dict
     return Submitted(job, plan, log_dir)
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_real_slurm_job_serves_the_simulated_engine_and_scancel_ends_it(slurm_cluster: Cluster, tmp_path: Path, jobs: list[str]) -> None:
     from slurmcluster import TERMINAL
 
@@ -725,6 +727,8 @@ def test_real_slurm_job_serves_the_simulated_engine_and_scancel_ends_it(slurm_cl
     assert _health(url) is None
 
 
+@pytest.mark.e2e
+@pytest.mark.slurm
 def test_real_slurm_job_fails_fast_when_one_node_exits(slurm_cluster: Cluster, tmp_path: Path, jobs: list[str]) -> None:
     """Two-node TP: serve-1 exits during load; the script stops the deployment and the job fails."""
     c = slurm_cluster

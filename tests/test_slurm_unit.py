@@ -1,5 +1,5 @@
 """The Slurm backend without a cluster: parsers of Slurm's output and of the job's, plan binding,
-and ``SlurmLaunch`` against a fake :class:`~k3launch.deploy.slurm.client.SlurmClient` (the one seam)."""
+and ``SlurmLaunch`` against :class:`k3launch.testing.FakeSlurm` (the real client, Slurm's commands faked)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,7 +25,7 @@ from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import Inventory
 from k3launch.planning.recipes import RecipeTree
 from k3launch.render.sbatch import make_sbatch_string
-from k3launch.transport.runners import Result
+from k3launch.testing import BUSY, FakeSlurm
 
 TREE = RecipeTree()
 
@@ -74,64 +73,16 @@ def test_binding_replaces_every_plan_address_and_never_a_prefix_of_another() -> 
     assert bound.endpoint.startswith("http://10.1.0.1:") and [p.node for p in bound.processes] == [p.node for p in plan.processes]
 
 
-@dataclass
-class FakeSlurm:
-    """Answers like Slurm would for one scripted job (states in order, the last one repeats)."""
-
-    states: list[JobInfo | K3Error]  # a K3Error: that poll of squeue fails
-    output: str = ""
-    steps_: dict[str, str] = field(default_factory=dict)
-    refuse: str | None = None
-    calls: list[list[str]] = field(default_factory=list)
-    log_dir: Path | None = None
-    write_output: bool = True  # False: the job's output never shows up on the login node
-
-    def call(self, argv: list[str], **_: object) -> Result:
-        self.calls.append(list(argv))
-        return Result("login", " ".join(argv), 0, "", "", 0.0)
-
-    def sbatch(self, script_path: str, cwd: str, job_name: str | None = None) -> str:
-        self.calls.append(["sbatch", script_path])
-        if self.refuse:
-            raise K3Error("sbatch-refused", f"Slurm refused the job: {self.refuse}", "check")
-        self.log_dir = Path(cwd)
-        if self.write_output:
-            (self.log_dir / "slurm-42.out").write_text(self.output)
-        return "42"
-
-    partition_size: int | None = None
-
-    def job(self, job_id: str) -> JobInfo:
-        got = self.states.pop(0) if len(self.states) > 1 else self.states[0]
-        if isinstance(got, K3Error):
-            raise got
-        return got
-
-    def partition_nodes(self, partition: str | None) -> int | None:
-        return self.partition_size
-
-    def outside(self, partition: str | None, nodelist: str | None) -> list[str]:
-        return []
-
-    def steps(self, job_id: str) -> dict[str, str]:
-        return self.steps_
-
-    def cancel(self, job_id: str, signal: str | None = None) -> Result:
-        self.calls.append(["scancel", *(["--batch", f"--signal={signal}"] if signal else []), job_id])
-        self.states = [JobInfo(job_id, "CANCELLED")]
-        return Result("login", "scancel", 0, "", "", 0.0)
-
-
 def launch(tmp: Path, fake: FakeSlurm, plan: Plan | None = None) -> tuple[SlurmLaunch, StateStore]:
     inv = inventory(log_dir=str(tmp / "logs"))
     plan = plan or build_plan(TREE, Selection(strategy="multi_node_tp", nodes=2), inventory=inv, name="u-launch")
     store = StateStore(tmp / "state")
-    return SlurmLaunch(plan, inv, store, client=fake, max_attempts=2), store  # type: ignore[arg-type]
+    return SlurmLaunch(plan, inv, store, client=fake, max_attempts=2), store
 
 
 def test_the_rank_that_did_not_blame_a_peer_is_the_cause_and_its_node_is_recorded(tmp_path: Path) -> None:
     fake = FakeSlurm([JobInfo("42", "RUNNING"), JobInfo("42", "FAILED", ["k3n1", "k3n2"], "NonZeroExitCode")],
-                     "k3launch: serve-0 on node 0 (k3n1) exited with code 1; stopping the deployment\n"
+                     output="k3launch: serve-0 on node 0 (k3n1) exited with code 1; stopping the deployment\n"
                      "k3launch: then serve-1 on node 1 (k3n2) exited with code 1\n")
     sl, store = launch(tmp_path, fake)
     (tmp_path / "logs" / "u-launch").mkdir(parents=True)
@@ -179,7 +130,7 @@ def test_a_running_job_whose_output_never_appears_means_an_unshared_log_dir(tmp_
     import k3launch.deploy.slurm.launch as sb
 
     monkeypatch.setattr(sb, "OUTPUT_VISIBLE_S", 0.2)
-    fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1", "k3n2"])], write_output=False)
+    fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1", "k3n2"])])  # no output: it never shows up here
     sl, store = launch(tmp_path, fake)
     with pytest.raises(LaunchFailed, match="does not appear on this machine") as ei:
         sl.up(timeout=30)
@@ -189,7 +140,7 @@ def test_a_running_job_whose_output_never_appears_means_an_unshared_log_dir(tmp_
 
 def test_partition_node_limit_waits_when_the_partition_is_big_enough_and_squeue_hiccups_are_ridden_out(tmp_path: Path) -> None:
     # PartitionNodeLimit with a 4-node partition and a 2-node plan: nodes are down or drained, not too few: wait
-    fake = FakeSlurm([JobInfo("42", "PENDING", [], "PartitionNodeLimit"), K3Error("slurm-unavailable", "squeue failed: timeout"),
+    fake = FakeSlurm([JobInfo("42", "PENDING", [], "PartitionNodeLimit"), BUSY,  # that poll of squeue fails
                       JobInfo("42", "FAILED", [], "NonZeroExitCode")], partition_size=4)
     sl, _ = launch(tmp_path, fake)
     with pytest.raises(LaunchFailed) as ei:
@@ -202,14 +153,6 @@ def test_partition_node_limit_waits_when_the_partition_is_big_enough_and_squeue_
     assert ei.value.code == "job-never-runs"
 
 
-class StuckSlurm(FakeSlurm):
-    """A job that ignores every cancel (a node that does not answer)."""
-
-    def cancel(self, job_id: str, signal: str | None = None) -> Result:
-        self.calls.append(["scancel", *(["--batch", f"--signal={signal}"] if signal else []), job_id])
-        return Result("login", "scancel", 0, "", "", 0.0)
-
-
 def test_down_sends_the_grace_signal_to_the_job_script_with_the_grace_then_verifies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import k3launch.deploy.slurm.ops as ops
     from k3launch.models.record import SlurmJob, SlurmRecord
@@ -220,16 +163,16 @@ def test_down_sends_the_grace_signal_to_the_job_script_with_the_grace_then_verif
     rec = SlurmRecord(name="u-down", state="ready", created=0.0, updated=0.0, endpoint=plan.endpoint, plan=plan,
                       slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script=""))
     fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1"])])
-    report = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=25, client=fake)  # type: ignore[arg-type]
-    assert fake.calls == [["scancel", "--batch", "--signal=TERM", "42"]]  # the job script stops its own steps
+    report = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=25, client=fake)
+    assert fake.calls_to("sbatch", "scancel") == [["scancel", "--batch", "--signal=TERM", "42"]]  # the job script stops its own steps
     assert (log_dir / ".k3launch-grace").read_text() == "25\n"  # ... within down's grace
     assert report.clean and report.verified == "job 42 ended, no step left"
     monkeypatch.setattr(ops, "CANCEL_WAIT_S", 0.2)
     monkeypatch.setattr(ops, "STOP_MARGIN_S", 0.0)
-    stuck = StuckSlurm([JobInfo("42", "RUNNING", ["k3n1"])], steps_={"serve-0": "k3n1"})
-    left = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=0, client=stuck)  # type: ignore[arg-type]
+    stuck = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1"])], steps={"serve-0": "k3n1"}, stuck=True)  # ignores every cancel
+    left = ops.cancel_job(rec, StateStore(tmp_path / "state"), grace_s=0, client=stuck)
     assert not left.clean and left.leftovers["slurm"] == ["job 42 still RUNNING", "step serve-0 on k3n1"]
-    assert stuck.calls == [["scancel", "--batch", "--signal=TERM", "42"], ["scancel", "42"]]  # then Slurm's own cancel
+    assert stuck.calls_to("sbatch", "scancel") == [["scancel", "--batch", "--signal=TERM", "42"], ["scancel", "42"]]  # then Slurm's own cancel
 
 
 def test_skip_doctor_leaves_the_doctor_step_out_of_the_job(tmp_path: Path) -> None:
@@ -254,10 +197,10 @@ def test_status_of_an_ended_or_queued_job_and_following_logs(tmp_path: Path) -> 
                       slurm=SlurmJob(job_id="42", log_dir=str(log_dir), script="",
                                      hosts={"slurm-node-0": "k3n1", "slurm-node-1": "k3n2"},
                                      addresses={"slurm-node-0": "127.0.0.201", "slurm-node-1": "127.0.0.202"}))
-    ended = observe_job(rec, FakeSlurm([JobInfo("42", "FAILED", ["k3n1", "k3n2"])])).as_dict()  # type: ignore[arg-type]
+    ended = observe_job(rec, FakeSlurm([JobInfo("42", "FAILED", ["k3n1", "k3n2"])])).as_dict()
     assert ended["state"] == "ended (FAILED)" and not any(p["alive"] for p in ended["processes"])
     assert [p["node"] for p in ended["processes"]] == ["k3n1", "k3n2"]
-    queued = observe_job(rec, FakeSlurm([JobInfo("42", "PENDING", [], "Resources")])).as_dict()  # type: ignore[arg-type]
+    queued = observe_job(rec, FakeSlurm([JobInfo("42", "PENDING", [], "Resources")])).as_dict()
     assert queued["state"] == "queued"
     assert queued["job"] == {"id": "42", "state": "PENDING", "nodes": [], "reason": "Resources", "log_dir": str(log_dir)}
     (log_dir / "serve-0.log").write_text("old line\n")

@@ -22,9 +22,9 @@ from pathlib import Path
 from k3launch import api
 from k3launch.campaign.results import done_cells, latest, make_out, read_rows, write_csv
 from k3launch.campaign.run import Prepared, named_plan
+from k3launch.deploy.base import ready_timeout
 from k3launch.deploy.slurm.array import ArrayJob, ArrayResult, task_states
 from k3launch.deploy.slurm.client import ACTIVE, SlurmClient
-from k3launch.deploy.ssh.launch import ready_timeout
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from k3launch.cli.common import PlanArgs
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
-from k3launch.render.scripts import script, script_names
 
 
 def _atomic_write(path: Path, text: str, mode: int) -> None:
@@ -32,13 +31,9 @@ def _atomic_write(path: Path, text: str, mode: int) -> None:
 def write_render(plan: Plan, out: Path, args: PlanArgs, force: bool) -> list[str]:
     """plan.json and one script per node; for a slurm inventory, the sbatch script ``up`` would
     submit (``<deployment>.sbatch``, logs under slurm.log_dir or ``<state dir>/slurm/<deployment>``)."""
-    hf_token_file = None
-    inv = None
-    if args.inventory_path is not None:
-        from k3launch.planning.inventory import load_inventory
+    from k3launch import api
 
-        inv = load_inventory(args.inventory_path)
-        hf_token_file = inv.hf_token_file
+    dry = api.dry_run(plan, args.inventory_path)
     if out.exists() and not out.is_dir():
         raise K3Error("bad-out", f"--out {out} exists and is not a directory", "choose a new directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -48,18 +43,8 @@ def write_render(plan: Plan, out: Path, args: PlanArgs, force: bool) -> list[str
         written: list[str] = []
         _atomic_write(out / "plan.json", plan.to_json() + "\n", 0o644)
         written.append("plan.json")
-        if inv is not None and inv.slurm is not None and inv.backend == "slurm":
-            from k3launch.deploy.slurm.launch import log_dir_for
-            from k3launch.deploy.state import StateStore
-            from k3launch.render.sbatch import make_sbatch_string
-
-            fname = f"{plan.name}.sbatch"
-            text = make_sbatch_string(plan, inv.slurm, log_dir_for(StateStore(), inv, plan.name), hf_token_file=hf_token_file)
+        for fname, text in dry.files:
             _atomic_write(out / fname, text, 0o755)
-            written.append(fname)
-            return written
-        for node, fname in script_names(plan).items():
-            _atomic_write(out / fname, script(plan, node, hf_token_file), 0o755)
             written.append(fname)
     except OSError as exc:
         raise K3Error("write-failed", f"cannot write to {out}: {exc.strerror}", "check the path and permissions") from None

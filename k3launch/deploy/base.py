@@ -225,11 +225,13 @@ class DryRunStep:
 
 @dataclass(frozen=True)
 class DryRun:
-    """What ``up`` would run, without running it: per-node scripts, or the sbatch script."""
+    """What ``up`` would run, without running it: per-node steps, or the sbatch script; and the
+    same as standalone files (``render --out``: file name → text, all executable)."""
 
     name: str
     steps: tuple[DryRunStep, ...] = ()
     sbatch: str | None = None
+    files: tuple[tuple[str, str], ...] = ()
 
 
 Emit = Callable[[str], None]
@@ -252,7 +254,9 @@ class Backend(Protocol):
 
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport: ...
 
-    def dry_run(self, plan: Plan, inv: Inventory, store: StateStore, opts: UpOptions) -> DryRun: ...
+    def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
+        """``inv`` None: a plan on placeholder nodes (no inventory settings such as ``hf_token_file``)."""
+        ...
 
 
 @dataclass(frozen=True)

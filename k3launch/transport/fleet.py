@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from k3launch.models.plan import Host, Plan
-from k3launch.transport.runners import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, LocalRunner, Outcome, Result, Runner, Target, run_many
+from k3launch.transport.runners import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, CommandRunner, LocalRunner, Outcome, Result, Target, run_many
 
 
 def target_for(plan: Plan, host: Host) -> Target:
@@ -24,13 +24,13 @@ def target_for(plan: Plan, host: Host) -> Target:
 @dataclass
 class Fleet:
     plan: Plan
-    remote: Runner
-    local: Runner
+    remote: CommandRunner
+    local: CommandRunner
     concurrency: int = DEFAULT_CONCURRENCY
     _targets: dict[str, Target] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def for_plan(cls, plan: Plan, remote: Runner | None = None, local: Runner | None = None, concurrency: int = DEFAULT_CONCURRENCY) -> Fleet:
+    def for_plan(cls, plan: Plan, remote: CommandRunner | None = None, local: CommandRunner | None = None, concurrency: int = DEFAULT_CONCURRENCY) -> Fleet:
         loc = local or LocalRunner()
         return cls(plan, remote or loc, loc, concurrency)
 

@@ -1,4 +1,4 @@
-"""The one seam for side effects: every local or remote command goes through a :class:`Runner`.
+"""The one seam for side effects: every local or remote command goes through a :class:`CommandRunner`.
 
 Like dask-jobqueue's single ``_call``, a runner returns a :class:`Result` carrying the command,
 exit code, stdout and stderr, and :meth:`Result.check` turns a failure into a
@@ -85,7 +85,7 @@ def _short(cmd: str, n: int = 120) -> str:
     return one if len(one) <= n else one[: n - 3] + "..."
 
 
-class Runner(Protocol):
+class CommandRunner(Protocol):
     def run(self, target: Target, command: str, *, timeout: float = DEFAULT_TIMEOUT_S, env: Mapping[str, str] | None = None) -> Result:
         """Run ``command`` on ``target``; ``env``: the command's whole environment (None: the runner's default)."""
         ...
@@ -336,7 +336,7 @@ def _why(exc: BaseException) -> str:
 Outcome = Result | K3Error
 
 
-def run_many(runner: Runner, jobs: Iterable[tuple[Target, str]], *, timeout: float = DEFAULT_TIMEOUT_S,
+def run_many(runner: CommandRunner, jobs: Iterable[tuple[Target, str]], *, timeout: float = DEFAULT_TIMEOUT_S,
              concurrency: int = DEFAULT_CONCURRENCY) -> dict[str, Outcome]:
     """Run each (target, command) with bounded concurrency; one outcome per target name."""
     jobs = list(jobs)

@@ -9,7 +9,7 @@
 #   * builds TAG (default localhost/k3launch-sim:test) with `podman import` from a rootfs made of
 #     this machine's Python (interpreter, the shared libraries ldd names, and only the stdlib
 #     modules the sim can import, found with modulefinder), the k3launch files the sim needs
-#     (__init__, errors, schema, data/, sim/) and /usr/local/bin/vllm =
+#     (__init__, errors, defaults, planning/schema, data/, sim/) and /usr/local/bin/vllm =
 #     `exec python3 -m k3launch.sim "$@"`;
 #   * caches: the image carries a label with a hash of those sources (+ this script and the
 #     Python version); a matching image is reused. K3LAUNCH_PODMAN_REBUILD=1 forces a rebuild.
@@ -65,7 +65,7 @@ mv "$CONF.tmp" "$CONF"
 export CONTAINERS_CONF=$CONF
 
 # ---------------------------------------------------------------- cache check
-SRC=(k3launch/__init__.py k3launch/errors.py k3launch/schema.py k3launch/data k3launch/sim)
+SRC=(k3launch/__init__.py k3launch/errors.py k3launch/defaults.py k3launch/planning/__init__.py k3launch/planning/schema.py k3launch/data k3launch/sim)
 hash=$(cd "$REPO" && {
   find "${SRC[@]}" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' | LC_ALL=C sort | xargs sha256sum
   sha256sum "$HERE/podman-image.sh" | cut -d' ' -f1
@@ -151,7 +151,7 @@ for p in [f"{root}/usr/local/bin/python{ver}"] + [os.path.join(f"{dst_lib}/lib-d
 
 # k3launch: just what the sim imports
 site = f"{dst_lib}/site-packages/k3launch"
-for f in ("__init__.py", "errors.py", "schema.py"):
+for f in ("__init__.py", "errors.py", "defaults.py", "planning/__init__.py", "planning/schema.py"):
     copy(f"{repo}/k3launch/{f}", f"{site}/{f}")
 for d in ("data", "sim"):
     shutil.copytree(f"{repo}/k3launch/{d}", f"{site}/{d}", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))

@@ -52,8 +52,9 @@ class SlurmBackend:
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport:
         return cancel_job(_own(rec), store, grace_s=grace_s)
 
-    def dry_run(self, plan: Plan, inv: Inventory, store: StateStore, opts: UpOptions) -> DryRun:
+    def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """The sbatch script ``up`` would submit (without the submission-time exclusions)."""
-        assert inv.slurm is not None  # the inventory model requires it for backend slurm
+        if inv is None or inv.slurm is None:  # the inventory model requires a slurm section for backend slurm
+            raise K3Error("not-slurm", "a Slurm dry run needs the slurm inventory", "pass --inventory FILE")
         text = make_sbatch_string(plan, inv.slurm, log_dir_for(store, inv, plan.name), opts.extra_sbatch, hf_token_file=inv.hf_token_file)
-        return DryRun(plan.name, sbatch=text)
+        return DryRun(plan.name, sbatch=text, files=((f"{plan.name}.sbatch", text),))

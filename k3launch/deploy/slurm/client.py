@@ -1,7 +1,7 @@
 """Slurm's commands, from the login node: the one place k3launch calls sbatch/squeue/scancel/sacct.
 
 Like dask-jobqueue's ``_call``, every command goes through :meth:`SlurmClient.call` (argv, each
-word quoted, run by a :class:`~k3launch.transport.runners.Runner`), so tests can fake the seam. Parsing of
+word quoted, run by a :class:`~k3launch.transport.runners.CommandRunner`), so tests can fake the seam. Parsing of
 the commands' output is done by small pure functions of this module.
 
 Accounting is optional: without slurmdbd, ``sacct`` fails ("accounting storage is disabled"),
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
 from k3launch.planning.inventory import SECRET_NAMES
-from k3launch.transport.runners import LocalRunner, Result, Runner, Target
+from k3launch.transport.runners import CommandRunner, LocalRunner, Result, Target
 from k3launch.util.hosts import expand_hostlist
 
 LOGIN = Target("login", "localhost", local=True)
@@ -88,7 +88,7 @@ def submit_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 @dataclass
 class SlurmClient:
-    runner: Runner = field(default_factory=LocalRunner)  # Slurm's commands run on the login node (k3launch.testing.FakeSlurm fakes them)
+    runner: CommandRunner = field(default_factory=LocalRunner)  # Slurm's commands run on the login node (k3launch.testing.FakeSlurm fakes them)
     timeout: float = 30.0
 
     def call(self, argv: Sequence[str], *, timeout: float | None = None, cwd: str | None = None, env: Mapping[str, str] | None = None) -> Result:

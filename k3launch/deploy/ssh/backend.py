@@ -20,6 +20,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, SshRecord, Stage, Status
 from k3launch.planning.inventory import Inventory
+from k3launch.render.scripts import script, script_names
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import LocalRunner, SshRunner
 
@@ -96,13 +97,16 @@ class SshBackend:
         finally:
             fleet.close()
 
-    def dry_run(self, plan: Plan, inv: Inventory, store: StateStore, opts: UpOptions) -> DryRun:
-        """Exactly the text ``up`` hands to ``bash -c`` on each node, in order (nothing is connected to)."""
+    def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
+        """Exactly the text ``up`` hands to ``bash -c`` on each node, in order (nothing is connected
+        to), and one runnable launch script per node (and the router)."""
+        token_file = inv.hf_token_file if inv is not None else None
         fleet = Fleet.for_plan(plan)
         steps = []
         for group in start_steps(plan):
             step = "router" if group[0].role == "router" else "engines"
             for node in dict.fromkeys(p.node for p in group):
-                script = node_script(plan, fleet, [p for p in group if p.node == node], inv.hf_token_file)
-                steps.append(DryRunStep(step, node, fleet.host(node).address, script))
-        return DryRun(plan.name, steps=tuple(steps))
+                text = node_script(plan, fleet, [p for p in group if p.node == node], token_file)
+                steps.append(DryRunStep(step, node, fleet.host(node).address, text))
+        files = tuple((fname, script(plan, node, token_file)) for node, fname in script_names(plan).items())
+        return DryRun(plan.name, steps=tuple(steps), files=files)

@@ -1,0 +1,32 @@
+"""The test tiers: ``-m "not e2e"`` is the fast tier, ``-m e2e`` the rest (markers in pyproject.toml).
+
+A test that uses a fixture starting infrastructure must carry that infrastructure's markers;
+conftest.py refuses the whole run otherwise (:func:`missing_markers`). Fixtures are matched in a
+test's whole fixture closure, so a fixture built on one of these (``k3`` on ``podman_env``,
+``cluster`` on ``slurm_cluster``, ``jobs``) counts too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+NEEDS: dict[str, frozenset[str]] = {
+    "ssh_hosts": frozenset({"e2e", "ssh"}),  # sshhosts.py: sshd hosts in network namespaces
+    "slurm_cluster": frozenset({"e2e", "slurm"}),  # slurmcluster.py: the local Slurm cluster
+    "podman_env": frozenset({"e2e", "podman"}),  # test_podman.py: podman and the simulated-engine image
+    "procs": frozenset({"e2e"}),  # test_sim*.py, test_bench.py: simulated engine processes
+    "pd": frozenset({"e2e"}),  # test_sim_router.py: engines and a router
+}
+
+
+def missing_markers(items: Iterable[Any]) -> list[str]:
+    """One line per test that uses an infrastructure fixture without its markers."""
+    out = []
+    for item in items:
+        uses = sorted(f for f in getattr(item, "fixturenames", ()) if f in NEEDS)
+        need = frozenset().union(*(NEEDS[f] for f in uses))
+        have = {m.name for m in item.iter_markers()}
+        if need - have:
+            out.append(f"{item.nodeid}: uses {', '.join(uses)} but is not marked {', '.join(sorted(need - have))}")
+    return out
