@@ -25,11 +25,11 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
-from k3launch.models.record import DeploymentRecord, Stage, StageFn, Status
+from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
 from k3launch.transport import http
 from k3launch.transport.runners import HOST_KEY_HINT
 
@@ -235,6 +235,15 @@ class DryRun:
 
 
 Emit = Callable[[str], None]
+R = TypeVar("R", bound=RecordBase)
+
+
+def own(rec: DeploymentRecord, kind: type[R]) -> R:
+    """``rec`` as the record variant of the backend it was handed to (the registry routes by
+    ``rec.backend``, so anything else is a bug, reported as such)."""
+    if not isinstance(rec, kind):
+        raise K3Error("wrong-backend", f"{rec.name} is a {rec.backend} deployment, not a {kind.__name__}", "report this as a k3launch bug")
+    return rec
 
 
 # ---------------------------------------------------------------------- the seam

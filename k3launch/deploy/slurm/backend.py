@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from k3launch.deploy.base import Access, DryRun, Emit, Events, TeardownReport, UpOptions, ready_timeout, run_up
+from k3launch.deploy.base import Access, DryRun, Emit, Events, TeardownReport, UpOptions, own, ready_timeout, run_up
 from k3launch.deploy.slurm.launch import SlurmLaunch, log_dir_for
 from k3launch.deploy.slurm.ops import cancel_job, follow_files, observe_job, tail_logs
 from k3launch.deploy.state import StateStore
@@ -18,12 +18,6 @@ from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, SlurmRecord, Status
 from k3launch.planning.inventory import Inventory
 from k3launch.render.sbatch import make_sbatch_string
-
-
-def _own(rec: DeploymentRecord) -> SlurmRecord:
-    if not isinstance(rec, SlurmRecord):  # the registry hands each backend its own records
-        raise K3Error("wrong-backend", f"{rec.name} is a {rec.backend} deployment, not a slurm one", "report this as a k3launch bug")
-    return rec
 
 
 class SlurmBackend:
@@ -36,21 +30,21 @@ class SlurmBackend:
         return launch.record
 
     def status(self, rec: DeploymentRecord, access: Access) -> Status:
-        return observe_job(_own(rec))
+        return observe_job(own(rec, SlurmRecord))
 
     def logs(self, rec: DeploymentRecord, ids: Sequence[str], lines: int, follow: bool, emit: Emit, access: Access,
              everything: bool = False) -> None:
-        own = _own(rec)
-        hosts = {p.id: own.slurm.hosts.get(p.node, p.node) for p in own.plan.processes}
+        r = own(rec, SlurmRecord)
+        hosts = {p.id: r.slurm.hosts.get(p.node, p.node) for p in r.plan.processes}
         # without a filter, the job's own output (binding, doctor, which step ended) comes first
-        for pid, text in tail_logs(own, ["job", *ids] if everything else list(ids), lines).items():
-            emit(f"==> job {own.slurm.job_id} output <==" if pid == "job" else f"==> {pid} on {hosts[pid]} <==")
+        for pid, text in tail_logs(r, ["job", *ids] if everything else list(ids), lines).items():
+            emit(f"==> job {r.slurm.job_id} output <==" if pid == "job" else f"==> {pid} on {hosts[pid]} <==")
             emit(text.rstrip())
         if follow:
-            follow_files(own, ids, emit)
+            follow_files(r, ids, emit)
 
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport:
-        return cancel_job(_own(rec), store, grace_s=grace_s)
+        return cancel_job(own(rec, SlurmRecord), store, grace_s=grace_s)
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """The sbatch script ``up`` would submit (without the submission-time exclusions)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from k3launch.deploy.base import Access, DryRun, DryRunStep, Emit, Events, TeardownReport, UpOptions, ready_timeout, run_up
+from k3launch.deploy.base import Access, DryRun, DryRunStep, Emit, Events, TeardownReport, UpOptions, own, ready_timeout, run_up
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import Launch, node_script, start_steps
 from k3launch.deploy.ssh.observe import follow_logs, observe, tail_logs
@@ -33,12 +33,6 @@ def connect(plan: Plan, ssh_config: str | None = None, known_hosts: str | None =
                            connect_timeout=access.connect_timeout)
         return Fleet.for_plan(plan, runner, LocalRunner())
     return Fleet.for_plan(plan)
-
-
-def _own(rec: DeploymentRecord) -> SshRecord:
-    if not isinstance(rec, SshRecord):  # the registry hands each backend its own records
-        raise K3Error("wrong-backend", f"{rec.name} is a {rec.backend} deployment, not an ssh/local one", "report this as a k3launch bug")
-    return rec
 
 
 class SshBackend:
@@ -68,32 +62,32 @@ class SshBackend:
             fleet.close()
 
     def status(self, rec: DeploymentRecord, access: Access) -> Status:
-        own = _own(rec)
-        fleet = connect(own.plan, own.ssh_config, own.known_hosts, access)
+        r = own(rec, SshRecord)
+        fleet = connect(r.plan, r.ssh_config, r.known_hosts, access)
         try:
-            return observe(own, fleet)
+            return observe(r, fleet)
         finally:
             fleet.close()
 
     def logs(self, rec: DeploymentRecord, ids: Sequence[str], lines: int, follow: bool, emit: Emit, access: Access,
              everything: bool = False) -> None:
-        own = _own(rec)
-        fleet = connect(own.plan, own.ssh_config, own.known_hosts, access)
-        node_of = {p.id: p.node for p in own.plan.processes}
+        r = own(rec, SshRecord)
+        fleet = connect(r.plan, r.ssh_config, r.known_hosts, access)
+        node_of = {p.id: p.node for p in r.plan.processes}
         try:
-            for pid, text in tail_logs(own, fleet, ids, lines).items():
+            for pid, text in tail_logs(r, fleet, ids, lines).items():
                 emit(f"==> {pid} on {node_of[pid]} <==")
                 emit(text.rstrip())
             if follow:
-                follow_logs(own, fleet, ids, emit)
+                follow_logs(r, fleet, ids, emit)
         finally:
             fleet.close()
 
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport:
-        own = _own(rec)
-        fleet = connect(own.plan, own.ssh_config, own.known_hosts, access)
+        r = own(rec, SshRecord)
+        fleet = connect(r.plan, r.ssh_config, r.known_hosts, access)
         try:
-            return teardown(own, fleet, store, grace_s=grace_s)
+            return teardown(r, fleet, store, grace_s=grace_s)
         finally:
             fleet.close()
 
