@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Annotated
 
@@ -106,6 +108,28 @@ def render(
         typer.echo(f"plan {p.name}: wrote {len(written)} files to {out}")
         for f in written:
             typer.echo(f"  {f}")
+
+
+def _evaluate_annotations(group: typer.Typer) -> None:
+    """Replace the string annotations of every command callback by their values, once.
+
+    ``from __future__ import annotations`` leaves them as strings, and Typer evaluates each one
+    four times (``inspect.signature(eval_str=True)`` and ``get_type_hints``, twice per command)
+    every time it builds the command tree, that is at every start, for every command, whichever
+    runs. Evaluated here once, Typer reads the same objects back.
+    """
+    fns = [c.callback for c in group.registered_commands]
+    if group.registered_callback is not None:
+        fns.append(group.registered_callback.callback)
+    for fn in fns:
+        if isinstance(fn, types.FunctionType) and any(isinstance(a, str) for a in fn.__annotations__.values()):
+            fn.__annotations__ = typing.get_type_hints(fn, include_extras=True)
+    for sub in group.registered_groups:
+        if sub.typer_instance is not None:
+            _evaluate_annotations(sub.typer_instance)
+
+
+_evaluate_annotations(app)
 
 
 def main() -> None:

@@ -77,6 +77,7 @@ def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> in
                              annotation=Annotated[annotation, typer.Option(*flags, help=help)])
 
 
+@functools.cache
 def _selection_params() -> list[inspect.Parameter]:
     """One option per :class:`~k3launch.models.selection.Selection` field: flag, help and default from the model."""
     from k3launch.models.selection import Selection
@@ -115,12 +116,15 @@ class PlanArgs:
     def build(self) -> Plan:
         """Load recipes and inventory, build the plan; raises K3Error."""
         from k3launch.planning.build import build_plan
-        from k3launch.planning.inventory import apply_ssh_config, load_inventory, read_ssh_config
 
         v = self.values
-        inv = load_inventory(v["inventory"]) if v["inventory"] is not None else None
-        if inv is not None and inv.backend == "ssh":
-            inv = apply_ssh_config(inv, read_ssh_config(inv))
+        inv = None
+        if v["inventory"] is not None:  # the inventory module only when there is one
+            from k3launch.planning.inventory import apply_ssh_config, load_inventory, read_ssh_config
+
+            inv = load_inventory(v["inventory"])
+            if inv.backend == "ssh":
+                inv = apply_ssh_config(inv, read_ssh_config(inv))
         # the name is checked by build_plan (the API takes names too)
         return build_plan(tree(v["recipes_dir"]), self.selection(), inventory=inv, exclude=tuple(v["exclude"] or ()),
                           port_base=v["port_base"], name=v["name"])

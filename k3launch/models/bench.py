@@ -20,7 +20,7 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 class LoadPoint(BaseModel):
     """One load of the random dataset: what ``vllm bench serve`` is told."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings", defer_build=True)
 
     max_concurrency: int | None = Field(default=None, ge=1)
     input_len: int = Field(default=1024, ge=1)
@@ -39,7 +39,7 @@ class LoadPoint(BaseModel):
 class BenchMetrics(BaseModel):
     """The figures of one result JSON k3launch uses (vLLM's names; the file keeps the rest)."""
 
-    model_config = ConfigDict(frozen=True, extra="ignore", ser_json_inf_nan="strings")
+    model_config = ConfigDict(frozen=True, extra="ignore", ser_json_inf_nan="strings", defer_build=True)
 
     completed: int
     failed: int = 0

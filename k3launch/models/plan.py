@@ -22,7 +22,7 @@ Runtime = Literal["docker", "podman", "apptainer", "bare"]
 
 
 class Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)  # validators built on first use, not at import
 
 
 class NoticeOut(Frozen):

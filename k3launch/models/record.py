@@ -54,7 +54,7 @@ BackendName = Literal["ssh", "local", "slurm"]
 
 
 class Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", defer_build=True)  # validators built on first use, not at import
 
 
 class ProcessRecord(Record):

@@ -15,12 +15,12 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from k3launch.errors import K3Error
 from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry, Role
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
 from k3launch.planning.compose import Composed, Source, compose
-from k3launch.planning.inventory import Inventory
 from k3launch.planning.layers import RESERVED, locks_for, pool_sources
 from k3launch.planning.placement import (
     LOGIN,
@@ -37,6 +37,9 @@ from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.resolve import resolve
 from k3launch.planning.router import router_process
 from k3launch.planning.schema import load_schema
+
+if TYPE_CHECKING:  # only plans placed on an inventory load the inventory models
+    from k3launch.planning.inventory import Inventory
 
 __all__ = ["LOGIN", "NodeSpec", "build_plan", "placeholder_nodes"]
 

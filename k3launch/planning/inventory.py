@@ -168,10 +168,11 @@ class Inventory(Strict):
     hardware: str | None = None
     engine: Literal["vllm", "sim"] = "vllm"
     description: str = ""
-    defaults: NodeSettings = NodeSettings()
+    # default factories, not instances: an instance here would build the model's validator at import
+    defaults: NodeSettings = Field(default_factory=NodeSettings)
     nodes: list[InventoryNode] = []
     slurm: SlurmSection | None = None
-    router: RouterSection = RouterSection()
+    router: RouterSection = Field(default_factory=RouterSection)
     hf_token_file: str | None = None  # read on the login node at launch; never copied into plans
     ssh_config: str | None = None
     known_hosts: str | None = None

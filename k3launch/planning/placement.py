@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from k3launch.errors import K3Error
-from k3launch.planning.inventory import Inventory, NodeSettings, expand_nodelist
+
+if TYPE_CHECKING:  # imported where an inventory is used: a plan without one never loads the inventory models
+    from k3launch.planning.inventory import Inventory, NodeSettings
 
 PLACEHOLDER_IFACE = "ib0"
 DEFAULT_PORT_BASE = 8000
@@ -121,6 +124,8 @@ SETTING_DEFAULTS: dict[str, object] = {"iface": PLACEHOLDER_IFACE, "hf_cache": "
 def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: NodeSettings | None, placeholder: bool,
           ssh_host: str | None = None) -> NodeSpec:
     """The node's settings: its own, else the inventory's ``defaults``, else placement's defaults."""
+    from k3launch.planning.inventory import NodeSettings
+
     d = inv.defaults
     values: dict[str, object] = {**SETTING_DEFAULTS, "runtime": "bare" if inv.backend == "local" else "docker"}
     for field in NodeSettings.model_fields:
@@ -142,6 +147,8 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
     if inv.backend == "slurm" and not inv.nodes:
         assert inv.slurm is not None
         if inv.slurm.nodelist:
+            from k3launch.planning.inventory import expand_nodelist
+
             all_names = expand_nodelist(inv.slurm.nodelist)
             bad = [x for x in exclude if x not in all_names]
             if bad:

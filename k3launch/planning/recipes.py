@@ -75,7 +75,6 @@ def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("R
     except OSError as exc:
         raise K3Error("unreadable-file", f"{path}: {exc.strerror}", "check permissions") from None
     try:
-        node = yaml.compose(text, Loader=_Loader)
         data = yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -89,7 +88,8 @@ def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("R
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = tuple(err["loc"])
-        line = _line_of(node, loc)
+        # The node tree (for the line number) is composed only now: the text parsed, so it composes.
+        line = _line_of(yaml.compose(text, Loader=_Loader), loc)
         dotted = ".".join(str(p) for p in loc)
         if err["type"] == "extra_forbidden":
             msg = f"{path}:{line}: unknown key {dotted!r}"

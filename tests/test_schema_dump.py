@@ -1,0 +1,126 @@
+"""The vendored vLLM 0.32.0 schema and the dumper that produced it (k3launch.planning.schema_dump)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from k3launch.errors import K3Error
+from k3launch.planning.layers import RESERVED
+from k3launch.planning.schema import load_schema, vendored_versions
+from k3launch.planning.schema_dump import ENV_VARS, SERVE_FLAGS, check_dumped, dump
+
+DATA = Path(__file__).resolve().parent.parent / "k3launch" / "data" / "vllm"
+
+# What a plan writes into `vllm serve` argvs: the placement's flags (RESERVED) and the usual knobs.
+PLAN_FLAGS = sorted({*RESERVED, "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--served-model-name"})
+
+
+def test_vendored_0_32_0_loads_with_the_plan_flags() -> None:
+    assert "0.32.0" in vendored_versions()
+    schema = load_schema("0.32.0")
+    assert schema.version == "0.32.0"
+    for flag in PLAN_FLAGS:
+        assert schema.lookup(flag) is not None, f"{flag} is not in vLLM 0.32.0's schema"
+    args, problems = schema.parse(["-tp", "2", "--max-model-len", "512", "--port", "8000", "--host", "127.0.0.1"])
+    assert not problems
+    assert [a.key for a in args] == ["--tensor-parallel-size", "--max-model-len", "--port", "--host"]
+    assert "VLLM_CPU_KVCACHE_SPACE" in schema.env_vars and "VLLM_PORT" in schema.env_vars
+
+
+def test_0_32_0_booleans_are_the_no_form() -> None:
+    # vLLM 0.32 negates with --no-X (BooleanOptionalAction); 0.33 renamed 50 pairs to --enable/--disable.
+    schema = load_schema("0.32.0")
+    args, problems = schema.parse(["--no-enable-prefix-caching", "--enable-expert-parallel"])
+    assert not problems
+    assert [(a.key, a.polarity, a.legacy) for a in args] == [("--enable-prefix-caching", False, False), ("--enable-expert-parallel", True, False)]
+
+
+@pytest.mark.parametrize("version", vendored_versions())
+def test_check_dumped_reads_what_load_schema_reads(version: str) -> None:
+    dumped = check_dumped(DATA / version)
+    loaded = load_schema(version)
+    assert dumped.version == version
+    assert dumped.schema.specs == loaded.specs
+    assert dumped.schema.env_vars == loaded.env_vars
+
+
+def _copy(tmp_path: Path, version: str = "0.32.0") -> Path:
+    vdir = tmp_path / version
+    shutil.copytree(DATA / "0.32.0", vdir)
+    return vdir
+
+
+def _edit(path: Path, change: Callable[[Any], None]) -> None:
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def test_check_dumped_refuses_a_version_mismatch(tmp_path: Path) -> None:
+    with pytest.raises(K3Error) as e:
+        check_dumped(_copy(tmp_path, "0.31.0"))
+    assert e.value.code == "bad-schema-dump" and "vllm_version" in e.value.message
+
+
+def test_check_dumped_refuses_unsorted_env_vars(tmp_path: Path) -> None:
+    vdir = _copy(tmp_path)
+    _edit(vdir / ENV_VARS, lambda d: d["env_vars"].reverse())
+    with pytest.raises(K3Error, match="sorted"):
+        check_dumped(vdir)
+
+
+def test_check_dumped_refuses_one_spelling_for_two_flags(tmp_path: Path) -> None:
+    vdir = _copy(tmp_path)
+
+    def dup(doc: dict[str, list[dict[str, Any]]]) -> None:
+        flags = [a for a in doc["actions"] if a.get("dest") == "port"]
+        doc["actions"].append({**flags[0], "dest": "port2"})
+
+    _edit(vdir / SERVE_FLAGS, dup)
+    with pytest.raises(K3Error, match="--port is an option of both"):
+        check_dumped(vdir)
+
+
+def test_check_dumped_refuses_missing_files(tmp_path: Path) -> None:
+    vdir = _copy(tmp_path)
+    (vdir / ENV_VARS).unlink()
+    with pytest.raises(K3Error, match="unreadable"):
+        check_dumped(vdir)
+
+
+def test_dump_refuses_a_missing_interpreter(tmp_path: Path) -> None:
+    with pytest.raises(K3Error) as e:
+        dump(str(tmp_path / "no-such-python"), tmp_path)
+    assert e.value.code == "schema-dump-failed"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is importable here")
+def test_dump_refuses_an_interpreter_without_vllm(tmp_path: Path) -> None:
+    with pytest.raises(K3Error) as e:
+        dump(sys.executable, tmp_path / "out")  # k3launch's own interpreter: no vLLM (and k3launch needs none)
+    assert e.value.code == "schema-dump-failed" and "import vllm" in e.value.hint
+    assert not any((tmp_path / "out").iterdir())
+
+
+ENGINE_PY = os.environ.get("K3_VLLM_CPU_PYTHON", "")
+
+
+@pytest.mark.e2e
+@pytest.mark.engine
+@pytest.mark.skipif(not ENGINE_PY, reason="K3_VLLM_CPU_PYTHON is not set: no vLLM to dump (source the env.sh that tests/infra/vllm-cpu-up.sh prints)")
+def test_fresh_dump_equals_the_vendored_files(tmp_path: Path) -> None:
+    vdir = dump(ENGINE_PY, tmp_path)
+    if vdir.name not in vendored_versions():
+        pytest.skip(f"the engine at {ENGINE_PY} is vLLM {vdir.name}, which is not vendored")
+    check_dumped(vdir)
+    for name in (SERVE_FLAGS, ENV_VARS):
+        assert (vdir / name).read_text() == (DATA / vdir.name / name).read_text(), f"{vdir.name}/{name} differs from a fresh dump"
