@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -51,15 +52,12 @@ def bundled_inventory(name: str) -> Path:
 
 def load(inventory: str | Path | Inventory | None) -> tuple[Inventory, str]:
     """(inventory, its path as recorded); ``None`` is the bundled local inventory."""
-    from k3launch.planning.inventory import Inventory, apply_ssh_config, load_inventory, read_ssh_config
+    from k3launch.planning.inventory import Inventory, load_placed
 
     if isinstance(inventory, Inventory):
         return inventory, inventory.name
     path = Path(inventory) if inventory is not None else bundled_inventory("local")
-    inv = load_inventory(path)
-    if inv.backend == "ssh":
-        inv = apply_ssh_config(inv, read_ssh_config(inv))
-    return inv, str(path)
+    return load_placed(path), str(path)
 
 
 def plan(inventory: str | Path | Inventory | None = None, *, selection: Selection | Mapping[str, Any] | None = None,
@@ -84,6 +82,36 @@ def plan(inventory: str | Path | Inventory | None = None, *, selection: Selectio
     inv = load(inventory)[0]
     return build_plan(RecipeTree(Path(recipes_dir) if recipes_dir else None), sel, inventory=inv, exclude=tuple(exclude),
                       port_base=port_base, name=name)
+
+
+@dataclass(frozen=True)
+class SchemaDumped:
+    """What :func:`schema_dump` wrote: vLLM ``version``'s flag schema in ``path`` (``<out>/<version>/``)."""
+
+    version: str
+    path: Path
+    flags: int  # `vllm serve` options (argparse actions with option strings)
+    env_vars: int
+    used: bool  # ``path`` is where plans look for schemas (:func:`~k3launch.planning.schema.user_schema_dir`)
+
+
+def schema_dump(python: str | Path, out: str | Path | None = None) -> SchemaDumped:
+    """Dump the ``vllm serve`` flag schema and the env names of the vLLM that ``python`` imports
+    (vLLM runs in a child process of that interpreter, never in this one) into ``out/<version>/``;
+    ``out`` defaults to where plans look first: ``$K3LAUNCH_SCHEMA_DIR``, else ``~/.k3launch/schemas``
+    (the state directory's ``schemas/``). Plans then take ``--vllm-version <version>``."""
+    from k3launch.planning.schema import user_schema_dir
+    from k3launch.planning.schema_dump import check_dumped, dump
+
+    root = Path(out).expanduser() if out is not None else user_schema_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise K3Error("write-failed", f"cannot create {root}: {exc.strerror}", "pass --out DIR (a writable directory)") from None
+    vdir = dump(str(python), root)
+    dumped = check_dumped(vdir)
+    used = root.resolve() == user_schema_dir().resolve()
+    return SchemaDumped(dumped.version, vdir, len(dumped.schema.specs), len(dumped.env_vars), used)
 
 
 def _store(state_dir: str | Path | None) -> StateStore:

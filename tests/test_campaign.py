@@ -83,7 +83,9 @@ def test_base_and_axes_are_derived_from_selection() -> None:
     assert Campaign.model_fields["base"].annotation is Selection
     assert set(DeploymentAxes.model_fields) == (set(Selection.model_fields) - {"sets"}) | {"set"}
     c = camp(base={"advanced": ["all"], "vllm_version": None}, deployments={"nodes": [None, 4]})
-    assert c.base.advanced == ADVANCED_ALL and c.base.vllm_version == DEFAULT_VLLM_VERSION
+    # vllm_version null: the inventory's vllm_version, else the default (decided where the plan is built)
+    assert c.base.advanced == ADVANCED_ALL and c.base.vllm_version is None
+    assert c.base.engine_version() == DEFAULT_VLLM_VERSION and c.base.engine_version("0.32.0") == "0.32.0"
     with pytest.raises(ValueError, match="use FLAG=VALUE"):
         camp(base={"sets": ["max-num-seqs"]})
 

@@ -83,3 +83,15 @@ def test_placed_nodes_derive_from_the_inventory_node_model() -> None:
     plan = api.plan(inv, strategy="multi_node_tp", name="m-h")
     node = next(n for n in inv.nodes if n.name == plan.hosts[0].name)
     assert plan.hosts[0].ssh_port == (node.port or inv.defaults.port) and plan.hosts[0].runtime == (node.runtime or inv.defaults.runtime or "docker")
+
+
+def test_a_ready_deployment_with_an_unhealthy_endpoint_is_degraded() -> None:
+    from k3launch.models.record import observed_state
+
+    up = ProcessStatus(id="serve-0", node="n", role="serve", alive=True, healthy=True)
+    headless = ProcessStatus(id="serve-1", node="m", role="serve", alive=True, healthy=None)
+    assert observed_state("ready", [up, headless]) == "ready"
+    # vLLM whose EngineCore died: the API server still runs, /health answers 503
+    assert observed_state("ready", [up.model_copy(update={"healthy": False}), headless]) == "degraded"
+    assert observed_state("ready", [up, headless.model_copy(update={"alive": False})]) == "degraded"
+    assert observed_state("starting", [up.model_copy(update={"healthy": False})]) == "starting"

@@ -57,17 +57,21 @@ _FITS = {
     "mi355x-pair": ("single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster_p1_d1_tep"),
     "slurm-b200": ("multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster"),
     "gb300-nvl4x4": ("multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster_p1_d1_tep"),  # floors raise 1+1 to 2+2
+    "local-cpu": ("single_node_tp", "multi_node_dep"),  # tiny-llama lists only these two
 }
+# Options every plan of an inventory starts with: a CPU profile is restricted to recipes that list it.
+INVENTORY_ARGS = {"local-cpu": ["--recipe", "k3launch/tiny-llama"]}
 # The strategy (and node count) each inventory's default selection lands on.
 DEFAULT = {"b300-single": ("single_node_tp", 1), "gb300-nvl4x4": ("multi_node_tp", 2), "h200-pair": ("multi_node_tp", 2),
-           "local": ("single_node_tp", 1), "mi355x-pair": ("single_node_tp", 1), "slurm-b200": ("multi_node_tp", 2)}
+           "local": ("single_node_tp", 1), "mi355x-pair": ("single_node_tp", 1), "slurm-b200": ("multi_node_tp", 2),
+           "local-cpu": ("single_node_tp", 1)}
 for _inv in EXAMPLES:
     for _sel in SELECTIONS:
         if _sel == "default":
             continue
         if _sel in _FITS[_inv]:
             OUTCOME[(_inv, _sel)] = "plan"
-        elif _sel == "multi_node_tp_pp":
+        elif _sel == "multi_node_tp_pp" or _inv == "local-cpu":
             OUTCOME[(_inv, _sel)] = "incompatible-strategy"  # K3 lists no TP+PP
         elif _sel == "single_node_tp":
             OUTCOME[(_inv, _sel)] = "does-not-fit"  # one node of this GPU cannot hold 1680 GB
@@ -81,7 +85,7 @@ REFUSED_CASES = sorted(f"{i}__{s}" for (i, s), o in OUTCOME.items() if o != "pla
 
 def _case(case: str) -> tuple[str, list[str]]:
     inv, sel = case.split("__")
-    return inv, SELECTIONS[sel]
+    return inv, [*INVENTORY_ARGS.get(inv, []), *SELECTIONS[sel]]
 
 
 def _plan(case: str, home: Path, extra: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -193,7 +197,7 @@ def test_real_addresses_everywhere_a_placeholder_used_to_be(case: str, plans: di
 
 @pytest.mark.parametrize("inv", EXAMPLES)
 def test_default_selection_of_each_inventory(inv: str, home: Path) -> None:
-    plan = plan_json(example(inv), [], home)
+    plan = plan_json(example(inv), INVENTORY_ARGS.get(inv, []), home)
     assert (plan["strategy"], plan["nodes"]) == DEFAULT[inv]
     assert plan["hardware"] == load_example(inv).hardware
 

@@ -47,6 +47,7 @@ GOLDEN_CASES = {
     "mi355x-pair__multi_node_dep": ("mi355x-pair", ["--strategy", "multi_node_dep"]),
     "h200-pair__multi_node_tp": ("h200-pair", []),
     "gb300-nvl4x4__multi_node_dep": ("gb300-nvl4x4", ["--strategy", "multi_node_dep"]),
+    "local-cpu__single_node_tp": ("local-cpu", ["--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp"]),
 }
 
 
@@ -276,6 +277,31 @@ def test_hostile_bare_values_end_up_as_data(tmp_path: Path, pwned: str, deployme
             assert proc.env["K3_NOTE"] == want and env.get("K3_NOTE") == want, proc.id
     assert not list(tmp_path.glob("pwned-*")), list(tmp_path.glob("pwned-*"))
     assert "token-from-file" not in "".join(p.read_text() for p in out.iterdir())
+
+
+def test_the_venv_engine_runs_before_the_one_on_path(tmp_path: Path, pwned: str, deployment: str) -> None:
+    """A node's venv goes first on the engine's PATH: its `vllm` runs, not the one on PATH (a hostile path stays data)."""
+    venv = tmp_path / f"venv $(touch pwned-{pwned}-v) `touch pwned-{pwned}-t` 'q\""
+    (venv / "bin").mkdir(parents=True)
+    fake = venv / "bin" / "vllm"
+    make_fake(fake)
+    fake.write_text(fake.read_text().replace('$(basename "$0")', "venv-vllm"))  # tells the two fakes apart
+    inv = write_yaml(tmp_path, f"""name: cpu-venv
+backend: local
+hardware: cpu-x86
+engine: vllm
+defaults: {{runtime: bare, iface: lo, venv: {q(str(venv))}}}
+nodes:
+  - {{name: c1, address: 127.0.0.31}}
+""")
+    out, rec = tmp_path / "out", tmp_path / "rec"
+    rec.mkdir()
+    plan = render(inv, ["--recipe", "k3launch/tiny-llama", "--name", deployment], out, tmp_path)
+    run_script(out / "c1.sh", fake_bin(tmp_path), tmp_path, rec, tmp_path)  # fake_bin holds a `vllm` too
+    ((prog, argv, env),) = calls(rec, 1)
+    assert (prog, argv) == ("venv-vllm", plan.processes[0].argv[1:])
+    assert env["PATH"].split(":")[0] == f"{venv}/bin" and env["K3LAUNCH_PROCESS"] == "serve-0"
+    assert not list(tmp_path.glob("pwned-*"))
 
 
 IMAGES = ("reg.example:5000/team/img@sha256:" + "0f" * 32, "vllm/vllm-openai:v0.33.0")

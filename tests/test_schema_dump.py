@@ -124,3 +124,97 @@ def test_fresh_dump_equals_the_vendored_files(tmp_path: Path) -> None:
     check_dumped(vdir)
     for name in (SERVE_FLAGS, ENV_VARS):
         assert (vdir / name).read_text() == (DATA / vdir.name / name).read_text(), f"{vdir.name}/{name} differs from a fresh dump"
+
+
+# ------------------------------------------------------------------ `k3launch schema dump` and the user's schemas
+# A stand-in interpreter: `python -c SCRIPT OUT_DIR` writes 0.32.0's files as vLLM VERSION (DROP: a flag left out).
+FAKE_PYTHON = """#!{python}
+import json, os, sys
+out, version, drop = sys.argv[3], {version!r}, {drop!r}
+vdir = os.path.join(out, version)
+os.makedirs(vdir, exist_ok=True)
+for name in ("serve-flags.json", "env-vars.json"):
+    doc = json.load(open(os.path.join({data!r}, name)))
+    doc["vllm_version"] = version
+    if "actions" in doc:
+        doc["actions"] = [a for a in doc["actions"] if drop not in a.get("options", [])]
+    with open(os.path.join(vdir, name), "w") as f:
+        f.write(json.dumps(doc, indent=1))
+print("noise before the result line")
+print("K3LAUNCH-SCHEMA-DUMP " + json.dumps({{"version": version, "dir": vdir}}))
+"""
+
+
+def fake_python(tmp_path: Path, version: str = "9.9.9", drop: str = "") -> str:
+    path = tmp_path / f"python-{version}"
+    path.write_text(FAKE_PYTHON.format(python=sys.executable, version=version, drop=drop, data=str(DATA / "0.32.0")))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_api_schema_dump_writes_a_version_directory(tmp_path: Path) -> None:
+    from k3launch import api
+
+    res = api.schema_dump(fake_python(tmp_path), tmp_path / "out")
+    assert (res.version, res.path) == ("9.9.9", tmp_path / "out" / "9.9.9") and not res.used
+    assert res.flags == len(load_schema("0.32.0").specs) and res.env_vars == len(load_schema("0.32.0").env_vars)
+    assert check_dumped(res.path).version == "9.9.9"
+
+
+def test_cli_dump_then_plan_with_the_dumped_version(tmp_path: Path) -> None:
+    from inventory_helpers import run_cli
+
+    env = {"K3LAUNCH_SCHEMA_DIR": str(tmp_path / "schemas")}
+    res = run_cli(["schema", "dump", "--python", fake_python(tmp_path)], tmp_path, env)
+    assert res.code == 0, res.stdout + res.stderr
+    assert "wrote vLLM 9.9.9's flag schema" in res.stdout and str(tmp_path / "schemas" / "9.9.9") in res.stdout
+    assert "--vllm-version 9.9.9" in res.stdout
+    res = run_cli(["plan", "--json", "--vllm-version", "9.9.9"], tmp_path, env)
+    assert res.code == 0 and res.json()["vllm_version"] == "9.9.9", res.stdout + res.stderr
+    res = run_cli(["plan", "--json", "--vllm-version", "9.9.9"], tmp_path)  # elsewhere: not there
+    assert res.error()["code"] == "unknown-vllm-version"
+
+
+def test_a_dumped_schema_comes_before_the_bundled_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from k3launch import api
+
+    monkeypatch.setenv("K3LAUNCH_SCHEMA_DIR", str(tmp_path / "schemas"))
+    assert load_schema("0.32.0").lookup("--max-model-len") is not None
+    res = api.schema_dump(fake_python(tmp_path, "0.32.0", drop="--max-model-len"))
+    assert res.used and res.path == tmp_path / "schemas" / "0.32.0"
+    assert load_schema("0.32.0").lookup("--max-model-len") is None  # the user's dump of 0.32.0 wins
+    from k3launch.planning.schema import available_versions, dumped_versions
+
+    assert dumped_versions() == ["0.32.0"] and "0.33.0" in available_versions()
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_cli_dump_errors_are_one_line_and_a_hint(tmp_path: Path, json_out: bool) -> None:
+    from inventory_helpers import run_cli
+
+    bad = tmp_path / "bad-python"
+    bad.write_text(f"#!{sys.executable}\nimport sys\nprint('Traceback (most recent call last):', file=sys.stderr)\n"
+                   "print(\"ModuleNotFoundError: No module named 'vllm'\", file=sys.stderr)\nsys.exit(1)\n")
+    bad.chmod(0o755)
+    for python, says in ((str(tmp_path / "missing"), "no interpreter"), (str(bad), "No module named 'vllm'")):
+        res = run_cli(["schema", "dump", "--python", python, *(["--json"] if json_out else [])], tmp_path,
+                      {"K3LAUNCH_SCHEMA_DIR": str(tmp_path / "s")})
+        if json_out:
+            err = res.error()
+            assert err["code"] == "schema-dump-failed" and says in err["message"] and "\n" not in err["message"]
+        else:
+            assert res.code == 2 and res.stdout == ""
+            lines = res.stderr.splitlines()
+            assert len(lines) == 2 and lines[0].startswith("error: ") and says in lines[0] and lines[1].startswith("hint: "), lines
+
+
+@pytest.mark.e2e
+@pytest.mark.engine
+@pytest.mark.skipif(not ENGINE_PY, reason="K3_VLLM_CPU_PYTHON is not set: no vLLM to dump (source the env.sh that tests/infra/vllm-cpu-up.sh prints)")
+def test_cli_dump_of_the_engine_venv(tmp_path: Path) -> None:
+    from inventory_helpers import run_cli
+
+    res = run_cli(["schema", "dump", "--python", ENGINE_PY, "--json"], tmp_path, {"K3LAUNCH_SCHEMA_DIR": str(tmp_path / "s")})
+    assert res.code == 0, res.stdout + res.stderr
+    got = res.json()
+    assert got["used"] and got["path"] == str(tmp_path / "s" / got["version"]) and got["flags"] > 100

@@ -17,6 +17,7 @@ NEEDS: dict[str, frozenset[str]] = {
     "podman_env": frozenset({"e2e", "podman"}),  # test_podman.py: podman and the simulated-engine image
     "procs": frozenset({"e2e"}),  # test_sim*.py, test_bench.py: simulated engine processes
     "pd": frozenset({"e2e"}),  # test_sim_router.py: engines and a router
+    "vllm_cpu": frozenset({"e2e", "engine"}),  # enginecpu.py: the real vLLM (CPU build) and a tiny model
 }
 
 

@@ -2,16 +2,19 @@
 
 Where the client runs:
 
-* ``engine`` — ``<runtime> exec <head container> vllm bench serve ...`` on the head node (the
-  engine image ships vLLM's own client, tokenizer included), then ``<runtime> cp`` of the result
-  file it wrote inside the container and ``cat`` of it on the node; both through the
-  deployment's fleet (SSH or local).
+* ``engine`` — vLLM's own client from the engine's environment, on the head node, through the
+  deployment's fleet (SSH or local): ``<runtime> exec <head container> vllm bench serve ...``
+  (the engine image ships the client, tokenizer included), then ``<runtime> cp`` of the result
+  file it wrote inside the container and ``cat`` of it on the node; for a real vLLM on a bare
+  runtime, ``vllm bench serve`` of the node's ``venv`` (or PATH), its result in a temporary
+  directory on the node, then ``cat``.
 * ``local`` — ``python -m k3launch.sim bench serve ...`` on this machine: the same command line
   and JSON from k3launch's stdlib client, for deployments without a container (bare runtimes,
   the simulated engine) or whose endpoint the head node cannot reach.
 
-``auto`` takes ``engine`` when the head engine runs in a docker/podman container and the public
-endpoint is reachable from the head node, else ``local``. The figures are always parsed from
+``auto`` takes ``engine`` when the head engine runs vLLM itself — in a docker/podman container, or
+a real vLLM (``engine: vllm``) on a bare runtime — and the public endpoint is reachable from the
+head node, else ``local`` (the simulated engine, a router bound to the login node's 127.0.0.1). The figures are always parsed from
 the result JSON, never from the printed summary.
 """
 
@@ -37,6 +40,7 @@ from pydantic import ValidationError
 from k3launch import api
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
+from k3launch.render.scripts import venv_path
 
 if TYPE_CHECKING:
     from k3launch.deploy.state import DeploymentRecord
@@ -44,6 +48,7 @@ if TYPE_CHECKING:
 
 CONTAINER_RUNTIMES = ("docker", "podman")
 CONTAINER_RESULT_DIR = "/tmp/k3launch-bench"  # inside the head container
+BARE_RESULT_DIR = "@K3LAUNCH_BENCH_DIR@"  # replaced by a directory of its own on the node (bare engines)
 
 
 @dataclass(frozen=True)
@@ -109,14 +114,20 @@ def _loopback(url: str) -> bool:
         return host == "localhost"
 
 
+def _bare_vllm(rec: DeploymentRecord, runtime: str) -> bool:
+    """A real vLLM straight on the node (not the simulated engine): its environment has the client."""
+    return runtime == "bare" and rec.plan.engine == "vllm"
+
+
 def choose_client(rec: DeploymentRecord, mode: str) -> str:
     h = head(rec)
     runtime = rec.processes[h.id].runtime if h.id in rec.processes else "bare"
-    in_container = runtime in CONTAINER_RUNTIMES
+    in_container = runtime in CONTAINER_RUNTIMES or _bare_vllm(rec, runtime)
     reachable = rec.plan.backend == "local" or not _loopback(rec.endpoint)  # a login-node router on 127.0.0.1 is not
     if mode == "engine":
         if not in_container:
-            raise K3Error("no-container", f"{rec.name}: the head engine runs {runtime}, not in a container", "use --client local")
+            raise K3Error("no-container", f"{rec.name}: the head engine runs {runtime} without vLLM's own client (the simulated engine)",
+                          "use --client local")
         if not reachable:
             raise K3Error("endpoint-unreachable", f"{rec.name}: {rec.endpoint} is a login-node address the head node cannot reach",
                           "use --client local")
@@ -144,7 +155,8 @@ def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, clie
     if mode == "local":
         error = _run_local(bench_argv(load, result_dir=str(out_dir), **kw), log, timeout_s)  # type: ignore[arg-type]
     else:
-        error, stray = _run_engine(rec, bench_argv(load, result_dir=CONTAINER_RESULT_DIR, **kw), result, log, timeout_s)  # type: ignore[arg-type]
+        where = BARE_RESULT_DIR if _bare_vllm(rec, rec.processes[head(rec).id].runtime) else CONTAINER_RESULT_DIR
+        error, stray = _run_engine(rec, bench_argv(load, result_dir=where, **kw), result, log, timeout_s)  # type: ignore[arg-type]
     metrics = None
     if error is None:
         metrics, error = read_result(result)
@@ -199,8 +211,38 @@ def _container(rec: DeploymentRecord) -> tuple[str, str, str]:
     return h.node, pr.runtime, pr.handle
 
 
+def _run_bare(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
+    """``vllm bench serve`` of the head node's engine environment; the result from a temporary directory there."""
+    h = head(rec)
+    host = next(x for x in rec.plan.hosts if x.name == h.node)
+    tmp = f"/tmp/k3launch-bench-{rec.name}-{result.stem}"
+    run_argv = [w if w != BARE_RESULT_DIR else tmp for w in argv]
+    env = " ".join(["env", *venv_path(host.venv)]) + " " if host.venv else ""
+    cmd = f"mkdir -p {shlex.quote(tmp)} && {env}vllm bench serve {shlex.join(run_argv)} 2>&1"
+    fleet = api.fleet(rec)
+    try:
+        r = fleet.run(h.node, cmd, timeout=timeout_s)
+        log.write_text(f"$ {cmd}\n{r.stdout}{r.stderr}", encoding="utf-8")
+        if r.exit_code == 124:
+            stop = fleet.run(h.node, f"pkill -INT -f {shlex.quote(tmp)}", timeout=30)
+            return f"vllm bench serve on {h.node} did not finish within {timeout_s:g}s", stop.exit_code not in (0, 1)
+        if not r.ok:
+            return f"vllm bench serve on {h.node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}", False
+        got = fleet.run(h.node, f"cat {shlex.quote(tmp + '/' + result.name)}; rc=$?; rm -rf {shlex.quote(tmp)}; exit $rc", timeout=60)
+        if not got.ok:
+            return f"cannot read the result of vllm bench serve on {h.node}: {_tail(got.stderr)}", False
+        result.write_text(got.stdout, encoding="utf-8")
+        return None, False
+    except K3Error as exc:
+        return f"{h.node}: {exc.message}", False
+    finally:
+        fleet.close()
+
+
 def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
     """(error, stray): ``stray`` when a timed-out client inside the container could not be stopped."""
+    if _bare_vllm(rec, rec.processes[head(rec).id].runtime):
+        return _run_bare(rec, argv, result, log, timeout_s)
     node, rt, cname = _container(rec)
     ex = f"{shlex.quote(rt)} exec {shlex.quote(cname)}"
     inner = f"{CONTAINER_RESULT_DIR}/{result.name}"

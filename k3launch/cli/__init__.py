@@ -20,11 +20,12 @@ from k3launch import __version__
 from k3launch.cli import campaign as _cli_campaign  # registers `bench` and `campaign run/report`
 from k3launch.cli import deploy as _cli_deploy  # registers up/status/logs/down/list
 from k3launch.cli import recipes as _cli_recipes  # registers `recipes` and `lint`
+from k3launch.cli import schema as _cli_schema  # registers `schema dump`
 from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, with_selection
 from k3launch.errors import K3Error
 
 __all__ = ["app", "main"]
-_ = (_cli_recipes, _cli_deploy, _cli_campaign)
+_ = (_cli_recipes, _cli_deploy, _cli_campaign, _cli_schema)
 
 
 def _version(value: bool) -> None:

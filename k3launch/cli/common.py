@@ -118,13 +118,11 @@ class PlanArgs:
         from k3launch.planning.build import build_plan
 
         v = self.values
-        inv = None
-        if v["inventory"] is not None:  # the inventory module only when there is one
-            from k3launch.planning.inventory import apply_ssh_config, load_inventory, read_ssh_config
+        inv = None  # no inventory: placeholder nodes (and the inventory module is not even imported)
+        if v["inventory"] is not None:
+            from k3launch.planning.inventory import load_placed
 
-            inv = load_inventory(v["inventory"])
-            if inv.backend == "ssh":
-                inv = apply_ssh_config(inv, read_ssh_config(inv))
+            inv = load_placed(v["inventory"])
         # the name is checked by build_plan (the API takes names too)
         return build_plan(tree(v["recipes_dir"]), self.selection(), inventory=inv, exclude=tuple(v["exclude"] or ()),
                           port_base=v["port_base"], name=v["name"])

@@ -37,10 +37,12 @@ def plan(console: Console, p: Plan) -> None:
     summary.add_column(style="bold")
     summary.add_column()
     summary.add_row("recipe", f"{p.recipe} ({p.variant})  model {p.model}")
-    summary.add_row("hardware", f"{p.hardware} x {p.nodes} nodes, {p.gpus_per_node} GPUs each" + ("  [green]verified[/]" if p.verified else "  [yellow]unverified[/]"))
+    cpu = p.platform == "cpu"
+    ranks = f"{p.gpus_per_node} engine rank(s) each (CPU)" if cpu else f"{p.gpus_per_node} GPUs each"
+    summary.add_row("hardware", f"{p.hardware} x {p.nodes} nodes, {ranks}" + ("  [green]verified[/]" if p.verified else "  [yellow]unverified[/]"))
     summary.add_row("strategy", p.strategy + "".join(f"  {c.role}: {c.parallelism} on {c.nodes} (TP {c.tp} DP {c.dp}{f' PP {c.pp}' if c.pp > 1 else ''})" for c in p.capacity.pools))
     fit = "[green]fits[/]" if p.capacity.fits else "[red]does not fit[/]"
-    summary.add_row("capacity", f"weights {p.capacity.weights_gb:g} GB ({p.capacity.formula}) vs {p.capacity.gpu_memory_gb:g} GB GPU memory per pool: {fit}")
+    summary.add_row("capacity", f"weights {p.capacity.weights_gb:g} GB ({p.capacity.formula}) vs {p.capacity.gpu_memory_gb:g} GB {'host' if cpu else 'GPU'} memory per pool: {fit}")
     if p.capacity.kv_offload:
         kv = p.capacity.kv_offload
         summary.add_row("kv offload", f"{kv.option}: {kv.host_gib_per_rank:g} GiB host RAM per rank x {kv.ranks_per_node} = {kv.host_gib_per_node:g} GiB per node")

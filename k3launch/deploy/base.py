@@ -69,6 +69,20 @@ class TeardownReport:
         return not (self.leftovers or self.unreachable or self.busy_ports)
 
 
+# The line of a dead engine's log that says why: vLLM's own error (argparse's "vllm: error: ...",
+# pydantic's "Value error, ...", an exception line "EngineDeadError: ..."), the last one logged.
+_ERROR_LINE = re.compile(r"\b(?:[A-Za-z]*Error|error)\b[:,]")
+
+
+def error_line(log_tail: str) -> str | None:
+    """The last line of ``log_tail`` that states an error, trimmed (None when no line does)."""
+    for line in reversed(log_tail.splitlines()):
+        text = line.strip()
+        if _ERROR_LINE.search(text) and not text.startswith(("Traceback", "For further information")):
+            return text if len(text) <= 300 else text[:297] + "..."
+    return None
+
+
 def rank_label(proc: Process) -> str:
     """``node rank 2`` / ``DP ranks 8-15`` / ``router`` — how people name the rank."""
     a = proc.argv
@@ -165,6 +179,7 @@ class Check:
     status: str  # pass | fail | warn | skip
     detail: str = ""
     code: str = ""  # the error code of a failed connection (host-key-unknown, unreachable, ...)
+    hint: str = ""  # what fixes a failure, when the check knows better than the generic advice
 
 
 @dataclass
@@ -197,8 +212,9 @@ class DoctorReport:
         if unreach:
             return K3Error("unreachable", f"cannot reach {', '.join(sorted({c.node for c in unreach}))}: {unreach[0].detail}",
                            "check the address, ssh config and that sshd runs there; or --exclude the node")
-        return K3Error("doctor-failed", f"pre-flight checks failed on {', '.join(self.failed_nodes())}: {bad[0].name}: {bad[0].detail}",
-                       "fix the nodes or --exclude them; --skip-doctor to launch anyway")
+        first = next((c for c in bad if c.hint), bad[0])
+        return K3Error("doctor-failed", f"pre-flight checks failed on {', '.join(self.failed_nodes())}: {first.name}: {first.detail}",
+                       first.hint or "fix the nodes or --exclude them; --skip-doctor to launch anyway")
 
 
 def no_op(*_: object) -> None:

@@ -8,16 +8,16 @@ keys are additive.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
 
 Role = Literal["serve", "prefill", "decode", "router"]
 EngineRole = Literal["serve", "prefill", "decode"]  # a pool's role: what its engines do
 Parallelism = Literal["tp", "tep", "dep", "tp_pp", "tp_dp"]  # how a pool lays out its GPUs
 PlanBackend = Literal["none", "ssh", "slurm", "local"]  # "none": planned without an inventory
 Engine = Literal["vllm", "sim"]
-Platform = Literal["cuda", "rocm"]
+Platform = Literal["cuda", "rocm", "cpu"]  # cpu: vLLM's CPU backend, no GPU devices
 Runtime = Literal["docker", "podman", "apptainer", "bare"]
 
 
@@ -102,6 +102,21 @@ class Host(Frozen):
     workdir: str | None = None
     python: str | None = None
     ssh_host: str | None = None  # what ssh connects to (an ~/.ssh/config alias), when not the address
+    venv: str | None = None  # a virtualenv whose bin/ holds the engine's `vllm` (bare runtimes); None: `vllm` on PATH
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Settings added after the plan contract froze appear only when set, so plans of inventories
+        that do not use them stay byte-identical."""
+        data = handler(self)
+        if isinstance(data, dict):
+            for key in OMIT_WHEN_UNSET:
+                if data.get(key) is None:
+                    data.pop(key, None)
+        return data
+
+
+OMIT_WHEN_UNSET = ("venv",)  # Host keys left out of a plan's JSON while None
 
 
 class PortUse(Frozen):

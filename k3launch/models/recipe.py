@@ -32,13 +32,13 @@ class HardwareProfile(Strict):
     generation: str
     display_name: str = ""
     description: str = ""
-    gpu_count: int = Field(ge=1)
-    vram_gb: int = Field(ge=1)  # per node
+    gpu_count: int = Field(ge=1)  # a CPU profile: engine ranks per node
+    vram_gb: int = Field(ge=1)  # per node; a CPU profile: nominal host memory (an inventory's cpu_memory_gb wins)
     multi_node: bool = False
     scalable: bool = True
     restricted: bool = False
     # k3launch extensions
-    platform: Literal["cuda", "rocm", "other"] | None = None
+    platform: Literal["cuda", "rocm", "cpu", "other"] | None = None
     image: str | None = None  # default container image when the model names none
 
     @property
@@ -47,9 +47,17 @@ class HardwareProfile(Strict):
 
     @property
     def vendor_platform(self) -> str:
+        """``cuda``, ``rocm``, ``cpu`` (vLLM's CPU backend: upstream's ``generation: cpu`` profiles) or ``other``."""
         if self.platform:
             return self.platform
+        if self.generation.lower() == "cpu":
+            return "cpu"
         return {"nvidia": "cuda", "amd": "rocm"}.get(self.brand.lower(), "other")
+
+    @property
+    def is_cpu(self) -> bool:
+        """A CPU profile: one engine rank per "GPU", and ``vram_gb`` is the node's nominal host memory."""
+        return self.vendor_platform == "cpu"
 
 
 class Task(Strict):

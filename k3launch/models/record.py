@@ -201,7 +201,7 @@ class Status(Record):
     """A deployment now: exactly what ``k3launch status --json`` prints."""
 
     name: str
-    state: str  # the record's state; "degraded" when ready but a process is gone; Slurm: "queued", "ended (STATE)"
+    state: str  # the record's state; "degraded" when ready but a process is gone or unhealthy; Slurm: "queued", "ended (STATE)"
     endpoint: str
     processes: list[ProcessStatus]
     unreachable: list[str] = []  # nodes that did not answer, with the reason
@@ -220,6 +220,14 @@ class Status(Record):
     def healthy(self) -> bool:
         """Every process alive and every HTTP endpoint healthy."""
         return all(p.alive and p.healthy is not False for p in self.processes)
+
+
+def observed_state(record_state: str, processes: list[ProcessStatus]) -> str:
+    """A ready deployment with a process gone, or an endpoint that stopped answering /health
+    (a vLLM whose EngineCore died answers 503 at once, its API server exits seconds later), is degraded."""
+    if record_state == "ready" and not all(p.alive and p.healthy is not False for p in processes):
+        return "degraded"
+    return record_state
 
 
 def status_schema() -> dict[str, Any]:

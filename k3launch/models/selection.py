@@ -72,7 +72,8 @@ class Selection(BaseModel):
     sets: tuple[str, ...] = _opt("--set", "FLAG=VALUE applied at the Advanced layer (repeatable).", default=())  # as typed
     advanced: tuple[str, ...] = _opt("--advanced", "Advanced preset (repeatable): max-num-batched-tokens, max-num-seqs, "
                                      "gpu-memory-utilization, max-model-len, or all.", default=())
-    vllm_version: str = _opt("--vllm-version", "vLLM flag schema to check against.", default=DEFAULT_VLLM_VERSION)
+    vllm_version: str | None = _opt("--vllm-version", "vLLM version the plan is written for and checked against (its flag schema): "
+                                    f"default the inventory's vllm_version, else {DEFAULT_VLLM_VERSION}.", default=None)
 
     @field_validator("features", "no_features", "sets", "advanced", mode="before")
     @classmethod
@@ -85,13 +86,15 @@ class Selection(BaseModel):
     def _all(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return ADVANCED_ALL if "all" in v else v
 
-    @field_validator("kv_offload", "vllm_version", mode="before")
+    @field_validator("kv_offload", mode="before")
     @classmethod
-    def _default_for_none(cls, v: Any, info: Any) -> Any:
+    def _default_for_none(cls, v: Any) -> Any:
         """``null`` (a campaign axis, an unset CLI option) is the default, like the other fields."""
-        if v is not None:
-            return v
-        return KV_OFFLOAD_OFF if info.field_name == "kv_offload" else DEFAULT_VLLM_VERSION
+        return KV_OFFLOAD_OFF if v is None else v
+
+    def engine_version(self, inventory_version: str | None = None) -> str:
+        """The vLLM version a plan is for: this selection's, else the inventory's, else the default."""
+        return self.vllm_version or inventory_version or DEFAULT_VLLM_VERSION
 
     @classmethod
     def cli_fields(cls) -> list[tuple[str, str, str, Any]]:
@@ -139,6 +142,7 @@ class Resolved:
     verified: bool
     selection: Selection
     notices: list[Notice] = field(default_factory=list)
+    node_memory_gb: float = 0.0  # what one node holds weights in: GPU memory, or host memory on a CPU profile
 
     @property
     def nodes(self) -> int:

@@ -27,6 +27,7 @@ from k3launch.planning.placement import (
     PLACEHOLDER_IFACE,
     NodeSpec,
     Ports,
+    host_memory,
     inventory_hardware,
     placeholder_nodes,
     router_node,
@@ -124,8 +125,8 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         raise K3Error("bad-name", f"deployment name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. --name k3-tep-lab")
     if inventory is not None:
         sel = sel.model_copy(update={"hardware": inventory_hardware(inventory, sel.hardware)})
-    r = resolve(tree, sel)
-    schema = load_schema(sel.vllm_version)
+    r = resolve(tree, sel, host_memory(inventory, exclude) if inventory is not None else None)
+    schema = load_schema(sel.engine_version(inventory.vllm_version if inventory is not None else None))
     ports = Ports.shifted(port_base)
     rf, sf = f"models/{r.recipe_id}.yaml", f"strategies/{r.strategy.name}.yaml"
     kv = tree.taxonomy.kv_offload.get(r.kv_offload) if r.kv_offload != "off" else None
@@ -184,8 +185,8 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
             notices.append(Notice("tp-not-power-of-two", f"{pool.role} pool: TP {tp} must divide the model's attention heads or vLLM refuses it; "
                                   "a power of two (other node count, multi_node_tp_pp or DEP) is the safe choice"))
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
-                                      gpu_memory_gb=pool.nodes * r.hardware.vram_gb, weights_gb=r.weights_gb,
-                                      fits=pool.nodes * r.hardware.vram_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
+                                      gpu_memory_gb=pool.nodes * r.node_memory_gb, weights_gb=r.weights_gb,
+                                      fits=pool.nodes * r.node_memory_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
     # On Slurm the router runs inside the allocation, on the first engine node (the login node
     # cannot be assumed to reach compute nodes' ports, nor to outlive a job array task).
     rnode = placed[0] if inventory is not None and inventory.backend == "slurm" else router_node(inventory, exclude)

@@ -3,13 +3,18 @@
 ``weights = parameters × bytes/param × 1.2 headroom`` (the recipe page's estimate: 2.8T × 0.5 ×
 1.2 = 1680 GB for Kimi K3 MXFP4). Weights stay resident in GPU memory whatever KV offload does,
 so a pool fits only if the GPU memory of its own nodes holds a full copy: for P/D, each pool.
+
+On a CPU profile (vLLM's CPU backend) the weights live in host memory: the check uses each
+node's ``cpu_memory_gb`` from the inventory when it is known, else the profile's nominal memory
+(its ``vram_gb``), and the smallest of the usable nodes counts (:func:`node_memory`).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
 from k3launch.models.recipe import HardwareProfile, Recipe, Variant
@@ -72,9 +77,56 @@ def weights(recipe: Recipe, variant: Variant) -> Weights:
     )
 
 
-def nodes_to_fit(weights_gb: float, hw: HardwareProfile) -> int:
-    return max(1, math.ceil(weights_gb / hw.vram_gb - 1e-9))
+def gb_text(gb: float) -> str:
+    """``2144`` for whole numbers (as the GPU figures always are), else ``%g``."""
+    return str(int(gb)) if float(gb).is_integer() else f"{gb:g}"
 
 
-def fits(weights_gb: float, hw: HardwareProfile, nodes: int) -> bool:
-    return nodes * hw.vram_gb + 1e-9 >= weights_gb
+@dataclass(frozen=True)
+class HostMemory:
+    """An inventory's ``cpu_memory_gb`` of each usable node, per hardware id (``None``: not set;
+    the key ``""`` holds nodes that name no hardware, usable as any)."""
+
+    inventory: str
+    nodes: Mapping[str, Sequence[float | None]] = field(default_factory=dict)
+
+    def of(self, hw_id: str) -> list[float | None]:
+        return [*self.nodes.get(hw_id, ()), *self.nodes.get("", ())]
+
+
+@dataclass(frozen=True)
+class NodeMemory:
+    """What one node holds weights in: GPU memory, or on a CPU profile host memory (``source`` says whose figure)."""
+
+    gb: float
+    host: bool = False
+    source: str = ""
+
+    def text(self, nodes: int = 1) -> str:
+        """``2144 GB`` (GPU memory) or ``16 GB of host memory``, for ``nodes`` nodes."""
+        return f"{gb_text(nodes * self.gb)} GB" + (" of host memory" if self.host else "")
+
+
+def node_memory(hw_id: str, hw: HardwareProfile, host: HostMemory | None = None) -> NodeMemory:
+    """GPU memory per node; on a CPU profile the host memory: the smallest usable node's
+    ``cpu_memory_gb``, a node that does not set it counting as the profile's nominal ``vram_gb``."""
+    if not hw.is_cpu:
+        return NodeMemory(hw.vram_gb)
+    values = host.of(hw_id) if host is not None else []
+    known = [v for v in values if v is not None]
+    nominal = f"{hw_id}'s nominal {hw.vram_gb} GB"
+    if not known:
+        return NodeMemory(hw.vram_gb, True, f"{nominal}; set cpu_memory_gb in the inventory for the real figure")
+    assert host is not None
+    where = f"cpu_memory_gb of inventory {host.inventory}"
+    if len(known) < len(values):
+        return NodeMemory(min(*known, hw.vram_gb), True, f"{where}, {nominal} for nodes that do not set it")
+    return NodeMemory(min(known), True, where)
+
+
+def nodes_to_fit(weights_gb: float, mem: NodeMemory) -> int:
+    return max(1, math.ceil(weights_gb / mem.gb - 1e-9))
+
+
+def fits(weights_gb: float, mem: NodeMemory, nodes: int) -> bool:
+    return nodes * mem.gb + 1e-9 >= weights_gb

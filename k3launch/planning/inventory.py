@@ -45,6 +45,7 @@ class NodeSettings(Strict):
     image: str | None = None
     workdir: str | None = None
     python: str | None = None  # interpreter for the simulated engine on bare runtimes
+    venv: str | None = None  # bare runtimes: a virtualenv whose bin/ holds the engine's `vllm` (first on PATH); None: `vllm` on PATH
     env: dict[str, str] | None = None  # extra environment of every engine process (e.g. NCCL_DEBUG)
 
     @field_validator("env")
@@ -74,6 +75,14 @@ class NodeSettings(Strict):
         # docker -v, pyxis --container-mounts and apptainer --bind split on ':' and ','
         if v is not None and ("," in v or ":" in v or "\n" in v):
             raise ValueError(f"hf_cache {v!r} contains ',' or ':' (container mount lists split on them)")
+        return v
+
+    @field_validator("venv")
+    @classmethod
+    def _venv(cls, v: str | None) -> str | None:
+        # it becomes "<venv>/bin" at the front of PATH, which ':' splits; relative to what would it be?
+        if v is not None and (":" in v or "\n" in v or not (v.startswith("/") or v == "~" or v.startswith("~/"))):
+            raise ValueError(f"venv {v!r} must be an absolute path (or ~/...) without ':' (it goes on PATH)")
         return v
 
     @field_validator("image")
@@ -167,6 +176,7 @@ class Inventory(Strict):
     backend: Literal["ssh", "slurm", "local"]
     hardware: str | None = None
     engine: Literal["vllm", "sim"] = "vllm"
+    vllm_version: str | None = None  # the vLLM its nodes run: plans use its flag schema unless --vllm-version says otherwise
     description: str = ""
     # default factories, not instances: an instance here would build the model's validator at import
     defaults: NodeSettings = Field(default_factory=NodeSettings)
@@ -176,6 +186,13 @@ class Inventory(Strict):
     hf_token_file: str | None = None  # read on the login node at launch; never copied into plans
     ssh_config: str | None = None
     known_hosts: str | None = None
+
+    @field_validator("vllm_version")
+    @classmethod
+    def _version(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}", v):
+            raise ValueError(f"vllm_version {v!r} is not a version (e.g. 0.32.0)")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> Inventory:
@@ -204,6 +221,12 @@ def load_inventory(path: Path | str) -> Inventory:
     if not p.is_file():
         raise K3Error("missing-inventory", f"{p}: no such inventory file", "see inventories/ for examples")
     return load_yaml_model(p, Inventory, doc='docs/inventories.md ("Keys")', code="bad-inventory")
+
+
+def load_placed(path: Path | str) -> Inventory:
+    """An inventory as plans place on it: loaded, and (ssh) with ``~/.ssh/config`` aliases resolved."""
+    inv = load_inventory(path)
+    return apply_ssh_config(inv, read_ssh_config(inv)) if inv.backend == "ssh" else inv
 
 
 def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:

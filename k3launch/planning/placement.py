@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from k3launch.errors import K3Error
+from k3launch.planning.capacity import HostMemory
 
 if TYPE_CHECKING:  # imported where an inventory is used: a plan without one never loads the inventory models
     from k3launch.planning.inventory import Inventory, NodeSettings
@@ -42,6 +43,7 @@ class NodeSpec:
     workdir: str | None = None
     python: str | None = None
     ssh_host: str | None = None
+    venv: str | None = None
     env: tuple[tuple[str, str], ...] = ()
 
 
@@ -181,6 +183,19 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
             f"add {count - len(usable)} more {hardware} node(s) to the inventory, or choose a smaller selection",
         )
     return usable[:count]
+
+
+def host_memory(inv: Inventory, exclude: Sequence[str] = ()) -> HostMemory:
+    """The ``cpu_memory_gb`` of every usable node (not drained, not excluded), per hardware id:
+    what a CPU profile's capacity is checked against."""
+    default = inv.defaults.cpu_memory_gb
+    nodes: dict[str, list[float | None]] = {}
+    if not inv.nodes:  # Slurm without nodes: every allocated node has the defaults
+        nodes[inv.hardware or ""] = [default]
+    for n in inv.nodes:
+        if not n.drain and n.name not in exclude:
+            nodes.setdefault(n.hardware or inv.hardware or "", []).append(n.cpu_memory_gb if n.cpu_memory_gb is not None else default)
+    return HostMemory(inv.name, nodes)
 
 
 def router_node(inv: Inventory | None, exclude: Sequence[str] = ()) -> NodeSpec:

@@ -29,6 +29,7 @@ from k3launch.models.selection import (
     parallelism_of,
 )
 from k3launch.planning import capacity
+from k3launch.planning.capacity import HostMemory
 from k3launch.planning.recipes import RecipeTree
 
 
@@ -38,11 +39,20 @@ def _unknown(kind: str, name: str, known: list[str]) -> K3Error:
     return K3Error(f"unknown-{kind}", f"unknown {kind} {name!r}", hint + "choose one of: " + ", ".join(known))
 
 
-def _pick_recipe(tree: RecipeTree, sel: Selection) -> str:
+def _pick_recipe(tree: RecipeTree, sel: Selection, notices: list[Notice]) -> str:
+    """``--recipe``; else Kimi K3 — unless the hardware asked for (``--hardware`` or the inventory's)
+    is not one K3 lists and exactly one recipe of the tree names it as its default hardware (the
+    tiny CPU model on ``inventories/local-cpu.yaml``); else the tree's only recipe."""
     if sel.recipe:
         return tree.resolve(sel.recipe)
     ids = tree.model_ids()
     if DEFAULT_RECIPE in ids:
+        if sel.hardware is None or sel.hardware in tree.model(DEFAULT_RECIPE).meta.hardware:
+            return DEFAULT_RECIPE
+        own = [i for i in ids if i != DEFAULT_RECIPE and tree.model(i).meta.default_hardware == sel.hardware]
+        if len(own) == 1:
+            notices.append(Notice("default-recipe", f"{own[0]}: the recipe for {sel.hardware} ({DEFAULT_RECIPE} does not list it)"))
+            return own[0]
         return DEFAULT_RECIPE
     if len(ids) == 1:
         return ids[0]
@@ -58,10 +68,24 @@ def _pick_hardware(tree: RecipeTree, recipe: Recipe, sel: Selection, variant_hw:
     if hw not in profiles:
         raise _unknown("hardware", hw, visible)
     if profiles[hw].restricted and hw not in recipe.meta.hardware:
-        raise K3Error("restricted-hardware", f"{hw} is restricted and this recipe does not list it", "choose: " + ", ".join(visible))
+        listing = _recipes_listing(tree, hw)
+        raise K3Error("restricted-hardware", f"{hw} is restricted and this recipe does not list it",
+                      "choose: " + ", ".join(visible) + (f"; or a recipe that lists {hw}: --recipe {' | '.join(listing)}" if listing else ""))
     if variant_hw is not None and hw not in variant_hw:
         raise K3Error("variant-hardware", f"this variant supports only {', '.join(variant_hw)}", "choose one of them")
     return hw
+
+
+def _recipes_listing(tree: RecipeTree, hw: str) -> list[str]:
+    """Recipes of the tree that list ``hw`` (read only to word a refusal; broken files are skipped)."""
+    out = []
+    for rid in tree.model_ids():
+        try:
+            if hw in tree.model(rid).meta.hardware:
+                out.append(rid)
+        except K3Error:
+            continue
+    return out
 
 
 def _strategy_allowed(recipe: Recipe, name: str, hw: str) -> bool:
@@ -114,9 +138,10 @@ def _size(requested: int | None, floor: int, why: str, fit: int, label: str, not
     return requested
 
 
-def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
+def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = None) -> Resolved:
+    """``host_memory``: the inventory's node RAM, which a CPU profile's capacity is checked against."""
     notices: list[Notice] = []
-    recipe_id = _pick_recipe(tree, sel)
+    recipe_id = _pick_recipe(tree, sel, notices)
     recipe = tree.model(recipe_id)
     vname = sel.variant or ("default" if "default" in recipe.variants else next(iter(recipe.variants)))
     if vname not in recipe.variants:
@@ -128,7 +153,11 @@ def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
     if not verified:
         notices.append(Notice("unverified-hardware", f"{hw_id} is not marked verified by the {recipe.meta.title} recipe; the command is composed but untested there"))
     w = capacity.weights(recipe, variant)
-    fit = capacity.nodes_to_fit(w.gb, hw)
+    mem = capacity.node_memory(hw_id, hw, host_memory)
+    if mem.host:
+        notices.append(Notice("host-memory-capacity", f"{hw_id} is a CPU profile: capacity is checked against host memory, "
+                                                      f"{capacity.gb_text(mem.gb)} GB per node ({mem.source})"))
+    fit = capacity.nodes_to_fit(w.gb, mem)
 
     pd_asked = any(v is not None for v in (sel.prefill_strategy, sel.prefill_nodes, sel.decode_strategy, sel.decode_nodes))
     sname = sel.strategy or ("pd_cluster" if pd_asked else recipe.default_strategy or "single_node_tp")
@@ -136,7 +165,7 @@ def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
         sibling = MULTI_NODE_SIBLING.get(sname)
         wants_multi = (sel.nodes or 1) > 1 or fit > 1
         if sibling and wants_multi and _strategy_allowed(recipe, sibling, hw_id) and sibling in tree.strategies:
-            why = f"{hw_id} x1 holds {hw.vram_gb} GB < {w.gb:g} GB of weights" if fit > 1 else f"--nodes {sel.nodes}"
+            why = f"{hw_id} x1 holds {mem.text()} < {w.gb:g} GB of weights" if fit > 1 else f"--nodes {sel.nodes}"
             notices.append(Notice("strategy-defaulted", f"default strategy {sname} replaced by {sibling} ({why})"))
             sname = sibling
     strategy = _get_strategy(tree, recipe, sname, hw_id)
@@ -155,9 +184,9 @@ def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
         floor, why = floor_nodes(recipe, sname, strategy, hw_id, hw, multi)
         if not multi and sel.nodes is not None and sel.nodes > 1:
             raise K3Error("single-node-strategy", f"{sname} runs on one node (got --nodes {sel.nodes})", f"use {MULTI_NODE_SIBLING.get(sname, 'a multi_node_* strategy')} for several nodes")
-        if not multi and not capacity.fits(w.gb, hw, 1):
+        if not multi and not capacity.fits(w.gb, mem, 1):
             sib = MULTI_NODE_SIBLING.get(sname, "a multi_node_* strategy")
-            raise K3Error("does-not-fit", f"1 x {hw_id} = {hw.vram_gb} GB cannot hold the {w.gb:g} GB of weights ({sname} runs on one node)",
+            raise K3Error("does-not-fit", f"1 x {hw_id} = {mem.text()} cannot hold the {w.gb:g} GB of weights ({sname} runs on one node)",
                           f"use --strategy {sib} (smallest that fits: {max(fit, 2)} nodes); KV offload moves KV cache, never weights")
         if not multi and floor > 1:
             raise K3Error("single-node-strategy", f"{sname} needs {why.split(' needs ')[-1]}, more than one {hw_id} node ({hw.gpu_count} GPUs)",
@@ -166,13 +195,13 @@ def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
         pools = [Pool("serve", parallelism_of(strategy), n, hw.gpu_count)]
 
     for pool in pools:
-        if not capacity.fits(w.gb, hw, pool.nodes):
+        if not capacity.fits(w.gb, mem, pool.nodes):
             need = max(fit, pool.nodes + 1)
             where = f"the {pool.role} pool" if strategy.deploy_type == "pd_cluster" else "this deployment"
             flag = f"--{pool.role}-nodes" if strategy.deploy_type == "pd_cluster" else "--nodes"
             raise K3Error(
                 "does-not-fit",
-                f"{pool.nodes} x {hw_id} = {pool.nodes * hw.vram_gb} GB cannot hold the {w.gb:g} GB of weights of {where}",
+                f"{pool.nodes} x {hw_id} = {mem.text(pool.nodes)} cannot hold the {w.gb:g} GB of weights of {where}",
                 f"use {flag} {need} or more (smallest that fits: {need}); KV offload moves KV cache, never weights",
             )
     features = _features(recipe, sel, sname, hw_id, hw, notices)
@@ -180,7 +209,7 @@ def resolve(tree: RecipeTree, sel: Selection) -> Resolved:
     return Resolved(
         recipe_id=recipe_id, recipe=recipe, variant_name=vname, variant=variant, hardware_id=hw_id,
         hardware=hw, strategy=strategy, pools=pools, features=features, kv_offload=kv,
-        weights_gb=w.gb, weights_formula=w.formula, verified=verified, selection=sel, notices=notices,
+        weights_gb=w.gb, weights_formula=w.formula, verified=verified, selection=sel, notices=notices, node_memory_gb=mem.gb,
     )
 
 
@@ -240,6 +269,9 @@ def _kv_offload(tree: RecipeTree, recipe: Recipe, kv: str, strategy: Strategy, h
     known = [KV_OFFLOAD_OFF, *options, "mooncake"]
     if kv == KV_OFFLOAD_OFF:
         return kv
+    if hw.is_cpu and kv in known:
+        raise K3Error("kv-offload-hardware", f"KV offload {kv!r} moves GPU KV cache to host memory; {hw_id} is a CPU profile, "
+                      "its KV cache is in host memory already (VLLM_CPU_KVCACHE_SPACE sizes it)", "use --kv-offload off")
     if strategy.deploy_type == "pd_cluster":
         raise K3Error("kv-offload-pd", f"KV offload {kv!r} is not available with P/D disaggregation (the NIXL KV transfer owns --kv-transfer-config)", "use --kv-offload off")
     if kv == "mooncake":

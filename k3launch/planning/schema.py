@@ -11,9 +11,11 @@ Key decisions:
   ``--tensor-parallel-size``; ``--enable-prefix-caching`` and ``--disable-prefix-caching``) is
   one *key*, so last-writer-wins composition can never leave two spellings of one setting.
 * Boolean pairs: vLLM 0.33 spells the negative of ``--enable-x`` as ``--disable-x`` (and of
-  ``--x`` as ``--no-x``). Older recipes write ``--no-enable-x`` / ``--no-disable-x``; those are
-  understood as the same key with inverted polarity (``legacy`` spellings) and re-emitted in the
-  form the selected schema knows.
+  ``--x`` as ``--no-x``); vLLM 0.32 and older spell every negative ``--no-x`` (``--no-enable-x``,
+  ``--no-disable-x``). A spelling the selected schema does not list but one of these rules maps
+  onto a boolean it does list -- ``--no-enable-x`` for 0.33, ``--disable-x`` / ``--enable-x`` for
+  0.32 -- is the same key with inverted polarity (``legacy``: not this version's spelling) and is
+  re-emitted in the form the selected schema knows, whichever direction that is.
 * Dotted config flags (``-cc.pass_config.fuse_allreduce_rms=False``) are vLLM's way to set one
   field of a JSON config flag; their key is ``<canonical>.<path>``.
 """
@@ -21,10 +23,13 @@ Key decisions:
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from k3launch.defaults import DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
@@ -58,11 +63,8 @@ class FlagSpec:
         """The spelling of a boolean flag that sets it to ``value`` in this schema."""
         if self.kind == "store_true":
             if not value:
-                raise K3Error(
-                    "flag-no-negative",
-                    f"{self.canonical} has no negative form in vLLM's schema",
-                    "drop the flag instead of negating it",
-                )
+                raise K3Error("flag-no-negative", f"{self.canonical} has no negative form in vLLM's schema",
+                              "drop the flag instead of negating it")
             return self.canonical
         for opt in self.options:
             if opt.startswith("--") and _polarity(self, opt) is value:
@@ -152,20 +154,36 @@ class FlagSchema:
         if spec is not None:
             pol = _polarity(spec, option) if spec.kind in ("bool", "store_true") else None
             return spec, pol, False
+        found = self._other_spelling(option)
+        return (found[0], found[1], True) if found is not None else None
+
+    def _other_spelling(self, option: str) -> tuple[FlagSpec, bool] | None:
+        """A boolean spelling of another vLLM version: ``(spec, polarity)`` in this schema.
+
+        ``--no-Y`` negates ``--Y`` (0.32's negative, written for 0.33); ``--disable-x`` negates
+        ``--enable-x`` and the other way round (0.33's negatives, written for 0.32). ``Y`` itself
+        may be such a spelling (``--no-disable-x`` where only ``--enable-x`` is listed).
+        """
         if option.startswith("--no-"):
-            inner = self._by_option.get("--" + option[5:])
-            if inner is not None and inner.kind == "bool":
-                return inner, not _polarity(inner, "--" + option[5:]), True
+            inner = "--" + option[5:]
+            spec = self._by_option.get(inner)
+            if spec is not None:
+                return (spec, not _polarity(spec, inner)) if spec.kind == "bool" else None
+            found = self._other_spelling(inner)
+            return (found[0], not found[1]) if found is not None else None
+        for this, other in (("--disable-", "--enable-"), ("--enable-", "--disable-")):
+            if option.startswith(this):
+                twin = other + option[len(this):]
+                spec = self._by_option.get(twin)
+                if spec is not None and spec.kind == "bool":
+                    return spec, not _polarity(spec, twin)
         return None
 
     def spec_for(self, option: str) -> FlagSpec:
         found = self.lookup(option)
         if found is None:
-            raise K3Error(
-                "unknown-flag",
-                f"{option} is not a flag of vllm serve {self.version}",
-                f"check the spelling; `k3launch lint -- vllm serve MODEL {option}` suggests fixes",
-            )
+            raise K3Error("unknown-flag", f"{option} is not a flag of vllm serve {self.version}",
+                          f"check the spelling; `k3launch lint -- vllm serve MODEL {option}` suggests fixes")
         return found[0]
 
     def suggest(self, option: str) -> str:
@@ -251,13 +269,8 @@ class FlagSchema:
         """Check ``value`` against the flag's choices and (where knowable) its type."""
         opt = spec.canonical
         if spec.choices is not None and value not in spec.choices:
-            return Problem(
-                "bad-choice",
-                f"{opt} {value!r} is not one of vLLM {self.version}'s choices",
-                "choose one of: " + ", ".join(spec.choices),
-                option=opt,
-                value=value,
-            )
+            return Problem("bad-choice", f"{opt} {value!r} is not one of vLLM {self.version}'s choices",
+                           "choose one of: " + ", ".join(spec.choices), option=opt, value=value)
         try:
             if spec.type == "int":
                 int(value)
@@ -312,36 +325,92 @@ def _kind(action: str | None, nargs: object) -> Kind:
     return "value"
 
 
-@cache
+SERVE_FLAGS = "serve-flags.json"
+ENV_VARS = "env-vars.json"
+SCHEMA_DIR_ENV = "K3LAUNCH_SCHEMA_DIR"
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
+
+
+def user_schema_dir() -> Path:
+    """Schemas users added (``k3launch schema dump``): ``$K3LAUNCH_SCHEMA_DIR``, else ``schemas/`` of
+    the state directory (``$K3LAUNCH_STATE_DIR``, else ``~/.k3launch``, as ``k3launch.deploy.state``
+    has it: this module stays standard library only, the simulated engine's image carries it)."""
+    env = os.environ.get(SCHEMA_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("K3LAUNCH_STATE_DIR") or "~/.k3launch").expanduser() / "schemas"
+
+
+def _user_version_dir(version: str) -> Path | None:
+    vdir = user_schema_dir() / version
+    return vdir if (vdir / SERVE_FLAGS).is_file() and (vdir / ENV_VARS).is_file() else None
+
+
 def load_schema(version: str = DEFAULT_VLLM_VERSION) -> FlagSchema:
-    """The vendored schema of one vLLM version (``--vllm-version``)."""
-    root = resources.files("k3launch") / "data" / "vllm"
-    known = vendored_versions()
-    if version not in known:
-        raise K3Error(
-            "unknown-vllm-version",
-            f"no vLLM flag schema for version {version}",
-            "vendored versions: " + ", ".join(known),
-        )
-    raw = json.loads((root / version / "serve-flags.json").read_text())
-    envs = json.loads((root / version / "env-vars.json").read_text())
-    specs: list[FlagSpec] = []
-    for act in raw["actions"]:
-        if "options" not in act or act.get("action") == "_HelpAction":
-            continue
-        choices = act.get("choices")
-        specs.append(
-            FlagSpec(
-                dest=act["dest"],
-                options=tuple(act["options"]),
-                kind=_kind(act.get("action"), act.get("nargs")),
-                type=act.get("type"),
-                choices=tuple(str(c) for c in choices) if choices else None,
-            )
-        )
-    return FlagSchema(version, specs, frozenset(envs["env_vars"]))
+    """The flag schema of one vLLM version (``--vllm-version``): a user's dump first
+    (:func:`user_schema_dir`), else the one vendored under ``k3launch/data/vllm/``."""
+    if _VERSION.fullmatch(version):
+        user = _user_version_dir(version)
+        if user is not None:
+            serve, envs = user / SERVE_FLAGS, user / ENV_VARS
+            return _load_user(str(user), serve.stat().st_mtime_ns, envs.stat().st_mtime_ns)
+        if version in vendored_versions():
+            return _load_vendored(version)
+    dumped = dumped_versions()
+    raise K3Error("unknown-vllm-version", f"no vLLM flag schema for version {version}",
+                  "vendored versions: " + ", ".join(vendored_versions()) + (f"; dumped: {', '.join(dumped)}" if dumped else "")
+                  + f"; add one with `k3launch schema dump --python <the engine's python>` (writes to {user_schema_dir()})")
+
+
+@cache
+def _load_vendored(version: str) -> FlagSchema:
+    root = resources.files("k3launch") / "data" / "vllm" / version
+    return _build(version, (root / SERVE_FLAGS).read_text(), (root / ENV_VARS).read_text())
+
+
+@cache
+def _load_user(vdir: str, _serve_mtime: int, _env_mtime: int) -> FlagSchema:
+    """Cached per directory and file times: a new dump of the same version is read again."""
+    path = Path(vdir)
+    try:
+        return _build(path.name, (path / SERVE_FLAGS).read_text(), (path / ENV_VARS).read_text())
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise K3Error("bad-schema-dump", f"{path}: not a readable flag schema ({type(exc).__name__}: {exc})",
+                      "dump it again with `k3launch schema dump --python <the engine's python>`") from None
+
+
+def spec_of(act: dict[str, Any]) -> FlagSpec:
+    """One action of ``serve-flags.json`` (``load_schema`` and ``schema_dump.check_dumped`` read them alike)."""
+    choices = act.get("choices")
+    return FlagSpec(dest=act["dest"], options=tuple(act["options"]), kind=_kind(act.get("action"), act.get("nargs")),
+                    type=act.get("type"), choices=tuple(str(c) for c in choices) if choices else None)
+
+
+def _build(version: str, serve_flags: str, env_vars: str) -> FlagSchema:
+    actions = json.loads(serve_flags)["actions"]
+    specs = [spec_of(act) for act in actions if "options" in act and act.get("action") != "_HelpAction"]
+    return FlagSchema(version, specs, frozenset(json.loads(env_vars)["env_vars"]))
 
 
 def vendored_versions() -> list[str]:
+    return list(_vendored())
+
+
+@cache
+def _vendored() -> tuple[str, ...]:
     root = resources.files("k3launch") / "data" / "vllm"
-    return sorted(p.name for p in root.iterdir() if p.is_dir())
+    return tuple(sorted(p.name for p in root.iterdir() if p.is_dir()))
+
+
+def dumped_versions() -> list[str]:
+    """Versions in :func:`user_schema_dir` (each a directory with both files)."""
+    root = user_schema_dir()
+    try:
+        return sorted(p.name for p in root.iterdir() if _VERSION.fullmatch(p.name) and _user_version_dir(p.name) is not None)
+    except OSError:
+        return []
+
+
+def available_versions() -> list[str]:
+    """Every version :func:`load_schema` can load."""
+    return sorted({*vendored_versions(), *dumped_versions()})

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from k3launch.errors import K3Error
-from k3launch.planning.schema import FlagSchema, FlagSpec, _kind
+from k3launch.planning.schema import FlagSchema, FlagSpec, spec_of
 
 SERVE_FLAGS = "serve-flags.json"
 ENV_VARS = "env-vars.json"
@@ -153,15 +153,18 @@ def dump(python: str, out_dir: Path, *, timeout_s: float = _TIMEOUT_S) -> Path:
             check=False,
         )
     except FileNotFoundError as exc:
-        raise K3Error("schema-dump-failed", f"no interpreter {python}: {exc}", "pass the engine venv's python") from exc
+        raise K3Error("schema-dump-failed", f"no interpreter {python}", "pass the python of the engine's venv (e.g. VENV/bin/python)") from exc
+    except OSError as exc:
+        raise K3Error("schema-dump-failed", f"cannot run {python}: {exc.strerror}", "pass the python of the engine's venv (e.g. VENV/bin/python)") from exc
     except subprocess.TimeoutExpired as exc:
         raise K3Error("schema-dump-failed", f"dumping vLLM's schema with {python} took over {timeout_s:.0f} s", "") from exc
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(_RESULT_TAG)]
     if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-5:])
+        said = [ln.strip() for ln in (proc.stderr or proc.stdout).splitlines() if ln.strip()]
+        last = said[-1][:300] if said else "no output"  # the exception line of a traceback; one line for the CLI
         raise K3Error(
             "schema-dump-failed",
-            f"dumping vLLM's schema with {python} failed (exit {proc.returncode}): {tail}",
+            f"dumping vLLM's schema with {python} failed (exit {proc.returncode}): {last}",
             "the interpreter must import vllm (see tests/infra/vllm-cpu-up.sh)",
         )
     result: dict[str, Any] = json.loads(lines[-1][len(_RESULT_TAG) :])
@@ -232,17 +235,6 @@ def check_dumped(vdir: Path) -> Dumped:
             seen[opt] = act["dest"]
         if act["choices"] is not None and not all(isinstance(c, str) for c in act["choices"]):
             raise _fail(vdir, f"action {i} ({act['dest']}): choices must be strings")
-        # What load_schema keeps, built the same way.
-        if act["action"] == "_HelpAction":
-            continue
-        choices = act["choices"]
-        specs.append(
-            FlagSpec(
-                dest=act["dest"],
-                options=tuple(act["options"]),
-                kind=_kind(act["action"], act["nargs"]),
-                type=act["type"],
-                choices=tuple(str(c) for c in choices) if choices else None,
-            )
-        )
+        if act["action"] != "_HelpAction":  # what load_schema keeps, built the same way
+            specs.append(spec_of(act))
     return Dumped(version, FlagSchema(version, specs, frozenset(env_vars)), actions, env_vars)

@@ -34,7 +34,17 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
 from k3launch.planning.inventory import SlurmSection
 from k3launch.planning.porttable import process_ports
-from k3launch.render.scripts import CONTAINER_HF_CACHE, Raw, engine_argv, home_path, markers, shell_join, token_snippet
+from k3launch.render.scripts import (
+    CONTAINER_HF_CACHE,
+    Raw,
+    apptainer_gpu,
+    engine_argv,
+    home_path,
+    markers,
+    shell_join,
+    token_snippet,
+    venv_path,
+)
 
 SECRET_ENV = ("HF_TOKEN",)
 LIBRARY = "k3launch-job.sh"
@@ -91,12 +101,13 @@ def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int],
         return f"{prefix}{hf_word}:{CONTAINER_HF_CACHE}"
 
     if bare:
-        words = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+        path = venv_path(host.venv) if proc.role != "router" else []
+        words = ["env", *path, *(f"{k}={v}" for k, v in env.items()), *argv]
     elif slurm.container == "pyxis":
         words = [f"--container-image={image}", mount("--container-mounts="), "--container-env=" + ",".join([*env, *SECRET_ENV]),
                  "env", *(f"{k}={v}" for k, v in env.items()), *argv]
     else:  # apptainer: --cleanenv so the job's environment does not leak into the engine
-        words = ["apptainer", "exec", "--rocm" if plan.platform == "rocm" else "--nv", "--cleanenv", "--bind", mount("")]
+        words = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", mount("")]
         words += [w for k, v in env.items() for w in ("--env", f"{k}={v}")] + [f"docker://{image}", *argv]
     return [_bind(w, addrs, pat) for w in words]
 
@@ -108,7 +119,8 @@ def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
         return ""  # pyxis is an srun plugin: nothing to find on the node's PATH
     engines = [p for p in plan.processes if p.role != "router"]
     host = next(h for h in plan.hosts if h.name == engines[0].node)
-    return engine_argv(plan, engines[0], host.model_copy(update={"runtime": "bare"}))[0]
+    program = engine_argv(plan, engines[0], host.model_copy(update={"runtime": "bare"}))[0]
+    return home_path(f"{host.venv.rstrip('/')}/bin/{program}") if host.venv and "/" not in program else program
 
 
 def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bool = True, work: Sequence[str] = (),
@@ -126,7 +138,7 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
         for n in order:
             ports = sorted({q for p in plan.processes if p.node == n for q, _ in process_ports(p)})
             specs.append(f"{index[n]}:{','.join(map(str, ports))}")
-        lines.append(shell_join(["k3_doctor", str(plan.gpus_per_node), _doctor_program(plan, slurm, image), *specs]))
+        lines.append(shell_join(["k3_doctor", str(gpus_requested(plan)), _doctor_program(plan, slurm, image), *specs]))
     engines = [p for p in plan.processes if p.role != "router"]
     routers = [p for p in plan.processes if p.role == "router"]
     for proc in (*engines, *routers):
@@ -139,6 +151,11 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
     return lines
 
 
+def gpus_requested(plan: Plan) -> int:
+    """GPUs per node the job asks Slurm for: none on a CPU profile (its ranks are not GPUs)."""
+    return 0 if plan.platform == "cpu" else plan.gpus_per_node
+
+
 def _check_lines(*values: str) -> None:
     for v in values:
         if "\n" in v or "\r" in v:
@@ -148,12 +165,14 @@ def _check_lines(*values: str) -> None:
 def directives(plan: Plan, slurm: SlurmSection, output: str, extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (),
                job_name: str | None = None) -> list[str]:
     _check_lines(*extra_sbatch, *exclude, output)
-    gpus = plan.gpus_per_node
+    gpus = gpus_requested(plan)
     # --no-requeue: a requeued job would start over on other nodes behind the login node's back
     # (its binding, endpoint and record would all be stale); k3launch resubmits itself instead.
     d = [f"--job-name={job_name or 'k3-' + plan.name}", f"--nodes={len(node_order(plan))}", "--ntasks-per-node=1",
-         f"--output={output}", f"--time={slurm.time_limit}", f"--gres=gpu:{gpus}" if slurm.gres == "gres" else f"--gpus-per-node={gpus}",
-         "--no-requeue"]
+         f"--output={output}", f"--time={slurm.time_limit}"]
+    if gpus:
+        d.append(f"--gres=gpu:{gpus}" if slurm.gres == "gres" else f"--gpus-per-node={gpus}")
+    d.append("--no-requeue")
     for key in ("partition", "account", "qos", "reservation", "constraint"):
         val = getattr(slurm, key)
         if val:

@@ -14,7 +14,11 @@ Runtimes:
   ``--shm-size`` (podman refuses it with ``--ipc=host``, where it means nothing), the HF cache
   directory created first (podman refuses a missing bind source), and ``HF_TOKEN`` as a secret.
 * ``apptainer``: ``apptainer exec --nv|--rocm`` of ``docker://IMAGE``, started in the background.
-* ``bare``: the engine on the host (an installed vLLM, or the simulated engine).
+* ``bare``: the engine on the host (an installed vLLM, or the simulated engine); with a node's
+  ``venv``, ``<venv>/bin`` goes first on the engine's ``PATH`` (``env PATH=<venv>/bin:"$PATH" ...``).
+
+On platform ``cpu`` (vLLM's CPU build) containers get no GPU devices and apptainer neither
+``--nv`` nor ``--rocm``.
 
 Secrets never appear: ``HF_TOKEN`` is passed by name (``-e HF_TOKEN``; ``APPTAINERENV_HF_TOKEN``),
 its value comes from the environment of whoever runs the script, or from ``hf_token_file`` read
@@ -89,9 +93,25 @@ def engine_argv(plan: Plan, proc: Process, host: Host) -> list[str]:
 
 
 def _gpu_flags(runtime: str, platform: str) -> list[str]:
+    if platform == "cpu":
+        return []
     if platform == "rocm":
         return ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video", "--security-opt", "seccomp=unconfined"]
     return ["--device", "nvidia.com/gpu=all"] if runtime == "podman" else ["--gpus", "all"]
+
+
+def apptainer_gpu(platform: str) -> list[str]:
+    """apptainer's GPU option: ``--nv`` (CUDA), ``--rocm``, none on CPU."""
+    return {"rocm": ["--rocm"], "cpu": []}.get(platform, ["--nv"])
+
+
+def venv_path(venv: str | None) -> list[str]:
+    """``PATH=<venv>/bin:"$PATH"`` as one shell word (for ``env``), or nothing without a venv."""
+    if not venv:
+        return []
+    bindir = home_path(venv.rstrip("/") + "/bin")  # ~/... expands to the home directory where it runs
+    word = bindir if isinstance(bindir, Raw) else shlex.quote(bindir)
+    return [Raw("PATH=" + word + ':"$PATH"')]
 
 
 def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> list[str]:
@@ -119,13 +139,13 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> l
         return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
     log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
     if runtime == "apptainer":
-        gpu = "--rocm" if plan.platform == "rocm" else "--nv"
-        inner = ["apptainer", "exec", gpu, "--cleanenv", "--bind", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        inner = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
         for k, v in env.items():
             inner += ["--env", f"{k}={v}"]
         inner += [f"docker://{proc.image}", *argv]
     else:
-        inner = ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+        path = venv_path(host.venv) if proc.role != "router" else []
+        inner = ["env", *path, *(f"{k}={v}" for k, v in env.items()), *argv]
     return ["k3launch_background", log, *inner]
 
 

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3launch.deploy.base import PEER_LOSS, LaunchFailed, Progress, TeardownReport, rank_label, ready_timeout, run_up
+from k3launch.deploy.base import PEER_LOSS, LaunchFailed, Progress, TeardownReport, error_line, rank_label, ready_timeout, run_up
 from k3launch.deploy.slurm.client import NEVER_RUNS, JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import JobOutput, bad_nodes, bind_plan, parse_output, read_file, record_bad_node, tail_file
 from k3launch.deploy.slurm.ops import cancel_job
@@ -282,7 +282,9 @@ class SlurmLaunch:
             label = rank_label(proc) if proc else pid
             others = [e[0] for e in out.step_exits if e[0] != pid]
             then = f"; {', '.join(others)} exited too" if others else ""
-            return LaunchFailed(f"{pid} ({label}) on {host} exited with code {rc} during {stage}{then}; job {info.job_id} ended",
+            said = error_line(tails[pid])
+            return LaunchFailed(f"{pid} ({label}) on {host} exited with code {rc} during {stage}{then}; job {info.job_id} ended"
+                                + (f": {said}" if said else ""),
                                 "its last log lines are above; fix the cause and run `k3launch up` again", pid,
                                 tails[pid], code="process-exited", node=host)
         why = f"{info.state}" + (f", {info.reason}" if info.reason else "") + (f", exit {info.exit_code}" if info.exit_code else "")

@@ -9,7 +9,7 @@ from k3launch.deploy.base import TeardownReport
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import bind_plan, tail_file
 from k3launch.deploy.state import StateStore
-from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status
+from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status, observed_state
 from k3launch.transport.http import probe_all
 from k3launch.util.polling import poll_until, ticks
 
@@ -34,8 +34,8 @@ def observe_job(rec: SlurmRecord, client: SlurmClient | None = None) -> Status:
         state = "queued"
     elif not info.active:
         state = f"ended ({info.state})"
-    elif state == "ready" and not all(alive.values()):
-        state = "degraded"
+    else:
+        state = observed_state(state, procs)
     return Status(name=rec.name, state=state, endpoint=rec.endpoint, processes=procs, unreachable=[],
                   job=JobStatus(id=rec.slurm.job_id, state=info.state, nodes=info.nodes, reason=info.reason, log_dir=rec.slurm.log_dir))
 

@@ -4,8 +4,13 @@ One shell round trip per node collects everything, then Python judges it:
 
 * reachable (the command ran at all);
 * GPUs: model and count from ``nvidia-smi``/``rocm-smi`` match the plan — *skipped* (never
-  passed) when the engine is the simulated one;
+  passed) when the engine is the simulated one, or the platform is ``cpu`` (vLLM's CPU build);
 * the runtime (and for containers the image) is present; ``vllm-router`` on the router's host;
+  on a bare runtime ``vllm`` is found (in the node's ``venv`` when it names one);
+* the engine's version (``engine: vllm``): ``vllm --version`` on a bare runtime (~7 s: it imports
+  vLLM), ``<rt> run --rm --entrypoint vllm IMAGE --version`` for docker/podman when the image is
+  there; its release (local tags like ``+cpu`` aside) must be the plan's ``vllm_version``, the
+  schema the plan was written against — else the node is refused, with the fix in the hint;
 * every planned port of the node's address is free;
 * no leftover engine: no process or container marked by k3launch whose deployment is not live
   (or that carries this deployment's own name) — only a warning on a router-only host (the
@@ -16,6 +21,7 @@ One shell round trip per node collects everything, then Python judges it:
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterable
 
@@ -23,9 +29,35 @@ from k3launch.deploy.base import Check, DoctorReport
 from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan
 from k3launch.render import snippets as remote
+from k3launch.render.scripts import Raw, home_path
 from k3launch.transport.fleet import Fleet
 
 PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
+PROBE_TIMEOUT_S = 60.0
+VERSION_TIMEOUT_S = 120  # one `vllm --version` (a bare runtime: ~7 s; a container adds its start)
+_VERSION = re.compile(r"v?(\d+\.\d+[0-9A-Za-z.+_-]*)")
+
+
+def _bounded(cmd: str, seconds: int) -> str:
+    """``cmd`` under ``timeout`` when the node has it; prints ``rc N`` then the output's last lines."""
+    return (f"if command -v timeout >/dev/null 2>&1; then k3v=$(timeout {seconds} {cmd} 2>&1); else k3v=$({cmd} 2>&1); fi; "
+            "echo \"rc $?\"; printf '%s\\n' \"$k3v\" | tail -n 5")
+
+
+def _venv_bin(venv: str) -> str:
+    """``<venv>/bin`` as one shell word (``~/...`` expands on the node)."""
+    word = home_path(venv.rstrip("/") + "/bin")
+    return word if isinstance(word, Raw) else shlex.quote(word)
+
+
+def _bare_vllm(venv: str | None) -> tuple[str, str]:
+    """The runtime and version probes of a bare ``vllm``: with a venv, its ``bin/`` first on PATH."""
+    if not venv:
+        return ("command -v vllm >/dev/null 2>&1 && echo ok || echo missing",
+                f"if command -v vllm >/dev/null 2>&1; then {_bounded('vllm --version', VERSION_TIMEOUT_S)}; fi")
+    bindir = _venv_bin(venv)
+    return (f"[ -x {bindir}/vllm ] && echo ok || echo missing",
+            f"if [ -x {bindir}/vllm ]; then (PATH={bindir}:\"$PATH\"; {_bounded('vllm --version', VERSION_TIMEOUT_S)}); fi")
 
 
 def _section(name: str, body: str) -> str:
@@ -45,6 +77,10 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
         image = next((p.image for p in plan.processes if p.node == host.name and p.image), None)
         if image and rt in ("docker", "podman"):
             parts.append(_section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
+            if plan.engine == "vllm":  # only an image that is there: never pull from here
+                run = f"{q} run --rm --entrypoint vllm {shlex.quote(image)} --version"
+                parts.append(_section("version", f"if {q} image inspect {shlex.quote(image)} >/dev/null 2>&1; then "
+                                                 f"{_bounded(run, VERSION_TIMEOUT_S)}; fi"))
             # -a: a stopped leftover still holds its name; podman's ps has no .Label method
             label = '{{index .Labels "k3launch.deployment"}}' if rt == "podman" else '{{.Label "k3launch.deployment"}}'
             parts.append(_section("containers", f"{q} ps -a --filter label=k3launch.deployment --format {shlex.quote(label)} 2>/dev/null || true"))
@@ -52,8 +88,10 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
         py = shlex.quote(host.python or "python3")
         parts.append(_section("runtime", f"{py} -c 'import k3launch.sim' >/dev/null 2>&1 && echo ok || echo missing"))
     else:
-        parts.append(_section("runtime", "command -v vllm >/dev/null 2>&1 && echo ok || echo missing"))
-    if plan.engine != "sim":
+        found, version = _bare_vllm(host.venv)
+        parts.append(_section("runtime", found))
+        parts.append(_section("version", version))
+    if plan.engine != "sim" and plan.platform != "cpu":
         gpu = ("nvidia-smi --query-gpu=name --format=csv,noheader 2>&1" if plan.platform == "cuda"
                else "rocm-smi --showproductname 2>&1 | grep -i 'card series' || echo")
         parts.append(_section("gpus", gpu))
@@ -79,18 +117,24 @@ def _judge(plan: Plan, host: Host, sec: dict[str, list[str]], live: set[str], ro
     n = host.name
     checks = [Check(n, "reachable", PASS)]
     rt_label = "vllm-router" if router_only else (host.runtime if host.runtime != "bare" else ("k3launch.sim" if plan.engine == "sim" else "vllm"))
-    checks.append(Check(n, "runtime", PASS if sec.get("runtime") == ["ok"] else FAIL, f"{rt_label} {'found' if sec.get('runtime') == ['ok'] else 'not found'}"))
+    where = f" in {host.venv.rstrip('/')}/bin" if rt_label == "vllm" and host.venv else ""
+    checks.append(Check(n, "runtime", PASS if sec.get("runtime") == ["ok"] else FAIL,
+                        f"{rt_label} {'found' if sec.get('runtime') == ['ok'] else 'not found'}{where}"))
     if "image" in sec:
         checks.append(Check(n, "image", PASS if sec["image"] == ["ok"] else FAIL, "image present" if sec["image"] == ["ok"] else "image not pulled on this node"))
     if not router_only:
         if plan.engine == "sim":
             checks.append(Check(n, "gpus", SKIP, "simulated engine: no GPU check"))
+        elif plan.platform == "cpu":
+            checks.append(Check(n, "gpus", SKIP, f"{plan.hardware} is a CPU profile (vLLM's CPU build): no GPU check"))
         else:
             names = sec.get("gpus", [])
             want = (plan.hardware or "").replace("gb", "").upper()
             count_ok = len(names) == gpus_expected
             model_ok = all(want[-4:] in x.upper().replace(" ", "") for x in names) if names else False
             checks.append(Check(n, "gpus", PASS if count_ok and model_ok else FAIL, f"{len(names)} GPU(s): {', '.join(sorted(set(names)))[:120] or 'none found'}; plan needs {gpus_expected} x {plan.hardware}"))
+    if sec.get("version"):
+        checks.append(version_check(plan, host, sec["version"]))
     listening = remote.parse_listening("\n".join(sec.get("listening", [])))
     busy = [f"{u.port} ({u.purpose})" for u in plan.ports if u.node == n and remote.port_busy(listening, u.address, u.port)]
     checks.append(Check(n, "ports", FAIL if busy else PASS, ("in use: " + ", ".join(busy)) if busy else "planned ports free"))
@@ -105,6 +149,35 @@ def _judge(plan: Plan, host: Host, sec: dict[str, list[str]], live: set[str], ro
     return checks
 
 
+def version_check(plan: Plan, host: Host, lines: list[str]) -> Check:
+    """Judge the ``version`` section (``rc N`` and the last lines of ``vllm --version``)."""
+    n = host.name
+    rc = lines[0].split()[-1] if lines and lines[0].startswith("rc ") else "?"
+    out = lines[1:] if rc != "?" else lines
+    found = [m.group(1) for ln in out if (m := _VERSION.fullmatch(ln))]
+    if rc != "0" or not found:
+        why = "timed out" if rc == "124" else f"exit {rc}"
+        return Check(n, "vllm-version", FAIL, f"vllm --version failed ({why}): {(out or ['no output'])[-1][:160]}",
+                     hint="check the engine's installation on the node (`vllm --version` there)")
+    got = found[-1]
+    release = got.split("+", 1)[0]
+    if release == plan.vllm_version:
+        return Check(n, "vllm-version", PASS, f"vLLM {got}, the version the plan is for")
+    return Check(n, "vllm-version", FAIL, f"vLLM {got} runs here; the plan is for vLLM {plan.vllm_version}",
+                 hint=version_hint(release, host))
+
+
+def version_hint(release: str, host: Host) -> str:
+    """How to plan for the vLLM that runs: its version (and first its flag schema, when k3launch has none)."""
+    from k3launch.planning.schema import available_versions
+
+    plan_it = f"plan with --vllm-version {release}, or set vllm_version: {release} in the inventory"
+    if release in available_versions():
+        return plan_it
+    python = f"{host.venv.rstrip('/')}/bin/python" if host.venv else "<a python that imports this vLLM>"
+    return f"k3launch has no flag schema for vLLM {release}: `k3launch schema dump --python {python}`, then {plan_it}"
+
+
 def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorReport:
     live = set(live_deployments) - {plan.name}
     hosts = {h.name: h for h in plan.hosts}
@@ -116,7 +189,9 @@ def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorR
         if name in router_nodes and name in engine_nodes:
             scripts[name] += _section("router", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing")
     checks: list[Check] = []
-    for name, o in fleet.run_many(scripts, timeout=60).items():
+    versions = plan.engine == "vllm"  # a `vllm --version` in the probe: allow for it
+    timeout = PROBE_TIMEOUT_S + (VERSION_TIMEOUT_S + 30 if versions else 0)
+    for name, o in fleet.run_many(scripts, timeout=timeout).items():
         if isinstance(o, K3Error):
             checks.append(Check(name, "reachable", FAIL, o.message, o.code))
             continue

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from k3launch.deploy.base import LaunchFailed, Progress, TeardownReport, rank_label, ready_timeout, run_up
+from k3launch.deploy.base import LaunchFailed, Progress, TeardownReport, error_line, rank_label, ready_timeout, run_up
 from k3launch.deploy.ssh.observe import Poll, poll
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
@@ -237,9 +237,10 @@ class Launch:
         then = f"; then {', '.join(dead[1:])} exited too" if dead[1:] else ""
         code = pl.codes.get(cause, "?")
         how = f" with code {code}" if code != "?" else ""
-        return LaunchFailed(f"{cause} ({rank_label(proc)}) on {proc.node} exited{how} during {stage}{then}",
-                            "its last log lines are above; fix the cause and run `k3launch up` again", cause,
-                            pl.tails.get(cause) or self.log_tail(rec, cause),
+        tail = pl.tails.get(cause) or self.log_tail(rec, cause)
+        said = error_line(tail)
+        return LaunchFailed(f"{cause} ({rank_label(proc)}) on {proc.node} exited{how} during {stage}{then}" + (f": {said}" if said else ""),
+                            "its last log lines are above; fix the cause and run `k3launch up` again", cause, tail,
                             code="process-exited", node=proc.node)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from k3launch.deploy.base import PEER_LOSS
 from k3launch.errors import K3Error
-from k3launch.models.record import ProcessRecord, ProcessStatus, SshRecord, Status
+from k3launch.models.record import ProcessRecord, ProcessStatus, SshRecord, Status, observed_state
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.http import probe_all
@@ -99,10 +99,7 @@ def observe(rec: SshRecord, fleet: Fleet) -> Status:
     ok = probe_all(urls, timeout=2.0)
     procs = [ProcessStatus(id=p.id, node=p.node, role=p.role, alive=alive[p.id], healthy=None if p.http_port is None else ok.get(p.id, False))
              for p in rec.plan.processes]
-    state: str = rec.state
-    if state == "ready" and not all(alive.values()):
-        state = "degraded"
-    return Status(name=rec.name, state=state, endpoint=rec.endpoint, processes=procs,
+    return Status(name=rec.name, state=observed_state(rec.state, procs), endpoint=rec.endpoint, processes=procs,
                   unreachable=[why for _, why in sorted(pl.unreachable.items())])
 
 
