@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -17,6 +16,11 @@ from k3launch.errors import K3Error
 from k3launch.planning.layers import RESERVED
 from k3launch.planning.schema import load_schema, vendored_versions
 from k3launch.planning.schema_dump import ENV_VARS, SERVE_FLAGS, check_dumped, dump
+
+if TYPE_CHECKING:
+    from enginecpu import VllmCpu
+
+pytest_plugins = ["enginecpu"]
 
 DATA = Path(__file__).resolve().parent.parent / "k3launch" / "data" / "vllm"
 
@@ -111,16 +115,11 @@ def test_dump_refuses_an_interpreter_without_vllm(tmp_path: Path) -> None:
     assert not any((tmp_path / "out").iterdir())
 
 
-ENGINE_PY = os.environ.get("K3_VLLM_CPU_PYTHON", "")
-
-
 @pytest.mark.e2e
 @pytest.mark.engine
-@pytest.mark.skipif(not ENGINE_PY, reason="K3_VLLM_CPU_PYTHON is not set: no vLLM to dump (source the env.sh that tests/infra/vllm-cpu-up.sh prints)")
-def test_fresh_dump_equals_the_vendored_files(tmp_path: Path) -> None:
-    vdir = dump(ENGINE_PY, tmp_path)
-    if vdir.name not in vendored_versions():
-        pytest.skip(f"the engine at {ENGINE_PY} is vLLM {vdir.name}, which is not vendored")
+def test_fresh_dump_equals_the_vendored_files(tmp_path: Path, vllm_cpu: VllmCpu) -> None:
+    vdir = dump(vllm_cpu.python, tmp_path)
+    assert vdir.name in vendored_versions(), f"the engine at {vllm_cpu.python} is vLLM {vdir.name}, which is not vendored"
     check_dumped(vdir)
     for name in (SERVE_FLAGS, ENV_VARS):
         assert (vdir / name).read_text() == (DATA / vdir.name / name).read_text(), f"{vdir.name}/{name} differs from a fresh dump"
@@ -210,11 +209,10 @@ def test_cli_dump_errors_are_one_line_and_a_hint(tmp_path: Path, json_out: bool)
 
 @pytest.mark.e2e
 @pytest.mark.engine
-@pytest.mark.skipif(not ENGINE_PY, reason="K3_VLLM_CPU_PYTHON is not set: no vLLM to dump (source the env.sh that tests/infra/vllm-cpu-up.sh prints)")
-def test_cli_dump_of_the_engine_venv(tmp_path: Path) -> None:
+def test_cli_dump_of_the_engine_venv(tmp_path: Path, vllm_cpu: VllmCpu) -> None:
     from inventory_helpers import run_cli
 
-    res = run_cli(["schema", "dump", "--python", ENGINE_PY, "--json"], tmp_path, {"K3LAUNCH_SCHEMA_DIR": str(tmp_path / "s")})
+    res = run_cli(["schema", "dump", "--python", vllm_cpu.python, "--json"], tmp_path, {"K3LAUNCH_SCHEMA_DIR": str(tmp_path / "s")})
     assert res.code == 0, res.stdout + res.stderr
     got = res.json()
     assert got["used"] and got["path"] == str(tmp_path / "s" / got["version"]) and got["flags"] > 100

@@ -103,7 +103,7 @@ def test_single_node_serves_the_openai_api(procs: Procs) -> None:
     proc.wait_log("Loading weights of")
     assert not port_open(HOST, port), "the API port must stay closed while the engine loads"
     wait_healthy(HOST, port, proc)
-    proc.wait_log(rf"Starting vLLM API server on http://{HOST}:{port}")
+    proc.wait_log(rf"Starting vLLM server on http://{HOST}:{port}")
     base = f"http://{HOST}:{port}"
 
     models = json.loads(get(f"{base}/v1/models")[1])
@@ -112,7 +112,8 @@ def test_single_node_serves_the_openai_api(procs: Procs) -> None:
 
     status, body = post(f"{base}/v1/completions", {"model": "k3", "prompt": "one two three", "max_tokens": 7})
     assert status == 200
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10, "prompt_tokens_details": None,
+                             "completion_tokens_details": None}  # vLLM's usage keys
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["text"].split()) == 7
 
@@ -139,7 +140,8 @@ def test_streaming_and_usage(procs: Procs) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).split() == ["Kimi", "is", "a", "simulated", "mixture"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                                                                  "prompt_tokens_details": None, "completion_tokens_details": None}
 
     events = stream(HOST, port, "/v1/chat/completions",
                     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
@@ -225,7 +227,7 @@ def test_fault_exit_during_load(procs: Procs) -> None:
     _, proc = serve(procs, env={"K3LAUNCH_SIM_FAIL": "exit-during-load", "K3LAUNCH_SIM_LOAD_S": "0.6"})
     assert proc.wait_exit(30) == 1
     log = proc.log()
-    assert "EngineCore failed to start" in log and "Starting vLLM API server" not in log
+    assert "EngineCore failed to start" in log and "Starting vLLM server" not in log
 
 
 @pytest.mark.e2e

@@ -80,7 +80,7 @@ def test_tp_headless_with_wrong_master_fails(procs: Procs, wrong: str) -> None:
     assert "missing node ranks: 2" in head.log()
     assert "timed out while trying to connect to" in bad.log()
     assert "rendezvous at" in good.log() and "failed" in good.log()
-    assert "Starting vLLM API server" not in head.log()
+    assert "Starting vLLM server" not in head.log()
 
 
 def test_tp_duplicate_node_rank_fails(procs: Procs) -> None:

@@ -126,8 +126,8 @@ def choose_client(rec: DeploymentRecord, mode: str) -> str:
     reachable = rec.plan.backend == "local" or not _loopback(rec.endpoint)  # a login-node router on 127.0.0.1 is not
     if mode == "engine":
         if not in_container:
-            raise K3Error("no-container", f"{rec.name}: the head engine runs {runtime} without vLLM's own client (the simulated engine)",
-                          "use --client local")
+            raise K3Error("no-container", f"{rec.name}: the head engine runs {runtime}, not in a container, and is not a real vLLM "
+                          "with its own client (the simulated engine)", "use --client local")
         if not reachable:
             raise K3Error("endpoint-unreachable", f"{rec.name}: {rec.endpoint} is a login-node address the head node cannot reach",
                           "use --client local")

@@ -43,6 +43,16 @@ class Logger:
     def error(self, msg: str, src: str = "api_server.py") -> None:
         self._emit("ERROR", src, msg)
 
+    def uvicorn(self, msg: str) -> None:
+        """A line of vLLM's HTTP server (uvicorn): ``INFO:     message``, without vLLM's prefix."""
+        with _LOCK:
+            try:
+                stream = self._stream or sys.stdout
+                stream.write(f"INFO:     {msg}\n")
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+
     def fatal(self, exc_type: str, msg: str) -> None:
         """The last line of a Python traceback, on stderr, as a dying vLLM prints it."""
         with _LOCK:

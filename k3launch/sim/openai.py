@@ -116,20 +116,26 @@ def _chat_tokens(body: Json) -> int:
 
 
 def usage(req: GenRequest, completion_tokens: int) -> Json:
-    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": req.prompt_tokens + completion_tokens}
+    return {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens, "prompt_tokens_details": None, "completion_tokens_details": None}
 
 
 def full_body(req: GenRequest, text: str, n: int, finish: str, kv_out: Json | None) -> Json:
-    """The non-streaming response."""
+    """The non-streaming response, with the keys (and their order) of vLLM 0.32's own answers."""
     if req.chat:
-        choice: Json = {"index": 0, "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
-                        "logprobs": None, "finish_reason": finish, "stop_reason": None}
+        message = {"role": "assistant", "content": text, "refusal": None, "annotations": None, "audio": None, "function_call": None,
+                   "reasoning": None}
+        choice: Json = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                        "token_ids": None, "routed_experts": None}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
-    return {"id": req.request_id, "object": "chat.completion" if req.chat else "text_completion",
-            "created": int(time.time()), "model": req.model, "choices": [choice], "usage": usage(req, n),
-            "kv_transfer_params": kv_out}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None, "token_ids": None,
+                  "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None}
+    body: Json = {"id": req.request_id, "object": "chat.completion" if req.chat else "text_completion",
+                  "created": int(time.time()), "model": req.model, "choices": [choice], "service_tier": None,
+                  "system_fingerprint": "vllm-k3launch-sim", "usage": usage(req, n)}
+    if req.chat:
+        body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+    return body | {"kv_transfer_params": kv_out, "ec_transfer_params": None, "metrics": None}
 
 
 def chunk(req: GenRequest, text: str | None, finish: str | None, first: bool = False) -> Json:

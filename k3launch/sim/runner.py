@@ -84,9 +84,11 @@ class SimProcess:
             signal.signal(sig, self._on_signal)
         self.log.info(f"vLLM API server version {self.knobs.version} (k3launch simulated engine, process "
                       f"{self.knobs.process or '-'})")
-        self.log.info(f"args: model={self.opts.model} tp={self.opts.tp} pp={self.opts.pp} dp={self.opts.dp} "
-                      f"dp_local={self.opts.dp_local} dp_start_rank={self.opts.dp_start} nnodes={self.opts.nnodes} "
-                      f"node_rank={self.opts.node_rank} headless={self.opts.headless}", src="utils.py")
+        o = self.opts
+        args = {"model": o.model, "tensor_parallel_size": o.tp, "pipeline_parallel_size": o.pp, "data_parallel_size": o.dp,
+                "data_parallel_size_local": o.dp_local, "data_parallel_start_rank": o.dp_start, "nnodes": o.nnodes,
+                "node_rank": o.node_rank, "headless": o.headless}
+        self.log.info(f"non-default args: {args}", src="api_utils.py")  # vLLM's own line (its values: what the sim acts on)
         if self.knobs.fault == "exit-during-load":
             self._timer(self.knobs.fail_after_s, self._die_loading)
         threading.Thread(target=self._startup, name="startup", daemon=True).start()
@@ -203,6 +205,7 @@ class SimProcess:
         if self.done.wait(max(0.0, t0 + self.knobs.load_s - time.monotonic())):
             raise Stopped
         self.log.info(f"Loading weights took {time.monotonic() - t0:.2f} seconds", src="default_loader.py")
+        self.log.info(f"init engine (profile, create kv cache, warmup model) took {time.monotonic() - t0:.2f} s", src="core.py")
 
     def _side_channel(self) -> SideChannel | None:
         kv = self.opts.kv
@@ -241,5 +244,5 @@ class SimProcess:
             httpd.server_close()
 
         self._closer(close)
-        self.log.info(f"Starting vLLM API server on http://{host}:{port}", src="api_server.py")
-        self.log.info("Application startup complete.", src="on.py")
+        self.log.info(f"Starting vLLM server on http://{host}:{port}", src="entry.py")
+        self.log.uvicorn("Application startup complete.")

@@ -119,8 +119,12 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/health", "/ping"):
             self._send(200, b"")
         elif path == "/v1/models":
+            perm = {"id": "modelperm-k3launch-sim", "object": "model_permission", "created": app.created, "allow_create_engine": False,
+                    "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                    "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}  # vLLM's, as it answers
             data: list[Json] = [{"id": n, "object": "model", "created": app.created, "owned_by": "vllm", "root": app.opts.model,
-                     "parent": None, "max_model_len": app.opts.max_model_len, "permission": []} for n in app.opts.served_names]
+                                 "parent": None, "max_model_len": app.opts.max_model_len, "permission": [perm]}
+                                for n in app.opts.served_names]
             self._json(200, {"object": "list", "data": data})
         elif path == "/version":
             self._json(200, {"version": app.version})
