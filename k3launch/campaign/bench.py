@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
 CONTAINER_RUNTIMES = ("docker", "podman")
 CONTAINER_RESULT_DIR = "/tmp/k3launch-bench"  # inside the head container
-BARE_RESULT_DIR = "@K3LAUNCH_BENCH_DIR@"  # replaced by a directory of its own on the node (bare engines)
 
 
 @dataclass(frozen=True)
@@ -155,8 +154,8 @@ def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, clie
     if mode == "local":
         error = _run_local(bench_argv(load, result_dir=str(out_dir), **kw), log, timeout_s)  # type: ignore[arg-type]
     else:
-        where = BARE_RESULT_DIR if _bare_vllm(rec, rec.processes[head(rec).id].runtime) else CONTAINER_RESULT_DIR
-        error, stray = _run_engine(rec, bench_argv(load, result_dir=where, **kw), result, log, timeout_s)  # type: ignore[arg-type]
+        c = _engine_client(rec, result)
+        error, stray = _run_engine(rec, c, bench_argv(load, result_dir=c.result_dir, **kw), result, log, timeout_s)  # type: ignore[arg-type]
     metrics = None
     if error is None:
         metrics, error = read_result(result)
@@ -204,69 +203,58 @@ def _kill_group(p: subprocess.Popen[bytes]) -> None:
     p.wait()
 
 
-def _container(rec: DeploymentRecord) -> tuple[str, str, str]:
-    """(node, runtime, container name) of the head engine."""
+@dataclass(frozen=True)
+class _EngineClient:
+    """vLLM's own client on the head node: how to run it, stop it, and read what it wrote."""
+
+    node: str
+    result_dir: str  # where the client writes (in the head container, or a directory of its own on the node)
+    run: str  # the client's command line on the node (argv appended)
+    stop: str  # stops a timed-out client by its unique result name (the node's `pkill`)
+    fetch: str  # prints the result JSON on stdout (and cleans up)
+    where: str  # the result, for messages
+
+
+def _engine_client(rec: DeploymentRecord, result: Path) -> _EngineClient:
     h = head(rec)
     pr = rec.processes[h.id]
-    return h.node, pr.runtime, pr.handle
+    if _bare_vllm(rec, pr.runtime):
+        host = next(x for x in rec.plan.hosts if x.name == h.node)
+        tmp = f"/tmp/k3launch-bench-{rec.name}-{result.stem}"
+        env = " ".join(["env", *venv_path(host.venv)]) + " " if host.venv else ""
+        return _EngineClient(h.node, tmp, f"mkdir -p {shlex.quote(tmp)} && {env}vllm bench serve", f"pkill -INT -f {shlex.quote(tmp)}",
+                             f"cat {shlex.quote(tmp + '/' + result.name)}; rc=$?; rm -rf {shlex.quote(tmp)}; exit $rc",
+                             f"{tmp}/{result.name} on {h.node}")
+    ex = f"{shlex.quote(pr.runtime)} exec {shlex.quote(pr.handle)}"
+    inner = f"{CONTAINER_RESULT_DIR}/{result.name}"
+    # `<runtime> cp` to the node, then cat there: engine images need not ship cat (or a shell)
+    tmp = shlex.quote(f"/tmp/k3launch-bench-{result.name}")
+    fetch = f"{shlex.quote(pr.runtime)} cp {shlex.quote(f'{pr.handle}:{inner}')} {tmp} && cat {tmp}; rc=$?; rm -f {tmp}; exit $rc"
+    # after a timeout the exec client on the node is gone, the benchmark inside the container is
+    # not: stop it by its unique result file name (images without pkill cannot be helped)
+    return _EngineClient(h.node, CONTAINER_RESULT_DIR, f"{ex} vllm bench serve", f"{ex} pkill -INT -f {shlex.quote(result.name)}", fetch,
+                         f"{inner} in the head container on {h.node}")
 
 
-def _run_bare(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
-    """``vllm bench serve`` of the head node's engine environment; the result from a temporary directory there."""
-    h = head(rec)
-    host = next(x for x in rec.plan.hosts if x.name == h.node)
-    tmp = f"/tmp/k3launch-bench-{rec.name}-{result.stem}"
-    run_argv = [w if w != BARE_RESULT_DIR else tmp for w in argv]
-    env = " ".join(["env", *venv_path(host.venv)]) + " " if host.venv else ""
-    cmd = f"mkdir -p {shlex.quote(tmp)} && {env}vllm bench serve {shlex.join(run_argv)} 2>&1"
+def _run_engine(rec: DeploymentRecord, c: _EngineClient, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
+    """(error, stray): ``stray`` when a timed-out client could not be stopped."""
+    cmd = f"{c.run} {shlex.join(argv)}"
     fleet = api.fleet(rec)
     try:
-        r = fleet.run(h.node, cmd, timeout=timeout_s)
+        r = fleet.run(c.node, f"{cmd} 2>&1", timeout=timeout_s)
         log.write_text(f"$ {cmd}\n{r.stdout}{r.stderr}", encoding="utf-8")
         if r.exit_code == 124:
-            stop = fleet.run(h.node, f"pkill -INT -f {shlex.quote(tmp)}", timeout=30)
-            return f"vllm bench serve on {h.node} did not finish within {timeout_s:g}s", stop.exit_code not in (0, 1)
+            stop = fleet.run(c.node, c.stop, timeout=30)
+            return f"vllm bench serve on {c.node} did not finish within {timeout_s:g}s", stop.exit_code not in (0, 1)
         if not r.ok:
-            return f"vllm bench serve on {h.node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}", False
-        got = fleet.run(h.node, f"cat {shlex.quote(tmp + '/' + result.name)}; rc=$?; rm -rf {shlex.quote(tmp)}; exit $rc", timeout=60)
+            return f"vllm bench serve on {c.node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}", False
+        got = fleet.run(c.node, c.fetch, timeout=60)
         if not got.ok:
-            return f"cannot read the result of vllm bench serve on {h.node}: {_tail(got.stderr)}", False
+            return f"cannot read {c.where}: {_tail(got.stderr)}", False
         result.write_text(got.stdout, encoding="utf-8")
         return None, False
     except K3Error as exc:
-        return f"{h.node}: {exc.message}", False
-    finally:
-        fleet.close()
-
-
-def _run_engine(rec: DeploymentRecord, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
-    """(error, stray): ``stray`` when a timed-out client inside the container could not be stopped."""
-    if _bare_vllm(rec, rec.processes[head(rec).id].runtime):
-        return _run_bare(rec, argv, result, log, timeout_s)
-    node, rt, cname = _container(rec)
-    ex = f"{shlex.quote(rt)} exec {shlex.quote(cname)}"
-    inner = f"{CONTAINER_RESULT_DIR}/{result.name}"
-    fleet = api.fleet(rec)
-    try:
-        r = fleet.run(node, f"{ex} vllm bench serve {shlex.join(argv)} 2>&1", timeout=timeout_s)
-        log.write_text(f"$ {ex} vllm bench serve {shlex.join(argv)}\n{r.stdout}{r.stderr}", encoding="utf-8")
-        if r.exit_code == 124:
-            # the exec client on the node is gone, the benchmark inside the container is not:
-            # stop it by its unique result file name (images without pkill cannot be helped)
-            stop = fleet.run(node, f"{ex} pkill -INT -f {shlex.quote(result.name)}", timeout=30)
-            return f"vllm bench serve on {node} did not finish within {timeout_s:g}s", stop.exit_code not in (0, 1)
-        if not r.ok:
-            return f"vllm bench serve on {node} exited {r.exit_code}: {_tail(r.stdout + r.stderr)}", False
-        # `<runtime> cp` to the node, then cat there: engine images need not ship cat (or a shell)
-        tmp = shlex.quote(f"/tmp/k3launch-bench-{result.name}")
-        got = fleet.run(node, f"{shlex.quote(rt)} cp {shlex.quote(f'{cname}:{inner}')} {tmp} && cat {tmp}; rc=$?; rm -f {tmp}; exit $rc",
-                        timeout=60)
-        if not got.ok:
-            return f"cannot read {inner} in the head container on {node}: {_tail(got.stderr)}", False
-        result.write_text(got.stdout, encoding="utf-8")
-        return None, False
-    except K3Error as exc:
-        return f"{node}: {exc.message}", False
+        return f"{c.node}: {exc.message}", False
     finally:
         fleet.close()
 
