@@ -114,7 +114,14 @@ k3_stop() {
   [ -r "$K3_LOGDIR/.k3launch-grace" ] && grace=$(tr -cd 0-9 <"$K3_LOGDIR/.k3launch-grace")
   mapfile -t pids < <(k3_children | grep .)
   [ "${#pids[@]}" -gt 0 ] || return 0
-  kill -TERM "${pids[@]}" 2>/dev/null
+  # The steps' own processes get the TERM, through slurmstepd (`scancel --signal` without --batch
+  # reaches every step but not this script): a TERM to srun would make it force the step's end,
+  # TERM and KILL at once, and an engine killed like that leaves its shared memory behind (vLLM:
+  # hundreds of MB in /dev/shm). srun gets the TERM itself only when scancel cannot be used.
+  if [ "${#K3_PIDS[@]}" -gt 0 ] && ! { [ -n "${SLURM_JOB_ID:-}" ] && scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null; }; then
+    kill -TERM "${K3_PIDS[@]}" 2>/dev/null
+  fi
+  [ -z "$K3_WORK_PID" ] || kill -TERM "$K3_WORK_PID" 2>/dev/null
   while [ "$t" -lt $((${grace:-10} * 10)) ]; do
     alive=0
     for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done

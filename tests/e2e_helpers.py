@@ -6,7 +6,8 @@
 * :func:`leftovers` / :func:`busy_ports` look at *this machine's* ``/proc`` — the test hosts share
   its kernel — for anything of a deployment still alive: a process carrying its
   ``K3LAUNCH_DEPLOYMENT`` marker or running inside its run directory, a planned port still
-  listening in the host's network namespace.
+  listening in the host's network namespace. :func:`engine_processes` / :func:`no_engine_left`
+  look for anything of a real vLLM in a namespace by what runs (its process titles, its venv).
 * :func:`cleanup` is the safety net of every test's ``finally``: ``k3launch down``, then SIGKILL
   for anything that survived, so one failing test never leaks processes into the next.
 """
@@ -239,6 +240,36 @@ def host_netns(hosts: Hosts, name: str) -> str:
     """The network namespace of test host ``name`` (its sshd's)."""
     pid = (hosts.dir / "run" / f"{name}.pid").read_text().split()[0]
     return netns(pid)
+
+
+def engine_processes(ns: str) -> dict[int, str]:
+    """pid → command line of every live process of vLLM in network namespace ``ns`` (a test host's
+    or a Slurm node's), found by what runs, not by k3launch's markers: anything started from the
+    engine's venv or renamed by vLLM (``VLLM::EngineCore``, ``VLLM::Worker_TP1``, its API servers,
+    the multiprocessing resource tracker). vLLM's setproctitle overwrites the environment that
+    carries the markers, and Slurm steps run in the log directory, not in a run directory."""
+    found: dict[int, str] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or netns(d.name) != ns or _state(d.name) in ("Z", "X"):
+            continue
+        try:
+            cmdline = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        if "vllm" in cmdline.lower():
+            found[int(d.name)] = cmdline
+    return found
+
+
+def no_engine_left(namespaces: Iterable[str], wait_s: float = 15.0) -> dict[int, str]:
+    """engine_processes of every namespace, polled until none is left or ``wait_s`` passed (this VM
+    reaps vLLM's workers a few seconds late)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = {pid: cmd for ns in namespaces for pid, cmd in engine_processes(ns).items()}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _listening(pid: int | str) -> set[tuple[str, int]]:

@@ -51,7 +51,7 @@ def test_the_cpu_profile_is_one_engine_rank_per_node_and_restricted() -> None:
 def test_tiny_llama_loads_strictly_and_k3_stays_the_default() -> None:
     rec = TREE.model(TINY)
     assert rec.model.model_id == MODEL and rec.meta.default_hardware == "cpu-x86" and not rec.features
-    assert rec.compatible_strategies == ["single_node_tp", "multi_node_dep"] and "--max-model-len" in rec.model.base_args
+    assert rec.compatible_strategies == ["single_node_tp", "multi_node_tp", "multi_node_dep"] and "--max-model-len" in rec.model.base_args
     assert TREE.resolve("tiny-llama") == TINY and TREE.resolve(MODEL) == TINY
     assert build_plan(TREE, Selection()).recipe == "moonshotai/Kimi-K3"
 
@@ -70,15 +70,43 @@ def test_local_cpu_single_node_runs_the_venv_engine_on_its_own_addresses() -> No
     assert not {h.address for h in local_cpu(strategy="multi_node_dep").hosts} & local
 
 
-def test_local_cpu_dep_spans_two_nodes_behind_a_router() -> None:
+def test_local_cpu_dep_of_the_dense_model_is_data_parallel_behind_the_head() -> None:
+    # no experts to spread and one rank per node: vLLM refuses expert parallelism and (for a dense
+    # model) the external load balancing hybrid LB turns into, so the recipe turns both off and the
+    # head's API server balances over every DP rank; the other node joins headless, no router
     plan = local_cpu(strategy="multi_node_dep")
-    engines = [p for p in plan.processes if p.role == "serve"]
-    assert [p.node for p in engines] == ["cpu-1", "cpu-2"] and plan.endpoint == "http://127.0.0.20:8000"
-    assert all(p.argv[p.argv.index("--data-parallel-size") + 1] == "2" for p in engines)
-    assert engines[1].argv[engines[1].argv.index("--data-parallel-start-rank") + 1] == "1"
+    head, rank1 = plan.processes
+    assert [head.node, rank1.node] == ["cpu-1", "cpu-2"] and plan.endpoint == "http://127.0.0.21:8000"
+    assert all(p.argv[p.argv.index("--data-parallel-size") + 1] == "2" for p in (head, rank1))
+    assert rank1.argv[rank1.argv.index("--data-parallel-start-rank") + 1] == "1" and "--headless" in rank1.argv
+    assert (head.http_port, rank1.http_port) == (8000, None) and not any(p.role == "router" for p in plan.processes)
+    for p in (head, rank1):
+        assert "--enable-expert-parallel" not in p.argv and "--no-enable-expert-parallel" in p.argv
+        assert "--data-parallel-hybrid-lb" not in p.argv and "--no-data-parallel-hybrid-lb" in p.argv
+        assert [e.origin for e in p.provenance["--data-parallel-hybrid-lb"]] == [
+            "strategies/multi_node_dep.yaml", "models/k3launch/tiny-llama.yaml strategy_overrides.multi_node_dep"]
 
 
-@pytest.mark.parametrize("strategy", ["multi_node_tp", "multi_node_tep", "pd_cluster"])
+def test_local_cpu_tp_spans_two_nodes_with_one_tp_rank_each() -> None:
+    head, rank1 = local_cpu(strategy="multi_node_tp").processes
+    assert [p.argv[p.argv.index("--tensor-parallel-size") + 1] for p in (head, rank1)] == ["2", "2"]
+    assert "--headless" in rank1.argv and rank1.http_port is None and head.http_port == 8000
+
+
+def test_a_strategy_override_turning_hybrid_load_balancing_off_makes_the_other_nodes_headless(tmp_path: Path) -> None:
+    # the layout follows what the composed command says, not the strategy file's flag alone
+    import shutil
+
+    root = tmp_path / "recipes"
+    shutil.copytree(TREE.root, root)
+    path = root / "models" / "k3launch" / "tiny-llama.yaml"
+    path.write_text(path.read_text().replace('      - "--no-data-parallel-hybrid-lb"\n', ""))
+    plan = api.plan(example("local-cpu"), recipe=TINY, recipes_dir=root, strategy="multi_node_dep")
+    assert [p.http_port for p in plan.processes if p.role == "serve"] == [8000, 8000] and plan.processes[-1].role == "router"
+    assert not any("--headless" in p.argv for p in plan.processes)
+
+
+@pytest.mark.parametrize("strategy", ["multi_node_tep", "pd_cluster"])
 def test_tiny_llama_refuses_strategies_it_does_not_list(strategy: str) -> None:
     with pytest.raises(K3Error) as e:
         local_cpu(strategy=strategy)
@@ -134,10 +162,12 @@ def test_a_model_that_does_not_fit_host_memory_is_refused_saying_so(tmp_path: Pa
     path.write_text(path.read_text().replace('parameter_count: "1.44M"', 'parameter_count: "70B"'))
     inv = cpu_inventory(tmp_path, "defaults: {cpu_memory_gb: 100}")
     with pytest.raises(K3Error) as e:  # 70B x 2 x 1.2 = 168 GB
-        api.plan(inv, recipe=TINY, recipes_dir=root)
+        api.plan(inv, recipe=TINY, recipes_dir=root, strategy="single_node_tp")
     assert e.value.code == "does-not-fit" and "1 x cpu-x86 = 100 GB of host memory cannot hold the 168 GB" in e.value.message
     plan = api.plan(inv, recipe=TINY, recipes_dir=root, strategy="multi_node_dep")
     assert plan.capacity.fits and plan.nodes == 2
+    plan = api.plan(inv, recipe=TINY, recipes_dir=root)  # no strategy asked: the smallest that fits, TP over 2 nodes
+    assert (plan.strategy, plan.nodes, plan.capacity.fits) == ("multi_node_tp", 2, True)
 
 
 # ------------------------------------------------------------------ the engine version

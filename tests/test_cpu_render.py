@@ -43,7 +43,7 @@ def test_slurm_asks_for_no_gpus_on_cpu(tmp_path: Path) -> None:
     text = make_sbatch_string(plan, SlurmSection(container="bare"), "/shared/logs")
     assert "--gres" not in text and "--gpus-per-node" not in text
     assert "k3_doctor 0 /opt/vllm-cpu/bin/vllm " in text  # no GPUs to see; the venv's vllm must be there
-    assert text.count('env PATH=/opt/vllm-cpu/bin:"$PATH" ') == 2  # both engines, not the router
+    assert text.count('env PATH=/opt/vllm-cpu/bin:"$PATH" ') == 2  # both engines (the dense model's DEP has no router)
 
 
 def test_a_home_venv_expands_on_the_node(tmp_path: Path) -> None:

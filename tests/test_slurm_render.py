@@ -104,6 +104,15 @@ if [ "$1 $2 $3" = "show node -o" ]; then
 fi
 echo "fake scontrol: unexpected: $*" >&2; exit 2
 """
+# fake scancel: records its argv; `--signal=SIG JOB` (no --batch) sends SIG to every step's
+# process, as slurmstepd would, and never to the job script
+FAKE_SCANCEL = r"""#!/bin/bash
+printf '%s\n' "$*" >>"$K3_FAKE_OUT/scancel.calls"
+[ "$1" = --signal=TERM ] && [ "$2" = "$SLURM_JOB_ID" ] || exit 1
+shopt -s nullglob
+for f in "$K3_FAKE_OUT"/srun.*.argv; do p=${f##*/srun.}; kill -TERM "${p%.argv}" 2>/dev/null; done
+exit 0
+"""
 # sleep: recorded; waits of up to 1 s are real (the job's polling and watch windows), longer ones are skipped
 FAKE_SLEEP = "#!/bin/sh\necho \"$@\" >>\"$K3_FAKE_OUT/sleep.calls\"\ncase $1 in 0.*|1) exec /bin/sleep \"$1\" ;; esac\n"
 
@@ -344,7 +353,7 @@ class Run:
 def fake_bin(tmp: Path) -> Path:
     bindir = tmp / "fakebin"
     bindir.mkdir(exist_ok=True)
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("sleep", FAKE_SLEEP)):
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("scancel", FAKE_SCANCEL), ("sleep", FAKE_SLEEP)):
         (bindir / name).write_text(text)
         (bindir / name).chmod(0o755)
     return bindir
@@ -450,6 +459,8 @@ def test_fail_fast_names_the_failed_process_and_node_and_stops_the_others(tmp_pa
     while any(pid_alive(p) for p in others) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not any(pid_alive(p) for p in others), "steps outlived the failed job"
+    # the steps' processes got the TERM through Slurm, not srun (which would TERM and KILL them at once)
+    assert (run.out / "scancel.calls").read_text() == "--signal=TERM 4242\n"
 
 
 def test_the_step_that_ended_first_is_named_first_whatever_the_start_order(tmp_path: Path) -> None:

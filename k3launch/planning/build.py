@@ -37,7 +37,7 @@ from k3launch.planning.porttable import flag_value, port_table
 from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.resolve import resolve
 from k3launch.planning.router import router_process
-from k3launch.planning.schema import load_schema
+from k3launch.planning.schema import FlagSchema, load_schema
 
 if TYPE_CHECKING:  # only plans placed on an inventory load the inventory models
     from k3launch.planning.inventory import Inventory
@@ -90,6 +90,22 @@ def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool, ports: Ports) -> t
         if not hybrid:
             toks.append("--headless")
     return toks, i == 0 or hybrid, None, i * local
+
+
+_LB_KEYS = ("--data-parallel-hybrid-lb", "--data-parallel-external-lb")
+
+
+def _load_balanced(schema: FlagSchema, pre: Sequence[Source]) -> bool:
+    """Whether the pool's own sources leave hybrid or external load balancing on (every DEP node
+    then serves HTTP), judged as compose judges them: the last writer wins, so a recipe's
+    ``strategy_overrides`` ``--no-data-parallel-hybrid-lb`` turns the strategy's flag off."""
+    on = dict.fromkeys(_LB_KEYS, False)
+    for src in pre:
+        args, _ = schema.parse(list(src.args))  # placeholders are not resolved yet: only booleans matter here
+        for a in args:
+            if a.key in on:
+                on[a.key] = bool(a.polarity)
+    return any(on.values())
 
 
 def _image(r: Resolved, node: NodeSpec) -> str | None:
@@ -155,7 +171,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     for pool in r.pools:
         pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
         pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strats)
-        hybrid = any(t in ("--data-parallel-hybrid-lb", "-dph", "--data-parallel-external-lb", "-dpe") for s in pre for t in s.args)
+        hybrid = _load_balanced(schema, pre)
         recipe_port = flag_value([t for src in pre for t in src.args], "--port")
         http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
         nixl_env = next((v for s in pre for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)

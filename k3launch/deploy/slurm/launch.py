@@ -227,7 +227,8 @@ class SlurmLaunch:
             self._bound = self._bind(out, info)
             self._stage = Stage.DOCTOR
         if self._stage == Stage.DOCTOR and out.doctor_ok:
-            self.on_stage(Stage.DOCTOR, f"{len(out.hosts)} node(s) ok (GPUs visible, engine found, ports free)")
+            gpus = "a CPU plan: no GPUs to check" if self.plan.platform == "cpu" else "GPUs visible"
+            self.on_stage(Stage.DOCTOR, f"{len(out.hosts)} node(s) ok ({gpus}, engine found, ports free)")
             self._stage = Stage.ALIVE
         if self._stage == Stage.ALIVE:
             steps = self.client.steps(job)

@@ -1,0 +1,252 @@
+"""The real-engine tier over SSH: k3launch spreads a REAL vLLM over two sshd test hosts.
+
+vLLM's CPU build (enginecpu.py) serves the tiny Llama on two hosts of tests/infra (one network
+namespace each, sharing this machine's kernel and filesystem: the venv and the model are where
+the inventory says). The inventory is the shipped ``inventories/local-cpu.yaml``'s engine
+settings (vllm_version, venv, engine env) on those hosts. Each real start costs ~50 s of two busy
+cores, so each scenario is brought up once and everything is checked on it: staged readiness,
+``status``, requests landing on both hosts' engines, and after ``down`` nothing of vLLM in either
+host's namespace (found by what runs, not by k3launch's markers), no planned port listening, no
+new shared memory.
+
+What vLLM 0.32's CPU build does with the two multi-node shapes (docs/ssh.md, "Real vLLM on CPU
+nodes"): TP across nodes works as planned; DEP of this dense model works as plain data parallelism
+behind the head's API server (the recipe's strategy_overrides), and the strategy as written for
+MoE models is refused by vLLM itself, which ``up`` reports with vLLM's own words.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+import yaml
+from e2e_helpers import Cli, cleanup, host_netns, leftovers, log_sections, netns, no_engine_left, processes, session
+
+from k3launch.models.record import Status
+
+if TYPE_CHECKING:
+    from enginecpu import VllmCpu
+    from sshhosts import Hosts
+
+pytest_plugins = ["sshhosts", "enginecpu"]
+pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.ssh]
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_CPU = ROOT / "inventories" / "local-cpu.yaml"
+RECIPE = "k3launch/tiny-llama"
+UP_TIMEOUT_S = 480  # two engines starting on two busy cores: ~50 s idle, several times that on a loaded CI machine
+STAGES = ("doctor", "start", "alive", "health", "completion", "ready")
+
+
+@dataclass
+class Pair:
+    """Two test hosts as a CPU inventory, the CLI with its own state directory, and this session's port offset."""
+
+    hosts: Hosts
+    names: list[str]
+    inv: Path
+    cli: Cli
+    model: str
+    offset: int
+    suffix: str
+
+    def ns(self, host: str) -> str:
+        return host_netns(self.hosts, host)
+
+
+@pytest.fixture
+def pair(ssh_hosts: Hosts, vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[Pair]:
+    if ssh_hosts.mode != "netns":
+        pytest.skip("loopback mode: the hosts share one network namespace, so their engines cannot be told apart")
+    shipped = yaml.safe_load(LOCAL_CPU.read_text())
+    names = ssh_hosts.names[:2]
+    inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", hardware="cpu-x86", engine="vllm", names=names, extra={
+        "vllm_version": shipped["vllm_version"],
+        "defaults": {"venv": str(vllm_cpu.bin.parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
+                     "env": shipped["defaults"]["env"]},
+    })
+    sfx, off = session(ssh_hosts)
+    cli = Cli(tmp_path / "state")
+    p = Pair(ssh_hosts, names, inv, cli, vllm_cpu.model, off, sfx)
+    try:
+        yield p
+    finally:  # whatever a failing test left: `down`, then SIGKILL (the real checks are in the tests)
+        recs = cli.state_dir / "deployments"
+        cleanup(cli, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])
+
+
+def _shm() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-", "vllm"))} if os.path.isdir("/dev/shm") else set()
+
+
+def _live(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _complete(endpoint: str, model: str, prompt: str) -> dict[str, Any]:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    req = urllib.request.Request(endpoint + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        data: dict[str, Any] = json.loads(r.read())
+    return data
+
+
+def _successes(endpoint: str) -> dict[str, float]:
+    """engine index → requests it finished (``vllm:request_success_total``, every finish reason)."""
+    with urllib.request.urlopen(endpoint + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(r'^vllm:request_success_total\{([^}]*)\} (\S+)$', text, re.M):
+        engine = re.search(r'engine="(\d+)"', m.group(1))
+        if engine:
+            out[engine.group(1)] = out.get(engine.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def _up(pair: Pair, name: str, port_base: int, *args: str, json_out: bool = False) -> Any:
+    r = pair.cli.run("up", "-i", str(pair.inv), "--recipe", RECIPE, *args, "--port-base", str(port_base + pair.offset),
+                     "--name", name, "--ready-timeout", str(UP_TIMEOUT_S - 60), *(["--json"] if json_out else []), timeout=UP_TIMEOUT_S)
+    return r
+
+
+def _down_leaves_nothing(pair: Pair, name: str, rec: dict[str, Any], shm_before: set[str], tree: set[int]) -> None:
+    d = pair.cli.json("down", name, timeout=180)
+    assert d["clean"] is True and d["unreachable"] == {} and d["leftovers"] == {} and d["busy_ports"] == [], d
+    assert sorted(d["stopped"]) == sorted(p["id"] for p in rec["plan"]["processes"]), d
+    # the machine's view: nothing of vLLM in either host's namespace, no planned port listening
+    assert no_engine_left([pair.ns(h) for h in pair.names]) == {}
+    procs, ports = leftovers(pair.hosts, rec)
+    assert procs == {} and ports == [], (procs, ports)
+    assert not [pid for pid in tree if _live(pid)], tree  # every process the deployment had while it served
+    assert _shm() - shm_before == set()  # vLLM shut down on its own: its shared memory went with it
+    assert pair.cli.records() == {}
+
+
+# ------------------------------------------------------------------ DEP: data parallelism over two hosts
+def test_dep_over_two_hosts_serves_with_one_dp_rank_per_host(pair: Pair) -> None:
+    name = f"eng-dep-{pair.suffix}"
+    shm_before = _shm()
+    t0 = time.monotonic()
+    r = _up(pair, name, 21800, "--strategy", "multi_node_dep", "--nodes", "2")
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for stage in STAGES:
+        assert f" {stage} " in r.stdout, (stage, r.stdout)
+    assert r.stdout.count("vLLM 0.32.0+cpu, the version the plan is for") == 2, r.stdout  # the doctor asked both hosts' engine
+
+    rec = pair.cli.record(name)
+    plan = rec["plan"]
+    head, rank1 = plan["processes"]  # the dense model's DEP: DP 2, internal load balancing, no router (the recipe's override)
+    assert [head["node"], rank1["node"]] == pair.names and head["http_port"] and rank1["http_port"] is None
+    for p in (head, rank1):
+        assert p["argv"][p["argv"].index("--data-parallel-size") + 1] == "2", p["argv"]
+        assert "--no-enable-expert-parallel" in p["argv"] and "--no-data-parallel-hybrid-lb" in p["argv"], p["argv"]
+    assert "--headless" in rank1["argv"] and rank1["argv"][rank1["argv"].index("--data-parallel-start-rank") + 1] == "1"
+    assert rec["endpoint"] == f"http://{head['address']}:{head['http_port']}"
+
+    # each DP rank runs in its own host's namespace: vLLM's own process titles say which rank is where
+    on = {h: " ".join(no_engine_left([pair.ns(h)], wait_s=0).values()) for h in pair.names}
+    assert "VLLM::EngineCore_DP0" in on[pair.names[0]] and "VLLM::DPCoordinator" in on[pair.names[0]], on
+    assert "VLLM::EngineCore_DP1" in on[pair.names[1]] and "EngineCore_DP0" not in on[pair.names[1]], on
+    running = processes(name)
+    for p in (head, rank1):
+        api = next(pid for pid, proc in running.items() if proc == p["id"])
+        assert netns(api) == pair.ns(p["node"]), p["id"]
+    tree = set(running)
+
+    snap = pair.cli.json("status", name)
+    assert Status.model_validate(snap).as_dict() == snap
+    assert snap["state"] == "ready" and snap["unreachable"] == [], snap
+    assert {(p["id"], p["alive"], p["healthy"]) for p in snap["processes"]} == {("serve-0", True, True), ("serve-1", True, None)}
+
+    # requests through the endpoint reach both engines: the head's API server balances over both DP ranks
+    sent, done = 0, {}
+    with ThreadPoolExecutor(2) as pool:
+        while sent < 32:
+            for data in pool.map(lambda i: _complete(rec["endpoint"], pair.model, f"request {i}"), range(sent, sent + 4)):
+                assert data["usage"]["completion_tokens"] > 0 and data["choices"][0]["finish_reason"] in ("length", "stop"), data
+            sent += 4
+            done = _successes(rec["endpoint"])
+            if sent >= 8 and done.get("0", 0) > 0 and done.get("1", 0) > 0:
+                break
+    assert done.get("0", 0) > 0 and done.get("1", 0) > 0 and sum(done.values()) >= sent, (sent, done)
+
+    logs = pair.cli.run("logs", name, "-n", "400")
+    sections = log_sections(logs.stdout)
+    assert "Application startup complete." in "\n".join(sections["serve-0"]), logs.stdout[-2000:]
+    assert any("EngineCore_DP1" in ln for ln in sections["serve-1"]), sections["serve-1"][-20:]
+
+    t1 = time.monotonic()
+    _down_leaves_nothing(pair, name, rec, shm_before, tree)
+    print(f"\n[dep over 2 hosts: up {took:.1f}s, {sent} requests {done}, down+checks {time.monotonic() - t1:.1f}s]")
+
+
+# ------------------------------------------------------------------ TP: one TP group over two hosts
+def test_tp_over_two_hosts_serves_from_the_head_with_a_headless_rank(pair: Pair) -> None:
+    name = f"eng-tp-{pair.suffix}"
+    shm_before = _shm()
+    t0 = time.monotonic()
+    r = _up(pair, name, 21900, "--strategy", "multi_node_tp", "--nodes", "2")
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for stage in STAGES:
+        assert f" {stage} " in r.stdout, (stage, r.stdout)
+    rec = pair.cli.record(name)
+    head, rank1 = rec["plan"]["processes"]
+    assert [head["node"], rank1["node"]] == pair.names and "--headless" in rank1["argv"]
+    assert head["argv"][head["argv"].index("--tensor-parallel-size") + 1] == "2"
+    # one TP worker per host, each bound by vLLM's own automatic CPU binding (one local worker: no
+    # VLLM_CPU_OMP_THREADS_BIND needed, unlike TP 2 on one host)
+    on = {h: " ".join(no_engine_left([pair.ns(h)], wait_s=0).values()) for h in pair.names}
+    assert "VLLM::Worker_TP0" in on[pair.names[0]] and "VLLM::Worker_TP1" in on[pair.names[1]], on
+    tree = set(processes(name))
+
+    data = _complete(rec["endpoint"], pair.model, "Hello over two hosts")
+    assert data["usage"]["completion_tokens"] > 0, data
+    snap = pair.cli.json("status", name)
+    assert snap["state"] == "ready", snap
+    assert {(p["id"], p["alive"], p["healthy"]) for p in snap["processes"]} == {("serve-0", True, True), ("serve-1", True, None)}
+    sections = log_sections(pair.cli.run("logs", name, "-n", "400").stdout)
+    assert any("rank 1 in world size 2" in ln and "TP rank 1" in ln for ln in sections["serve-1"]), sections["serve-1"][-20:]
+
+    t1 = time.monotonic()
+    _down_leaves_nothing(pair, name, rec, shm_before, tree)
+    print(f"\n[tp over 2 hosts: up {took:.1f}s, down+checks {time.monotonic() - t1:.1f}s]")
+
+
+# ------------------------------------------------------------------ vLLM's own refusal, reported cleanly
+def test_dep_as_written_for_moe_models_is_refused_by_vllm_and_up_says_why(pair: Pair, tmp_path: Path) -> None:
+    """Without the tiny recipe's strategy_overrides, DEP asks a dense model for expert parallelism:
+    vLLM refuses it at start, and ``up`` fails fast with vLLM's own line, leaving nothing behind."""
+    recipes = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes", recipes)
+    path = recipes / "models" / "k3launch" / "tiny-llama.yaml"
+    doc = yaml.safe_load(path.read_text())
+    assert doc.pop("strategy_overrides")["multi_node_dep"]["vllm_args"][0] == "--no-enable-expert-parallel"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    name = f"eng-moe-{pair.suffix}"
+    t0 = time.monotonic()
+    r = _up(pair, name, 22900, "--strategy", "multi_node_dep", "--nodes", "2", "--recipes-dir", str(recipes), json_out=True)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    err = json.loads(r.stdout)["error"]
+    assert err["code"] == "process-exited", err
+    assert "Number of experts in the model must be greater than 0 when expert parallelism is enabled" in err["message"], err  # vLLM's words
+    assert took < 240, took  # at the engines' exit (~10 s idle), not at the readiness deadline
+    assert pair.cli.records() == {}
+    assert no_engine_left([pair.ns(h) for h in pair.names]) == {}
+    print(f"\n[vLLM's refusal of expert parallelism reported in {took:.1f}s]")
