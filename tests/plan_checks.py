@@ -106,6 +106,13 @@ def check_plan(schema: FlagSchema, plan: Plan) -> None:
 
     for pc in plan.capacity.pools:
         procs = by_pool[pc.role]
+        if pc.parallelism == "replicas":  # independent engines: each a whole copy on its node, all serving HTTP
+            for p in procs:
+                a = parsed[p.id]
+                assert (_int(a, "--tensor-parallel-size", 1), _int(a, "--data-parallel-size", 1)) == (plan.gpus_per_node, 1), p.argv
+                assert p.http_port is not None and "--headless" not in p.argv, p.id
+            assert (pc.tp, pc.dp, pc.pp) == (plan.gpus_per_node, pc.nodes, 1) and len(procs) == pc.nodes
+            continue
         _check_pool(plan, pc.role, pc.nodes, procs, {p.id: parsed[p.id] for p in procs}, (pc.tp, pc.dp, pc.pp))
 
     _check_router(plan, engines)

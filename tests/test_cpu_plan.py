@@ -51,7 +51,8 @@ def test_the_cpu_profile_is_one_engine_rank_per_node_and_restricted() -> None:
 def test_tiny_llama_loads_strictly_and_k3_stays_the_default() -> None:
     rec = TREE.model(TINY)
     assert rec.model.model_id == MODEL and rec.meta.default_hardware == "cpu-x86" and not rec.features
-    assert rec.compatible_strategies == ["single_node_tp", "multi_node_tp", "multi_node_dep"] and "--max-model-len" in rec.model.base_args
+    assert rec.compatible_strategies == ["single_node_tp", "multi_node_tp", "multi_node_dep", "multi_node_replicas"]
+    assert "--max-model-len" in rec.model.base_args
     assert TREE.resolve("tiny-llama") == TINY and TREE.resolve(MODEL) == TINY
     assert build_plan(TREE, Selection()).recipe == "moonshotai/Kimi-K3"
 
@@ -232,3 +233,29 @@ def test_local_cpu_is_the_engine_venv_on_loopback() -> None:
     assert (inv.backend, inv.engine, inv.hardware, inv.vllm_version, inv.defaults.runtime) == ("local", "vllm", "cpu-x86", "0.32.0", "bare")
     assert inv.defaults.venv == "/var/cache/k3launch/vllm-cpu/venv" and inv.router.address == "127.0.0.20"
     assert [n.address for n in inv.nodes] == ["127.0.0.21", "127.0.0.22", "127.0.0.23", "127.0.0.24"]
+
+
+def test_replicas_are_independent_engines_behind_the_router() -> None:
+    # vLLM's way for a dense model across nodes: whole copies without --data-parallel-*, one endpoint
+    plan = local_cpu(strategy="multi_node_replicas")
+    check_plan(load_schema("0.32.0"), plan)
+    engines = [p for p in plan.processes if p.role != "router"]
+    (router,) = [p for p in plan.processes if p.role == "router"]
+    assert [p.node for p in engines] == ["cpu-1", "cpu-2"] and all(p.http_port for p in engines)
+    for p in engines:
+        assert not any(a.startswith("--data-parallel") or a in ("--nnodes", "--headless", "--master-addr") for a in p.argv), p.argv
+        assert p.argv[p.argv.index("--tensor-parallel-size") + 1] == "1"
+    assert router.argv[:2] == ["vllm-router", "--worker-urls"] and router.argv[2:4] == [f"http://{p.address}:{p.http_port}" for p in engines]
+    assert plan.endpoint == f"http://{router.address}:{router.http_port}"
+    (pool,) = plan.capacity.pools
+    assert (pool.parallelism, pool.dp, pool.gpu_memory_gb) == ("replicas", 2, 8.0)  # one node holds one copy
+    assert any(n.code == "router-added" and "independent replicas" in n.message for n in plan.notices)
+
+
+def test_replicas_refuse_a_model_one_node_cannot_hold(tmp_path: Path) -> None:
+    # 2 MB of host memory per node: two nodes hold the 3 MB of weights split by TP, not a whole copy each
+    inv = cpu_inventory(tmp_path, "defaults: {cpu_memory_gb: 0.002}")
+    assert api.plan(inv, recipe=TINY, strategy="multi_node_tp", nodes=2).capacity.fits
+    with pytest.raises(K3Error) as e:
+        api.plan(inv, recipe=TINY, strategy="multi_node_replicas")
+    assert e.value.code == "does-not-fit" and "every node holds a whole copy" in e.value.message, e.value.message

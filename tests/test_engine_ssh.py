@@ -12,7 +12,8 @@ new shared memory.
 What vLLM 0.32's CPU build does with the two multi-node shapes (docs/ssh.md, "Real vLLM on CPU
 nodes"): TP across nodes works as planned; DEP of this dense model works as plain data parallelism
 behind the head's API server (the recipe's strategy_overrides), and the strategy as written for
-MoE models is refused by vLLM itself, which ``up`` reports with vLLM's own words.
+MoE models is refused by vLLM itself, which ``up`` reports with vLLM's own words; independent
+replicas (``multi_node_replicas``) put the real ``vllm-router`` in front of two real engines.
 """
 
 from __future__ import annotations
@@ -250,3 +251,43 @@ def test_dep_as_written_for_moe_models_is_refused_by_vllm_and_up_says_why(pair: 
     assert pair.cli.records() == {}
     assert no_engine_left([pair.ns(h) for h in pair.names]) == {}
     print(f"\n[vLLM's refusal of expert parallelism reported in {took:.1f}s]")
+
+
+# ------------------------------------------------------------------ replicas: two real engines behind the real vllm-router
+def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
+    name = f"eng-rep-{pair.suffix}"
+    shm_before = _shm()
+    t0 = time.monotonic()
+    r = _up(pair, name, 22304, "--strategy", "multi_node_replicas")
+    took = time.monotonic() - t0
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    for stage in STAGES:
+        assert f" {stage} " in r.stdout, (stage, r.stdout)
+
+    rec = pair.cli.record(name)
+    plan = rec["plan"]
+    engines = [p for p in plan["processes"] if p["role"] != "router"]
+    (router,) = [p for p in plan["processes"] if p["role"] == "router"]
+    assert [p["node"] for p in engines] == pair.names and all(p["http_port"] for p in engines)
+    assert router["argv"][0] == "vllm-router" and router["node"] == "login"
+    assert rec["endpoint"] == f"http://{router['address']}:{router['http_port']}"
+    running = processes(name)
+    for p in engines:
+        api = next(pid for pid, proc in running.items() if proc == p["id"])
+        assert netns(api) == pair.ns(p["node"]), p["id"]
+    tree = set(running)
+
+    snap = pair.cli.json("status", name)
+    assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+
+    # round robin through the real router: every engine answers some of the requests
+    urls = [f"http://{p['address']}:{p['http_port']}" for p in engines]
+    for i in range(8):
+        data = _complete(rec["endpoint"], pair.model, f"request {i}")
+        assert data["usage"]["completion_tokens"] > 0, data
+    done = [sum(_successes(u).values()) for u in urls]
+    assert all(n > 0 for n in done) and sum(done) >= 8, done
+
+    t1 = time.monotonic()
+    _down_leaves_nothing(pair, name, rec, shm_before, tree)
+    print(f"\n[2 replicas behind vllm-router: up {took:.1f}s, requests per engine {done}, down+checks {time.monotonic() - t1:.1f}s]")

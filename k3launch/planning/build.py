@@ -70,6 +70,8 @@ def _resolve_source(src: Source, values: dict[str, str]) -> Source:
 def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool, ports: Ports) -> tuple[list[str], bool, int | None, int | None]:
     """Placement flags of node ``i`` of ``pool``: (tokens, serves_http, node_rank, dp_start_rank)."""
     g, n, par = pool.gpus_per_node, pool.nodes, pool.parallelism
+    if par == "replicas":  # independent engines: a whole copy per node, each serving HTTP (a router fronts them)
+        return ["--tensor-parallel-size", str(g)], True, None, None
     if par in ("tp", "tep", "tp_pp"):
         toks = ["--tensor-parallel-size", str(g if par == "tp_pp" else g * n)]
         if par == "tp_pp":
@@ -196,13 +198,15 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
             procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, http if serves else None, c, _image(r, node), node_rank, dp_start, pool.gpus_per_node))
             hosts.append(_host(node, pool.role, pool.gpus_per_node))
         tp, dp, pp = {"tp": (pool.gpus, 1, 1), "tep": (pool.gpus, 1, 1), "dep": (1, pool.gpus, 1),
-                      "tp_pp": (pool.gpus_per_node, 1, pool.nodes), "tp_dp": (pool.gpus_per_node, pool.nodes, 1)}[pool.parallelism]
+                      "tp_pp": (pool.gpus_per_node, 1, pool.nodes), "tp_dp": (pool.gpus_per_node, pool.nodes, 1),
+                      "replicas": (pool.gpus_per_node, pool.nodes, 1)}[pool.parallelism]
         if tp & (tp - 1):
             notices.append(Notice("tp-not-power-of-two", f"{pool.role} pool: TP {tp} must divide the model's attention heads or vLLM refuses it; "
                                   "a power of two (other node count, multi_node_tp_pp or DEP) is the safe choice"))
+        copy = 1 if pool.parallelism == "replicas" else pool.nodes  # the nodes that hold one copy of the weights
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
-                                      gpu_memory_gb=pool.nodes * r.node_memory_gb, weights_gb=r.weights_gb,
-                                      fits=pool.nodes * r.node_memory_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
+                                      gpu_memory_gb=copy * r.node_memory_gb, weights_gb=r.weights_gb,
+                                      fits=copy * r.node_memory_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
     # On Slurm the router runs inside the allocation, on the first engine node (the login node
     # cannot be assumed to reach compute nodes' ports, nor to outlive a job array task).
     rnode = placed[0] if inventory is not None and inventory.backend == "slurm" else router_node(inventory, exclude)

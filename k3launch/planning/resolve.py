@@ -191,11 +191,15 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
         if not multi and floor > 1:
             raise K3Error("single-node-strategy", f"{sname} needs {why.split(' needs ')[-1]}, more than one {hw_id} node ({hw.gpu_count} GPUs)",
                           f"use {MULTI_NODE_SIBLING.get(sname, 'a multi_node_* strategy')}")
-        n = _size(sel.nodes, floor, why, fit if multi else 1, sname, notices, auto_fit=True)
-        pools = [Pool("serve", parallelism_of(strategy), n, hw.gpu_count)]
+        par = parallelism_of(strategy)
+        if par == "replicas" and not capacity.fits(w.gb, mem, 1):
+            raise K3Error("does-not-fit", f"1 x {hw_id} = {mem.text()} cannot hold the {w.gb:g} GB of weights ({sname}: every node holds a whole copy)",
+                          f"use a strategy that splits the model over nodes (smallest that fits: {max(fit, 2)} nodes)")
+        n = _size(sel.nodes, floor, why, 1 if par == "replicas" or not multi else fit, sname, notices, auto_fit=True)
+        pools = [Pool("serve", par, n, hw.gpu_count)]
 
     for pool in pools:
-        if not capacity.fits(w.gb, mem, pool.nodes):
+        if not capacity.fits(w.gb, mem, 1 if pool.parallelism == "replicas" else pool.nodes):
             need = max(fit, pool.nodes + 1)
             where = f"the {pool.role} pool" if strategy.deploy_type == "pd_cluster" else "this deployment"
             flag = f"--{pool.role}-nodes" if strategy.deploy_type == "pd_cluster" else "--nodes"

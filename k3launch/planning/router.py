@@ -2,8 +2,8 @@
 
 P/D: ``--vllm-pd-disaggregation`` with one ``--prefill``/``--decode`` URL per serving process
 of each pool (the head of a TP/TEP pool, every node of a hybrid-LB DEP pool). Aggregated
-deployments whose nodes all serve HTTP (DEP with hybrid load balancing) get a round-robin
-router too, so one endpoint reaches every DP rank.
+deployments whose nodes all serve HTTP (DEP with hybrid load balancing, independent replicas)
+get a round-robin router too, so one endpoint reaches every engine.
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
             add("--prefill" if p.role == "prefill" else "--decode", f"http://{p.address}:{p.http_port}")
     else:
         add("--worker-urls", *[f"http://{p.address}:{p.http_port}" for p in serving])
-        notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP (hybrid load balancing); a vllm-router on {node.name} fronts all {len(serving)}"))
+        how = "independent replicas" if any(p.parallelism == "replicas" for p in r.pools) else "hybrid load balancing"
+        notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP ({how}); a vllm-router on {node.name} fronts all {len(serving)}"))
     add("--policy", policy, origin=sfile if r.strategy.router else "k3launch placement")
     add("--host", node.address)
     add("--port", str(http))
