@@ -88,7 +88,11 @@ def pair(ssh_hosts: Hosts, vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[Pair]:
 
 
 def _shm() -> set[str]:
-    return {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "sem.mp-", "vllm"))} if os.path.isdir("/dev/shm") else set()
+    """vLLM's shared memory (``psm_*`` segments, hundreds of MB: left only by an engine that was
+    killed, not stopped) and its own ``vllm*`` files. Not multiprocessing's 32-byte ``sem.mp-*``
+    semaphores: TP workers stopping on SIGTERM leave one now and then (seen once in four runs of
+    the TP test, after a clean shutdown), and nothing k3launch does decides that."""
+    return {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "vllm"))} if os.path.isdir("/dev/shm") else set()
 
 
 def _live(pid: int) -> bool:
