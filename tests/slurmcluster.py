@@ -238,3 +238,22 @@ def jobs(slurm_cluster: Cluster) -> Iterator[list[str]]:
     yield ids
     if ids:
         slurm_cluster.run("scancel", *ids, check=False)
+
+
+@pytest.fixture
+def cluster(slurm_cluster: Cluster) -> Cluster:
+    """The session's cluster, in network-namespace mode: every node its own address (in "multi" mode
+    every node is this machine's 127.0.0.1, so engines of two nodes would share ports and processes)."""
+    if slurm_cluster.mode != "netns":
+        pytest.skip("multi mode: every node is this machine's 127.0.0.1, so two nodes' engines cannot be told apart")
+    return slurm_cluster
+
+
+@pytest.fixture
+def state(tmp_path: Path, cluster: Cluster) -> Iterator[Path]:
+    """A state dir; at the end, any job named after a deployment of the test is cancelled."""
+    d = tmp_path / "state"
+    yield d
+    names = [p.stem for p in (d / "deployments").glob("*.json")] if (d / "deployments").is_dir() else []
+    for n in names:
+        cluster.run("scancel", "--name", f"k3-{n}", check=False)

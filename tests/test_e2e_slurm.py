@@ -17,7 +17,6 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,23 +33,6 @@ pytest_plugins = ["slurmcluster"]
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 MODEL = "moonshotai/Kimi-K3"
-
-
-@pytest.fixture
-def cluster(slurm_cluster: Cluster) -> Cluster:
-    if slurm_cluster.mode != "netns":
-        pytest.skip("multi mode: every node is this machine's 127.0.0.1, so engines of two nodes would share ports")
-    return slurm_cluster
-
-
-@pytest.fixture
-def state(tmp_path: Path, cluster: Cluster) -> Iterator[Path]:
-    """A state dir; at the end, any job named after a deployment of the test is cancelled."""
-    d = tmp_path / "state"
-    yield d
-    names = [p.stem for p in (d / "deployments").glob("*.json")] if (d / "deployments").is_dir() else []
-    for n in names:
-        cluster.run("scancel", "--name", f"k3-{n}", check=False)
 
 
 def write_inventory(tmp: Path, cluster: Cluster, env: dict[str, str] | None = None, **slurm: Any) -> Path:

@@ -19,7 +19,6 @@ import sys
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,23 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCAL_CPU = ROOT / "inventories" / "local-cpu.yaml"
 RECIPE = "k3launch/tiny-llama"
 UP_TIMEOUT_S = 480
-
-
-@pytest.fixture
-def cluster(slurm_cluster: Cluster, vllm_cpu: VllmCpu) -> Cluster:
-    if slurm_cluster.mode != "netns":
-        pytest.skip("multi mode: every node is this machine's 127.0.0.1, so a node's engine cannot be told from another's")
-    return slurm_cluster
-
-
-@pytest.fixture
-def state(tmp_path: Path, cluster: Cluster) -> Iterator[Path]:
-    """A state dir; at the end, any job named after a deployment of the test is cancelled."""
-    d = tmp_path / "state"
-    yield d
-    names = [p.stem for p in (d / "deployments").glob("*.json")] if (d / "deployments").is_dir() else []
-    for n in names:
-        cluster.run("scancel", "--name", f"k3-{n}", check=False)
 
 
 def cpu_inventory(tmp: Path, cluster: Cluster, venv: Path) -> Path:
