@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-    from k3launch.deploy.state import DeploymentRecord
+    from k3launch.models.record import DeploymentRecord
 
 CLI = [sys.executable, "-m", "k3launch"]
 # Short loads and latencies; rendezvous that give up within seconds if a rank is missing.

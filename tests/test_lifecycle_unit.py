@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from k3launch.deploy.base import LaunchFailed
 from k3launch.deploy.ssh.doctor import doctor
-from k3launch.deploy.ssh.launch import Launch, LaunchFailed
+from k3launch.deploy.ssh.launch import Launch
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
 from k3launch.models.record import ProcessRecord, SshRecord

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from k3launch.deploy.base import LaunchFailed
 from k3launch.deploy.slurm.client import JobInfo, expand, parse_sacct, parse_squeue, parse_steps, submit_env
 from k3launch.deploy.slurm.job import bind_plan, parse_output
 from k3launch.deploy.slurm.launch import SlurmLaunch
-from k3launch.deploy.ssh.launch import LaunchFailed
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan

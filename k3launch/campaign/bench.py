@@ -43,8 +43,8 @@ from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
 from k3launch.render.scripts import venv_path
 
 if TYPE_CHECKING:
-    from k3launch.deploy.state import DeploymentRecord
     from k3launch.models.plan import Process
+    from k3launch.models.record import DeploymentRecord
 
 CONTAINER_RUNTIMES = ("docker", "podman")
 CONTAINER_RESULT_DIR = "/tmp/k3launch-bench"  # inside the head container

@@ -50,8 +50,8 @@ from k3launch.errors import K3Error
 from k3launch.models.bench import LoadPoint
 
 if TYPE_CHECKING:
-    from k3launch.deploy.state import DeploymentRecord
     from k3launch.models.plan import Plan
+    from k3launch.models.record import DeploymentRecord
     from k3launch.planning.inventory import Inventory
 
 EventFn = Callable[[str], None]

@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
-from k3launch.models.record import LIVE_STATES, DeploymentRecord, ProcessRecord, SlurmJob, SlurmRecord, SshRecord, parse_record
+from k3launch.models.record import LIVE_STATES, DeploymentRecord, parse_record
 from k3launch.util.locks import locked
 
 
@@ -103,5 +103,3 @@ class StateStore:
                     held[h.address] = rec.name
         return held
 
-
-__all__ = ["LIVE_STATES", "DeploymentRecord", "ProcessRecord", "SlurmJob", "SlurmRecord", "SshRecord", "StateStore", "default_state_dir"]

@@ -219,15 +219,17 @@ class Status(Record):
     @property
     def healthy(self) -> bool:
         """Every process alive and every HTTP endpoint healthy."""
-        return all(p.alive and p.healthy is not False for p in self.processes)
+        return _all_well(self.processes)
+
+
+def _all_well(processes: list[ProcessStatus]) -> bool:
+    return all(p.alive and p.healthy is not False for p in processes)
 
 
 def observed_state(record_state: str, processes: list[ProcessStatus]) -> str:
     """A ready deployment with a process gone, or an endpoint that stopped answering /health
     (a vLLM whose EngineCore died answers 503 at once, its API server exits seconds later), is degraded."""
-    if record_state == "ready" and not all(p.alive and p.healthy is not False for p in processes):
-        return "degraded"
-    return record_state
+    return "degraded" if record_state == "ready" and not _all_well(processes) else record_state
 
 
 def status_schema() -> dict[str, Any]:

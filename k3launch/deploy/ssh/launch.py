@@ -40,7 +40,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import ProcessRecord, SshBackendName, SshRecord, Stage, StageFn
 from k3launch.render import snippets as remote
-from k3launch.render.scripts import BACKGROUND_HELPER, Raw, container_name, start_command, start_line, token_snippet
+from k3launch.render.scripts import BACKGROUND_HELPER, container_name, start_command, start_line, token_snippet
 from k3launch.transport.fleet import Fleet
 
 POLL_S = 0.5
@@ -242,7 +242,3 @@ class Launch:
         return LaunchFailed(f"{cause} ({rank_label(proc)}) on {proc.node} exited{how} during {stage}{then}" + (f": {said}" if said else ""),
                             "its last log lines are above; fix the cause and run `k3launch up` again", cause, tail,
                             code="process-exited", node=proc.node)
-
-
-
-__all__ = ["Launch", "LaunchFailed", "Poll", "Raw", "node_script", "poll", "ready_timeout", "start_steps"]
