@@ -42,14 +42,18 @@ def serve(procs: Procs, *args: str, env: dict[str, str] | None = None, name: str
 
 # -- argv ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
-    (["--no-enable-prefix-caching"], "unrecognized arguments: --no-enable-prefix-caching"),  # legacy, not in 0.33
-    (["--dtype", "fp9"], "argument --dtype: invalid choice: 'fp9' (choose from 'auto', "),
-    (["--port", "http"], "argument --port: invalid int value: 'http'"),
-    (["--tensor-parallel-size"], "argument --tensor-parallel-size/-tp: expected one argument"),
-    (["--kv-transfer-config", "{nope"], "argument --kv-transfer-config: invalid loads value"),
-])
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--no-such-flag", "1"], "unrecognized arguments: --no-such-flag"),
+        (["--no-enable-prefix-caching"], "unrecognized arguments: --no-enable-prefix-caching"),  # legacy, not in 0.33
+        (["--dtype", "fp9"], "argument --dtype: invalid choice: 'fp9' (choose from 'auto', "),
+        (["--port", "http"], "argument --port: invalid int value: 'http'"),
+        (["--tensor-parallel-size"], "argument --tensor-parallel-size/-tp: expected one argument"),
+        (["--kv-transfer-config", "{nope"], "argument --kv-transfer-config: invalid loads value"),
+    ],
+)
 def test_bad_flag_is_an_argparse_error(args: list[str], message: str) -> None:
     out = _run(*args)
     assert out.returncode == 2
@@ -57,16 +61,19 @@ def test_bad_flag_is_an_argparse_error(args: list[str], message: str) -> None:
     assert f"vllm serve: error: {message}" in out.stderr
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--nnodes", "2", "--node-rank", "2", "-tp", "16"], "node_rank (2) must be in [0, nnodes)"),
-    (["--nnodes", "2", "--node-rank", "0", "-tp", "16", "--headless"], "--headless is not allowed on node_rank 0"),
-    (["--nnodes", "2", "--node-rank", "1", "-tp", "16"], "node_rank 1 > 0 requires --headless"),
-    (["-dp", "4", "-dpl", "8"], "data_parallel_size_local (8) must be <= data_parallel_size (4)"),
-    (["-dp", "16", "-dpl", "8", "-dpr", "12", "--headless"], "data_parallel_start_rank (12) + data_parallel_size_local (8)"),
-    (["-dp", "16", "-dpl", "8", "-dpr", "8"], "data_parallel_start_rank is only applicable in headless"),
-    (["-tp", "16"], "this node needs 16 GPUs"),
-    (["-tp", "4", "-dp", "4"], "this node needs 16 GPUs"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nnodes", "2", "--node-rank", "2", "-tp", "16"], "node_rank (2) must be in [0, nnodes)"),
+        (["--nnodes", "2", "--node-rank", "0", "-tp", "16", "--headless"], "--headless is not allowed on node_rank 0"),
+        (["--nnodes", "2", "--node-rank", "1", "-tp", "16"], "node_rank 1 > 0 requires --headless"),
+        (["-dp", "4", "-dpl", "8"], "data_parallel_size_local (8) must be <= data_parallel_size (4)"),
+        (["-dp", "16", "-dpl", "8", "-dpr", "12", "--headless"], "data_parallel_start_rank (12) + data_parallel_size_local (8)"),
+        (["-dp", "16", "-dpl", "8", "-dpr", "8"], "data_parallel_start_rank is only applicable in headless"),
+        (["-tp", "16"], "this node needs 16 GPUs"),
+        (["-tp", "4", "-dp", "4"], "this node needs 16 GPUs"),
+    ],
+)
 def test_settings_vllm_refuses_exit_1(args: list[str], message: str) -> None:
     out = _run(*args)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -81,8 +88,10 @@ def test_gpu_count_comes_from_the_knob() -> None:
 
 def test_sim_imports_only_the_stdlib_and_the_schema() -> None:
     """The sim runs inside minimal engine images: no third-party import may creep in."""
-    code = ("import sys; before = set(sys.modules); import k3launch.sim.cli, k3launch.sim.runner; "
-            "print(' '.join(sorted(set(sys.modules) - before)))")
+    code = (
+        "import sys; before = set(sys.modules); import k3launch.sim.cli, k3launch.sim.runner; "
+        "print(' '.join(sorted(set(sys.modules) - before)))"
+    )
     new = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20, check=True).stdout.split()
     third_party = {m for m in new if m.split(".")[0] not in sys.stdlib_module_names and m.split(".")[0] != "k3launch"}
     ours = {m for m in new if m.startswith("k3launch") and not m.startswith("k3launch.sim")}
@@ -96,6 +105,7 @@ def test_unknown_fault_knob_is_refused() -> None:
 
 
 # -- serving ------------------------------------------------------------------------------------
+
 
 @pytest.mark.e2e
 def test_single_node_serves_the_openai_api(procs: Procs) -> None:
@@ -112,8 +122,13 @@ def test_single_node_serves_the_openai_api(procs: Procs) -> None:
 
     status, body = post(f"{base}/v1/completions", {"model": "k3", "prompt": "one two three", "max_tokens": 7})
     assert status == 200
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10, "prompt_tokens_details": None,
-                             "completion_tokens_details": None}  # vLLM's usage keys
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 7,
+        "total_tokens": 10,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }  # vLLM's usage keys
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and len(choice["text"].split()) == 7
 
@@ -126,7 +141,9 @@ def test_single_node_serves_the_openai_api(procs: Procs) -> None:
     status, _ = post(f"{base}/v1/completions", {"prompt": "x", "max_tokens": 1, "no_stop_trim": True, "separate_reasoning": True})
     assert status == 200
     assert post(f"{base}/v1/completions", {"model": "other", "prompt": "x"})[0] == 404
-    assert post(f"{base}/v1/completions", {"prompt": "x " * 4000, "max_tokens": 200})[0] == 400  # over --max-model-len
+    assert post(f"{base}/v1/completions", {"prompt": "x " * 5000, "max_tokens": 2})[0] == 400  # a prompt over --max-model-len
+    status, body = post(f"{base}/v1/completions", {"prompt": "x " * 4000, "max_tokens": 200})
+    assert status == 200 and body["usage"]["completion_tokens"] == 96  # as vLLM 0.32: clamped to what the context holds
     assert get(f"{base}/nope")[0] == 404
 
 
@@ -134,17 +151,17 @@ def test_single_node_serves_the_openai_api(procs: Procs) -> None:
 def test_streaming_and_usage(procs: Procs) -> None:
     port, proc = serve(procs)
     wait_healthy(HOST, port, proc)
-    events = stream(HOST, port, "/v1/completions",
-                    {"prompt": "a b", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}})
+    events = stream(
+        HOST, port, "/v1/completions", {"prompt": "a b", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    )
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]).split() == ["Kimi", "is", "a", "simulated", "mixture"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
-                                                                  "prompt_tokens_details": None, "completion_tokens_details": None}
+    # the usage chunk is dumped with exclude_none (vllm/entrypoints/openai/completion/serving.py): no *_details keys
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
 
-    events = stream(HOST, port, "/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    events = stream(HOST, port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
     chat = [json.loads(e) for e in events[:-1]]
     assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
     assert sum(1 for c in chat if c["choices"][0]["delta"].get("content")) == 3
@@ -158,9 +175,10 @@ def test_finish_reason_rides_on_the_last_token_chunk(procs: Procs) -> None:
     port, proc = serve(procs)
     wait_healthy(HOST, port, proc)
     usage = {"stream_options": {"include_usage": True}}
-    for path, body, text in (("/v1/completions", {"prompt": "a b", "max_tokens": 4}, lambda c: c["text"]),
-                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
-                              lambda c: c["delta"].get("content"))):
+    for path, body, text in (
+        ("/v1/completions", {"prompt": "a b", "max_tokens": 4}, lambda c: c["text"]),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, lambda c: c["delta"].get("content")),
+    ):
         for extra in ({}, usage):
             chunks = [json.loads(e) for e in stream(HOST, port, path, {**body, **extra, "stream": True})[:-1]]
             with_choices = [c["choices"][0] for c in chunks if c["choices"]]
@@ -197,8 +215,10 @@ def test_metrics_and_max_num_seqs(procs: Procs) -> None:
     wait_healthy(HOST, port, proc)
     base = f"http://{HOST}:{port}"
     results: list[int] = []
-    workers = [threading.Thread(target=lambda: results.append(post(f"{base}/v1/completions", {"prompt": "p q", "max_tokens": 10})[0]))
-               for _ in range(4)]
+    workers = [
+        threading.Thread(target=lambda: results.append(post(f"{base}/v1/completions", {"prompt": "p q", "max_tokens": 10})[0]))
+        for _ in range(4)
+    ]
     for w in workers:
         w.start()
     seen = (0.0, 0.0)
@@ -213,7 +233,7 @@ def test_metrics_and_max_num_seqs(procs: Procs) -> None:
     text = get(f"{base}/metrics")[1].decode()
     assert _metric(text, "vllm:prompt_tokens_total") == 8
     assert _metric(text, "vllm:generation_tokens_total") == 40
-    assert _metric(text, 'vllm:request_success_total') == 4
+    assert _metric(text, "vllm:request_success_total") == 4
     assert _metric(text, "vllm:time_to_first_token_seconds_count") == 4
     assert _metric(text, "vllm:e2e_request_latency_seconds_count") == 4
     assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
@@ -221,6 +241,7 @@ def test_metrics_and_max_num_seqs(procs: Procs) -> None:
 
 
 # -- faults -------------------------------------------------------------------------------------
+
 
 @pytest.mark.e2e
 def test_fault_exit_during_load(procs: Procs) -> None:
@@ -260,8 +281,12 @@ def test_fault_empty_after_ready(procs: Procs) -> None:
         status, body = post(url, {"prompt": "x", "max_tokens": 8})
         assert status == 200
         assert body["choices"][0]["text"] == "" and body["usage"]["completion_tokens"] == 0
-    chunks = [json.loads(e) for e in stream(HOST, port, "/v1/completions", {"prompt": "x", "max_tokens": 8, "stream": True,
-                                                                             "stream_options": {"include_usage": True}})[:-1]]
+    chunks = [
+        json.loads(e)
+        for e in stream(
+            HOST, port, "/v1/completions", {"prompt": "x", "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}
+        )[:-1]
+    ]
     assert [c["choices"][0]["text"] for c in chunks if c["choices"]] == [""]  # only the finish chunk, no tokens
     assert chunks[-1]["usage"]["completion_tokens"] == 0
     assert "K3LAUNCH_SIM_FAIL=empty-after-ready" in proc.log()
@@ -288,13 +313,18 @@ def test_fault_targets_one_process(procs: Procs) -> None:
 @pytest.mark.e2e
 def test_side_channel_on_an_address_not_of_this_node_fails_startup(procs: Procs) -> None:
     kv = '{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_load_failure_policy":"fail"}'
-    _, proc = serve(procs, "--kv-transfer-config", kv,
-                    env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.255.255.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+    _, proc = serve(
+        procs,
+        "--kv-transfer-config",
+        kv,
+        env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.255.255.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+    )
     assert proc.wait_exit(30) == 1
     assert "NIXL side channel cannot bind tcp://10.255.255.1:" in proc.log()
 
 
 # -- shutdown -----------------------------------------------------------------------------------
+
 
 @pytest.mark.e2e
 def test_sigterm_exits_0_and_frees_the_port(procs: Procs) -> None:
@@ -311,8 +341,9 @@ def test_sigterm_exits_0_and_frees_the_port(procs: Procs) -> None:
 @pytest.mark.e2e
 def test_batch_cost_stretches_decode_steps_with_the_batch(procs: Procs) -> None:
     """K3LAUNCH_SIM_BATCH_COST: 8 requests decoding together take longer per token than one alone."""
-    port, proc = serve(procs, "--max-num-seqs", "8", env={"K3LAUNCH_SIM_ITL_MS": "20", "K3LAUNCH_SIM_TTFT_MS": "1",
-                                                          "K3LAUNCH_SIM_BATCH_COST": "0.5"})
+    port, proc = serve(
+        procs, "--max-num-seqs", "8", env={"K3LAUNCH_SIM_ITL_MS": "20", "K3LAUNCH_SIM_TTFT_MS": "1", "K3LAUNCH_SIM_BATCH_COST": "0.5"}
+    )
     wait_healthy(HOST, port, proc)
     url = f"http://{HOST}:{port}/v1/completions"
 

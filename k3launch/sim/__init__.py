@@ -4,12 +4,12 @@ Run as ``python -m k3launch.sim serve MODEL [flags]`` (or ``k3launch-sim serve .
 accepts exactly the flags of the vendored vLLM schema, makes vLLM's startup checks, performs
 the TP/PP master, DP coordinator and NIXL side-channel exchanges over real TCP (so a wrong
 address, rank or port fails as on GPUs), then serves ``/health``, ``/v1/models``,
-``/v1/completions``, ``/v1/chat/completions`` (plain and SSE), ``/metrics`` and ``/version``.
-It depends on the standard library and ``k3launch.planning.schema``/``k3launch.errors`` only, so it runs
-in a minimal container image.
+``/v1/completions``, ``/v1/chat/completions`` (plain and SSE), ``/metrics`` and ``/version``,
+answering (``n`` choices, stream chunks, errors) as vLLM does. It depends on the standard library
+and ``k3launch.planning.schema``/``k3launch.errors`` only, so it runs in a minimal container image.
 
 Environment knobs (besides vLLM's own VLLM_HOST_IP, VLLM_NIXL_SIDE_CHANNEL_HOST/PORT,
-VLLM_ENGINE_READY_TIMEOUT_S and k3launch's K3LAUNCH_PROCESS marker):
+VLLM_ENGINE_READY_TIMEOUT_S, VLLM_MAX_N_SEQUENCES and k3launch's K3LAUNCH_PROCESS marker):
 
 =====================================  =======================================================
 K3LAUNCH_SIM_VLLM_VERSION              flag schema version (default: k3launch's default, 0.33.0)

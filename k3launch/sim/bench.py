@@ -2,7 +2,8 @@
 
 ``python -m k3launch.sim bench serve --dataset-name random --random-input-len 128 ...`` (and the
 ``vllm`` of the sim's container image) is a stdlib client for an OpenAI-compatible server:
-streaming ``/v1/completions`` requests with ``ignore_eos``, ``--max-concurrency`` bounding
+streaming ``/v1/completions`` requests with ``ignore_eos`` over keep-alive connections reused as
+vLLM's aiohttp session reuses them (:mod:`k3launch.sim.pool`), ``--max-concurrency`` bounding
 requests in flight, ``--request-rate`` arrivals from a gamma process (Poisson at burstiness 1),
 an initial test request before the run, and ``--save-result`` writing vLLM's JSON (field names
 in :mod:`k3launch.sim.bench_stats`). k3launch runs it where no engine container exists; against
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from k3launch.sim.bench_stats import DEFAULT_PERCENTILE_METRICS, METRICS, Outcome, detailed, p_word, summarize
+from k3launch.sim.pool import Pool
 from k3launch.sim.wire import Json
 
 PROG = "vllm bench serve"
@@ -108,16 +110,15 @@ def _urls(args: argparse.Namespace) -> tuple[str, str]:
     return base, base + args.endpoint
 
 
-def _split(url: str) -> tuple[http.client.HTTPConnection, str]:
+def _path(url: str) -> str:
     u = urllib.parse.urlsplit(url)
-    cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-    return cls(u.hostname or "127.0.0.1", u.port, timeout=TOTAL_TIMEOUT_S), (u.path or "/") + (f"?{u.query}" if u.query else "")
+    return (u.path or "/") + (f"?{u.query}" if u.query else "")
 
 
 def first_model(base: str) -> str:
-    conn, path = _split(base + "/v1/models")
+    conn = Pool(base, TOTAL_TIMEOUT_S).get()
     try:
-        conn.request("GET", path)
+        conn.request("GET", _path(base + "/v1/models"))
         body = json.loads(conn.getresponse().read() or b"{}")
         return str(body["data"][0]["id"])
     except (OSError, ValueError, KeyError, IndexError, http.client.HTTPException) as exc:
@@ -135,23 +136,26 @@ def sample(args: argparse.Namespace) -> list[tuple[list[int], int]]:
         return max(1, rng.randint(int(n * (1 - r)), int(n * (1 + r)))) if r > 0 else n
 
     prefix = [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(args.random_prefix_len)]
-    return [(prefix + [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(draw(args.random_input_len))], draw(args.random_output_len))
-            for _ in range(args.num_prompts)]
+    return [
+        (prefix + [rng.randrange(TOKEN_LO, TOKEN_HI) for _ in range(draw(args.random_input_len))], draw(args.random_output_len))
+        for _ in range(args.num_prompts)
+    ]
 
 
-def request(url: str, payload: Json, request_id: str) -> Outcome:
-    """One streaming completion, timed like vLLM's ``async_request_openai_completions``."""
+def request(pool: Pool, path: str, payload: Json, request_id: str) -> Outcome:
+    """One streaming completion on a pooled connection, timed like vLLM's ``async_request_openai_completions``."""
     prompt = payload["prompt"]
     out = Outcome(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
-    conn, path = _split(url)
+    conn = pool.get()
     st = time.perf_counter()
     out.start = st
     last = st
+    resp: http.client.HTTPResponse | None = None
     try:
         conn.request("POST", path, body=json.dumps(payload), headers={"Content-Type": "application/json", "x-request-id": request_id})
         resp = conn.getresponse()
         if resp.status != 200:
-            out.error = f"HTTP {resp.status} {resp.reason}: {resp.read(300).decode(errors='replace')}"
+            out.error = f"HTTP {resp.status} {resp.reason}: {resp.read().decode(errors='replace')[:300]}"
             return out
         got_chunk = False
         for raw in resp:
@@ -173,23 +177,38 @@ def request(url: str, payload: Json, request_id: str) -> Outcome:
                 out.generated_text += choices[0].get("text") or ""
             elif usage := chunk.get("usage"):
                 out.output_tokens = int(usage.get("completion_tokens") or 0)
+                out.prompt_len = int(usage.get("prompt_tokens") or out.prompt_len)  # as vLLM's client takes it
+        resp.read()  # the end of the chunked body: the connection can serve the next request
         out.latency = last - st
         out.success = got_chunk
         if not got_chunk:
             out.error = "Never received a valid chunk to calculate TTFT. This response will be marked as failed!"
     except (OSError, ValueError, http.client.HTTPException) as exc:
         out.error = f"{type(exc).__name__}: {exc}"
+        resp = None
     finally:
-        conn.close()
+        if resp is not None:
+            pool.put(conn, resp)
+        else:
+            conn.close()
     return out
 
 
 def _payload(args: argparse.Namespace, model: str, prompt: list[int], output_len: int) -> Json:
-    body: Json = {"model": args.served_model_name or model, "prompt": prompt, "max_tokens": output_len, "repetition_penalty": 1.0,
-                  "stream": True, "stream_options": {"include_usage": True},
-                  "temperature": 0.0 if args.temperature is None else args.temperature}
+    """vLLM's request body; like vLLM's client it sends a temperature only when given one."""
+    body: Json = {
+        "model": args.served_model_name or model,
+        "prompt": prompt,
+        "repetition_penalty": 1.0,
+        "max_tokens": output_len,
+        "logprobs": None,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.ignore_eos or args.dataset_name == "random":  # vLLM forces ignore_eos for the random dataset
         body["ignore_eos"] = True
+    if args.temperature is not None:
+        body["temperature"] = args.temperature
     return body
 
 
@@ -206,29 +225,31 @@ def _delays(n: int, rate: float, burstiness: float, rng: random.Random) -> list[
     return [d * scale for d in out]
 
 
-def _ready_check(args: argparse.Namespace, url: str, payload: Json) -> None:
+def _ready_check(args: argparse.Namespace, pool: Pool, path: str, payload: Json) -> None:
     deadline = time.monotonic() + args.ready_check_timeout_sec
     while True:
-        first = request(url, payload, f"{args.request_id_prefix}ready")
+        first = request(pool, path, payload, f"{args.request_id_prefix}ready")
         if first.success:
             print("Initial test run completed.")
             return
         if time.monotonic() >= deadline:
-            raise BenchError(f"Initial test run failed - Please make sure benchmark arguments are correctly specified. Error: {first.error}")
+            raise BenchError(
+                f"Initial test run failed - Please make sure benchmark arguments are correctly specified. Error: {first.error}"
+            )
         time.sleep(1.0)
 
 
-def _fire(url: str, payloads: list[Json], delays: list[float], limit: int | None, prefix: str) -> list[Outcome]:
+def _fire(pool: Pool, path: str, payloads: list[Json], delays: list[float], limit: int | None, prefix: str) -> list[Outcome]:
     """Send every request at its time; at most ``limit`` in flight (a waiting request's clock starts when it is sent)."""
     outcomes: list[Outcome | None] = [None] * len(payloads)
     sem = threading.BoundedSemaphore(limit) if limit else None
 
     def one(i: int) -> None:
         if sem is None:
-            outcomes[i] = request(url, payloads[i], f"{prefix}{i}")
+            outcomes[i] = request(pool, path, payloads[i], f"{prefix}{i}")
             return
         with sem:
-            outcomes[i] = request(url, payloads[i], f"{prefix}{i}")
+            outcomes[i] = request(pool, path, payloads[i], f"{prefix}{i}")
 
     t0 = time.perf_counter()
     threads = []
@@ -251,15 +272,26 @@ def run(args: argparse.Namespace) -> Json:
     model = args.model or first_model(base)
     requests = sample(args)
     payloads = [_payload(args, model, p, n) for p, n in requests]
-    if args.ready_check_timeout_sec > 0:
-        _ready_check(args, url, payloads[0])
-    if args.num_warmups > 0:
-        _fire(url, [payloads[0]] * args.num_warmups, [0.0] * args.num_warmups, args.max_concurrency, f"{args.request_id_prefix}warmup-")
-    print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: {args.max_concurrency}")
-    delays = _delays(len(payloads), args.request_rate, args.burstiness, random.Random(args.seed))
-    t0 = time.perf_counter()
-    outcomes = _fire(url, payloads, delays, args.max_concurrency, args.request_id_prefix)
-    duration = time.perf_counter() - t0
+    pool, path = Pool(url, TOTAL_TIMEOUT_S), _path(url)  # one pool for the whole run, as vLLM's one session
+    try:
+        if args.ready_check_timeout_sec > 0:
+            _ready_check(args, pool, path, payloads[0])
+        if args.num_warmups > 0:
+            _fire(
+                pool,
+                path,
+                [payloads[0]] * args.num_warmups,
+                [0.0] * args.num_warmups,
+                args.max_concurrency,
+                f"{args.request_id_prefix}warmup-",
+            )
+        print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: {args.max_concurrency}")
+        delays = _delays(len(payloads), args.request_rate, args.burstiness, random.Random(args.seed))
+        t0 = time.perf_counter()
+        outcomes = _fire(pool, path, payloads, delays, args.max_concurrency, args.request_id_prefix)
+        duration = time.perf_counter() - t0
+    finally:
+        pool.close()
     metrics = [m for m in (args.percentile_metrics or DEFAULT_PERCENTILE_METRICS).split(",") if m]
     unknown = [m for m in metrics if m not in METRICS]
     if unknown:
@@ -267,8 +299,15 @@ def run(args: argparse.Namespace) -> Json:
     pcts = [float(p) for p in args.metric_percentiles.split(",") if p]
     bench = summarize(outcomes, duration, metrics, pcts)
     _print(bench, args.max_concurrency, metrics, pcts)
-    result: Json = {"date": datetime.now().strftime("%Y%m%d-%H%M%S"), "endpoint_type": args.backend, "backend": args.backend,
-                    "label": args.label, "model_id": model, "tokenizer_id": args.tokenizer or model, "num_prompts": args.num_prompts}
+    result: Json = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": args.backend,
+        "backend": args.backend,
+        "label": args.label,
+        "model_id": model,
+        "tokenizer_id": args.tokenizer or model,
+        "num_prompts": args.num_prompts,
+    }
     for item in args.metadata or []:
         key, sep, value = item.partition("=")
         if not sep:
@@ -284,21 +323,36 @@ def run(args: argparse.Namespace) -> Json:
 
 
 def _print(bench: Json, concurrency: int | None, metrics: list[str], pcts: list[float]) -> None:
-    names = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
-             "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
-    lines = ["{:=^50}".format(" Serving Benchmark Result "), f"{'Successful requests:':<40} {bench['completed']}",
-             f"{'Failed requests:':<40} {bench['failed']}"]
+    names = {
+        "ttft": ("TTFT", "Time to First Token"),
+        "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+        "itl": ("ITL", "Inter-token Latency"),
+        "e2el": ("E2EL", "End-to-end Latency"),
+    }
+    lines = [
+        "{:=^50}".format(" Serving Benchmark Result "),
+        f"{'Successful requests:':<40} {bench['completed']}",
+        f"{'Failed requests:':<40} {bench['failed']}",
+    ]
     if concurrency is not None:
         lines.append(f"{'Maximum request concurrency:':<40} {concurrency}")
-    for label, key in (("Benchmark duration (s):", "duration"), ("Total input tokens:", "total_input_tokens"),
-                       ("Total generated tokens:", "total_output_tokens"), ("Request throughput (req/s):", "request_throughput"),
-                       ("Output token throughput (tok/s):", "output_throughput"), ("Total Token throughput (tok/s):", "total_token_throughput")):
+    for label, key in (
+        ("Benchmark duration (s):", "duration"),
+        ("Total input tokens:", "total_input_tokens"),
+        ("Total generated tokens:", "total_output_tokens"),
+        ("Request throughput (req/s):", "request_throughput"),
+        ("Output token throughput (tok/s):", "output_throughput"),
+        ("Total Token throughput (tok/s):", "total_token_throughput"),
+    ):
         v = bench[key]
         lines.append(f"{label:<40} {v:<10.2f}" if isinstance(v, float) else f"{label:<40} {v}")
     for m in (m for m in METRICS if m in metrics):
         short, header = names[m]
         lines.append(f"{header:-^50}")
-        lines += [f"{f'Mean {short} (ms):':<40} {bench[f'mean_{m}_ms']:<10.2f}", f"{f'Median {short} (ms):':<40} {bench[f'median_{m}_ms']:<10.2f}"]
+        lines += [
+            f"{f'Mean {short} (ms):':<40} {bench[f'mean_{m}_ms']:<10.2f}",
+            f"{f'Median {short} (ms):':<40} {bench[f'median_{m}_ms']:<10.2f}",
+        ]
         lines += [f"{f'P{p_word(p)} {short} (ms):':<40} {bench[f'p{p_word(p)}_{m}_ms']:<10.2f}" for p in pcts]
     print("\n".join([*lines, "=" * 50]), flush=True)
 

@@ -23,14 +23,31 @@ import time
 from collections.abc import Iterator
 
 from k3launch.sim import nixl
+from k3launch.sim.apierror import internal, invalid
 from k3launch.sim.logs import Logger
 from k3launch.sim.metrics import Metrics, render
-from k3launch.sim.openai import ApiError, GenRequest
+from k3launch.sim.openai import GenRequest
 from k3launch.sim.options import Knobs, ServeOptions
 from k3launch.sim.wire import Json
 
-FILLER = (" Kimi", " is", " a", " simulated", " mixture", " of", " experts", " answering", " with", " filler",
-          " words", " while", " the", " real", " engine", " sleeps.")
+FILLER = (
+    " Kimi",
+    " is",
+    " a",
+    " simulated",
+    " mixture",
+    " of",
+    " experts",
+    " answering",
+    " with",
+    " filler",
+    " words",
+    " while",
+    " the",
+    " real",
+    " engine",
+    " sleeps.",
+)
 
 
 class Rank:
@@ -43,37 +60,44 @@ class Rank:
 
 
 class Session:
-    """One admitted request: holds a --max-num-seqs slot of its rank until :meth:`close`."""
+    """One admitted request: holds a --max-num-seqs slot of its rank until :meth:`close`.
 
-    def __init__(self, engine: Engine, rank: Rank, req: GenRequest, arrival: float, n: int, kv_out: Json | None) -> None:
+    Its ``req.n`` choices decode in lockstep, ``length`` tokens each, in that one slot.
+    """
+
+    def __init__(self, engine: Engine, rank: Rank, req: GenRequest, arrival: float, length: int, kv_out: Json | None) -> None:
         self.engine = engine
         self.rank = rank
         self.req = req
         self.arrival = arrival
-        self.n = n
+        self.length = length
         self.kv_out = kv_out
-        self.produced = 0
+        self.produced = 0  # tokens of each choice so far
         self._first: float | None = None
         self._closed = False
 
     @property
     def finish_reason(self) -> str:
-        return "length" if self.n and self.n >= self.req.max_tokens else "stop"
+        return "length" if self.length and self.length >= self.req.max_tokens else "stop"
 
-    def tokens(self) -> Iterator[str]:
-        """Yield the output tokens at the model's pace."""
+    def steps(self) -> Iterator[list[str]]:
+        """Yield each decode step's tokens, one per choice, at the model's pace."""
         e = self.engine
         time.sleep(e.ttft_s)  # prefill (or KV load) of the whole prompt
         self._first = time.monotonic()
-        for i in range(self.n):
+        for i in range(self.length):
             if i:
                 time.sleep(e.itl_s * (1.0 + e.batch_cost * max(0, self.rank.metrics.running - 1)))
             self.produced += 1
-            tok = FILLER[i % len(FILLER)]
-            yield tok.lstrip() if i == 0 else tok  # words keep their spaces when the filler wraps
+            yield [_token(i, c) for c in range(self.req.n)]
 
-    def text(self) -> str:
-        return "".join(self.tokens())
+    def texts(self) -> list[str]:
+        """Every choice's whole text, once generated."""
+        parts: list[list[str]] = [[] for _ in range(self.req.n)]
+        for step in self.steps():
+            for choice, tok in zip(parts, step, strict=True):
+                choice.append(tok)
+        return ["".join(p) for p in parts]
 
     def close(self) -> None:
         """Release the slot and record the request (also when the client went away)."""
@@ -84,15 +108,21 @@ class Session:
         m = self.rank.metrics
         with m.lock:
             m.running -= 1
-            m.generation_tokens += self.produced
+            m.generation_tokens += self.produced * self.req.n
             if self._first is not None:
                 m.ttft.observe(self._first - self.arrival)
                 if self.produced > 1:
                     m.itl.observe((done - self._first) / (self.produced - 1))
-            if self.produced == self.n:
+            if self.produced == self.length:
                 m.finished[self.finish_reason] = m.finished.get(self.finish_reason, 0) + 1
             m.e2e.observe(done - self.arrival)
         self.rank.slots.release()
+
+
+def _token(i: int, choice: int) -> str:
+    """Token ``i`` of a choice: the filler words, each choice starting one word further, so choices differ."""
+    tok = FILLER[(i + choice) % len(FILLER)]
+    return tok.lstrip() if i == 0 else tok  # words keep their spaces when the filler wraps
 
 
 class Engine:
@@ -130,21 +160,22 @@ class Engine:
         vLLM indexes ``X-data-parallel-rank`` into the engines this API server manages, in
         rank order (``core_engines[i]``): on a hybrid-LB node with ranks 8-15, header 0 is
         rank 8. That is what vllm-router 0.1.17 sends (0..n-1, n = engine labels counted).
+        A header that is no integer is ignored, as vLLM's ``_get_data_parallel_rank`` does.
         """
-        if header is None:
+        try:
+            index = None if header is None else int(header)
+        except ValueError:
+            index = None
+        if index is None:
             with self._rr_lock:
                 return self.ranks[next(self._rr)]
         local = list(self.ranks)
-        try:
-            index = int(header)
-        except ValueError:
-            raise ApiError(400, f"X-data-parallel-rank {header!r} is not an integer") from None
         if not 0 <= index < len(local):
-            raise ApiError(400, f"data_parallel_rank {index} is out of range [0, {len(local)}) of the engines this server manages")
+            raise invalid(f"data_parallel_rank {index} is out of range [0, {len(local)}).")  # v1/engine/input_processor.py
         return self.ranks[local[index]]
 
     def open(self, req: GenRequest, dp_rank: str | None = None) -> Session:
-        """Admit ``req`` (waiting for a slot), then do its KV transfer; raises :class:`ApiError`."""
+        """Admit ``req`` (waiting for a slot), then do its KV transfer; raises :class:`~k3launch.sim.apierror.ApiError`."""
         arrival = time.monotonic()
         rank = self.pick(dp_rank)
         m = rank.metrics
@@ -156,13 +187,13 @@ class Engine:
             m.running += 1
             m.prompt_tokens += req.prompt_tokens
         try:
-            n, kv_out = self._kv(req, rank)
+            length, kv_out = self._kv(req, rank)
         except BaseException:
             with m.lock:
                 m.running -= 1
             rank.slots.release()
             raise
-        return Session(self, rank, req, arrival, 0 if self._empty() else n, kv_out)
+        return Session(self, rank, req, arrival, 0 if self._empty() else length, kv_out)
 
     def _empty(self) -> bool:
         """Whether this request gets no tokens: always (zero-tokens), or after the first (empty-after-ready)."""
@@ -175,8 +206,10 @@ class Engine:
             first_empty = self._admitted == 2
             empty = self._admitted > 1
         if first_empty:
-            self.log.warning("generating no tokens from now on, with 200 answers "
-                             "(simulated: K3LAUNCH_SIM_FAIL=empty-after-ready)", src="gpu_model_runner.py")
+            self.log.warning(
+                "generating no tokens from now on, with 200 answers (simulated: K3LAUNCH_SIM_FAIL=empty-after-ready)",
+                src="gpu_model_runner.py",
+            )
         return empty
 
     def _kv(self, req: GenRequest, rank: Rank) -> tuple[int, Json | None]:
@@ -194,11 +227,15 @@ class Engine:
                 with rank.metrics.lock:
                     rank.metrics.kv_failures += 1
                 if kv.load_failure_policy == "fail":
-                    self.log.error(f"KV load failed for request {req.request_id} (kv_load_failure_policy=fail): {exc}",
-                                   src="nixl_connector.py")
-                    raise ApiError(500, f"KV transfer failed for request {req.request_id}: {exc}", "InternalServerError") from None
-                self.log.warning(f"KV load failed for request {req.request_id}; recomputing the prefill locally "
-                                 f"(kv_load_failure_policy={kv.load_failure_policy}): {exc}", src="nixl_connector.py")
+                    self.log.error(
+                        f"KV load failed for request {req.request_id} (kv_load_failure_policy=fail): {exc}", src="nixl_connector.py"
+                    )
+                    raise internal(f"KV transfer failed for request {req.request_id}: {exc}") from None
+                self.log.warning(
+                    f"KV load failed for request {req.request_id}; recomputing the prefill locally "
+                    f"(kv_load_failure_policy={kv.load_failure_policy}): {exc}",
+                    src="nixl_connector.py",
+                )
                 return req.max_tokens, None
             with rank.metrics.lock:
                 rank.metrics.kv_pulls += 1

@@ -23,6 +23,7 @@ DEFAULT_MASTER_PORT = 29501
 DEFAULT_DP_RPC_PORT = 29550
 DEFAULT_NIXL_PORT = 5600
 DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_N_SEQUENCES = 16384
 DEFAULT_READY_TIMEOUT_S = 600.0
 
 
@@ -136,6 +137,7 @@ class ServeOptions:
     host_ip: str | None  # VLLM_HOST_IP: how peers reach this node
     nixl_host: str
     nixl_port: int
+    max_n_sequences: int  # VLLM_MAX_N_SEQUENCES: the most choices (n) one request may ask for
 
     @property
     def name(self) -> str:
@@ -206,7 +208,16 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
         host_ip=env.get("VLLM_HOST_IP") or None,
         nixl_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost",
         nixl_port=int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_NIXL_PORT),
+        max_n_sequences=_env_int(env, "VLLM_MAX_N_SEQUENCES", DEFAULT_MAX_N_SEQUENCES),
     )
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int) -> int:
+    """An integer setting of vLLM's environment; one the sim cannot read keeps vLLM's default."""
+    try:
+        return int(env.get(name) or default)
+    except ValueError:
+        return default
 
 
 def _kv_config(raw: str | None) -> KVConfig | None:
@@ -237,19 +248,26 @@ def _model_len(raw: str | None) -> int | None:
 
 def check(opts: ServeOptions, knobs: Knobs) -> None:
     """The startup checks vLLM makes on these settings; raises :class:`SimConfigError`."""
-    for what, value in (("tensor_parallel_size", opts.tp), ("pipeline_parallel_size", opts.pp),
-                        ("data_parallel_size", opts.dp), ("nnodes", opts.nnodes), ("max_num_seqs", opts.max_num_seqs)):
+    for what, value in (
+        ("tensor_parallel_size", opts.tp),
+        ("pipeline_parallel_size", opts.pp),
+        ("data_parallel_size", opts.dp),
+        ("nnodes", opts.nnodes),
+        ("max_num_seqs", opts.max_num_seqs),
+    ):
         if value < 1:
             raise SimConfigError(f"{what} must be >= 1, got {value}")
     if not 0 <= opts.node_rank < opts.nnodes:
         raise SimConfigError(f"node_rank ({opts.node_rank}) must be in [0, nnodes) with nnodes={opts.nnodes}")
     if opts.multi_node_tp and (opts.tp * opts.pp) % opts.nnodes:
         raise SimConfigError(
-            f"world_size (tensor_parallel_size {opts.tp} x pipeline_parallel_size {opts.pp}) "
-            f"must be divisible by nnodes ({opts.nnodes})")
+            f"world_size (tensor_parallel_size {opts.tp} x pipeline_parallel_size {opts.pp}) must be divisible by nnodes ({opts.nnodes})"
+        )
     if opts.headless and opts.multi_node_tp and opts.node_rank == 0:
-        raise SimConfigError("--headless is not allowed on node_rank 0: node 0 runs the API server of the TP/PP group "
-                             "(drop --headless there, or give this node its --node-rank)")
+        raise SimConfigError(
+            "--headless is not allowed on node_rank 0: node 0 runs the API server of the TP/PP group "
+            "(drop --headless there, or give this node its --node-rank)"
+        )
     if opts.multi_node_tp and opts.node_rank > 0 and not opts.headless:
         raise SimConfigError(f"node_rank {opts.node_rank} > 0 requires --headless: only node_rank 0 serves the API")
     if opts.dp_local > opts.dp:
@@ -259,14 +277,18 @@ def check(opts: ServeOptions, knobs: Knobs) -> None:
     if opts.dp_start < 0 or opts.dp_start + opts.dp_local > opts.dp:
         raise SimConfigError(
             f"data_parallel_start_rank ({opts.dp_start}) + data_parallel_size_local ({opts.dp_local}) "
-            f"must be <= data_parallel_size ({opts.dp})")
+            f"must be <= data_parallel_size ({opts.dp})"
+        )
     if opts.dp_start > 0 and not (opts.headless or opts.hybrid_lb or opts.external_lb):
-        raise SimConfigError("data_parallel_start_rank is only applicable in headless or hybrid/external LB mode; "
-                             "add --headless (or --data-parallel-hybrid-lb) on this node")
+        raise SimConfigError(
+            "data_parallel_start_rank is only applicable in headless or hybrid/external LB mode; "
+            "add --headless (or --data-parallel-hybrid-lb) on this node"
+        )
     if opts.gpus_needed > knobs.gpus:
         raise SimConfigError(
             f"this node needs {opts.gpus_needed} GPUs (tp {opts.tp} x pp {opts.pp} / nnodes {opts.nnodes} "
             f"x data_parallel_size_local {opts.dp_local}) but only {knobs.gpus} are available "
-            "(the world size is greater than the number of available GPUs)")
+            "(the world size is greater than the number of available GPUs)"
+        )
     if opts.kv is not None and opts.kv.nixl and not 0 < opts.nixl_port + opts.dp_start + opts.dp_local <= 65535:
         raise SimConfigError(f"VLLM_NIXL_SIDE_CHANNEL_PORT {opts.nixl_port} + DP rank is not a valid port")

@@ -2,8 +2,15 @@
 
 HTTP/1.1 with keep-alive: every plain response carries Content-Length, streams use chunked
 transfer encoding with SSE ``data:`` events, so clients that pool connections (vllm-router,
-``vllm bench serve``, aiohttp) behave as they do against uvicorn. A thread per connection keeps
-concurrent requests concurrent; --max-num-seqs is enforced by the engine, not by the server.
+``vllm bench serve``, aiohttp) behave as they do against uvicorn. Accepted connections set
+TCP_NODELAY, as uvicorn's do: a stream is many small writes, and with Nagle's algorithm each
+would wait for the ACK of the previous one, which a keep-alive client delays (tens of ms of
+TTFT). A thread per connection keeps concurrent requests concurrent; --max-num-seqs is enforced
+by the engine, not by the server.
+
+Routing answers as Starlette's router does under vLLM: an unknown path is 404 and a known path
+asked with another method 405 (with ``Allow``), both ``{"detail": ...}``; everything else wrong
+with a request is vLLM's ``{"error": {...}}`` (:mod:`k3launch.sim.apierror`).
 """
 
 from __future__ import annotations
@@ -16,13 +23,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
 
 from k3launch.sim import openai
+from k3launch.sim.apierror import ApiError, FieldError, validation_error
 from k3launch.sim.engine import Engine, Session
 from k3launch.sim.logs import Logger
-from k3launch.sim.openai import ApiError, GenRequest
+from k3launch.sim.openai import GenRequest
 from k3launch.sim.options import ServeOptions
 from k3launch.sim.wire import Json
 
 _MAX_BODY = 64 << 20
+_GET = frozenset({"/health", "/ping", "/v1/models", "/version", "/metrics", "/load"})
+_POST = frozenset({"/v1/completions", "/v1/chat/completions", "/ping"})
+_UNSUPPORTED_MEDIA = "Unsupported Media Type: Only 'application/json' is allowed"  # serve/utils/api_utils.py validate_json_request
 
 
 class App:
@@ -46,6 +57,11 @@ class SimHTTPServer(ThreadingHTTPServer):
         self.app = app
         super().__init__((host, port), Handler)
 
+    def get_request(self) -> tuple[socket.socket, object]:
+        conn, addr = super().get_request()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see the module's docstring
+        return conn, addr
+
     def handle_error(self, request: object, client_address: object) -> None:
         pass  # a client that hangs up mid-response is not an engine error; don't print tracebacks
 
@@ -67,8 +83,10 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: object) -> None:
         pass  # BaseHTTPRequestHandler's stderr lines are replaced by log_request above
 
-    def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+    def _send(self, status: int, body: bytes, ctype: str = "application/json", extra: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        for name, value in (extra or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -77,21 +95,35 @@ class Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: Json) -> None:
         self._send(status, json.dumps(obj).encode())
 
-    def _body(self) -> Json:
+    def _raw_body(self) -> bytes:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            raw = self._read_chunked()
-        else:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > _MAX_BODY:
-                raise ApiError(413, "request body too large")
-            raw = self.rfile.read(length)
-        try:
-            obj = json.loads(raw or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"invalid JSON body: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return obj
+            return self._read_chunked()
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > _MAX_BODY:
+            self.close_connection = True  # the rest of it is never read
+            raise ApiError(413, "request body too large", "Request Entity Too Large")
+        return self.rfile.read(length)
+
+    def _body(self) -> object:
+        """The request's JSON as FastAPI reads it for vLLM: parsed when the Content-Type is JSON or
+        absent (a decode error is a validation error), then the Content-Type checked; None: no body."""
+        raw = self._raw_body()
+        ctype = self.headers.get("Content-Type")
+        media = (ctype or "").split(";", 1)[0].strip().lower()
+        main, _, sub = media.partition("/")
+        body: object = None
+        if raw and (not ctype or (main == "application" and (sub == "json" or sub.endswith("+json")))):
+            try:
+                body = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise validation_error(
+                    [FieldError("json_invalid", f"body.{exc.pos}", "JSON decode error", {}, {"error": exc.msg})]
+                ) from None
+            except UnicodeDecodeError:
+                raise ApiError(400, "There was an error parsing the body", "Bad Request") from None
+        if media != "application/json":
+            raise validation_error([_UNSUPPORTED_MEDIA])
+        return body
 
     def _read_chunked(self) -> bytes:
         out = b""
@@ -103,7 +135,8 @@ class Handler(BaseHTTPRequestHandler):
             out += self.rfile.read(size)
             self.rfile.readline()
             if len(out) > _MAX_BODY:
-                raise ApiError(413, "request body too large")
+                self.close_connection = True
+                raise ApiError(413, "request body too large", "Request Entity Too Large")
 
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
@@ -113,18 +146,47 @@ class Handler(BaseHTTPRequestHandler):
         self._chunk(f"data: {payload}\n\n".encode())
 
     # -- routes -----------------------------------------------------------------------------
+    def _no_route(self, path: str) -> None:
+        """Starlette's answers: 405 for a path that exists for another method, else 404."""
+        allow = "GET" if path in _GET else "POST" if path in _POST else None
+        if allow is None:
+            self._json(404, {"detail": "Not Found"})
+            return
+        self._send(405, b'{"detail":"Method Not Allowed"}', extra={"Allow": allow})
+
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
         app = self.app
         if path in ("/health", "/ping"):
             self._send(200, b"")
         elif path == "/v1/models":
-            perm = {"id": "modelperm-k3launch-sim", "object": "model_permission", "created": app.created, "allow_create_engine": False,
-                    "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
-                    "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}  # vLLM's, as it answers
-            data: list[Json] = [{"id": n, "object": "model", "created": app.created, "owned_by": "vllm", "root": app.opts.model,
-                                 "parent": None, "max_model_len": app.opts.max_model_len, "permission": [perm]}
-                                for n in app.opts.served_names]
+            perm = {
+                "id": "modelperm-k3launch-sim",
+                "object": "model_permission",
+                "created": app.created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }  # vLLM's, as it answers
+            data: list[Json] = [
+                {
+                    "id": n,
+                    "object": "model",
+                    "created": app.created,
+                    "owned_by": "vllm",
+                    "root": app.opts.model,
+                    "parent": None,
+                    "max_model_len": app.opts.max_model_len,
+                    "permission": [perm],
+                }
+                for n in app.opts.served_names
+            ]
             self._json(200, {"object": "list", "data": data})
         elif path == "/version":
             self._json(200, {"version": app.version})
@@ -133,17 +195,30 @@ class Handler(BaseHTTPRequestHandler):
         elif path == "/load":
             self._json(200, {"server_load": app.engine.load()})
         else:
-            self._json(404, {"detail": "Not Found"})
+            self._no_route(path)
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         if path not in ("/v1/completions", "/v1/chat/completions"):
-            self._body_discard()
-            self._json(404, {"detail": "Not Found"})
+            try:
+                self._raw_body()  # read, so the next request on this connection starts where it should
+            except ApiError:
+                pass
+            if path == "/ping":
+                self._send(200, b"")
+            else:
+                self._no_route(path)
             return
+        opts = self.app.opts
         try:
-            req = openai.parse(self._body(), path == "/v1/chat/completions", self.app.opts.served_names,
-                               self.app.opts.max_model_len, self.headers.get("X-Request-Id"))
+            req = openai.parse(
+                self._body(),
+                path == "/v1/chat/completions",
+                opts.served_names,
+                opts.max_model_len,
+                self.headers.get("X-Request-Id"),
+                opts.max_n_sequences,
+            )
             session = self.app.engine.open(req, self.headers.get("X-data-parallel-rank"))
         except ApiError as exc:
             self._json(exc.status, exc.body())
@@ -152,23 +227,12 @@ class Handler(BaseHTTPRequestHandler):
             if req.stream:
                 self._stream(req, session)
             else:
-                text = session.text()
-                self._json(200, openai.full_body(req, text, session.produced, session.finish_reason, session.kv_out))
+                texts = session.texts()
+                self._json(200, openai.full_body(req, texts, session.produced, session.finish_reason, session.kv_out))
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left; the slot is freed below
         finally:
             session.close()
-
-    @staticmethod
-    def _final(chunk: Json, session: Session) -> Json:
-        if session.kv_out is not None:
-            chunk["kv_transfer_params"] = session.kv_out
-        return chunk
-
-    def _body_discard(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if 0 < length <= _MAX_BODY:
-            self.rfile.read(length)
 
     def _stream(self, req: GenRequest, session: Session) -> None:
         self.send_response(HTTPStatus.OK)
@@ -177,19 +241,27 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         if req.chat:
-            self._event(openai.chunk(req, "", None, first=True))
-        # Like vLLM's completion and chat stream generators, finish_reason rides on the chunk of
-        # the last token: a separate empty finish chunk would still carry ``choices``, which
-        # vllm bench serve's client counts as one more token arrival (one more ITL gap).
-        for i, tok in enumerate(session.tokens()):
-            if i < session.n - 1:
-                self._event(openai.chunk(req, tok, None))
-            else:
-                self._event(self._final(openai.chunk(req, tok, session.finish_reason), session))
-        if session.n == 0:  # no token at all (a zero-token engine): the finish reason comes alone
-            self._event(self._final(openai.chunk(req, None if req.chat else "", session.finish_reason), session))
+            for c in range(req.n):
+                self._event(openai.role_chunk(req, c))
+        # Like vLLM's completion and chat stream generators: each decode step sends one chunk per
+        # choice, and finish_reason rides on the chunk of a choice's last token: a separate empty
+        # finish chunk would still carry ``choices``, which vllm bench serve's client counts as
+        # one more token arrival (one more ITL gap).
+
+        def send(choice: int, text: str | None, finish: str | None) -> None:
+            chunk = openai.chunk(req, choice, text, finish)
+            if finish is not None and choice == req.n - 1 and session.kv_out is not None:
+                chunk["kv_transfer_params"] = session.kv_out  # a P/D prefill's answer rides on the very last chunk
+            self._event(chunk)
+
+        for i, step in enumerate(session.steps()):
+            for c, tok in enumerate(step):
+                send(c, tok, session.finish_reason if i == session.length - 1 else None)
+        if session.length == 0:  # no token at all (a zero-token engine): the finish reasons come alone
+            for c in range(req.n):
+                send(c, None if req.chat else "", session.finish_reason)
         if req.include_usage:
-            self._event(openai.usage_chunk(req, session.produced))
+            self._event(openai.usage_chunk(req, session.produced * req.n))
         self._event("[DONE]")
         self._chunk(b"")  # zero-length chunk: end of the chunked body
 
