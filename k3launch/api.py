@@ -199,18 +199,53 @@ def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, nod
 
 
 def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, accept_unknown_hosts: bool = False,
-         connect_timeout: float = 10.0) -> TeardownReport:
-    """Stop everything of ``name`` and verify; the record is deleted only when nothing is left."""
+         connect_timeout: float = 10.0, inventory: str | Path | Inventory | None = None) -> TeardownReport:
+    """Stop everything of ``name`` and verify; the record is deleted only when nothing is left.
+
+    Works from any state. With a readable record: its processes, in order. With an unreadable one:
+    the file is kept aside (``NAME.json.corrupt-<time>``, never deleted) and the deployment's
+    processes, containers or Slurm jobs are searched for by name where ``inventory`` (else the one
+    the record names, when that much can be read) runs deployments. Without a record: the same
+    search, on ``inventory``'s machines or, without one, on this machine. Idempotent: a clean
+    report when nothing of ``name`` is left (``report.verified`` says where that was checked)."""
     from k3launch.deploy.base import Access
     from k3launch.deploy.registry import backend
 
     store = _store(state_dir)
+    access = Access(accept_unknown_hosts, connect_timeout)
     with store.lock(name):
-        rec = store.load(name)
-        report = backend(rec.backend).down(rec, store, grace, Access(accept_unknown_hosts, connect_timeout))
-        if report.clean:
-            store.delete(name)
-    return report
+        if store.readable(name):
+            rec = store.load(name)
+            report = backend(rec.backend).down(rec, store, grace, access)
+            if report.clean:
+                store.delete(name)
+            return report
+        aside = None
+        if store.exists(name):
+            inventory = inventory if inventory is not None else _inventory_named_in(store.path(name))
+            if inventory is None:
+                raise K3Error("bad-state", f"{store.path(name)}: unreadable deployment record, and it does not say which inventory it ran on",
+                              f"`k3launch down {name} --inventory FILE` keeps the file aside and stops what runs on the inventory's nodes")
+            inv = load(inventory)[0]
+            aside = str(store.set_aside(name))
+        else:
+            inv = load(inventory)[0]
+        report = backend(inv.backend).sweep(name, inv, grace, access)
+        report.set_aside = aside
+        return report
+
+
+def _inventory_named_in(path: Path) -> str | None:
+    """The inventory path an unreadable record still names (best effort: a truncated or
+    wrong-shaped record often keeps its ``"inventory": "..."`` line), if that file exists."""
+    import re
+
+    try:
+        m = re.search(r'"inventory":\s*("(?:[^"\\]|\\.)*")', path.read_text(errors="replace"))
+        found = json.loads(m.group(1)) if m else None
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, str) and Path(found).is_file() else None
 
 
 def chat(name: str, message: str, *, max_tokens: int = 64, state_dir: str | Path | None = None) -> Mapping[str, Any]:

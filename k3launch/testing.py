@@ -161,6 +161,7 @@ class FakeSlurm(SlurmClient):
     * ``sbatch``: job ids ``first_id``, ``first_id + 1``, ...; ``refuse``: sbatch refuses with
       that reason; ``output``: written to ``<cwd>/slurm-<id>.out`` at submission (None: no
       output ever shows up on this machine). The script must exist, as for the real sbatch.
+    * ``named``: this user's active jobs by job name (``squeue --me -n NAME``), name -> job ids.
     * ``scancel`` ends the job (CANCELLED) unless ``stuck`` (a job that never ends).
     * ``sinfo -N``: ``nodes``; ``scontrol show partition``: a default partition of
       ``partition_size`` nodes (None: scontrol fails).
@@ -171,7 +172,7 @@ class FakeSlurm(SlurmClient):
 
     def __init__(self, states: Sequence[JobPoll] = (), *, tasks: Sequence[TaskPoll] = (), steps: Mapping[str, str] | None = None,
                  first_id: int = 42, refuse: str | None = None, output: str | None = None, nodes: Sequence[str] = (),
-                 partition_size: int | None = None, stuck: bool = False) -> None:
+                 partition_size: int | None = None, stuck: bool = False, named: Mapping[str, Sequence[str]] | None = None) -> None:
         self.fake_runner = FakeRunner(self._answer)
         super().__init__(runner=self.fake_runner)
         self.states: list[JobPoll] = list(states)
@@ -183,6 +184,7 @@ class FakeSlurm(SlurmClient):
         self.nodes = list(nodes)
         self.partition_size = partition_size
         self.stuck = stuck
+        self.named = {k: list(v) for k, v in (named or {}).items()}
         self.calls: list[list[str]] = []
         self.submitted: list[tuple[str, str | None]] = []
         self._seen: JobInfo | Fails | None = None  # the last job poll's answer (sacct reports from it)
@@ -207,14 +209,15 @@ class FakeSlurm(SlurmClient):
             return self._tasks(_opt(args, "-j"))
         if prog == "squeue" and "-j" in args:
             return self._job()
-        if prog == "squeue":  # by name (after an sbatch that timed out): nothing of that name
-            return 0, "", ""
+        if prog == "squeue":  # by name (an sbatch that timed out, a `down` without a record)
+            return 0, "".join(f"{j}\n" for j in self.named.get(_opt(args, "-n"), [])), ""
         if prog == "sacct":
             return self._sacct()
         if prog == "scancel":
             if not self.stuck:
                 job = args[-1]
                 self.states, self.running_steps = [JobInfo(job, "CANCELLED")], {}
+                self.named = {k: [j for j in v if j != job] for k, v in self.named.items()}
             return 0, "", ""
         if prog == "sinfo":
             return 0, "".join(f"{n}\n" for n in self.nodes), ""

@@ -4,11 +4,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 # tests import their helpers (plan_checks, sshhosts, ...) as top-level modules; the fakes are k3launch.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiers import missing_markers
+
+ROOT = Path(__file__).resolve().parents[1]
+# The test suite's own loopback range. The bundled local inventories put their nodes on 127.0.0.x
+# (local.yaml: 127.0.0.11-14, router 127.0.0.1; local-cpu.yaml: 127.0.0.21-24, router 127.0.0.20),
+# where a user's deployment (the quick start's, still up) runs; the tests' local deployments run
+# on the same last octets in 127.0.77.0/24 instead, so the two never share an address or a port.
+# All of 127/8 is loopback on Linux: no setup needed.
+TEST_NET = "127.0.77."
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test is checked
@@ -29,3 +38,44 @@ def _vendored_schemas_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("K3LAUNCH_SCHEMA_DIR", str(tmp_path_factory.mktemp("schemas")))
         yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A test that names no state dir (or a subprocess that inherits this environment) uses the
+    session's own, never the user's ~/.k3launch or $K3LAUNCH_STATE_DIR: their deployments are
+    neither listed, nor refused as holding nodes, nor taken down by a test."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("K3LAUNCH_STATE_DIR", str(tmp_path_factory.mktemp("k3launch-state")))
+        yield
+
+
+def _moved(address: str) -> str:
+    if not address.startswith("127.0.0."):
+        raise AssertionError(f"{address}: a bundled local inventory's address outside 127.0.0.0/24")
+    return TEST_NET + address.removeprefix("127.0.0.")
+
+
+def isolated_inventory(name: str, dest: Path) -> Path:
+    """A copy of the bundled inventory ``name`` with every node and the router on the test range
+    (TEST_NET), everything else as shipped."""
+    data = yaml.safe_load((ROOT / "inventories" / f"{name}.yaml").read_text(encoding="utf-8"))
+    for node in data["nodes"]:
+        node["address"] = _moved(node["address"])
+    if data.get("router", {}).get("address"):
+        data["router"]["address"] = _moved(data["router"]["address"])
+    path = dest / f"{name}-tests.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def local_inventory(tmp_path: Path) -> Path:
+    """inventories/local.yaml (the simulated engine) on the test range: 127.0.77.11-14, router 127.0.77.1."""
+    return isolated_inventory("local", tmp_path)
+
+
+@pytest.fixture
+def local_cpu_inventory(tmp_path: Path) -> Path:
+    """inventories/local-cpu.yaml (the real engine) on the test range: 127.0.77.21-24, router 127.0.77.20."""
+    return isolated_inventory("local-cpu", tmp_path)

@@ -10,6 +10,9 @@
   look for anything of a real vLLM in a namespace by what runs (its process titles, its venv).
 * :func:`cleanup` is the safety net of every test's ``finally``: ``k3launch down``, then SIGKILL
   for anything that survived, so one failing test never leaks processes into the next.
+* :class:`CutOn` cuts a host's network at a chosen command (the command then meets a silent
+  host on an open connection); :func:`ssh_fleet` reaches a plan's nodes with a given connect
+  timeout through such a wrapper; :func:`wait_for_record` watches a record change.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 import zlib
@@ -354,3 +358,77 @@ def log_sections(text: str) -> dict[str, list[str]]:
         elif cur is not None and line.strip():
             out[cur].append(line)
     return out
+
+
+def local_leftovers(rec: Mapping[str, Any], wait_s: float = 5.0) -> tuple[dict[int, str], list[str]]:
+    """:func:`leftovers` of a deployment on the ``local`` backend (every node is this machine)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        socks = _listening(os.getpid())
+        ports = [f"{u['address']}:{u['port']} ({u['purpose']})" for u in rec["plan"]["ports"]
+                 if any(p == u["port"] and a in (u["address"], "0.0.0.0") for a, p in socks)]
+        procs = processes(rec["name"])
+        if (not procs and not ports) or time.monotonic() > deadline:
+            return procs, ports
+        time.sleep(0.2)
+
+
+# ---- a host's network cut at a chosen moment -------------------------------------------------
+@dataclass
+class CutOn:
+    """A runner wrapper that cuts ``node``'s network (``Hosts.isolate``) just before it passes on a
+    command to that node: the first one ``match`` accepts after ``skip`` accepted ones. That
+    command then meets a silent host on an open connection, the moment a real cut is hardest to
+    notice. ``cut_at``: ``time.monotonic()`` when the cut began (None: not cut yet). The test heals."""
+
+    inner: Any
+    hosts: Hosts
+    node: str
+    match: Callable[[str], bool] = lambda command: True
+    skip: int = 0
+    cut_at: float | None = None
+    seen: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def run(self, target: Any, command: str, *, timeout: float = 60.0, env: Mapping[str, str] | None = None) -> Any:
+        if target.name == self.node and self.match(command):
+            with self._lock:
+                if self.cut_at is None and self.seen >= self.skip:
+                    self.cut_at = time.monotonic()
+                    self.hosts.isolate(self.node)
+                self.seen += 1
+        return self.inner.run(target, command, timeout=timeout, **({} if env is None else {"env": env}))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def ssh_fleet(plan: Any, ssh_config: str | None, known_hosts: str | None, connect_timeout: float,
+              wrap: Callable[[Any], Any] = lambda r: r) -> Any:
+    """A Fleet reaching ``plan``'s nodes as ``k3launch --connect-timeout CONNECT_TIMEOUT`` does,
+    its SSH runner wrapped by ``wrap`` (e.g. a :class:`CutOn`)."""
+    from k3launch.transport.fleet import Fleet
+    from k3launch.transport.runners import LocalRunner, SshRunner
+
+    ssh = SshRunner(known_hosts=known_hosts, ssh_config=ssh_config, connect_timeout=connect_timeout)
+    return Fleet.for_plan(plan, wrap(ssh), LocalRunner())
+
+
+def wait_for_record(cli: Cli, name: str, pred: Callable[[dict[str, Any]], bool], within: float,
+                    proc: subprocess.Popen[str] | None = None) -> tuple[float, dict[str, Any]]:
+    """(time.monotonic() when first seen, the record) once deployment ``name``'s record satisfies
+    ``pred``, polled every 20 ms; fails after ``within`` s, or when ``proc`` exits first."""
+    path = cli.state_dir / "deployments" / f"{name}.json"
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            rec: dict[str, Any] = json.loads(path.read_text())
+        except (OSError, ValueError):  # not there (yet), or another writer's moment
+            rec = {}
+        if rec and pred(rec):
+            return time.monotonic(), rec
+        if proc is not None and proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"exited {proc.returncode} before the record changed as expected:\n{out}\n{err}")
+        time.sleep(0.02)
+    raise AssertionError(f"{name}: the record did not change as expected within {within:g}s")

@@ -124,7 +124,11 @@ def check_plan(schema: FlagSchema, plan: Plan) -> None:
 
 def _check_pool(plan: Plan, role: str, n: int, procs: list[Process], parsed: dict[str, dict[str, Arg]],
                 reported: tuple[int, int, int]) -> None:
-    g = plan.gpus_per_node
+    # GPUs each engine uses: every GPU of its node, or -- one node only -- a single-node TP's smaller
+    # size (a CPU profile's ranks are not devices: a declared TP may exceed them).
+    g = procs[0].gpus
+    assert 0 < g <= plan.gpus_per_node or plan.platform == "cpu", f"{role}: {g} GPUs of {plan.gpus_per_node} per node"
+    assert n == 1 or g == plan.gpus_per_node, f"{role}: a multi-node pool uses {g} of {plan.gpus_per_node} GPUs per node"
     assert len(procs) == n, f"{role}: {len(procs)} processes for {n} nodes"
     heads = [p for p in procs if p.head]
     assert len(heads) == 1, f"{role}: {len(heads)} heads"

@@ -1,4 +1,6 @@
-"""Campaigns end to end on the simulated engine (the bundled local inventory, no root needed).
+"""Campaigns end to end on the simulated engine (no root needed), on the bundled local inventory
+moved to the test suite's own loopback range (``local_inventory``, conftest.py), so a user's
+deployment on the shipped addresses never meets these.
 
 Each test writes its own campaign (unique name, its own --port-base block, 512 apart from the
 others) and uses its own state dir, and runs `k3launch campaign` as a subprocess, as a user or a
@@ -31,9 +33,10 @@ FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": str(TTFT_MS), "K3L
 LOAD = {"max_concurrency": [1, 2, 4], "input_len": 32, "output_len": 8, "num_prompts": 8}
 
 
-def write(tmp: Path, port_base: int, env: dict[str, str] | None = None, seqs: tuple[int, ...] = (2, 8), **extra: object) -> tuple[Path, str]:
+def write(tmp: Path, port_base: int, inventory: Path, env: dict[str, str] | None = None, seqs: tuple[int, ...] = (2, 8),
+          **extra: object) -> tuple[Path, str]:
     name = f"ce-{uuid.uuid4().hex[:6]}"
-    body: dict[str, object] = {"name": name, "port_base": port_base, "engine_env": {**FAST, **(env or {})}, "ready_timeout": 60,
+    body: dict[str, object] = {"name": name, "inventory": str(inventory), "port_base": port_base, "engine_env": {**FAST, **(env or {})}, "ready_timeout": 60,
                                "base": {"strategy": "single_node_tp"}, "deployments": {"set": {"max-num-seqs": list(seqs)}},
                                "load": LOAD, "validity": {"max_error_rate": 0.0}, **extra}
     path = tmp / f"{name}.yaml"
@@ -89,8 +92,8 @@ def make(tmp_path: Path):  # type: ignore[no-untyped-def]
         c.cleanup()
 
 
-def test_campaign_end_to_end_one_start_per_deployment(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
-    path, name = write(tmp_path, 30208)
+def test_campaign_end_to_end_one_start_per_deployment(tmp_path: Path, make, local_inventory: Path) -> None:  # type: ignore[no-untyped-def]
+    path, name = write(tmp_path, 30208, local_inventory)
     c = make(path)
     code, s = c.summary()
     assert code == 0, s
@@ -155,10 +158,10 @@ def _check_complete(c: Campaign) -> None:
 
 
 @pytest.mark.parametrize(("sig", "port_base"), [(signal.SIGKILL, 30720), (signal.SIGINT, 31232)])
-def test_interrupted_campaign_resumes_with_only_the_missing_cells(tmp_path: Path, make, sig: int, port_base: int) -> None:  # type: ignore[no-untyped-def]
+def test_interrupted_campaign_resumes_with_only_the_missing_cells(tmp_path: Path, make, local_inventory: Path, sig: int, port_base: int) -> None:  # type: ignore[no-untyped-def]
     # slow tokens: the two load points after the 4th row take seconds, so a loaded machine still
     # delivers the signal while the second group is serving
-    path, _ = write(tmp_path, port_base, env={"K3LAUNCH_SIM_ITL_MS": "60"})
+    path, _ = write(tmp_path, port_base, local_inventory, env={"K3LAUNCH_SIM_ITL_MS": "60"})
     c = make(path)
     proc = subprocess.Popen(c.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=c.env, cwd=tmp_path,
                             stdin=subprocess.DEVNULL)
@@ -187,11 +190,11 @@ def test_interrupted_campaign_resumes_with_only_the_missing_cells(tmp_path: Path
     _check_complete(c)
 
 
-def test_zero_token_engine_gives_invalid_cells_not_numbers(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
+def test_zero_token_engine_gives_invalid_cells_not_numbers(tmp_path: Path, make, local_inventory: Path) -> None:  # type: ignore[no-untyped-def]
     # the engine passes up's readiness probe, then answers every request 200 with no tokens: the
     # deployment serves, every load point runs and vLLM's client counts the empty streams as
     # completed — only the campaign's output-token gate stands between them and the results
-    path, _ = write(tmp_path, 34816, env={"K3LAUNCH_SIM_FAIL": "empty-after-ready"}, seqs=(4,))
+    path, _ = write(tmp_path, 34816, local_inventory, env={"K3LAUNCH_SIM_FAIL": "empty-after-ready"}, seqs=(4,))
     c = make(path)
     code, s = c.summary()
     assert code == 1 and (s["ran"], s["valid"], s["invalid"], s["engine_starts"]) == (3, 0, 3, 1), s
@@ -209,10 +212,10 @@ def test_zero_token_engine_gives_invalid_cells_not_numbers(tmp_path: Path, make)
     assert rep.returncode == 0 and "invalid cells" in rep.stdout and "0 output tokens" in rep.stdout
 
 
-def test_engine_without_tokens_at_readiness_is_never_measured(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
+def test_engine_without_tokens_at_readiness_is_never_measured(tmp_path: Path, make, local_inventory: Path) -> None:  # type: ignore[no-untyped-def]
     # generating nothing from the start: up's completion stage refuses the deployment, so its cells
     # are invalid with the launch's reason and no load point runs against it
-    path, _ = write(tmp_path, 31744, env={"K3LAUNCH_SIM_FAIL": "zero-tokens"}, seqs=(4,))
+    path, _ = write(tmp_path, 31744, local_inventory, env={"K3LAUNCH_SIM_FAIL": "zero-tokens"}, seqs=(4,))
     c = make(path)
     code, s = c.summary()
     assert code == 1 and (s["valid"], s["invalid"], s["engine_starts"]) == (0, 3, 1)
@@ -225,9 +228,9 @@ def test_engine_without_tokens_at_readiness_is_never_measured(tmp_path: Path, ma
     assert rep.returncode == 0 and "invalid cells" in rep.stdout and "no-tokens" in rep.stdout
 
 
-def test_validity_gate_on_measured_figures(tmp_path: Path, make) -> None:  # type: ignore[no-untyped-def]
+def test_validity_gate_on_measured_figures(tmp_path: Path, make, local_inventory: Path) -> None:  # type: ignore[no-untyped-def]
     # an engine that serves, measured against a bar it cannot reach: the figures are dropped, the reason kept
-    path, _ = write(tmp_path, 32256, seqs=(4,), validity={"min_output_tokens": 10_000})
+    path, _ = write(tmp_path, 32256, local_inventory, seqs=(4,), validity={"min_output_tokens": 10_000})
     c = make(path)
     code, s = c.summary("--group", "0")
     assert code == 1 and (s["ran"], s["invalid"], s["engine_starts"]) == (3, 3, 1)
@@ -238,8 +241,8 @@ def test_validity_gate_on_measured_figures(tmp_path: Path, make) -> None:  # typ
     assert s["ran"] == 3 and c.engine_starts() == 2
 
 
-def test_bench_command_on_a_live_deployment(tmp_path: Path) -> None:
-    inv = yaml.safe_load(api.bundled_inventory("local").read_text())
+def test_bench_command_on_a_live_deployment(tmp_path: Path, local_inventory: Path) -> None:
+    inv = yaml.safe_load(local_inventory.read_text())
     inv["defaults"]["env"] = FAST
     (tmp_path / "inv.yaml").write_text(yaml.safe_dump(inv))
     env = {**os.environ, "K3LAUNCH_STATE_DIR": str(tmp_path / "state")}

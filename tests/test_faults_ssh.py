@@ -4,10 +4,12 @@ its planned ports free.
 
 A rank dying during load, sshd killed mid-`up`, a host that never answers, Ctrl-C during `up`,
 `down` with a host unreachable, a second `up` onto held nodes, `--dry-run`, an engine that
-generates no tokens. Loads are made long (K3LAUNCH_SIM_LOAD_S=30) where `up` must fail *during*
-the load: a failure reported long before the load could finish proves fail-fast. Root needed
-(skipped otherwise); every subprocess bounded; hosts stopped or isolated here are restored in
-`finally`.
+generates no tokens, and a host's network cut at each stage of `up`, `status` and `down` (the
+cut-* tests: declared unreachable within the connect timeout plus one poll, kept in the record,
+finished by the next `down`). Loads are made long (K3LAUNCH_SIM_LOAD_S=30) where `up` must fail
+*during* the load: a failure reported long before the load could finish proves fail-fast. Root
+needed (skipped otherwise); every subprocess bounded; hosts stopped or isolated here are
+restored in `finally`.
 """
 
 from __future__ import annotations
@@ -17,12 +19,38 @@ import json
 import os
 import shlex
 import signal
+import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from e2e_helpers import Cli, Recording, cleanup, host_netns, inventory, leftovers, lib_down, lib_up, netns, processes, session
+from e2e_helpers import (
+    Cli,
+    CutOn,
+    Recording,
+    cleanup,
+    host_netns,
+    inventory,
+    leftovers,
+    lib_down,
+    lib_fleet,
+    lib_up,
+    netns,
+    processes,
+    session,
+    ssh_fleet,
+    wait_for_record,
+)
+
+from k3launch.deploy.base import LaunchFailed, TeardownReport
+from k3launch.deploy.ssh.doctor import doctor
+from k3launch.deploy.ssh.launch import POLL_S, Launch
+from k3launch.deploy.ssh.observe import observe
+from k3launch.deploy.ssh.teardown import teardown
+from k3launch.deploy.state import StateStore
+from k3launch.models.record import SshRecord, Stage, Status
 
 if TYPE_CHECKING:
     from sshhosts import Hosts
@@ -32,6 +60,16 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 SLOW_LOAD = {"K3LAUNCH_SIM_LOAD_S": "30"}
 TP3 = ["--strategy", "multi_node_tp", "--nodes", "3"]
+
+# Network cuts (the cut-* tests). The promise: a host that stops answering at any moment is
+# declared unreachable within --connect-timeout plus one poll interval. Asserted with three times
+# that, so that a loaded 2-core machine does not flake; the measured figures are printed (-s).
+CUT_CT = 2.0  # --connect-timeout of these tests
+CUT_BOUND_S = 3 * (CUT_CT + POLL_S)
+# After the failure `up` tears down the reachable nodes: SIGTERM (the simulated engines exit at
+# once), then the verification, which waits up to 5 s for ports to close.
+TEARDOWN_MARGIN_S = 30.0
+CLI_START_S = 5.0  # a `k3launch` process's own start (interpreter, imports) on a loaded machine
 
 
 def test_rank_exits_during_load_fails_fast_naming_it(ssh_hosts: Hosts, tmp_path: Path) -> None:
@@ -256,3 +294,214 @@ def _section(text: str, header: str) -> str:
     start = next(i for i, ln in enumerate(lines) if header in ln and "─" in ln)
     end = next((i for i in range(start + 1, len(lines)) if "─" in lines[i] and " — " in lines[i]), len(lines))
     return "\n".join(lines[start + 1 : end])
+
+
+# ---- a host's network cut at each stage of up, status and down -------------------------------
+def _bounded(fn: Callable[[], object], within: float) -> object:
+    """fn()'s result or exception, run in a thread; fails when it is still waiting after ``within`` s
+    (the thread is left to finish on its own once the test heals the host)."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as exc:  # handed back to the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(within)
+    assert not t.is_alive(), f"still waiting {within:g}s after it began"
+    return out[0]
+
+
+def _cut(ssh_hosts: Hosts, node: str, match: Callable[[str], bool], skip: int = 0) -> tuple[list[CutOn], Callable[[object], CutOn]]:
+    """A wrap= for ssh_fleet that cuts ``node`` at the chosen command, and the list that receives it."""
+    made: list[CutOn] = []
+
+    def wrap(r: object) -> CutOn:
+        made.append(CutOn(r, ssh_hosts, node, match, skip))
+        return made[0]
+
+    return made, wrap
+
+
+def _finish_after_heal(cli: Cli, ssh_hosts: Hosts, name: str, rec: Mapping[str, Any]) -> None:
+    """The network is back: a second `down` finishes with nothing of the deployment left."""
+    d = cli.json("down", name)
+    assert d["clean"] is True, d
+    assert cli.records() == {}
+    assert leftovers(ssh_hosts, rec) == ({}, [])
+
+
+def test_cut_during_load_of_up(ssh_hosts: Hosts, tmp_path: Path) -> None:
+    c = ssh_hosts.names[2]
+    inv = inventory(ssh_hosts, tmp_path / "inv.yaml", env=SLOW_LOAD)
+    cli, name = Cli(tmp_path / "state"), f"cut-load-{session(ssh_hosts)[0]}"
+    args = ["-i", str(inv), *TP3, "--port-base", str(22900 + session(ssh_hosts)[1]), "--name", name]
+    planned = cli.plan_of(*args)
+    try:
+        p = cli.start("up", *args, "--connect-timeout", f"{CUT_CT:g}")
+        cli.wait_started(name, 3, p)  # every engine loads (30 s): `up` polls them
+        t_cut = time.monotonic()
+        try:
+            ssh_hosts.isolate(c)
+            t_failed, _ = wait_for_record(cli, name, lambda r: r["state"] != "starting", 120, p)
+            r = Cli.wait(p, 120, ["up"])
+            t_end = time.monotonic()
+            kept = cli.record(name)
+            if ssh_hosts.mode == "netns":  # the reachable rest was torn down: what remains is c's
+                ns_c = host_netns(ssh_hosts, c)
+                assert all(netns(pid) == ns_c for pid in processes(name)), processes(name)
+        finally:
+            ssh_hosts.heal(c)
+        detect, took = t_failed - t_cut, t_end - t_cut
+        print(
+            f"\ncut during the load of up: {c} declared unreachable {detect:.2f}s after the cut began, up ended after {took:.2f}s "
+            f"(connect timeout {CUT_CT:g}s, poll {POLL_S:g}s; bound {CUT_BOUND_S:g}s)"
+        )
+        assert detect <= CUT_BOUND_S, f"{detect:.1f}s from the cut to up failing"
+        assert took <= CUT_BOUND_S + TEARDOWN_MARGIN_S, f"{took:.1f}s from the cut to up ending"
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert f"error: node {c} stopped answering" in r.stderr and "keepalives unanswered" in r.stderr, r.stderr
+        teardown_lines = [ln for ln in r.stdout.splitlines() if " teardown " in ln]
+        assert c in teardown_lines[-1] and f"k3launch down {name}" in teardown_lines[-1], r.stdout  # the host it could not reach
+        assert kept["state"] == "down-incomplete" and kept["unreachable"] == [c], (kept["state"], kept["unreachable"])
+        _finish_after_heal(cli, ssh_hosts, name, planned)
+    finally:
+        cleanup(cli, [name])
+
+
+def test_cut_as_up_starts_the_engines(ssh_hosts: Hosts, tmp_path: Path) -> None:
+    """One node's start script meets a silent host: the start's own timeout is minutes (a host
+    that answers may be pulling an image), the loss must still be noticed in seconds."""
+    c = ssh_hosts.names[2]
+    inv_path = inventory(ssh_hosts, tmp_path / "inv.yaml", env=SLOW_LOAD)
+    name = f"cut-start-{session(ssh_hosts)[0]}"
+    cli, store = Cli(tmp_path / "state"), StateStore(tmp_path / "state")
+    inv, plain = lib_fleet(inv_path, 22920 + session(ssh_hosts)[1], name=name, strategy="multi_node_tp", nodes=3)
+    plain.close()  # (never connected: only its plan is used)
+    plan = plain.plan
+    made, wrap = _cut(ssh_hosts, c, lambda cmd: "@@start " in cmd)
+    fleet = ssh_fleet(plan, inv.ssh_config, inv.known_hosts, CUT_CT, wrap)
+    failed_at: list[float] = []
+
+    def on_stage(stage: Stage, message: str) -> None:
+        if stage == Stage.FAILED:
+            failed_at.append(time.monotonic())
+
+    try:
+        try:
+            assert doctor(plan, fleet, []).ok  # connections and shells open, as in `up`
+            launch = Launch(
+                plan, fleet, store, inventory=str(inv_path), on_stage=on_stage, ssh_config=inv.ssh_config, known_hosts=inv.known_hosts
+            )
+            got = _bounded(lambda: launch.up(timeout=60), CUT_BOUND_S + TEARDOWN_MARGIN_S + 30)
+            t_end = time.monotonic()
+            kept = cli.record(name)
+        finally:
+            fleet.close()
+            ssh_hosts.heal(c)
+        cut_at = made[0].cut_at
+        assert cut_at is not None and failed_at, (cut_at, failed_at)
+        detect, took = failed_at[0] - cut_at, t_end - cut_at
+        print(
+            f"\ncut as up starts the engines: {c} declared unreachable {detect:.2f}s after the cut began, up ended after {took:.2f}s "
+            f"(connect timeout {CUT_CT:g}s; bound {CUT_BOUND_S:g}s)"
+        )
+        assert isinstance(got, LaunchFailed) and got.code == "unreachable" and got.node == c, got
+        assert "keepalives unanswered" in got.message, got.message
+        assert detect <= CUT_BOUND_S, f"{detect:.1f}s from the cut to up failing"
+        assert took <= CUT_BOUND_S + TEARDOWN_MARGIN_S, f"{took:.1f}s from the cut to up ending"
+        assert kept["state"] == "down-incomplete" and kept["unreachable"] == [c], (kept["state"], kept["unreachable"])
+        _finish_after_heal(cli, ssh_hosts, name, kept)
+    finally:
+        cleanup(cli, [name])
+
+
+@pytest.mark.parametrize(("channels", "port"), [("shell", 22940), ("exec", 22950)])
+def test_cut_during_status(ssh_hosts: Hosts, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, channels: str, port: int) -> None:
+    """``channels``: commands through the persistent shell, or (K3LAUNCH_SSH_SHELL=0) an exec channel each."""
+    if channels == "exec":
+        monkeypatch.setenv("K3LAUNCH_SSH_SHELL", "0")  # this process's runners and the CLI's
+    c = ssh_hosts.names[2]
+    inv = inventory(ssh_hosts, tmp_path / "inv.yaml")
+    cli, name = Cli(tmp_path / "state"), f"cut-status-{channels}-{session(ssh_hosts)[0]}"
+    try:
+        up = cli.json("up", "-i", str(inv), *TP3, "--port-base", str(port + session(ssh_hosts)[1]), "--name", name)
+        assert up["state"] == "ready", up
+        rec = StateStore(cli.state_dir).load(name)
+        assert isinstance(rec, SshRecord)
+        made, wrap = _cut(ssh_hosts, c, lambda cmd: True, skip=1)
+        fleet = ssh_fleet(rec.plan, rec.ssh_config, rec.known_hosts, CUT_CT, wrap)
+        try:
+            try:
+                assert fleet.run(c, "true").ok  # the connection and its shell are open: the cut meets them mid-command
+                got = _bounded(lambda: observe(rec, fleet), CUT_BOUND_S + 30)  # what `status` runs
+                t_lib = time.monotonic()
+            finally:
+                fleet.close()
+            t0 = time.monotonic()
+            r = cli.run("status", name, "--connect-timeout", f"{CUT_CT:g}", "--json", timeout=60)  # still cut: at connect
+            t_cli = time.monotonic()
+            kept = cli.record(name)
+        finally:
+            ssh_hosts.heal(c)
+        cut_at = made[0].cut_at
+        assert cut_at is not None
+        took, cli_took = t_lib - cut_at, t_cli - t0
+        print(
+            f"\ncut during status ({channels}): status returned {took:.2f}s after the cut began; `k3launch status` with {c} still cut took "
+            f"{cli_took:.2f}s (connect timeout {CUT_CT:g}s; bound {CUT_BOUND_S:g}s, +{CLI_START_S:g}s for the CLI's start)"
+        )
+        assert isinstance(got, Status), got
+        assert took <= CUT_BOUND_S, f"{took:.1f}s from the cut to status returning"
+        assert len(got.unreachable) == 1 and got.unreachable[0].startswith(f"{c}: connection lost: "), got.unreachable
+        assert {p.id: p.alive for p in got.processes} == {p.id: p.node != c for p in rec.plan.processes}, got.processes
+        snap = json.loads(r.stdout)
+        assert len(snap["unreachable"]) == 1 and snap["unreachable"][0].startswith(f"{c}: "), snap
+        assert cli_took <= CUT_BOUND_S + CLI_START_S, f"`k3launch status` took {cli_took:.1f}s"
+        assert kept["state"] == "ready" and {p["node"] for p in kept["processes"].values()} >= {c}  # status changes nothing
+        _finish_after_heal(cli, ssh_hosts, name, kept)
+    finally:
+        cleanup(cli, [name])
+
+
+@pytest.mark.parametrize(("stage", "port"), [("stop", 22960), ("verify", 22980)])
+def test_cut_during_down(ssh_hosts: Hosts, tmp_path: Path, stage: str, port: int) -> None:
+    c = ssh_hosts.names[2]
+    inv = inventory(ssh_hosts, tmp_path / "inv.yaml")
+    cli, name = Cli(tmp_path / "state"), f"cut-down-{stage}-{session(ssh_hosts)[0]}"
+    try:
+        up = cli.json("up", "-i", str(inv), *TP3, "--port-base", str(port + session(ssh_hosts)[1]), "--name", name)
+        assert up["state"] == "ready", up
+        store = StateStore(cli.state_dir)
+        rec = store.load(name)
+        assert isinstance(rec, SshRecord)
+        planned = cli.record(name)
+        # the first signalling round that reaches c, or the verification once everything stopped
+        match: Callable[[str], bool] = (lambda cmd: "kill -s " in cmd) if stage == "stop" else (lambda cmd: "@@procs" in cmd)
+        made, wrap = _cut(ssh_hosts, c, match)
+        fleet = ssh_fleet(rec.plan, rec.ssh_config, rec.known_hosts, CUT_CT, wrap)
+        try:
+            try:
+                assert fleet.run(c, "true").ok  # connection and shell open, as in a `down` that already reached c
+                got = _bounded(lambda: teardown(rec, fleet, store, grace_s=10), CUT_BOUND_S + 60)  # what `down` runs
+                t_end = time.monotonic()
+            finally:
+                fleet.close()
+            kept = cli.record(name)
+        finally:
+            ssh_hosts.heal(c)
+        cut_at = made[0].cut_at
+        assert cut_at is not None
+        took = t_end - cut_at
+        print(f"\ncut during down ({stage}): down returned {took:.2f}s after the cut began (bound {CUT_BOUND_S:g}s)")
+        assert took <= CUT_BOUND_S, f"{took:.1f}s from the cut to down returning"
+        assert isinstance(got, TeardownReport), got
+        assert list(got.unreachable) == [c] and "keepalives unanswered" in got.unreachable[c], got.unreachable
+        assert got.leftovers == {} and got.busy_ports == [], got
+        assert kept["state"] == "down-incomplete" and kept["unreachable"] == [c], (kept["state"], kept["unreachable"])
+        _finish_after_heal(cli, ssh_hosts, name, planned)
+    finally:
+        cleanup(cli, [name])

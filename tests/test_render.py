@@ -271,7 +271,7 @@ def test_hostile_bare_values_end_up_as_data(tmp_path: Path, pwned: str, deployme
         else:  # the hostile-path python3 really ran, with the plan's argv
             assert (prog, argv) == ("python3", ["-m", "k3launch.sim", *proc.argv[1:]])
         # hf_token_file (a hostile path) was read at run time: the value is in the process, not the script.
-        assert env.get("APPTAINERENV_HF_TOKEN") == "token-from-file" and env.get("HF_TOKEN") == "token-from-file"
+        assert env.get("HF_TOKEN") == "token-from-file" and "APPTAINERENV_HF_TOKEN" not in env  # apptainer's variable: apptainer only
         if proc.role != "router":  # the inventory's env, node over defaults, arrives verbatim
             want = BARE_ENV[proc.node == "local-2"].format(m=pwned)
             assert proc.env["K3_NOTE"] == want and env.get("K3_NOTE") == want, proc.id
@@ -456,7 +456,7 @@ def test_an_hf_token_file_under_the_home_directory_is_read_there(where: str, tmp
     (home / ".cache" / "huggingface").mkdir(parents=True)
     if where == "home":
         (home / ".cache" / "huggingface" / "token").write_text("hf_secret_1")
-    script = token_snippet("~/.cache/huggingface/token") + 'printf "%s|%s" "${HF_TOKEN:-}" "$APPTAINERENV_HF_TOKEN"\n'
+    script = token_snippet("~/.cache/huggingface/token", apptainer=True) + 'printf "%s|%s" "${HF_TOKEN:-}" "$APPTAINERENV_HF_TOKEN"\n'
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, timeout=30)
     if where == "home":
         assert r.stdout == "hf_secret_1|hf_secret_1" and r.stderr == ""

@@ -5,19 +5,32 @@ subshell, stderr after a marker, end marker with the exit code) and only paramik
 The fake channel does what paramiko's does for the calls Shell makes: ``exec_command`` starts the
 program, ``sendall`` writes its stdin, ``recv`` reads its stdout (``b""`` at EOF, ``TimeoutError``
 when ``settimeout``'s time passes without data), ``close`` ends it (its whole process group here,
-so nothing a test started outlives it)."""
+so nothing a test started outlives it).
+
+:class:`CutTransport` adds what the connection's heartbeat uses (``global_request``, answered
+at once like OpenSSH does, ``is_active``, ``close``, ``sock``) and ``cut()``, which makes the
+"host" go silent: keepalives stay unanswered and channels deliver nothing, as when its network
+is cut. :class:`FakeConnection` stands in for fabric's Connection around it, so
+:class:`~k3launch.transport.runners.SshRunner` runs its real code paths over a local bash."""
 
 from __future__ import annotations
 
 import os
 import select
 import signal
+import socket
+import struct
 import subprocess
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from k3launch.transport.heartbeat import KEEPALIVE, Heartbeat
+from k3launch.transport.runners import SshRunner, Target, Unreachable
 from k3launch.transport.sshshell import Shell, ShellBroken, ShellTimeout
 
 
@@ -27,6 +40,8 @@ class PipeChannel:
         self.proc: subprocess.Popen[bytes] | None = None
         self.closed = False
         self.timeout: float | None = None
+        self.silent = False  # the host went silent: nothing arrives any more
+        self.timeouts_at_send: list[float | None] = []  # the channel's timeout at each write
 
     def exec_command(self, command: str) -> None:
         self.proc = subprocess.Popen(self.program or ["bash", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -36,6 +51,7 @@ class PipeChannel:
         assert self.proc is not None and self.proc.stdin is not None
         if self.closed:
             raise OSError("Socket is closed")
+        self.timeouts_at_send.append(self.timeout)
         self.proc.stdin.write(data)  # BrokenPipeError (an OSError) when bash is gone
         self.proc.stdin.flush()
 
@@ -44,6 +60,12 @@ class PipeChannel:
 
     def recv(self, n: int) -> bytes:
         assert self.proc is not None and self.proc.stdout is not None
+        if self.silent:  # like paramiko: wait for data until the timeout, or until the channel is closed under the read
+            end = time.monotonic() + (self.timeout if self.timeout is not None else 3600.0)
+            while not self.closed and time.monotonic() < end:
+                time.sleep(0.02)
+            if not self.closed:
+                raise TimeoutError("timed out")
         if self.closed:
             return b""
         fd = self.proc.stdout.fileno()
@@ -163,7 +185,7 @@ def test_a_shell_whose_bash_died_raises_broken(transport: FakeTransport) -> None
         sh.run("echo hello", 5)
     assert not sh.alive
     sh2 = shell(transport)
-    with pytest.raises(ShellBroken, match="connection lost"):
+    with pytest.raises(ShellBroken, match="channel closed"):
         sh2.run("kill -9 $$; sleep 0.2; echo too late", 5)  # during a command
     assert not sh2.alive
 
@@ -192,3 +214,244 @@ def _q(text: str) -> str:
     import shlex
 
     return shlex.quote(text)
+
+
+# ---- a host that goes silent: the heartbeat and the runner's bounds ------------------------------
+class FakeSock:
+    """The transport's socket, as far as aborting it goes: records options, then closes."""
+
+    def __init__(self) -> None:
+        self.options: list[tuple[int, int, bytes]] = []
+        self.closed = False
+
+    def setsockopt(self, level: int, name: int, value: bytes) -> None:
+        self.options.append((level, name, value))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class CutTransport(FakeTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = True
+        self.answering = True
+        self.requests: list[tuple[str, bool]] = []  # (kind, wants a reply)
+        self.sock = FakeSock()
+        self.open_timeouts: list[float | None] = []
+
+    def open_session(self, timeout: float | None = None) -> PipeChannel:
+        self.open_timeouts.append(timeout)
+        ch = super().open_session(timeout)
+        ch.silent = not self.answering
+        return ch
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def set_keepalive(self, interval: float) -> None:  # paramiko's: keepalives that want no reply
+        self.keepalive = interval
+
+    def global_request(self, kind: str, data: object = None, wait: bool = True) -> None:
+        """As paramiko's: with ``wait``, return on the reply or once the transport is closed."""
+        self.requests.append((kind, wait))
+        while wait and self.active and not self.answering:
+            time.sleep(0.02)
+
+    def cut(self) -> None:
+        self.answering = False
+        for ch in self.sessions:
+            ch.silent = True
+
+    def close(self) -> None:
+        self.active = False
+        for ch in self.sessions:  # paramiko closes every channel of a closed transport
+            ch.close()
+        self.sock.close()
+
+
+class FakeClient:
+    def __init__(self, transport: CutTransport) -> None:
+        self.transport = transport
+
+    def load_system_host_keys(self) -> None: ...
+
+    def load_host_keys(self, path: str) -> None: ...
+
+    def set_missing_host_key_policy(self, policy: object) -> None: ...
+
+    def get_transport(self) -> CutTransport:
+        return self.transport
+
+
+class FakeConnection:
+    """fabric's Connection as SshRunner uses it, over a CutTransport (the exec path is not used here)."""
+
+    made: list[FakeConnection] = []
+
+    def __init__(self, host: str, user: str | None = None, port: int | None = None, config: Any = None, connect_kwargs: Any = None) -> None:
+        self.connect_kwargs = connect_kwargs or {}
+        self.connect_timeout = config.timeouts.connect  # what fabric resolves (no ssh_config here)
+        self.transport = CutTransport()
+        self.client = FakeClient(self.transport)
+        FakeConnection.made.append(self)
+
+    def open(self) -> None: ...
+
+    @property
+    def is_connected(self) -> bool:
+        return self.transport.active
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+@pytest.fixture
+def fake_ssh(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeConnection]]:
+    import fabric
+
+    FakeConnection.made = []
+    monkeypatch.setattr(fabric, "Connection", FakeConnection)
+    yield FakeConnection
+    for c in FakeConnection.made:
+        c.close()
+        for ch in c.transport.sessions:
+            if ch.proc is not None and ch.proc.poll() is None:
+                kill_group(ch.proc)
+
+
+HOST = Target("h1", "h1.example", local=False)
+
+
+def in_thread(fn: Callable[[], object], within: float = 30.0) -> object:
+    """fn() in a thread: its result or exception; fails if it is still waiting after ``within`` s."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # handed back to the test
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(within)
+    assert not t.is_alive(), f"still waiting after {within:g}s"
+    return out[0]
+
+
+def wait_for(cond: Callable[[], bool], within: float = 30.0) -> None:
+    end = time.monotonic() + within
+    while not cond():
+        assert time.monotonic() < end, f"not within {within:g}s"
+        time.sleep(0.02)
+
+
+def test_heartbeat_keeps_an_answering_connection_and_aborts_a_silent_one() -> None:
+    t = CutTransport()
+    beat = Heartbeat(t, timeout=0.5, interval=0.05).start()
+    wait_for(lambda: len(t.requests) >= 3)
+    assert beat.lost is None and t.active  # answered keepalives: nothing happens
+    assert set(t.requests) == {(KEEPALIVE, True)}  # keepalive@openssh.com, asking for a reply (paramiko's own asks for none)
+    t.cut()
+    wait_for(lambda: not t.active)
+    assert beat.lost == "keepalives unanswered for 0.5s"
+    # reset, not closed politely: what is still queued for the host (a start script) never reaches it
+    assert t.sock.options == [(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))] and t.sock.closed
+
+    t2 = CutTransport()
+    quiet = Heartbeat(t2, timeout=0.5, interval=0.05).start()
+    wait_for(lambda: len(t2.requests) >= 1)
+    quiet.stop()  # its owner closes the connection: no more beats, and no abort
+    t2.cut()
+    time.sleep(0.2)
+    assert t2.active and quiet.lost is None
+
+
+def test_ssh_runner_bounds_every_wait_by_the_connect_timeout(fake_ssh: type[FakeConnection]) -> None:
+    runner = SshRunner(connect_timeout=3.0)
+    try:
+        assert runner.run(HOST, "echo hi", timeout=5).stdout == "hi\n"
+        (conn,) = fake_ssh.made
+        # TCP connect (fabric's config), banner, auth and channel opens: the connect timeout, not paramiko's hour
+        assert conn.connect_timeout == 3
+        bounds = ("banner_timeout", "auth_timeout", "channel_timeout")
+        assert {k: conn.connect_kwargs[k] for k in bounds} == dict.fromkeys(bounds, 3.0)
+        # the connection's heartbeat: keepalives that want a reply, a quarter of the connect timeout
+        # apart; the connection is given up when none was answered for the whole connect timeout
+        beat = runner._beats[HOST]
+        assert (beat.timeout, beat.interval) == (3.0, 0.75)
+        wait_for(lambda: (KEEPALIVE, True) in conn.transport.requests)
+        # the persistent shell: its channel opened within the connect timeout, and no write without a bound
+        (ch,) = conn.transport.sessions
+        assert conn.transport.open_timeouts == [3.0]
+        assert ch.timeouts_at_send and None not in ch.timeouts_at_send
+    finally:
+        runner.close()
+    assert not conn.transport.active
+
+
+def test_a_command_on_a_host_that_goes_silent_fails_unreachable_long_before_its_own_timeout(fake_ssh: type[FakeConnection]) -> None:
+    runner = SshRunner(connect_timeout=1.0)
+    try:
+        assert runner.run(HOST, "true", timeout=5).ok  # connected, shell open
+        (conn,) = fake_ssh.made
+        conn.transport.cut()
+        got = in_thread(lambda: runner.run(HOST, "echo started", timeout=300))  # a start may take minutes on a host that answers
+        assert isinstance(got, Unreachable), got
+        assert got.message == "h1: connection lost: keepalives unanswered for 1s", got.message
+        assert not conn.transport.active and HOST not in runner._conns
+    finally:
+        runner.close()
+
+
+def test_a_host_silent_while_idle_is_reported_by_the_next_command_without_another_connect(fake_ssh: type[FakeConnection]) -> None:
+    runner = SshRunner(connect_timeout=1.0)
+    try:
+        assert runner.run(HOST, "true", timeout=5).ok
+        (conn,) = fake_ssh.made
+        conn.transport.cut()  # between two polls
+        wait_for(lambda: not conn.transport.active)
+        got = in_thread(lambda: runner.run(HOST, "true", timeout=300))
+        assert isinstance(got, Unreachable) and "keepalives unanswered for 1s" in got.message, got
+        assert len(fake_ssh.made) == 1  # not a second connect timeout spent on a host known silent
+        assert runner.run(HOST, "echo back", timeout=5).stdout == "back\n"  # the next command reconnects
+        assert len(fake_ssh.made) == 2
+    finally:
+        runner.close()
+
+
+def test_a_bash_that_never_answers_the_handshake_is_no_shell() -> None:
+    with pytest.raises(ShellBroken, match=r"no answer from bash within 0\.3s"):
+        Shell(FakeTransport(program=["sleep", "30"]), open_timeout=0.3)  # not ShellTimeout: the runner falls back to exec channels
+
+
+def test_a_liveness_check_that_hangs_on_a_host_that_answers_is_one_line(tmp_path: Path) -> None:
+    """A silent host is an Unreachable (above); a host that answers keepalives but whose check
+    overruns (a hung filesystem under a log) is reported by node and bound, not by the check's text."""
+    from k3launch.deploy.ssh.observe import poll
+    from k3launch.models.record import ProcessRecord, SshRecord
+    from k3launch.models.selection import Selection
+    from k3launch.planning.build import build_plan
+    from k3launch.planning.inventory import load_inventory
+    from k3launch.planning.recipes import RecipeTree
+    from k3launch.testing import FakeRunner
+    from k3launch.transport.fleet import Fleet
+
+    inv = load_inventory(Path(__file__).resolve().parents[1] / "inventories" / "local.yaml")
+    plan = build_plan(RecipeTree(), Selection(strategy="multi_node_tp", nodes=2), inventory=inv)
+    rec = SshRecord(name=plan.name, state="ready", created=0, updated=0, endpoint=plan.endpoint, plan=plan)
+    for i, p in enumerate(plan.processes):
+        rec.processes[p.id] = ProcessRecord(
+            id=p.id, node=p.node, runtime="bare", handle=str(3000 + i), log=f"/tmp/{p.id}.log", started=True
+        )
+    hung = plan.processes[1].node
+
+    def answer(t: Target, cmd: str) -> tuple[int, str, str]:
+        if t.name == hung:
+            return 124, "", "timed out after 10s"
+        return 0, "".join(f"{pr.handle} up\n" for pr in rec.processes.values() if pr.node == t.name), ""
+
+    runner = FakeRunner(answer)
+    got = poll(rec, Fleet.for_plan(plan, runner, runner))
+    assert got.unreachable == {hung: f"{hung}: no answer to the liveness check within 10s"} and got.dead == []

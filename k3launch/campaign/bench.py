@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from k3launch import api
+from k3launch.deploy.state import default_state_dir
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
 from k3launch.render.scripts import venv_path
@@ -84,6 +85,14 @@ def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord:
             return rec
     known = ", ".join(r.name for r in api.deployments(state_dir)) or "none"
     raise K3Error("unknown-deployment", f"no deployment named {name!r}", f"deployments: {known} (`k3launch list`)")
+
+
+def result_dir(name: str, state_dir: str | Path | None = None, out: Path | None = None) -> Path:
+    """Where ``bench`` writes its result JSON and client log: ``out`` when given, else
+    ``<state-dir>/bench/<deployment>/`` — never the current directory unless asked."""
+    if out is not None:
+        return out
+    return (Path(state_dir).expanduser() if state_dir is not None else default_state_dir()) / "bench" / name
 
 
 def head(rec: DeploymentRecord) -> Process:

@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from k3launch.errors import K3Error
 from k3launch.models.selection import Selection
 from k3launch.planning.inventory import NodeSettings
 from k3launch.planning.recipes import load_yaml_model
+from k3launch.util import bounds
+from k3launch.util.bounds import MAX_CELLS, MAX_DEPLOYMENTS
 
 Scalar = str | int | float | bool | None
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"  # + "-<8 hex>" stays a valid deployment name (≤ 63)
@@ -90,11 +93,15 @@ class _Axes(Strict):
 
 
 def _axis_type(name: str) -> Any:
-    """A deployment axis of Selection field ``name``: a list of its values (a list of lists for list fields)."""
+    """A deployment axis of Selection field ``name``: a list of its values (a list of lists for list
+    fields), each in the field's bounds (``nodes: [2, 0]`` is refused at its line, not at planning)."""
     if name in LIST_AXES:
         return list[list[str]] | None
-    scalar = Selection.model_fields[name].annotation
-    return list[scalar | None] | None  # type: ignore[valid-type]
+    scalar: Any = Selection.model_fields[name].annotation
+    bound = Selection.bound(name)
+    if bound is not None:
+        scalar = Annotated[int, Field(**bound.field())]
+    return list[scalar | None] | None
 
 
 # One axis per Selection field (``set`` replaces ``sets``: one axis per flag), derived from the model.
@@ -102,7 +109,9 @@ if TYPE_CHECKING:
     DeploymentAxes = _Axes
 else:
     DeploymentAxes = create_model(
-        "DeploymentAxes", __base__=_Axes, __doc__=_Axes.__doc__,
+        "DeploymentAxes",
+        __base__=_Axes,
+        __doc__=_Axes.__doc__,
         **{name: (_axis_type(name), None) for name in Selection.model_fields if name != "sets"},
     )
 
@@ -111,14 +120,29 @@ def _rate(v: object) -> object:
     return float("inf") if isinstance(v, str) and v.strip().lower() in ("inf", "infinity") else v
 
 
+def _at_most(bound: bounds.Bound) -> Any:
+    """The upper end of ``bound`` (the lower one is ``LoadAxes._positive``'s, with the axis's line)."""
+    return Field(le=bound.hi)
+
+
+def _rate_in_bounds(v: float) -> float:
+    """A request rate is a number of requests per second in its bounds, or inf (all at once)."""
+    if v > 0 and v != math.inf and bounds.REQUEST_RATE.why_not(v) is not None:  # 0, negatives, NaN: _positive says it
+        raise ValueError(f"request rate {v:g}: use {bounds.REQUEST_RATE.describe()}, or inf")
+    return v
+
+
+Rate = Annotated[float, AfterValidator(_rate_in_bounds)]
+
+
 class LoadAxes(Strict):
     """``vllm bench serve`` load axes (random dataset); every combination is a load point."""
 
-    max_concurrency: list[int | None] = [None]
-    input_len: list[int] = [1024]
-    output_len: list[int] = [128]
-    request_rate: list[float] = [math.inf]
-    num_prompts: list[int] = [200]
+    max_concurrency: list[Annotated[int, _at_most(bounds.CONCURRENCY)] | None] = [None]
+    input_len: list[Annotated[int, _at_most(bounds.TOKENS)]] = [1024]
+    output_len: list[Annotated[int, _at_most(bounds.TOKENS)]] = [128]
+    request_rate: list[Rate] = [math.inf]
+    num_prompts: list[Annotated[int, _at_most(bounds.PROMPTS)]] = [200]
 
     @field_validator(*LOAD_AXES, mode="before")
     @classmethod
@@ -140,25 +164,25 @@ class LoadAxes(Strict):
 class Validity(Strict):
     """When a cell's numbers count; a cell failing any gate is recorded invalid with the reason."""
 
-    min_completed: int = Field(default=1, ge=1)
+    min_completed: int = Field(default=1, **bounds.PROMPTS.field())
     max_error_rate: float = Field(default=0.01, ge=0.0, le=1.0)  # failed / (completed + failed)
-    min_output_tokens: int = Field(default=1, ge=1)
+    min_output_tokens: int = Field(default=1, ge=1, le=bounds.PROMPTS.hi * bounds.TOKENS.hi)
 
 
 class BenchSettings(Strict):
     client: Literal["auto", "local", "engine"] = "auto"  # engine: `vllm bench serve` in the head's container
-    seed: int = 0
+    seed: int = Field(default=0, **bounds.SEED.field())
     random_range_ratio: float = Field(default=0.0, ge=0.0, lt=1.0)
-    num_warmups: int = Field(default=0, ge=0)
-    timeout_s: float = Field(default=3600.0, gt=0)  # one load point, end to end
+    num_warmups: int = Field(default=0, **bounds.WARMUPS.field())
+    timeout_s: float = Field(default=3600.0, **bounds.BENCH_TIMEOUT.field())  # one load point, end to end
 
 
 class Campaign(Strict):
     name: str = Field(pattern=NAME_PATTERN)
     description: str = ""
     inventory: str | None = None  # None: the bundled local inventory
-    port_base: int | None = None
-    ready_timeout: float | None = Field(default=None, gt=0)
+    port_base: int | None = None  # a block of ports: planning's rule (_port_base)
+    ready_timeout: float | None = Field(default=None, **bounds.READY_TIMEOUT.field())
     engine_env: dict[str, str] = {}
     base: Selection = Selection()
     deployments: DeploymentAxes = DeploymentAxes()
@@ -166,6 +190,18 @@ class Campaign(Strict):
     exclude: list[dict[str, Scalar | list[Scalar]]] = []
     validity: Validity = Validity()
     bench: BenchSettings = BenchSettings()
+
+    @field_validator("port_base")
+    @classmethod
+    def _port_base(cls, v: int | None) -> int | None:
+        from k3launch.planning.placement import Ports
+
+        if v is not None:
+            try:
+                Ports.shifted(v)  # planning's rule, here so the file's line is given
+            except K3Error as exc:
+                raise ValueError(f"{exc.message.removeprefix('--port-base ')}; {exc.hint}") from None
+        return v
 
     @field_validator("engine_env")
     @classmethod
@@ -198,7 +234,31 @@ class Campaign(Strict):
     def axis_names(self) -> list[str]:
         return [*self.deployment_axis_names(), *LOAD_AXES]
 
+    def deployment_points(self) -> int:
+        """How many deployment points the axes make (before ``exclude``), counted, not built."""
+        d = self.deployments
+        return math.prod(len(getattr(d, n)) for n in (*SCALAR_AXES, *LIST_AXES) if getattr(d, n) is not None) * math.prod(
+            len(v) for v in d.set.values()
+        )
+
+    def load_points(self) -> int:
+        return math.prod(len(getattr(self.load, n)) for n in LOAD_AXES)
+
+    def check_size(self, where: str) -> None:
+        """Refuse a matrix past the documented limits before anything is expanded or planned."""
+        deployments, loads = self.deployment_points(), self.load_points()
+        cells = deployments * loads
+        if cells > MAX_CELLS or deployments > MAX_DEPLOYMENTS:
+            raise K3Error(
+                "campaign-too-large",
+                f"{where}: {cells} cells ({deployments} deployment points x {loads} load points); "
+                f"a campaign has at most {MAX_CELLS} cells and {MAX_DEPLOYMENTS} deployment points",
+                'split it into several campaign files, or use fewer axis values (docs/campaigns.md ("Limits"))',
+            )
+
 
 def load_campaign(path: Path) -> Campaign:
     """Parse a campaign file; every problem is one ``file:line`` K3Error (exit 2)."""
-    return load_yaml_model(path, Campaign, doc='docs/campaigns.md ("Campaign files")', code="bad-campaign")
+    c = load_yaml_model(path, Campaign, doc='docs/campaigns.md ("Campaign files")', code="bad-campaign")
+    c.check_size(str(path))
+    return c

@@ -1,7 +1,8 @@
 """The pure core of campaigns: matrix expansion, deployment groups, plan hashes, validity gates.
 
 No I/O, no clock. A campaign's cells are the product of its deployment axes and its load axes,
-less the excluded ones. Cells are grouped by the hash of the Plan their deployment produces, so
+less the excluded ones; the product is counted before it is built and refused past the limits
+of :mod:`k3launch.util.bounds` (``Campaign.check_size``). Cells are grouped by the hash of the Plan their deployment produces, so
 two axis values that compose to the same deployment share one engine start; groups keep the
 order in which the matrix first names them, so ``--group N`` means the same group on every
 machine that expands the same file.
@@ -94,8 +95,9 @@ def deployment_specs(c: Campaign) -> list[DeploymentSpec]:
     fields.update({n: tuple(getattr(base, n)) for n in LIST_AXES})
     fields["sets"] = tuple(base.sets)
     d = c.deployments
-    axes: list[tuple[str, Sequence[Scalar | list[str]]]] = [(n, getattr(d, n)) for n in (*SCALAR_AXES, *LIST_AXES)
-                                                            if getattr(d, n) is not None]
+    axes: list[tuple[str, Sequence[Scalar | list[str]]]] = [
+        (n, getattr(d, n)) for n in (*SCALAR_AXES, *LIST_AXES) if getattr(d, n) is not None
+    ]
     axes += [(f"set.{flag}", list(values)) for flag, values in d.set.items()]
     out = []
     for combo in itertools.product(*(values for _, values in axes)):
@@ -115,8 +117,10 @@ def deployment_specs(c: Campaign) -> list[DeploymentSpec]:
 
 def load_points(c: Campaign) -> list[LoadPoint]:
     ld = c.load
-    return [LoadPoint(max_concurrency=mc, input_len=i, output_len=o, request_rate=r, num_prompts=n)
-            for mc, i, o, r, n in itertools.product(ld.max_concurrency, ld.input_len, ld.output_len, ld.request_rate, ld.num_prompts)]
+    return [
+        LoadPoint(max_concurrency=mc, input_len=i, output_len=o, request_rate=r, num_prompts=n)
+        for mc, i, o, r, n in itertools.product(ld.max_concurrency, ld.input_len, ld.output_len, ld.request_rate, ld.num_prompts)
+    ]
 
 
 def coordinates(cell: Cell) -> dict[str, str]:
@@ -135,7 +139,9 @@ def _matches(coords: Mapping[str, str], entry: Mapping[str, Scalar | list[Scalar
 
 def expand(c: Campaign) -> list[Cell]:
     """Every (deployment, load) cell of the matrix, minus those an ``exclude`` entry matches."""
-    cells = [Cell(s, ld) for s in deployment_specs(c) for ld in load_points(c)]
+    c.check_size(f"campaign {c.name}")  # load_campaign checked a file; a Campaign built in code is checked here
+    loads = load_points(c)
+    cells = [Cell(s, ld) for s in deployment_specs(c) for ld in loads]
     return [cell for cell in cells if not any(_matches(coordinates(cell), e) for e in c.exclude)]
 
 
@@ -154,16 +160,15 @@ def plan_hash(plan: Plan) -> str:
 
 def group(cells: Sequence[Cell], hashes: Mapping[str, str], workload: str = "") -> list[Group]:
     """Cells by deployment plan hash (``hashes``: spec key → hash; specs missing are refused)."""
-    order: dict[str, tuple[list[DeploymentSpec], list[LoadPoint]]] = {}
+    # dicts as ordered sets: a list's `in` made this quadratic (minutes for 100,000 cells)
+    order: dict[str, tuple[dict[DeploymentSpec, None], dict[LoadPoint, None]]] = {}
     for cell in cells:
         h = hashes.get(cell.spec.key)
         if h is None:
             continue
-        specs, loads = order.setdefault(h, ([], []))
-        if cell.spec not in specs:
-            specs.append(cell.spec)
-        if cell.load not in loads:
-            loads.append(cell.load)
+        specs, loads = order.setdefault(h, ({}, {}))
+        specs.setdefault(cell.spec, None)
+        loads.setdefault(cell.load, None)
     return [Group(i, h, tuple(specs), tuple(loads), workload) for i, (h, (specs, loads)) in enumerate(order.items())]
 
 

@@ -159,4 +159,4 @@ def make_out(out: Path) -> None:
 
 def group_lock(out: Path, plan_hash: str) -> AbstractContextManager[int | None]:
     """An exclusive lock on a group's lock file while the block runs (None: another process holds it)."""
-    return locked(out / f".group-{plan_hash[:16]}.lock", wait=False)
+    return locked(out / f".group-{plan_hash[:16]}.lock", wait=False, remove=True)

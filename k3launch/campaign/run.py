@@ -11,9 +11,10 @@ The order of work, per deployment group (cells with the same plan hash, see
    appended as a row as soon as it ends (a crash loses at most the load point in progress);
 4. ``api.down``, also on errors and Ctrl-C/SIGTERM.
 
-A deployment that cannot be planned or brought up yields invalid rows with the reason for its
-cells; the campaign goes on with the next group. Deployment names are
-``<campaign>-<plan hash prefix>``, the same on every run and every machine.
+A deployment that cannot be planned, or was started and failed, yields invalid rows with the
+reason; one refused before anything started (nodes held, a failed pre-flight check) yields no
+rows (its cells were not attempted: the summary says why). The campaign goes on with the next
+group. Deployment names are ``<campaign>-<plan hash prefix>``, the same on every run and machine.
 """
 
 from __future__ import annotations
@@ -177,6 +178,19 @@ class Options:
     attached: bool = False
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A group whose deployment was refused before anything of it started: its cells did not run."""
+
+    group: int
+    name: str  # the deployment name
+    label: str  # its axis values
+    cells: int
+    code: str
+    message: str
+    hint: str
+
+
 @dataclass
 class Summary:
     cells: int = 0
@@ -184,9 +198,11 @@ class Summary:
     ran: int = 0
     valid: int = 0
     invalid: int = 0
-    engine_starts: int = 0
+    not_run: int = 0  # cells of refused groups: no row written, a later run tries them again
+    engine_starts: int = 0  # launches that started something (processes, a job), whatever came of them
     reused: int = 0
     groups: list[int] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
     wall_s: float = 0.0
     results: str = ""
 
@@ -323,21 +339,41 @@ class CampaignRunner:
             return
         rec = self._reuse(name, plan_hash(plan))
         if rec is None:
-            t0 = time.monotonic()
-            self.s.engine_starts += 1
-            try:
-                rec = api.up(plan, self.p.inventory, state_dir=self.o.state_dir, ready_timeout=self.c.ready_timeout,
-                             on_stage=lambda stage, msg: self.event(f"{name}: {stage}: {msg}"))
-            except K3Error as exc:
-                for ld in todo:
-                    self._append(g, ld, f"deployment failed ({exc.code}): {exc.message}")
+            rec = self._up(g, plan, todo)
+            if rec is None:
                 return
-            self.event(f"{name}: up in {time.monotonic() - t0:.1f}s")
         try:
             self._bench_all(g, rec, todo)
         finally:
             report = api.down(name, state_dir=self.o.state_dir)
             self.event(f"{name}: down" + ("" if report.clean else " INCOMPLETE (see `k3launch status`)"))
+
+    def _up(self, g: Group, plan: Plan, todo: Sequence[LoadPoint]) -> DeploymentRecord | None:
+        """``api.up`` of the group's deployment; None when it does not serve (counted as it happened)."""
+        from k3launch.deploy.base import LaunchFailed
+        from k3launch.models.record import Stage
+
+        name, t0, stages = plan.name, time.monotonic(), set[Stage]()
+
+        def on_stage(stage: Stage, msg: str) -> None:
+            stages.add(stage)
+            self.event(f"{name}: {stage}: {msg}")
+
+        try:
+            rec = api.up(plan, self.p.inventory, state_dir=self.o.state_dir, ready_timeout=self.c.ready_timeout, on_stage=on_stage)
+        except K3Error as exc:
+            if isinstance(exc, LaunchFailed) or Stage.START in stages:  # it was launched: its failure is the deployment's
+                self.s.engine_starts += 1
+                for ld in todo:
+                    self._append(g, ld, f"deployment failed ({exc.code}): {exc.message}")
+            else:  # refused before anything started (nodes held, a pre-flight check): nothing measured, the cells stay to run
+                self.s.refused.append(Refusal(g.index, name, self._label(g), len(todo), exc.code, exc.message, exc.hint))
+                self.s.not_run += len(todo)
+                self.event(f"group {g.index} ({self._label(g)}): {name} refused ({exc.code}): {exc.message}; {len(todo)} cell(s) not run")
+            return None
+        self.s.engine_starts += 1
+        self.event(f"{name}: up in {time.monotonic() - t0:.1f}s")
+        return rec
 
     def _bench_all(self, g: Group, rec: DeploymentRecord, todo: Sequence[LoadPoint]) -> None:
         facts = benchmod.engine_facts(rec)

@@ -1,7 +1,8 @@
 """``k3launch bench`` and ``k3launch campaign run / report``.
 
 Exit codes: 0 success; 1 ``campaign run`` finished but some cells are invalid (each recorded
-with its reason), or ``bench`` gave invalid figures; 2 refused (bad campaign file with
+with its reason) or a group's deployment was refused before it started (its cells not run; the
+summary says why), or ``bench`` gave invalid figures; 2 refused (bad campaign file with
 file:line, unknown deployment, bad option); 130 interrupted (Ctrl-C or SIGTERM: the deployment
 in use is taken down first).
 """
@@ -14,12 +15,16 @@ import math
 import signal
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, app, console, fail
+from k3launch.cli.common import STATE, JsonOut, app, console, fail, number_option, port_base_option
 from k3launch.errors import K3Error
+from k3launch.util import bounds
+
+if TYPE_CHECKING:
+    from k3launch.campaign.held import Held
 
 INTERRUPTED = 130
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
@@ -40,14 +45,16 @@ def _client(value: str | None) -> str | None:
 @app.command()
 def bench(
     name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")],
-    num_prompts: Annotated[int, typer.Option("--num-prompts", min=1, help="Requests to send.")] = 200,
-    input_len: Annotated[int, typer.Option("--random-input-len", min=1, help="Prompt tokens per request.")] = 1024,
-    output_len: Annotated[int, typer.Option("--random-output-len", min=1, help="Output tokens per request (ignore_eos).")] = 128,
-    max_concurrency: Annotated[int | None, typer.Option("--max-concurrency", min=1, help="Requests in flight at most (default: unbounded).")] = None,
+    num_prompts: Annotated[int, number_option("--num-prompts", bounds.PROMPTS, "Requests to send.")] = 200,
+    input_len: Annotated[int, number_option("--random-input-len", bounds.TOKENS, "Prompt tokens per request.")] = 1024,
+    output_len: Annotated[int, number_option("--random-output-len", bounds.TOKENS, "Output tokens per request (ignore_eos).")] = 128,
+    max_concurrency: Annotated[int | None, number_option("--max-concurrency", bounds.CONCURRENCY,
+                                                         "Requests in flight at most (default: unbounded).")] = None,
     request_rate: Annotated[str, typer.Option("--request-rate", help="Requests per second (Poisson arrivals), or inf: all at once.")] = "inf",
-    seed: Annotated[int, typer.Option("--seed", help="Random dataset seed.")] = 0,
+    seed: Annotated[int, number_option("--seed", bounds.SEED, "Random dataset seed.")] = 0,
     client: Client = "auto",
-    result_dir: Annotated[Path, typer.Option("--result-dir", help="Where the result JSON (vLLM's format) and the client log go.")] = Path("."),
+    result_dir: Annotated[Path | None, typer.Option("--out", "-o", "--result-dir",
+                                                    help="Where the result JSON (vLLM's format) and the client log go (default <state-dir>/bench/NAME).")] = None,
     result_filename: Annotated[str | None, typer.Option("--result-filename", help="Result file name (default bench-<deployment>-<load>.json).")] = None,
     state_dir: StateDir = None,
     json_out: JsonOut = False,
@@ -60,16 +67,14 @@ def bench(
     from k3launch.models.bench import LoadPoint
 
     try:
-        rate = math.inf if request_rate.strip().lower() in ("inf", "infinity") else float(request_rate)
-        if not rate > 0:
-            raise ValueError
-    except ValueError:
-        fail(K3Error("bad-rate", f"--request-rate {request_rate!r}: use a positive number or inf", "e.g. --request-rate 4"))
+        rate = math.inf if request_rate.strip().lower() in ("inf", "infinity") else bounds.REQUEST_RATE.parse("--request-rate", request_rate)
+    except K3Error as err:
+        fail(K3Error("bad-rate", err.message, f"{err.hint}, or inf (all at once); e.g. --request-rate 4"))
     try:
         rec = benchmod.record(name, state_dir)
         load = LoadPoint(max_concurrency=max_concurrency, input_len=input_len, output_len=output_len, request_rate=rate, num_prompts=num_prompts)
         tag = (result_filename or f"bench-{name}-{load.key}.json").removesuffix(".json")
-        run = benchmod.run(rec, load, out_dir=result_dir, tag=tag, client=_client(client) or "auto", seed=seed)
+        run = benchmod.run(rec, load, out_dir=benchmod.result_dir(name, state_dir, result_dir), tag=tag, client=_client(client) or "auto", seed=seed)
     except K3Error as err:
         fail(err)
     reason = run.error or (invalid_reason(run.metrics, Validity()) if run.metrics else "no figures")
@@ -97,11 +102,13 @@ def campaign_run(
     file: CampaignFile,
     out: OutDir,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the matrix, the deployment groups and the engine starts it would cost.")] = False,
-    group: Annotated[int | None, typer.Option("--group", min=0, help="Run only deployment group N (a Slurm array task: $SLURM_ARRAY_TASK_ID).")] = None,
-    port_base: Annotated[int | None, typer.Option("--port-base", help="Port block of every deployment (overrides the campaign's port_base).")] = None,
+    group: Annotated[int | None, number_option("--group", bounds.CAMPAIGN_GROUP,
+                                               "Run only deployment group N (a Slurm array task: $SLURM_ARRAY_TASK_ID).")] = None,
+    port_base: Annotated[int | None, port_base_option("--port-base", "Port block of every deployment (overrides the campaign's port_base).")] = None,
     client: Client = None,
     slurm_array: Annotated[bool, typer.Option("--slurm-array", help="Slurm inventory: one job array task per deployment group, each in its own allocation; waits for all.")] = False,
-    array_limit: Annotated[int | None, typer.Option("--array-limit", min=1, help="--slurm-array: at most this many tasks at once (--array=0-N%K).")] = None,
+    array_limit: Annotated[int | None, number_option("--array-limit", bounds.ARRAY_LIMIT,
+                                                     "--slurm-array: at most this many tasks at once (--array=0-N%K).")] = None,
     no_wait: Annotated[bool, typer.Option("--no-wait", help="--slurm-array: submit and return.")] = False,
     attached: Annotated[bool, typer.Option("--attached", hidden=True, help="Inside an array task: use the deployment the task's job started.")] = False,
     state_dir: StateDir = None,
@@ -140,11 +147,14 @@ def campaign_run(
                 raise typer.Exit(1)
             return
         if dry_run:
+            from k3launch.campaign.held import held
+
             todo = cr.pending(prep, out)
+            holds = held(prep, todo, state_dir)  # read-only: what would make `up` refuse a group now
             if json_out:
-                typer.echo(json.dumps(_dry_json(prep, todo)))
+                typer.echo(json.dumps(_dry_json(prep, todo, holds)))
             else:
-                show_campaign.dry_run(con, prep, todo)
+                show_campaign.dry_run(con, prep, todo, holds)
             return
         # SIGTERM (scancel, a time limit) and SIGHUP (the ssh session is gone) stop like Ctrl-C
         old = signal.signal(signal.SIGTERM, _sigterm)
@@ -165,11 +175,12 @@ def campaign_run(
         typer.echo(json.dumps(dataclasses.asdict(summary)))
     else:
         show_campaign.summary(con, summary)
-    if summary.invalid:
+    if summary.invalid or summary.refused:
         raise typer.Exit(1)
 
 
-def _dry_json(prep: object, todo: dict[int, int]) -> dict[str, object]:
+def _dry_json(prep: object, todo: dict[int, int], holds: list[Held]) -> dict[str, object]:
+    from k3launch.campaign.held import refused_groups
     from k3launch.campaign.run import Prepared
 
     assert isinstance(prep, Prepared)
@@ -180,7 +191,8 @@ def _dry_json(prep: object, todo: dict[int, int]) -> dict[str, object]:
             "load_points": [ld.key for ld in dict.fromkeys(c.load for c in prep.cells)],
             "groups": [{"group": g.index, "plan_hash": g.plan_hash, "name": f"{prep.campaign.name}-{g.plan_hash[:8]}",
                         "cells": len(g.loads), "pending": todo.get(g.index, 0)} for g in prep.groups],
-            "engine_starts": sum(1 for n in todo.values() if n)}
+            "engine_starts": sum(1 for n in todo.values() if n),
+            "held": [dataclasses.asdict(h) for h in holds], "would_refuse": refused_groups(holds)}
 
 
 @campaign_app.command("report")

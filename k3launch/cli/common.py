@@ -1,26 +1,35 @@
 """Shared pieces of the CLI: the Typer app, error exit, and the selection options.
 
 The selection options are generated from the fields of
-:class:`~k3launch.models.selection.Selection` (flag, help, default), plus the placement options
-(inventory, ``--exclude``, ``--port-base``, ``--name``, ``--recipes-dir``); they are the same for
-``plan``, ``explain``, ``render`` and ``up``. :func:`with_selection` adds them to a command once
-and hands the command one :class:`PlanArgs` instead of twenty parameters.
+:class:`~k3launch.models.selection.Selection` (flag, help, default, bounds), plus the placement
+options (inventory, ``--exclude``, ``--port-base``, ``--name``, ``--recipes-dir``); they are the
+same for ``plan``, ``explain``, ``render`` and ``up``. :func:`with_selection` adds them to a
+command once and hands the command one :class:`PlanArgs` instead of twenty parameters.
+
+Every way a command can end badly ends in the same shape (:class:`K3Group`): a bad option value,
+an unknown option or command, a :class:`~k3launch.errors.K3Error`, a file that cannot be written
+are ``error:``/``hint:`` lines and exit 2; Ctrl-C is one ``interrupted`` line and exit 130.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
+import importlib
 import inspect
 import json
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+import typer.core
 
 from k3launch.errors import K3Error
+from k3launch.util.bounds import Bound
 
 if TYPE_CHECKING:  # heavy imports stay lazy so `--help` and `plan` start fast
     from rich.console import Console
@@ -29,13 +38,10 @@ if TYPE_CHECKING:  # heavy imports stay lazy so `--help` and `plan` start fast
     from k3launch.models.selection import Selection
     from k3launch.planning.recipes import RecipeTree
 
-app = typer.Typer(
-    name="k3launch",
-    help="Compose, place, launch and benchmark vLLM deployments of giant MoE models (Kimi K3 first).",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
+# Recent Typers carry their own copy of click, older ones use click itself: the exception classes
+# are those of the click this Typer's commands come from.
+_CLICK: Any = importlib.import_module(f"{'typer._click' if hasattr(typer.core, '_click') else 'click'}.exceptions")
 
 
 class _State:
@@ -45,8 +51,162 @@ class _State:
 
 STATE = _State()
 
-JsonOut = Annotated[bool, typer.Option("--json", help="Print one JSON object (errors: {\"error\": {code, message, hint}}).")]
-RecipesDir = Annotated[Path | None, typer.Option("--recipes-dir", help="A recipes tree (vLLM recipes layout) to use instead of the bundled one.")]
+
+def fail(err: K3Error) -> NoReturn:
+    if STATE.json:
+        typer.echo(json.dumps({"error": err.as_dict()}))
+    else:
+        typer.echo(f"error: {err.message}", err=True)
+        if err.hint:
+            typer.echo(f"hint: {err.hint}", err=True)
+    raise typer.Exit(2)
+
+
+# What each errno means for the user; anything else gets the system's words and "check the path".
+_IO_HINTS = {
+    errno.ENOSPC: "free space on that filesystem, or write somewhere else",
+    errno.EDQUOT: "your disk quota is used up: free space, or write somewhere else",
+    errno.EROFS: "that filesystem is read-only: write somewhere else",
+    errno.EACCES: "check its permissions (and its directory's), or write somewhere else",
+    errno.EPERM: "check its permissions (and its directory's), or write somewhere else",
+    errno.ENOENT: "check the path: a directory on the way is missing",
+    errno.ENOTDIR: "check the path: a part of it is a file, not a directory",
+    errno.EISDIR: "check the path: it is a directory",
+}
+_WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG})
+
+
+def io_error(exc: OSError) -> K3Error | None:
+    """An OSError about a file as a one-line refusal naming the path (or, when the error does not
+    carry it, saying a write failed: a full disk reported at a flush); None for any other OSError
+    (a socket, a process), which is not the user's to fix."""
+    reason = exc.strerror or type(exc).__name__
+    code = "write-failed" if exc.errno in _WRITE_ERRNOS else "io-error"
+    hint = _IO_HINTS.get(exc.errno or 0, "check the path")
+    if exc.filename is None:
+        return K3Error(code, f"writing a file: {reason}", hint) if exc.errno in _WRITE_ERRNOS else None
+    path = f"{exc.filename}" + (f" -> {exc.filename2}" if exc.filename2 is not None else "")
+    return K3Error(code, f"{path}: {reason}", hint)
+
+
+def _usage(exc: Any, where: str) -> K3Error:
+    """click's usage error (bad option value, unknown option or command, missing argument) in our
+    shape; ``where`` is the command as typed (``k3launch campaign run``) when click does not say."""
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.parent is not None:
+        words: list[str] = []
+        while ctx.parent is not None:  # the command's path without the program's own name
+            words.insert(0, ctx.info_name)
+            ctx = ctx.parent
+        where = " ".join(["k3launch", *words])
+    message = " ".join(exc.format_message().split()).rstrip(".")  # click wraps some messages over lines
+    what = "commands" if message.startswith("No such command") else "options and their values"
+    return K3Error("bad-usage", message[:1].lower() + message[1:], f"`{where} --help` lists the {what}")
+
+
+@contextlib.contextmanager
+def refusals(json_out: bool, where: str = "k3launch") -> Iterator[None]:
+    """Whatever escapes a command (or the parsing of its options) ends in our one-line shape."""
+    try:
+        yield
+    except _CLICK.NoArgsIsHelpError:
+        raise  # `k3launch` or `k3launch campaign` alone: click prints the help
+    except _CLICK.ClickException as exc:
+        STATE.json = STATE.json or json_out
+        fail(_usage(exc, where))
+    except K3Error as err:  # raised outside a command's own handler, or by an option's parser
+        STATE.json = STATE.json or json_out
+        fail(err)
+    except KeyboardInterrupt:
+        # a command that started something catches this itself and says what it took down
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(INTERRUPTED) from None
+    except OSError as exc:
+        refusal = io_error(exc)
+        if refusal is None or STATE.debug:
+            raise
+        STATE.json = STATE.json or json_out
+        fail(refusal)
+
+
+class K3Group(typer.core.TyperGroup):
+    """The ``k3launch`` command group: option parsing and commands run inside :func:`refusals`."""
+
+    _json_out = False
+    _where = "k3launch"
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        words = args[: args.index("--")] if "--" in args else args
+        self._json_out = "--json" in words  # an error before the command runs still answers in JSON
+        STATE.json = STATE.debug = False  # not what an earlier command of this process said (tests, scripts)
+        self._where = " ".join(["k3launch", *_command_words(self, words)])
+        with refusals(self._json_out, self._where):
+            return super().make_context(info_name, args, parent=parent, **extra)
+
+    def invoke(self, ctx: Any) -> Any:
+        with refusals(self._json_out, self._where):
+            return super().invoke(ctx)
+
+
+def _command_words(group: Any, words: Sequence[str]) -> list[str]:
+    """The leading words of ``words`` that name a (sub)command: ``campaign run`` of ``campaign run F --x``."""
+    out = []
+    for w in words:
+        cmd = getattr(group, "commands", {}).get(w)
+        if cmd is None:
+            break
+        out.append(w)
+        group = cmd
+    return out
+
+
+app = typer.Typer(
+    name="k3launch",
+    cls=K3Group,
+    help="Compose, place, launch and benchmark vLLM deployments of giant MoE models (Kimi K3 first).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def bounded(bound: Bound, flag: str) -> Callable[[object], int | float]:
+    """A Typer ``parser`` taking ``flag``'s value in ``bound`` (NaN, infinities, negatives and
+    values out of range are refused as K3Error, before the command runs)."""
+
+    def parse(raw: object) -> int | float:
+        return bound.parse(flag, raw)
+
+    return parse
+
+
+def number_option(flag: str, bound: Bound, help: str, *more_flags: str) -> Any:
+    """``typer.Option`` for a number in ``bound``; the range is added to the help."""
+    metavar = "INTEGER" if bound.integer else "NUMBER"
+    return typer.Option(flag, *more_flags, parser=bounded(bound, flag), metavar=metavar, help=f"{help} ({bound.describe()})")
+
+
+def port_base_option(flag: str, help: str) -> Any:
+    """``typer.Option`` for a port base: a port number whose block planning accepts (the same rule
+    ``plan`` applies, checked here so that a command that plans later refuses it at once)."""
+
+    def parse(raw: object) -> int:
+        from k3launch.planning.placement import Ports
+
+        try:
+            base = raw if isinstance(raw, int) else int(str(raw).strip(), 10)
+        except ValueError:
+            raise K3Error("bad-value", f"{flag} {raw!r}: not a whole number", f"{flag} takes a port, e.g. 9000 or 20000") from None
+        Ports.shifted(base)  # its 512-port block inside 1024-65535, clear of the default ports
+        return base
+
+    return typer.Option(flag, parser=parse, metavar="PORT", help=help)
+
+
+JsonOut = Annotated[bool, typer.Option("--json", help='Print one JSON object (errors: {"error": {code, message, hint}}).')]
+RecipesDir = Annotated[
+    Path | None, typer.Option("--recipes-dir", help="A recipes tree (vLLM recipes layout) to use instead of the bundled one.")
+]
 VllmVersion = Annotated[str, typer.Option("--vllm-version", help="vLLM flag schema to check against.")]  # the lint command's own
 
 
@@ -62,19 +222,10 @@ def tree(recipes_dir: Path | None) -> RecipeTree:
     return RecipeTree(recipes_dir)
 
 
-def fail(err: K3Error) -> NoReturn:
-    if STATE.json:
-        typer.echo(json.dumps({"error": err.as_dict()}))
-    else:
-        typer.echo(f"error: {err.message}", err=True)
-        if err.hint:
-            typer.echo(f"hint: {err.hint}", err=True)
-    raise typer.Exit(2)
-
-
 def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                             annotation=Annotated[annotation, typer.Option(*flags, help=help)])
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[annotation, typer.Option(*flags, help=help)]
+    )
 
 
 @functools.cache
@@ -86,8 +237,18 @@ def _selection_params() -> list[inspect.Parameter]:
     out = []
     for name, flag, help_, annotation in Selection.cli_fields():
         default = Selection.model_fields[name].default
+        bound = Selection.bound(name)
         if name in many:  # repeatable: typer collects a list
             out.append(_opt(name, list[str] | None, None, flag, help=help_))
+        elif bound is not None:
+            out.append(
+                inspect.Parameter(
+                    name,
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=default,
+                    annotation=Annotated[annotation, number_option(flag, bound, help_)],
+                )
+            )
         else:
             out.append(_opt(name, annotation, default, flag, help=help_))
     return out
@@ -98,7 +259,12 @@ PLACEMENT_PARAMS = [
     _opt("recipes_dir", Path | None, None, "--recipes-dir", help="A recipes tree (vLLM recipes layout) to use instead of the bundled one."),
     _opt("inventory", Path | None, None, "--inventory", "-i", help="Inventory YAML: place on its nodes (see inventories/)."),
     _opt("exclude", list[str] | None, None, "--exclude", help="Do not use this inventory node (repeatable)."),
-    _opt("port_base", int | None, None, "--port-base", help="Shift every planned port so HTTP starts here (default 8000)."),
+    inspect.Parameter(
+        "port_base",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[int | None, port_base_option("--port-base", "Shift every planned port so HTTP starts here (default 8000).")],
+    ),
     _opt("name", str | None, None, "--name", help="Deployment name (default: recipe-strategy-hardware-<id>)."),
 ]
 
@@ -109,9 +275,17 @@ class PlanArgs:
 
     def selection(self) -> Selection:
         """The :class:`~k3launch.models.selection.Selection` the options describe."""
+        from pydantic import ValidationError
+
         from k3launch.models.selection import Selection
 
-        return Selection(**{n: self.values[n] for n in Selection.model_fields})
+        try:
+            return Selection(**{n: self.values[n] for n in Selection.model_fields})
+        except ValidationError as exc:  # the options' parsers check first; this is the model's word
+            err = exc.errors()[0]
+            name = str(err["loc"][0]) if err["loc"] else ""
+            flag = next((f for n, f, _, _ in Selection.cli_fields() if n == name), name)
+            raise K3Error("bad-value", f"{flag}: {err['msg']}", f"`k3launch plan --help` lists {flag}'s values") from None
 
     def build(self) -> Plan:
         """Load recipes and inventory, build the plan; raises K3Error."""
@@ -124,8 +298,14 @@ class PlanArgs:
 
             inv = load_placed(v["inventory"])
         # the name is checked by build_plan (the API takes names too)
-        return build_plan(tree(v["recipes_dir"]), self.selection(), inventory=inv, exclude=tuple(v["exclude"] or ()),
-                          port_base=v["port_base"], name=v["name"])
+        return build_plan(
+            tree(v["recipes_dir"]),
+            self.selection(),
+            inventory=inv,
+            exclude=tuple(v["exclude"] or ()),
+            port_base=v["port_base"],
+            name=v["name"],
+        )
 
     @property
     def inventory_path(self) -> Path | None:

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, with_selection
+from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
 from k3launch.errors import K3Error
+from k3launch.util import bounds
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
 AcceptUnknown = Annotated[bool, typer.Option("--accept-unknown-hosts", help="Accept (and remember) SSH host keys not in known_hosts. Off by default.")]
-ConnectTimeout = Annotated[float, typer.Option("--connect-timeout", help="Seconds to wait for a node's SSH connection (ssh_config ConnectTimeout wins).")]
+ConnectTimeout = Annotated[float, number_option("--connect-timeout", bounds.CONNECT_TIMEOUT,
+                                                "Seconds to wait for a node's SSH connection (ssh_config ConnectTimeout wins).")]
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
@@ -29,12 +31,14 @@ INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 @with_selection
 def up(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print exactly what would run on each node, and stop.")] = False,
-    ready_timeout: Annotated[float | None, typer.Option("--ready-timeout", help="Seconds to wait for serving (default: the plan's VLLM_ENGINE_READY_TIMEOUT_S, else 1800).")] = None,
+    ready_timeout: Annotated[float | None, number_option("--ready-timeout", bounds.READY_TIMEOUT,
+                                                         "Seconds to wait for serving (default: the plan's VLLM_ENGINE_READY_TIMEOUT_S, else 1800).")] = None,
     keep_on_failure: Annotated[bool, typer.Option("--keep-on-failure", help="Leave processes running when up fails (for debugging).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Use nodes another live deployment holds.")] = False,
     skip_doctor: Annotated[bool, typer.Option("--skip-doctor", help="Do not run the pre-flight checks.")] = False,
     extra_sbatch: Annotated[list[str] | None, typer.Option("--extra-sbatch", help="Slurm: one more #SBATCH directive, verbatim (repeatable), e.g. --extra-sbatch=--mail-type=END.")] = None,
-    queue_timeout: Annotated[float | None, typer.Option("--queue-timeout", help="Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
+    queue_timeout: Annotated[float | None, number_option("--queue-timeout", bounds.QUEUE_TIMEOUT,
+                                                         "Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
     *, args: PlanArgs,
 ) -> None:
@@ -117,7 +121,7 @@ def logs(
     name: Annotated[str, typer.Argument(help="Deployment name.")],
     role: Annotated[str | None, typer.Option("--role", help="Only processes of this role (serve, prefill, decode, router).")] = None,
     node: Annotated[str | None, typer.Option("--node", help="Only processes on this node.")] = None,
-    lines: Annotated[int, typer.Option("--lines", "-n", help="Lines per process.")] = 40,
+    lines: Annotated[int, number_option("--lines", bounds.LOG_LINES, "Lines per process.", "-n")] = 40,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines (Ctrl-C to stop).")] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0,
 ) -> None:
@@ -135,21 +139,28 @@ def logs(
 
 @app.command()
 def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
-         grace: Annotated[float, typer.Option("--grace", help="Seconds between SIGTERM and SIGKILL.")] = 10.0,
+         grace: Annotated[float, number_option("--grace", bounds.GRACE, "Seconds between SIGTERM and SIGKILL.")] = 10.0,
          state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0,
+         inventory: Annotated[Path | None, typer.Option("--inventory", "-i", help="Without a readable record: search this inventory's machines for the deployment (default: the inventory an unreadable record names, else this machine).")] = None,
          json_out: JsonOut = False) -> None:
-    """Stop every process (router, heads, headless), then verify nothing is left and ports are free."""
+    """Stop every process (router, heads, headless), then verify nothing is left and ports are free.
+
+    Works without a record too (lost or unreadable: it is kept aside as NAME.json.corrupt-TIME):
+    the deployment's processes, containers or Slurm jobs are found by name. Exit 0 when nothing
+    of NAME is left, 1 when something is."""
     STATE.json = json_out
     from k3launch import api
     from k3launch.cli import show_deploy
 
     try:
-        report = api.down(name, state_dir=state_dir, grace=grace, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+        report = api.down(name, state_dir=state_dir, grace=grace, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+                          inventory=inventory)
     except K3Error as err:
         fail(err)
     if json_out:
         typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "leftovers": report.leftovers,
-                               "unreachable": report.unreachable, "busy_ports": report.busy_ports}, indent=2))
+                               "unreachable": report.unreachable, "busy_ports": report.busy_ports, "verified": report.verified,
+                               "set_aside": report.set_aside}, indent=2))
     else:
         show_deploy.down(console(), name, report)
     if not report.clean:
@@ -180,7 +191,7 @@ def list_(state_dir: StateDir = None, json_out: JsonOut = False) -> None:
 def chat(
     name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")],
     message: Annotated[str, typer.Argument(help="The user message.")],
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Most tokens to generate.")] = 64,
+    max_tokens: Annotated[int, number_option("--max-tokens", bounds.TOKENS, "Most tokens to generate.")] = 64,
     state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch).")] = None,
     json_out: JsonOut = False,
 ) -> None:

@@ -6,8 +6,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table as RichTable
 
+from k3launch.campaign.held import Held, refused_groups
 from k3launch.campaign.report import Table
 from k3launch.campaign.run import Prepared, Summary
 from k3launch.models.bench import BenchMetrics, LoadPoint
@@ -27,7 +29,7 @@ def metrics(con: Console, m: BenchMetrics, load: LoadPoint, result: Path | None,
         con.print(f"result JSON: {result}")
 
 
-def dry_run(con: Console, prep: Prepared, todo: Mapping[int, int]) -> None:
+def dry_run(con: Console, prep: Prepared, todo: Mapping[int, int], holds: Sequence[Held] = ()) -> None:
     c = prep.campaign
     t = RichTable(title=f"campaign {c.name}: deployments", show_header=True)
     for h in ("deployment", "group", "plan hash", "strategy", "nodes"):
@@ -53,11 +55,25 @@ def dry_run(con: Console, prep: Prepared, todo: Mapping[int, int]) -> None:
     starts = sum(1 for n in todo.values() if n)
     con.print(f"{len(prep.cells)} cells ({prep.excluded} excluded), {len(prep.groups)} distinct deployment(s), {len(prep.refused)} refused; "
               f"engine starts needed: [bold]{starts}[/bold] (groups already complete: {len(prep.groups) - starts})")
+    if holds:
+        con.print("what holds the nodes now ([red]held[/red]: `up` refuses the group as things stand):")
+    for hold in holds:
+        tag = "[red]held[/red]" if hold.blocking else "[yellow]note[/yellow]"
+        where = "" if hold.node == "-" else f" {hold.node}"
+        con.print(f"  {tag} group(s) {', '.join(map(str, hold.groups))}{where}: {hold.check}: {escape(hold.detail)}")
+    blocked = refused_groups(list(holds))
+    if blocked:
+        con.print(f"[bold red]{len(blocked)} of the {starts} group(s) to run would be refused now[/bold red] (nothing started, no "
+                  "cell recorded): free their nodes first")
 
 
 def summary(con: Console, s: Summary) -> None:
-    con.print(f"{s.cells} cells: {s.skipped} already done, {s.ran} run ({s.valid} valid, {s.invalid} invalid); "
+    not_run = f", {s.not_run} not run" if s.not_run else ""
+    con.print(f"{s.cells} cells: {s.skipped} already done, {s.ran} run ({s.valid} valid, {s.invalid} invalid){not_run}; "
               f"engine starts {s.engine_starts}, reused {s.reused}; {s.wall_s:.1f}s")
+    for r in s.refused:
+        con.print(f"[red]refused[/red] group {r.group} ({escape(r.label)}, {r.name}), {r.cells} cell(s) not run: {r.code}: {escape(r.message)}")
+        con.print(f"  hint: {escape(r.hint)}")
     con.print(f"results: {s.results}")
 
 

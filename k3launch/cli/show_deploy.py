@@ -78,8 +78,11 @@ def status(con: Console, snap: Status) -> None:
 
 
 def down(con: Console, name: str, report: TeardownReport) -> None:
+    if report.set_aside:
+        con.print(f"unreadable record kept aside as {report.set_aside}")
     if report.clean:
-        con.print(f"[green]{name} is down[/]: {len(report.stopped)} process(es) stopped; {report.verified}")
+        what = f"{len(report.stopped)} process(es) stopped" if report.stopped else "nothing was running"
+        con.print(f"[green]{name} is down[/]: {what}; {report.verified}")
         return
     con.print(f"[red]{name} is not fully down[/]")
     for node, why in report.unreachable.items():

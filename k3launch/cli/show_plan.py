@@ -78,7 +78,7 @@ def history(console: Console, items: list[FlagHistory], key: str) -> None:
         for col in ("#", "layer", "value", "from"):
             t.add_column(col)
         for i, e in enumerate(h.entries, 1):
-            mark = " <- runs" if i == len(h.entries) else ""
+            mark = " <- runs" if i == len(h.entries) and h.final is not None else ""  # final None: a later step removed it
             t.add_row(str(i), e.layer, e.value + mark, e.origin)
         console.print(t)
 

@@ -63,6 +63,7 @@ class TeardownReport:
     unreachable: dict[str, str] = field(default_factory=dict)  # node -> why
     busy_ports: list[str] = field(default_factory=list)
     verified: str = "no process or container left; planned ports free"  # what a clean report checked
+    set_aside: str | None = None  # an unreadable record, renamed NAME.json.corrupt-<time> before the search
 
     @property
     def clean(self) -> bool:
@@ -141,7 +142,7 @@ class Readiness:
             return c
         if c.detail.startswith("no tokens"):
             raise LaunchFailed(f"completion stage: {self.endpoint} answers but generated no tokens ({c.detail})",
-                               "check the engine logs (`k3launch logs`)", code="no-tokens")
+                               "the engines answer but generate nothing: read the logs", code="no-tokens")
         return None
 
     def stage(self) -> Stage:
@@ -278,6 +279,11 @@ class Backend(Protocol):
         ...
 
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport: ...
+
+    def sweep(self, name: str, inv: Inventory, grace_s: float, access: Access) -> TeardownReport:
+        """``down`` without a (readable) record: find what runs of deployment ``name`` where ``inv``
+        runs deployments (processes by marker, containers by label, jobs by name), stop it, verify."""
+        ...
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """``inv`` None: a plan on placeholder nodes (no inventory settings such as ``hf_token_file``)."""

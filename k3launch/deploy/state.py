@@ -1,30 +1,70 @@
 """Deployment records: one JSON file per deployment in the state directory.
 
 Default ``~/.k3launch`` (``$K3LAUNCH_STATE_DIR`` or ``--state-dir`` override). Writes are atomic
-(temp file + rename) and each deployment has a lock file (``flock``) so two k3launch commands
-never act on one deployment at once. A record keeps the Plan it was started from, each
-process's handle (pid or container name) and log path, and hosts a ``down`` could not reach,
-so the next ``down`` finishes the job. Records never hold secrets: plans never contain them.
+(temp file + rename) and each deployment has a lock file (``flock``, removed on release) so two
+k3launch commands never act on one deployment at once. A record keeps the Plan it was started
+from, each process's handle (pid or container name) and log path, and hosts a ``down`` could not
+reach, so the next ``down`` finishes the job. Records never hold secrets: plans never contain them.
+
+Every name is checked (:func:`~k3launch.util.names.check_name`) before it becomes a path, so no
+command creates a file outside ``<state>/deployments``. A record that cannot be read is never
+deleted: :meth:`StateStore.set_aside` renames it ``NAME.json.corrupt-<time>`` (``down`` does, then
+finds the deployment's processes on its nodes without it). While ``up`` or ``down`` holds a record
+in a transient state it writes its own identity into it (``owner``); read back after that
+command was killed, the record says ``interrupted`` instead of pretending to start or stop.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from functools import cache
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
-from k3launch.models.record import LIVE_STATES, DeploymentRecord, parse_record
+from k3launch.models.record import LIVE_STATES, TRANSIENT_STATES, DeploymentRecord, Owner, parse_record
 from k3launch.util.locks import locked
+from k3launch.util.names import check_name
 
 
 def default_state_dir() -> Path:
     return Path(os.environ.get("K3LAUNCH_STATE_DIR") or "~/.k3launch").expanduser()
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/PID/stat`` (start time in clock ticks since boot); None: no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+@cache
+def me() -> Owner:
+    return Owner(host=socket.gethostname(), pid=os.getpid(), started=_start_time(os.getpid()) or "?")
+
+
+def owner_gone(owner: Owner) -> bool:
+    """True only when the owner certainly no longer runs: on this host, and its pid is gone or reused."""
+    return owner.host == socket.gethostname() and _start_time(owner.pid) != owner.started
+
+
+def io_error(exc: OSError, path: Path | str, doing: str) -> K3Error:
+    """An I/O failure on the state directory as one line naming the path."""
+    hint = {errno.ENOSPC: "free space on that filesystem, or pass --state-dir DIR elsewhere",
+            errno.EDQUOT: "free space on that filesystem, or pass --state-dir DIR elsewhere",
+            errno.EACCES: "fix the directory's permissions, or pass --state-dir DIR (or set K3LAUNCH_STATE_DIR)",
+            errno.EPERM: "fix the directory's permissions, or pass --state-dir DIR (or set K3LAUNCH_STATE_DIR)",
+            errno.EROFS: "pass --state-dir DIR on a writable filesystem (or set K3LAUNCH_STATE_DIR)"}
+    return K3Error("state-dir", f"cannot {doing} {path}: {exc.strerror or exc}", hint.get(exc.errno or 0, "pass --state-dir DIR or set K3LAUNCH_STATE_DIR"))
 
 
 class StateStore:
@@ -36,41 +76,75 @@ class StateStore:
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise K3Error("state-dir", f"cannot create state directory {self.dir}: {exc.strerror}", "pass --state-dir DIR or set K3LAUNCH_STATE_DIR") from None
+            raise io_error(exc, self.dir, "create state directory") from None
 
     def path(self, name: str) -> Path:
-        return self.dir / f"{name}.json"
+        return self.dir / f"{check_name(name)}.json"
 
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()
 
+    def _parse(self, text: str | bytes) -> DeploymentRecord:
+        rec = parse_record(text)
+        if rec.state in TRANSIENT_STATES and rec.owner is not None and rec.owner != me() and owner_gone(rec.owner):
+            rec.state = "interrupted"
+        return rec
+
     def load(self, name: str) -> DeploymentRecord:
         p = self.path(name)
         try:
-            return parse_record(p.read_text())
+            return self._parse(p.read_bytes())
         except FileNotFoundError:
             known = ", ".join(r.name for r in self.list()) or "none"
             raise K3Error("unknown-deployment", f"no deployment named {name!r} in {self.root}", f"deployments: {known}") from None
         except (ValidationError, ValueError) as exc:
-            raise K3Error("bad-state", f"{p}: unreadable deployment record ({type(exc).__name__})", "remove the file if the deployment is gone") from None
+            raise K3Error("bad-state", f"{p}: unreadable deployment record ({type(exc).__name__})",
+                          f"`k3launch down {name} --inventory FILE` keeps the file aside and stops what still runs on the inventory's nodes") from None
+        except OSError as exc:
+            raise io_error(exc, p, "read") from None
+
+    def readable(self, name: str) -> bool:
+        """Whether ``name``'s record exists and parses (``load`` would not raise bad-state)."""
+        try:
+            self._parse(self.path(name).read_bytes())
+        except (ValidationError, ValueError, OSError):
+            return False
+        return True
+
+    def set_aside(self, name: str) -> Path:
+        """Rename an unreadable record ``NAME.json.corrupt-<time>`` (never deleted: it may be evidence)."""
+        p = self.path(name)
+        aside = p.with_name(f"{p.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
+        try:
+            os.replace(p, aside)
+        except OSError as exc:
+            raise io_error(exc, p, "set aside") from None
+        return aside
 
     def save(self, rec: DeploymentRecord) -> None:
+        check_name(rec.name)
         self._ensure()
         rec.updated = time.time()
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{rec.name}.")
+        rec.owner = me() if rec.state in TRANSIENT_STATES else None
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{rec.name}.")
+        except OSError as exc:
+            raise io_error(exc, self.dir, "write a record in") from None
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(rec.to_json())
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, self.path(rec.name))
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise io_error(exc, self.path(rec.name), "write") from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
     def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
-        (self.dir / f"{name}.lock").unlink(missing_ok=True)
 
     def list(self) -> list[DeploymentRecord]:
         if not self.dir.is_dir():
@@ -78,16 +152,22 @@ class StateStore:
         out = []
         for p in sorted(self.dir.glob("*.json")):
             try:
-                out.append(parse_record(p.read_text()))
+                out.append(self._parse(p.read_bytes()))
             except (ValidationError, ValueError, OSError):
                 continue  # a half-written or foreign file is not a deployment
         return out
 
     @contextmanager
     def lock(self, name: str) -> Iterator[None]:
-        """Exclusive per-deployment lock; refuses (not waits) if another command holds it."""
+        """Exclusive per-deployment lock; refuses (not waits) if another command holds it. The lock
+        file is removed on release, whatever the command's outcome."""
+        path = self.dir / f"{check_name(name)}.lock"
         self._ensure()
-        with locked(self.dir / f"{name}.lock", wait=False) as fd:
+        with ExitStack() as stack:
+            try:
+                fd = stack.enter_context(locked(path, wait=False, remove=True))
+            except OSError as exc:
+                raise io_error(exc, path, "create lock file") from None
             if fd is None:
                 raise K3Error("deployment-busy", f"another k3launch command is acting on {name!r}", "wait for it to finish")
             yield
@@ -102,4 +182,3 @@ class StateStore:
                 if h.role != "router" or h.gpus:
                     held[h.address] = rec.name
         return held
-

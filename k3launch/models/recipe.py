@@ -109,6 +109,10 @@ class AdvancedPreset(Strict):
 
 class Taxonomy(Strict):
     hardware_profiles: dict[str, HardwareProfile]
+    # k3launch extension: keys no model of this tree knows are errors (k3launch's own trees, where
+    # a typo must not pass as a setting). Without it (an upstream checkout) they are kept and each
+    # is a plan notice with its file and line (planning.recipe_keys).
+    strict_keys: bool = False
     tasks: list[Task] = []
     strategies: list[str] = []
     kv_offload: dict[str, KvOffloadOption] = {}
@@ -207,12 +211,19 @@ class InstallNote(Strict):
     note: str = ""
 
 
+# A value keyed by hardware: an exact id (``h200``), a generation (``hopper``), a lowercase brand
+# (``nvidia``) or ``default`` -- looked up in that order (planning.rules.hw_keyed).
+HwKeyedInt = int | dict[str, int]
+
+
 class ModelSpec(Strict):
     model_id: str
     min_vllm_version: str | None = None
-    docker_image: dict[str, str] = {}  # brand (nvidia/amd) -> image
+    # A string pins the NVIDIA image; a map is keyed by brand (nvidia/amd/tpu/intel), where the
+    # nvidia value may itself be a CUDA map ({cu129, cu130}); a map of CUDA keys alone is NVIDIA's.
+    docker_image: str | dict[str, str | dict[str, str]] = {}
     nightly_required: bool = False
-    install: dict[str, InstallNote] = {}
+    install: dict[str, InstallNote | bool | None] = {}  # per install tab: false/null omit it or take the default
     architecture: str = "dense"
     parameter_count: str | None = None
     active_parameters: str | None = None
@@ -226,17 +237,36 @@ class FeatureHardware(Strict):
     args: list[str] = []
 
 
+class FeatureMode(Strict):
+    """One mode of a single-select feature: exactly one mode's args run when the feature is on."""
+
+    description: str = ""
+    args: list[str] = []
+    hardware_overrides: dict[str, FeatureHardware] = {}  # replaces args (exact id > generation > brand > default)
+    hardware: dict[str, str] = {}  # generation or hardware id -> "unsupported": the mode is not offered there
+    variants: list[str] | None = None  # offered only with these variants
+
+
 class Feature(Strict):
     description: str = ""
     args: list[str] = []
     hardware_overrides: dict[str, FeatureHardware] = {}
     strategies: list[str] | None = None
+    modes: dict[str, FeatureMode] = {}
+    default_mode: str | None = None
 
 
 class VariantHardware(Strict):
     extra_args: list[str] = []
     extra_env: Env = {}
     docker_image: str | None = None
+
+
+class PrecisionHardware(Strict):
+    """The hardware a variant's precision runs on (default: nvfp4/fp4 need NVIDIA Blackwell)."""
+
+    brand: str
+    generation: str | None = None
 
 
 class Variant(Strict):
@@ -248,7 +278,10 @@ class Variant(Strict):
     hardware_overrides: dict[str, VariantHardware] = {}
     model_id: str | None = None
     supported_hardware: list[str] | None = None
-    tp: int | None = None
+    precision_hardware: PrecisionHardware | None = None
+    tp: HwKeyedInt | None = None  # single_node_tp's TP for this variant (clamped to the node's GPUs)
+    default_modes: dict[str, str] = {}  # feature -> mode; turns the feature on by default
+    docker_image: str | None = None
 
 
 class HardwareOverride(Strict):
@@ -259,7 +292,7 @@ class HardwareOverride(Strict):
 class RoleOverride(Strict):
     parallelism: Literal["tp", "tep", "dep"] | None = None
     tp: int | None = None
-    nodes: int | None = None
+    nodes: HwKeyedInt | None = None  # the pool's default node count (a map: by hardware id, else "default")
     vllm_args: list[str] = []
     env: Env = {}
     hardware_overrides: dict[str, HardwareOverride] = {}
@@ -274,6 +307,8 @@ class StrategyOverride(Strict):
     prefill: RoleOverride | None = None
     decode: RoleOverride | None = None
     router: dict[str, int] = {}
+    tp: HwKeyedInt | None = None  # single_node_tp only: TP on one node (clamped to its GPUs)
+    pool_modes: list[Literal["tp", "tep", "dep"]] | None = None  # pd_cluster: the layouts a pool may take
 
 
 class Dependency(Strict):

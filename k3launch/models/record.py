@@ -47,8 +47,12 @@ class Stage(StrEnum):
 StageFn = Callable[[Stage, str], None]
 """``(stage, message)``: how a backend reports progress (the CLI prints it, campaigns log it)."""
 
-State = Literal["starting", "ready", "failed", "stopping", "down-incomplete"]
-LIVE_STATES = ("starting", "ready", "failed", "stopping", "down-incomplete")
+State = Literal["starting", "ready", "failed", "stopping", "down-incomplete", "interrupted"]
+LIVE_STATES = ("starting", "ready", "failed", "stopping", "down-incomplete", "interrupted")
+# States a running k3launch command holds a record in; the record names that command (`owner`).
+# Read back while the owner is gone (killed `up` or `down`), such a record is "interrupted":
+# nothing is known to be healthy, and what was started may still run until a `down`.
+TRANSIENT_STATES = ("starting", "stopping")
 SshBackendName = Literal["ssh", "local"]
 BackendName = Literal["ssh", "local", "slurm"]
 
@@ -64,6 +68,14 @@ class ProcessRecord(Record):
     handle: str = ""  # pid (bare/apptainer) or container name (docker/podman); Slurm: "<job>:<process>"
     log: str = ""  # log file on the node (bare/apptainer); containers: `<runtime> logs`
     started: bool = False
+
+
+class Owner(Record):
+    """The k3launch command acting on a deployment while its record is in a transient state."""
+
+    host: str  # this machine's hostname when the record was written
+    pid: int
+    started: str  # the process's start time (``/proc/PID/stat`` field 22): a reused pid is another process
 
 
 class SlurmJob(Record):
@@ -91,6 +103,7 @@ class RecordBase(Record):
     processes: dict[str, ProcessRecord] = {}
     unreachable: list[str] = []
     error: str | None = None
+    owner: Owner | None = None  # set while the state is transient (TRANSIENT_STATES)
 
     @property
     def job(self) -> SlurmJob | None:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from k3launch.defaults import ADVANCED_ALL, DEFAULT_RECIPE, DEFAULT_VLLM_VERSION
 from k3launch.models.plan import EngineRole, Parallelism
 from k3launch.models.recipe import HardwareProfile, Recipe, Strategy, Variant
+from k3launch.util.bounds import NODES, Bound
 
 KV_OFFLOAD_OFF = "off"
 MAX_POOL_NODES = 16
@@ -47,8 +48,16 @@ class Notice:
     message: str
 
 
-def _opt(cli: str, help: str, **kw: Any) -> Any:
-    return Field(description=help, json_schema_extra={"cli": cli}, **kw)
+# The documented range of each numeric field. The CLI parses its options with it and a campaign's
+# axes take it (`--nodes 0`, `nodes: [0]` are refused at once, with the option or the line); the
+# model itself refuses values above it (the API: no plan of a million nodes), while counts below 1
+# stay planning's refusal (`bad-nodes`, a K3Error next to the strategy floors it belongs with).
+FIELD_BOUNDS: dict[str, Bound] = {"nodes": NODES, "prefill_nodes": NODES, "decode_nodes": NODES}
+
+
+def _opt(cli: str, help: str, bound: Bound | None = None, **kw: Any) -> Any:
+    limits: dict[str, Any] = {"le": int(bound.hi)} if bound else {}
+    return Field(description=help, json_schema_extra={"cli": cli}, **limits, **kw)
 
 
 class Selection(BaseModel):
@@ -59,21 +68,37 @@ class Selection(BaseModel):
     recipe: str | None = _opt("--recipe", f"Recipe id (org/Model), slug or model id. Default: {DEFAULT_RECIPE}.", default=None)
     variant: str | None = _opt("--variant", "Recipe variant (default: the recipe's first).", default=None)
     hardware: str | None = _opt("--hardware", "Hardware id (default: the inventory's, else the recipe's default_hardware).", default=None)
-    strategy: str | None = _opt("--strategy", "single_node_tp, multi_node_tp, multi_node_tep, multi_node_dep, pd_cluster, ...", default=None)
-    nodes: int | None = _opt("--nodes", "Node count (raised to the strategy floor with a notice).", default=None)
-    prefill_strategy: str | None = _opt("--prefill-strategy", "P/D prefill pool: tp, tep or dep (default tep).", default=None)
-    prefill_nodes: int | None = _opt("--prefill-nodes", "P/D prefill pool nodes (1-16).", default=None)
-    decode_strategy: str | None = _opt("--decode-strategy", "P/D decode pool: tp, tep or dep (default dep).", default=None)
-    decode_nodes: int | None = _opt("--decode-nodes", "P/D decode pool nodes (1-16).", default=None)
-    features: tuple[str, ...] = _opt("--feature", "Enable a feature (repeatable): tool_calling, reasoning, spec_decoding, text_only.",
-                                     default=())
+    strategy: str | None = _opt(
+        "--strategy", "single_node_tp, multi_node_tp, multi_node_tep, multi_node_dep, pd_cluster, ...", default=None
+    )
+    nodes: int | None = _opt("--nodes", "Node count (raised to the strategy floor with a notice).", NODES, default=None)
+    prefill_strategy: str | None = _opt(
+        "--prefill-strategy", "P/D prefill pool: tp, tep or dep (default: the recipe's, else tp).", default=None
+    )
+    prefill_nodes: int | None = _opt("--prefill-nodes", "P/D prefill pool nodes (1-16).", NODES, default=None)
+    decode_strategy: str | None = _opt(
+        "--decode-strategy", "P/D decode pool: tp, tep or dep (default: the recipe's, else tp).", default=None
+    )
+    decode_nodes: int | None = _opt("--decode-nodes", "P/D decode pool nodes (1-16).", NODES, default=None)
+    features: tuple[str, ...] = _opt(
+        "--feature",
+        "Enable a feature (repeatable): tool_calling, reasoning, spec_decoding, text_only; NAME=MODE picks a modal feature's mode.",
+        default=(),
+    )
     no_features: tuple[str, ...] = _opt("--no-feature", "Disable a feature the recipe enables by default (repeatable).", default=())
     kv_offload: str = _opt("--kv-offload", "off, simple, lmcache or mooncake.", default=KV_OFFLOAD_OFF)
     sets: tuple[str, ...] = _opt("--set", "FLAG=VALUE applied at the Advanced layer (repeatable).", default=())  # as typed
-    advanced: tuple[str, ...] = _opt("--advanced", "Advanced preset (repeatable): max-num-batched-tokens, max-num-seqs, "
-                                     "gpu-memory-utilization, max-model-len, or all.", default=())
-    vllm_version: str | None = _opt("--vllm-version", "vLLM version the plan is written for and checked against (its flag schema): "
-                                    f"default the inventory's vllm_version, else {DEFAULT_VLLM_VERSION}.", default=None)
+    advanced: tuple[str, ...] = _opt(
+        "--advanced",
+        "Advanced preset (repeatable): max-num-batched-tokens, max-num-seqs, gpu-memory-utilization, max-model-len, or all.",
+        default=(),
+    )
+    vllm_version: str | None = _opt(
+        "--vllm-version",
+        "vLLM version the plan is written for and checked against (its flag schema): "
+        f"default the inventory's vllm_version, else {DEFAULT_VLLM_VERSION}.",
+        default=None,
+    )
 
     @field_validator("features", "no_features", "sets", "advanced", mode="before")
     @classmethod
@@ -104,6 +129,11 @@ class Selection(BaseModel):
             extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
             out.append((name, str(extra.get("cli", "--" + name.replace("_", "-"))), f.description or "", f.annotation))
         return out
+
+    @classmethod
+    def bound(cls, name: str) -> Bound | None:
+        """The range of numeric field ``name`` (None: not a number, or unbounded)."""
+        return FIELD_BOUNDS.get(name)
 
     @classmethod
     def list_fields(cls) -> tuple[str, ...]:
@@ -143,6 +173,7 @@ class Resolved:
     selection: Selection
     notices: list[Notice] = field(default_factory=list)
     node_memory_gb: float = 0.0  # what one node holds weights in: GPU memory, or host memory on a CPU profile
+    feature_modes: dict[str, str] = field(default_factory=dict)  # modal feature -> the mode that runs
 
     @property
     def nodes(self) -> int:

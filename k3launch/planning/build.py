@@ -15,13 +15,16 @@ import hashlib
 import json
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from k3launch.errors import K3Error
 from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry, Role
+from k3launch.models.recipe import KvOffloadOption
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
-from k3launch.planning.compose import Composed, Source, compose
+from k3launch.planning import rules
+from k3launch.planning.compose import Composed, Locked, Source, compose
 from k3launch.planning.layers import RESERVED, locks_for, pool_sources
+from k3launch.planning.layout import load_balanced, placement_flags, pool_strategies, recipe_layout, sizes, strip_nvl4_env
 from k3launch.planning.placement import (
     LOGIN,
     PLACEHOLDER_IFACE,
@@ -29,6 +32,7 @@ from k3launch.planning.placement import (
     Ports,
     host_memory,
     inventory_hardware,
+    node_spec,
     placeholder_nodes,
     router_node,
     select_nodes,
@@ -38,6 +42,7 @@ from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.resolve import resolve
 from k3launch.planning.router import router_process
 from k3launch.planning.schema import FlagSchema, load_schema
+from k3launch.util.names import check_name
 
 if TYPE_CHECKING:  # only plans placed on an inventory load the inventory models
     from k3launch.planning.inventory import Inventory
@@ -67,59 +72,10 @@ def _resolve_source(src: Source, values: dict[str, str]) -> Source:
     return Source(src.layer, src.origin, args, env, src.user)
 
 
-def _layout(pool: Pool, i: int, head: NodeSpec, hybrid: bool, ports: Ports) -> tuple[list[str], bool, int | None, int | None]:
-    """Placement flags of node ``i`` of ``pool``: (tokens, serves_http, node_rank, dp_start_rank)."""
-    g, n, par = pool.gpus_per_node, pool.nodes, pool.parallelism
-    if par == "replicas":  # independent engines: a whole copy per node, each serving HTTP (a router fronts them)
-        return ["--tensor-parallel-size", str(g)], True, None, None
-    if par in ("tp", "tep", "tp_pp"):
-        toks = ["--tensor-parallel-size", str(g if par == "tp_pp" else g * n)]
-        if par == "tp_pp":
-            toks += ["--pipeline-parallel-size", str(n)]
-        if n == 1:
-            return toks, True, None, None
-        toks += ["--nnodes", str(n), "--node-rank", str(i), "--master-addr", head.address, "--master-port", str(ports.master)]
-        if i > 0:
-            toks.append("--headless")
-        return toks, i == 0, i, None
-    local = g if par == "dep" else 1
-    toks = ["--tensor-parallel-size", str(1 if par == "dep" else g), "--data-parallel-size", str(local * n), "--data-parallel-size-local", str(local)]
-    if n == 1:
-        return toks, True, None, 0
-    toks += ["--data-parallel-address", head.address, "--data-parallel-rpc-port", str(ports.dp_rpc)]
-    if i > 0:
-        toks += ["--data-parallel-start-rank", str(i * local)]
-        if not hybrid:
-            toks.append("--headless")
-    return toks, i == 0 or hybrid, None, i * local
-
-
-_LB_KEYS = ("--data-parallel-hybrid-lb", "--data-parallel-external-lb")
-
-
-def _load_balanced(schema: FlagSchema, pre: Sequence[Source]) -> bool:
-    """Whether the pool's own sources leave hybrid or external load balancing on (every DEP node
-    then serves HTTP), judged as compose judges them: the last writer wins, so a recipe's
-    ``strategy_overrides`` ``--no-data-parallel-hybrid-lb`` turns the strategy's flag off."""
-    on = dict.fromkeys(_LB_KEYS, False)
-    for src in pre:
-        args, _ = schema.parse(list(src.args))  # placeholders are not resolved yet: only booleans matter here
-        for a in args:
-            if a.key in on:
-                on[a.key] = bool(a.polarity)
-    return any(on.values())
-
-
 def _image(r: Resolved, node: NodeSpec) -> str | None:
     if node.image:
         return node.image
-    vb = r.variant.hardware_overrides.get(r.hardware_id)
-    if vb is not None and vb.docker_image:
-        return vb.docker_image
-    return r.recipe.model.docker_image.get(r.hardware.brand.lower()) or r.hardware.image
-
-
-NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+    return rules.docker_image(r.recipe, r.variant, r.hardware_id, r.hardware) or r.hardware.image
 
 
 def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None, *,
@@ -139,14 +95,14 @@ def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | Non
 def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None, inventory: Inventory | None,
                 exclude: Sequence[str], port_base: int | None, name: str | None) -> Plan:
     # The name becomes a file name, a job name, container names and #SBATCH values: plain words only.
-    if name is not None and not NAME.fullmatch(name):
-        raise K3Error("bad-name", f"deployment name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. --name k3-tep-lab")
+    if name is not None:
+        check_name(name, example="--name k3-tep-lab")
     if inventory is not None:
         sel = sel.model_copy(update={"hardware": inventory_hardware(inventory, sel.hardware)})
     r = resolve(tree, sel, host_memory(inventory, exclude) if inventory is not None else None)
     schema = load_schema(sel.engine_version(inventory.vllm_version if inventory is not None else None))
     ports = Ports.shifted(port_base)
-    rf, sf = f"models/{r.recipe_id}.yaml", f"strategies/{r.strategy.name}.yaml"
+    rf = f"models/{r.recipe_id}.yaml"
     kv = tree.taxonomy.kv_offload.get(r.kv_offload) if r.kv_offload != "off" else None
     locks = locks_for(r.recipe, r.hardware_id, r.hardware)
     model_id = r.variant.model_id or r.recipe.model.model_id
@@ -165,48 +121,39 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     reserved = dict(RESERVED)
     if r.is_pd:
         reserved["--kv-transfer-config"] = "P/D pools own the NIXL KV transfer config"
-    pool_strats = {par: tree.strategies[s] for par, s in (("tep", "multi_node_tep"), ("dep", "multi_node_dep")) if s in tree.strategies}
     procs: list[Process] = []
     hosts: list[Host] = []
     pool_caps: list[PoolCapacity] = []
     cursor = 0
+    pools: list[Pool] = []
     for pool in r.pools:
         pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
-        pre, post, tail = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strats)
-        hybrid = _load_balanced(schema, pre)
-        recipe_port = flag_value([t for src in pre for t in src.args], "--port")
-        http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
-        nixl_env = next((v for s in pre for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
-        head = pool_nodes[0]
-        for i, node in enumerate(pool_nodes):
-            toks, serves, node_rank, dp_start = _layout(pool, i, head, hybrid, ports)
-            env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
-            if pool.nodes > 1:
-                env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
-            if nixl_env is not None and ports.compact:
-                env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(ports.nixl_for(pool.role))))
-            if serves and (recipe_port is None or ports.compact):
-                toks += ["--port", str(http)]
-            if serves:
-                # Bind the planned address, not every interface: ports are planned per address.
-                toks += ["--host", node.address]
-            placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
-            extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
-            values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
-            c = compose(schema, ["vllm", "serve", model_id], [*[_resolve_source(s, values) for s in (*pre, placement)], *extra, *[_resolve_source(s, values) for s in (*post, *tail)]], locks, reserved)
+        composed = _compose_pool(tree, r, pool, pool_nodes, schema, ports, locks, reserved, kv, inventory, model_id)
+        adapted = recipe_layout(composed[0].composed, composed[0].placement, pool, r.hardware_id, r.hardware)
+        if adapted is not None:  # the recipe sizes this one-node layout itself: place what it asks for
+            notices.append(Notice("recipe-layout", f"{pool.role} pool: the recipe sets its own size on one node: TP x DP = {adapted.gpus_per_node} "
+                                  f"of {r.hardware_id}'s {r.hardware.gpu_count} GPUs (placement follows it)"))
+            pool = adapted
+            _check_fits(r, pool)
+            composed = _compose_pool(tree, r, pool, pool_nodes, schema, ports, locks, reserved, kv, inventory, model_id)
+        pools.append(pool)
+        for i, one in enumerate(composed):
+            c, node = one.composed, one.node
             notices.extend(c.notices)
-            procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, http if serves else None, c, _image(r, node), node_rank, dp_start, pool.gpus_per_node))
+            notices.extend(strip_nvl4_env(r, c))
+            procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, one.http if one.serves else None, c, _image(r, node),
+                                  one.node_rank, one.dp_start, pool.gpus_per_node))
             hosts.append(_host(node, pool.role, pool.gpus_per_node))
-        tp, dp, pp = {"tp": (pool.gpus, 1, 1), "tep": (pool.gpus, 1, 1), "dep": (1, pool.gpus, 1),
-                      "tp_pp": (pool.gpus_per_node, 1, pool.nodes), "tp_dp": (pool.gpus_per_node, pool.nodes, 1),
-                      "replicas": (pool.gpus_per_node, pool.nodes, 1)}[pool.parallelism]
+        tp, dp, pp = sizes(pool)
         if tp & (tp - 1):
             notices.append(Notice("tp-not-power-of-two", f"{pool.role} pool: TP {tp} must divide the model's attention heads or vLLM refuses it; "
                                   "a power of two (other node count, multi_node_tp_pp or DEP) is the safe choice"))
         copy = 1 if pool.parallelism == "replicas" else pool.nodes  # the nodes that hold one copy of the weights
+        memory = copy * _pool_node_gb(r, pool)
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
-                                      gpu_memory_gb=copy * r.node_memory_gb, weights_gb=r.weights_gb,
-                                      fits=copy * r.node_memory_gb >= r.weights_gb, tp=tp, dp=dp, pp=pp))
+                                      gpu_memory_gb=memory, weights_gb=r.weights_gb,
+                                      fits=memory >= r.weights_gb, tp=tp, dp=dp, pp=pp))
+    r.pools = pools  # a recipe-sized one-node pool replaced the resolved one: the router and the totals read these
     # On Slurm the router runs inside the allocation, on the first engine node (the login node
     # cannot be assumed to reach compute nodes' ports, nor to outlive a job array task).
     rnode = placed[0] if inventory is not None and inventory.backend == "slurm" else router_node(inventory, exclude)
@@ -233,6 +180,69 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
         platform=r.hardware.vendor_platform, exclude=list(exclude),
     )
+
+
+class Placed(NamedTuple):
+    """One node's composed engine command and where placement put it."""
+
+    node: NodeSpec
+    composed: Composed
+    serves: bool  # serves HTTP
+    node_rank: int | None
+    dp_start: int | None
+    http: int
+    placement: list[str]  # the layout flags placement wrote (sizes, ranks, addresses)
+
+
+def _compose_pool(tree: RecipeTree, r: Resolved, pool: Pool, pool_nodes: Sequence[NodeSpec], schema: FlagSchema, ports: Ports,
+                  locks: list[Locked], reserved: dict[str, str], kv: KvOffloadOption | None, inventory: Inventory | None,
+                  model_id: str) -> list[Placed]:
+    """Compose every node's command of one pool."""
+    rf, sf = f"models/{r.recipe_id}.yaml", f"strategies/{r.strategy.name}.yaml"
+    src = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strategies(tree.strategies, pool))
+    own = [*src.pre, *src.layout]
+    hybrid = load_balanced(schema, own)
+    recipe_port = flag_value([t for s in own for t in s.args], "--port")
+    http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
+    nixl_env = next((v for s in own for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
+    head = pool_nodes[0]
+    out: list[Placed] = []
+    for i, node in enumerate(pool_nodes):
+        toks, serves, node_rank, dp_start = placement_flags(pool, i, head, hybrid, ports)
+        sized = list(toks)
+        env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
+        if pool.nodes > 1:
+            env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
+        if nixl_env is not None and ports.compact:
+            env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(ports.nixl_for(pool.role))))
+        if serves and (recipe_port is None or ports.compact):
+            toks += ["--port", str(http)]
+        if serves:
+            # Bind the planned address, not every interface: ports are planned per address.
+            toks += ["--host", node.address]
+        placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
+        extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
+        values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
+        sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra,
+                   *[_resolve_source(s, values) for s in (*src.post, *src.tail)]]
+        c = compose(schema, ["vllm", "serve", model_id], sources, locks, reserved)
+        out.append(Placed(node, c, serves, node_rank, dp_start, http, sized))
+    return out
+
+
+def _pool_node_gb(r: Resolved, pool: Pool) -> float:
+    """Memory one node of the pool holds weights in: the GPUs its engine uses (a CPU profile's
+    ranks share the node's host memory)."""
+    if r.hardware.is_cpu or pool.gpus_per_node >= r.hardware.gpu_count:
+        return r.node_memory_gb
+    return r.node_memory_gb * pool.gpus_per_node / r.hardware.gpu_count
+
+
+def _check_fits(r: Resolved, pool: Pool) -> None:
+    have = _pool_node_gb(r, pool)
+    if have + 1e-9 < r.weights_gb:
+        raise K3Error("does-not-fit", f"{pool.gpus_per_node} {r.hardware_id} GPUs = {have:g} GB cannot hold the {r.weights_gb:g} GB of weights "
+                      "(the recipe sizes this one-node layout itself)", "choose hardware with larger GPUs")
 
 
 def _host(node: NodeSpec, role: Role, gpus: int) -> Host:
@@ -272,3 +282,17 @@ def _dedupe(notices: list[Notice]) -> list[NoticeOut]:
             seen.add((n.code, n.message))
             out.append(NoticeOut(code=n.code, message=n.message))
     return out
+
+
+def inventory_hosts(inv: Inventory) -> list[Host]:
+    """Every machine of an inventory as a plan host -- drained nodes and the router's node included:
+    where a ``down`` without a record looks for a deployment's processes. Not a placement: no
+    role but "router" for the router's node, no GPUs."""
+    hosts = {n.name: _host(node_spec(inv, n.name, n.address, n.hardware or inv.hardware, n, False, n.ssh_host), "serve", 0) for n in inv.nodes}
+    try:
+        router = router_node(inv)
+    except K3Error:
+        return list(hosts.values())  # its node is drained: it is searched as a node all the same
+    if router.name not in hosts:
+        hosts[router.name] = _host(router, "router", 0)
+    return list(hosts.values())

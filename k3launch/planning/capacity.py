@@ -58,15 +58,24 @@ class Weights:
     formula: str
 
 
+AGREE = 0.01  # an estimate within 1% of the recipe's figure explains it
+
+
 def weights(recipe: Recipe, variant: Variant) -> Weights:
-    """Weight footprint in GB (10^9 bytes), with the formula that produced it."""
+    """Weight footprint in GB (10^9 bytes), with the formula that produced it.
+
+    The variant's ``vram_minimum_gb`` is the recipe author's figure (and what the recipes project
+    checks a node against), so it wins when given; the estimate parameters x bytes/param x 1.2 is
+    its explanation when the two agree, and the figure when the recipe gives none. (A precision
+    label does not always tell the bytes: a "fp8" checkpoint may keep its experts in FP4.)"""
     params = parse_parameter_count(recipe.model.parameter_count or "")
     bpp = BYTES_PER_PARAM.get(variant.precision.lower())
     if params is not None and bpp is not None:
         gb = params * bpp * HEADROOM / 1e9
         formula = f"{recipe.model.parameter_count} x {bpp:g} byte/param ({variant.precision}) x {HEADROOM:g} headroom"
-        if variant.vram_minimum_gb is not None and variant.vram_minimum_gb > gb:
-            return Weights(variant.vram_minimum_gb, f"recipe vram_minimum_gb (estimate {formula} = {gb:.0f} GB)")
+        vmin = variant.vram_minimum_gb
+        if vmin is not None and abs(vmin - gb) > AGREE * vmin:
+            return Weights(vmin, f"recipe vram_minimum_gb (estimate {formula} = {gb:.0f} GB)")
         return Weights(round(gb, 3), formula)
     if variant.vram_minimum_gb is not None:
         return Weights(variant.vram_minimum_gb, "recipe vram_minimum_gb")

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from k3launch.errors import K3Error
 from k3launch.models.selection import Notice
+from k3launch.planning.configs import unknown_fields
 from k3launch.planning.schema import Arg, FlagSchema
 
 LAYERS = ("base", "variant", "strategy", "hardware", "advanced", "features", "kv_offload")
@@ -75,6 +76,7 @@ class Composed:
 @lru_cache(maxsize=4096)
 def _parse_cached(schema: FlagSchema, tokens: tuple[str, ...]) -> tuple[Arg, ...]:
     args, problems = schema.parse(list(tokens))
+    problems += unknown_fields(schema.version, args)  # vLLM would refuse them at startup
     if problems:
         p = problems[0]
         raise K3Error(p.code, p.message, p.hint)

@@ -47,6 +47,6 @@ def explain(plan: Plan, name: str, process: str | None = None) -> list[FlagHisto
         if sig in groups:
             groups[sig].processes.append(p.id)
         else:
-            final = entries[-1].value
-            groups[sig] = FlagHistory(key, [p.id], list(entries), final)
+            removed = not key.startswith("-") and key not in p.env  # an env name a later step took out (P/D on HGX nodes)
+            groups[sig] = FlagHistory(key, [p.id], list(entries), None if removed else entries[-1].value)
     return list(groups.values())

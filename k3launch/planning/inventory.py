@@ -20,6 +20,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from k3launch.errors import K3Error
 from k3launch.models.recipe import Strict
 from k3launch.planning.recipes import load_yaml_model
+from k3launch.util.bounds import MEMORY_GB
 from k3launch.util.hosts import check_host, expand_hostlist
 
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
@@ -27,8 +28,17 @@ _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 Runtime = Literal["docker", "podman", "apptainer", "bare"]
 SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "OPENAI_API_KEY"})
 NOT_SECRETS = frozenset({"TOKENIZERS_PARALLELISM"})
-PLACEMENT_ENV = frozenset({"VLLM_HOST_IP", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "VLLM_NIXL_SIDE_CHANNEL_HOST",
-                           "VLLM_NIXL_SIDE_CHANNEL_PORT", "K3LAUNCH_DEPLOYMENT", "K3LAUNCH_PROCESS"})
+PLACEMENT_ENV = frozenset(
+    {
+        "VLLM_HOST_IP",
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "K3LAUNCH_DEPLOYMENT",
+        "K3LAUNCH_PROCESS",
+    }
+)
 
 
 class NodeSettings(Strict):
@@ -39,7 +49,7 @@ class NodeSettings(Strict):
     identity_file: str | None = None
     runtime: Runtime | None = None
     iface: str | None = None
-    cpu_memory_gb: float | None = Field(default=None, gt=0)
+    cpu_memory_gb: float | None = Field(default=None, **MEMORY_GB.field())
     hf_cache: str | None = None
     shm_size: str | None = None
     image: str | None = None
@@ -55,8 +65,11 @@ class NodeSettings(Strict):
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 raise ValueError(f"env name {k!r} is not a valid variable name")
             up = k.upper()
-            if up in SECRET_NAMES or (any(w in up for w in ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY")) \
-                    and up not in NOT_SECRETS and not up.endswith(("_PATH", "_FILE", "_DIR"))):
+            if up in SECRET_NAMES or (
+                any(w in up for w in ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY"))
+                and up not in NOT_SECRETS
+                and not up.endswith(("_PATH", "_FILE", "_DIR"))
+            ):
                 raise ValueError(f"env {k} looks like a secret; secrets never go into inventories or plans (use hf_token_file)")
             if up in PLACEMENT_ENV:
                 raise ValueError(f"env {k} is set by k3launch's placement for each process; it cannot be set in an inventory")
@@ -209,8 +222,10 @@ class Inventory(Strict):
         if self.backend != "slurm" and not self.nodes:
             raise ValueError(f"backend {self.backend} needs at least one node under 'nodes:'")
         if self.backend == "slurm" and (self.router.node != "login" or self.router.address):
-            raise ValueError("on slurm the router runs inside the allocation, on the first engine node: "
-                             "router.node and router.address do not apply (router.port does)")
+            raise ValueError(
+                "on slurm the router runs inside the allocation, on the first engine node: "
+                "router.node and router.address do not apply (router.port does)"
+            )
         if self.router.node != "login" and self.router.node not in names:
             raise ValueError(f"router.node {self.router.node!r} is neither 'login' nor a node of this inventory")
         return self
@@ -218,6 +233,8 @@ class Inventory(Strict):
 
 def load_inventory(path: Path | str) -> Inventory:
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise K3Error("unreadable-file", f"{p}: is a directory, not an inventory file", "pass the inventory's YAML file (see inventories/)")
     if not p.is_file():
         raise K3Error("missing-inventory", f"{p}: no such inventory file", "see inventories/ for examples")
     return load_yaml_model(p, Inventory, doc='docs/inventories.md ("Keys")', code="bad-inventory")
@@ -256,15 +273,24 @@ def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
     try:  # re-validate: two aliases may resolve to one HostName
         return Inventory.model_validate({**inv.model_dump(), "nodes": [n.model_dump(exclude_unset=False) for n in nodes]})
     except ValidationError as exc:
-        raise K3Error("bad-inventory", f"inventory {inv.name} after resolving ssh aliases: {exc.errors()[0]['msg']}",
-                      "give the nodes distinct HostNames or explicit addresses") from None
+        raise K3Error(
+            "bad-inventory",
+            f"inventory {inv.name} after resolving ssh aliases: {exc.errors()[0]['msg']}",
+            "give the nodes distinct HostNames or explicit addresses",
+        ) from None
 
 
 def read_ssh_config(inv: Inventory) -> str | None:
     """The text of the inventory's ``ssh_config`` (default ``~/.ssh/config``), if it exists."""
     path = Path(inv.ssh_config or "~/.ssh/config").expanduser()
     try:
-        return path.read_text()
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise K3Error(
+            "bad-encoding",
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})",
+            "is it the ssh config you meant? save it as UTF-8",
+        ) from None
     except FileNotFoundError:
         if inv.ssh_config:
             raise K3Error("missing-file", f"ssh_config {path}: no such file", "fix the inventory's ssh_config path") from None

@@ -3,22 +3,26 @@
 This is where the recipe schema's blocks are mapped onto the seven layers, following the
 upstream generator (see docs/planning.md ("Composition")), with these choices made explicit:
 
-* hardware blocks are looked up by generation (``hopper``/``blackwell``/``amd``), falling back
-  to the brand (``nvidia``); a strategy's (or P/D role's) block for the generation *replaces*
-  the recipe's and the variant's generation blocks; blocks keyed by an exact hardware id
-  (``gb300``) are applied after, additively;
-* a feature's ``hardware_overrides.<generation|brand>.args`` replaces its ``args``;
-* placement flags (TP/DP sizes, ranks, addresses, ports) are written by k3launch in the
-  strategy layer and are reserved: ``--set`` cannot change them.
+* hardware blocks of the recipe, the variant and a strategy override are looked up by
+  generation (``hopper``/``blackwell``/``amd``), falling back on NVIDIA to ``nvidia``; a
+  strategy's (or P/D role's) block for the generation *replaces* the recipe's and the variant's
+  generation blocks; blocks keyed by an exact hardware id (``gb300``) are applied after, additively;
+* a feature's (or its mode's) ``hardware_overrides`` entry for the hardware id, generation,
+  brand or ``default`` replaces its ``args``; a modal feature runs its one resolved mode;
+* placement flags (TP/DP sizes, ranks, addresses, ports) are written by k3launch at the end of
+  the strategy layer and are reserved: ``--set`` cannot change them. A ``strategy_overrides``
+  list that sets a layout flag itself comes after them, as upstream's order has it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from k3launch.errors import K3Error
 from k3launch.models.recipe import AdvancedPreset, Env, HardwareOverride, HardwareProfile, Recipe, Strategy
 from k3launch.models.selection import Pool, Resolved
+from k3launch.planning import rules
 from k3launch.planning.compose import Locked, Source
 from k3launch.planning.schema import FlagSchema
 
@@ -57,10 +61,30 @@ def _env(env: Env) -> tuple[tuple[str, str], ...]:
 
 
 def _hw_block(blocks: Mapping[str, HardwareOverride], hw: HardwareProfile) -> tuple[str, HardwareOverride] | None:
-    for key in (hw.generation, hw.brand.lower()):
-        if key in blocks:
-            return key, blocks[key]
-    return None
+    return rules.generation_block(blocks, hw)
+
+
+# Flags k3launch's placement writes for the layout (its ports and bind address are planned apart).
+LAYOUT_FLAGS = frozenset({"--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--data-parallel-size-local",
+                          "--data-parallel-start-rank", "--data-parallel-address", "--data-parallel-rpc-port", "--nnodes",
+                          "--node-rank", "--master-addr", "--master-port", "--headless"})
+
+
+def _writes_layout(schema: FlagSchema, src: Source) -> bool:
+    """Whether a recipe source sets a flag placement writes (``--data-parallel-size 4`` to run DP 4
+    on an 8-GPU node): upstream applies ``strategy_overrides`` after its parallel flags, so such a
+    recipe value wins there, and k3launch applies that source after its placement flags to match."""
+    args, _ = schema.parse(list(src.args))  # placeholders are not resolved yet: only flag names matter here
+    return any(a.spec.canonical in LAYOUT_FLAGS for a in args)
+
+
+class PoolSources(NamedTuple):
+    """A pool's sources, split where k3launch's placement flags go (after ``pre``, before ``layout``)."""
+
+    pre: list[Source]  # base, variant, strategy file, strategy_overrides
+    layout: list[Source]  # strategy_overrides that set placement flags: after placement, so they win
+    post: list[Source]  # hardware, advanced presets
+    tail: list[Source]  # --set, features, kv_offload
 
 
 def advanced_presets(recipe: Recipe, taxonomy_presets: Mapping[str, AdvancedPreset]) -> dict[str, AdvancedPreset]:
@@ -69,11 +93,13 @@ def advanced_presets(recipe: Recipe, taxonomy_presets: Mapping[str, AdvancedPres
 
 def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_presets: Mapping[str, AdvancedPreset],
                  kv_args: tuple[list[str], Env] | None, schema: FlagSchema,
-                 pool_strategies: Mapping[str, Strategy] | None = None) -> tuple[list[Source], list[Source], list[Source]]:
+                 pool_strategies: Mapping[str, Strategy] | None = None) -> PoolSources:
     """Sources before placement (base, variant, strategy), and after (hardware..kv_offload).
 
-    Returned as (pre, post, user) so placement flags can be inserted at the end of the strategy
-    layer; ``user`` are the ``--set`` sources (applied inside the advanced layer).
+    Placement flags are inserted at the end of the strategy layer, before the recipe's
+    ``strategy_overrides`` that set placement flags themselves; the ``--set`` sources are applied
+    inside the advanced layer. ``pool_strategies`` maps a P/D pool's layout (``tep``) to the strategy
+    whose args it takes.
     """
     rec, hw, hid = r.recipe, r.hardware, r.hardware_id
     role = pool.role
@@ -99,10 +125,16 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
         pre.append(Source("strategy", strategy_file, tuple(st.vllm_args), _env(st.env)))
     ov = rec.strategy_overrides.get(sname)
     role_ov = getattr(ov, role, None) if ov is not None and role in ("prefill", "decode") else None
+    layout: list[Source] = []
+    overrides: list[Source] = []
     if ov is not None:
-        pre.append(Source("strategy", f"{rf} strategy_overrides.{sname}", tuple(ov.extra_args + ov.vllm_args), _env({**ov.env, **ov.extra_env})))
+        # extra_env is the non-P/D env of a strategy override: a P/D role takes env only.
+        env = ov.env if role in ("prefill", "decode") else {**ov.env, **ov.extra_env}
+        overrides.append(Source("strategy", f"{rf} strategy_overrides.{sname}", tuple(ov.extra_args + ov.vllm_args), _env(env)))
     if role_ov is not None:
-        pre.append(Source("strategy", f"{rf} strategy_overrides.{sname}.{role}", tuple(role_ov.vllm_args), _env(role_ov.env)))
+        overrides.append(Source("strategy", f"{rf} strategy_overrides.{sname}.{role}", tuple(role_ov.vllm_args), _env(role_ov.env)))
+    for src in overrides:
+        (layout if _writes_layout(schema, src) else pre).append(src)
 
     post: list[Source] = []
     # Hardware: a strategy- or role-level generation block replaces the recipe's and variant's.
@@ -118,9 +150,10 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
         found = _hw_block(rec.hardware_overrides, hw)
         if found is not None:
             post.append(Source("hardware", f"{rf} hardware_overrides.{found[0]}", tuple(found[1].extra_args), _env(found[1].extra_env)))
-        vfound = v.hardware_overrides.get(hw.generation)
+        vfound = rules.generation_block(v.hardware_overrides, hw)
         if vfound is not None:
-            post.append(Source("hardware", f"{rf} variants.{r.variant_name}.hardware_overrides.{hw.generation}", tuple(vfound.extra_args), _env(vfound.extra_env)))
+            vkey, vblock = vfound
+            post.append(Source("hardware", f"{rf} variants.{r.variant_name}.hardware_overrides.{vkey}", tuple(vblock.extra_args), _env(vblock.extra_env)))
     for blocks, where in ((rec.hardware_overrides, "hardware_overrides"),
                           (ov.hardware_overrides if ov else {}, f"strategy_overrides.{sname}.hardware_overrides"),
                           (role_ov.hardware_overrides if role_ov else {}, f"strategy_overrides.{sname}.{role}.hardware_overrides")):
@@ -137,16 +170,20 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
     feats: list[Source] = []
     for name in r.features:
         feat = rec.features[name]
-        args, where = feat.args, f"features.{name}"
-        for key in (hw.generation, hw.brand.lower()):
-            if key in feat.hardware_overrides:
-                args, where = feat.hardware_overrides[key].args, f"features.{name}.hardware_overrides.{key}"
-                break
+        base = f"features.{name}"
+        args, fblocks = feat.args, feat.hardware_overrides
+        mode = r.feature_modes.get(name)
+        if mode is not None:  # a modal feature runs its one mode's args
+            base, args, fblocks = f"{base}.modes.{mode}", feat.modes[mode].args, feat.modes[mode].hardware_overrides
+        where = base
+        hit = rules.hw_keyed(fblocks, hid, hw)  # a hardware entry replaces the args
+        if hit is not None:
+            args, where = hit[1].args, f"{base}.hardware_overrides.{hit[0]}"
         feats.append(Source("features", f"{rf} {where}", tuple(args)))
     tail = list(feats)
     if kv_args is not None:
         tail.append(Source("kv_offload", f"taxonomy.yaml kv_offload.{r.kv_offload}", tuple(kv_args[0]), _env(kv_args[1])))
-    return pre, post, user + tail
+    return PoolSources(pre, layout, post, user + tail)
 
 
 _TRUE = ("true", "yes", "on", "1")

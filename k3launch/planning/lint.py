@@ -1,8 +1,10 @@
 """``k3launch lint``: check a pasted ``vllm serve`` command against vLLM's flag schema.
 
 Findings: unknown flags (with a did-you-mean), bad choices and values, legacy boolean spellings
-the selected vLLM no longer lists, contradictory booleans (both forms of one setting), and
-duplicates (one setting given twice: argparse silently keeps the last). ``VAR=value`` words
+the selected vLLM no longer lists, contradictory booleans (both forms of one setting),
+duplicates (one setting given twice: argparse silently keeps the last), fields a config flag's
+dataclass does not have (vLLM refuses them at startup), and dotted config keys written under two
+spellings of one flag (vLLM keeps one spelling's). ``VAR=value`` words
 before the program are checked as environment: ``VLLM_*`` names vLLM does not read are flagged.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3launch.planning.configs import unknown_fields
 from k3launch.planning.schema import Arg, FlagSchema, Problem
 
 ERROR = "error"
@@ -55,7 +58,7 @@ def lint(schema: FlagSchema, words: list[str]) -> list[Finding]:
         if name.startswith("VLLM_") and name not in schema.env_vars:
             findings.append(Finding(WARNING, "env-unknown", f"env {name} is not read by vLLM {schema.version}", "check the spelling"))
     args, problems = schema.parse(flags)
-    findings.extend(_from_problem(p) for p in problems)
+    findings.extend(_from_problem(p) for p in [*problems, *unknown_fields(schema.version, args)])
     seen: dict[str, Arg] = {}
     for arg in args:
         if arg.legacy:
@@ -72,6 +75,14 @@ def lint(schema: FlagSchema, words: list[str]) -> list[Finding]:
             else:
                 findings.append(Finding(WARNING, "duplicate-flag", f"{arg.key} given twice with the same value", "drop one"))
         seen[arg.key] = arg
+    roots: dict[str, set[str]] = {}
+    for arg in args:
+        if arg.path:
+            roots.setdefault(arg.spec.canonical, set()).add(arg.written)
+    for canonical, written in roots.items():
+        if len(written) > 1:  # vLLM groups dotted keys by the spelling written: one JSON per spelling, the last wins
+            findings.append(Finding(ERROR, "dotted-spellings", f"dotted keys of {canonical} under {' and '.join(sorted(written))}",
+                                    f"vLLM keeps only the keys of the last spelling; write them all as {canonical}.KEY"))
     for key, arg in seen.items():
         if arg.path and arg.spec.canonical in seen:
             findings.append(Finding(ERROR, "dotted-and-json", f"{key} and a whole {arg.spec.canonical} JSON are both given",

@@ -123,7 +123,7 @@ SETTING_NAMES = {"port": "ssh_port"}
 SETTING_DEFAULTS: dict[str, object] = {"iface": PLACEHOLDER_IFACE, "hf_cache": "~/.cache/huggingface", "shm_size": "64g"}
 
 
-def _spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: NodeSettings | None, placeholder: bool,
+def node_spec(inv: Inventory, name: str, address: str | None, hw: str | None, over: NodeSettings | None, placeholder: bool,
           ssh_host: str | None = None) -> NodeSpec:
     """The node's settings: its own, else the inventory's ``defaults``, else placement's defaults."""
     from k3launch.planning.inventory import NodeSettings
@@ -156,9 +156,9 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
             if bad:
                 raise K3Error("unknown-node", f"--exclude {bad[0]}: not in slurm.nodelist {inv.slurm.nodelist}", "exclude nodes of the nodelist")
             names = [n for n in all_names if n not in exclude]
-            nodes = [_spec(inv, n, None, hardware, None, False) for n in names]
+            nodes = [node_spec(inv, n, None, hardware, None, False) for n in names]
         else:
-            nodes = [_spec(inv, f"slurm-node-{i}", None, hardware, None, True) for i in range(count)]
+            nodes = [node_spec(inv, f"slurm-node-{i}", None, hardware, None, True) for i in range(count)]
         if len(nodes) < count:
             raise K3Error("too-few-nodes", f"the plan needs {count} {hardware} nodes; nodelist {inv.slurm.nodelist} has {len(nodes)} usable",
                           f"widen slurm.nodelist by {count - len(nodes)} nodes or shrink the selection")
@@ -174,7 +174,7 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
         elif n.name in exclude:
             excluded += 1
         else:
-            usable.append(_spec(inv, n.name, n.address, hw or hardware, n, False, n.ssh_host))
+            usable.append(node_spec(inv, n.name, n.address, hw or hardware, n, False, n.ssh_host))
     if len(usable) < count:
         why = ", ".join(f"{k} {v}" for k, v in (("drained", drained), ("excluded", excluded), ("of other hardware", other)) if v)
         raise K3Error(
@@ -207,5 +207,5 @@ def router_node(inv: Inventory | None, exclude: Sequence[str] = ()) -> NodeSpec:
     if node.drain or node.name in exclude:
         raise K3Error("router-node-unavailable", f"router.node {node.name} is {'drained' if node.drain else 'excluded'}",
                       "set router.node to another node or to login")
-    spec = _spec(inv, node.name, node.address, node.hardware or inv.hardware, node, False, node.ssh_host)
+    spec = node_spec(inv, node.name, node.address, node.hardware or inv.hardware, node, False, node.ssh_host)
     return replace(spec, address=inv.router.address or spec.address)

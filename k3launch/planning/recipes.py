@@ -4,6 +4,10 @@ A tree is ``taxonomy.yaml``, ``strategies/*.yaml``, optional ``kv_store/*.yaml``
 ``models/<org>/<Model>.yaml``. Files are read lazily: ``plan`` reads the taxonomy, the
 strategies and the one model it needs, so one broken model file elsewhere in a tree does not
 block another model's plan (``k3launch recipes`` lists every file and reports broken ones).
+
+:func:`load_yaml_model` is the one YAML loader of k3launch: recipes, inventories and campaign
+files all go through it, so each is refused the same way (file and line) when it is not UTF-8,
+not YAML, repeats a key, or breaks its schema.
 """
 
 from __future__ import annotations
@@ -18,11 +22,73 @@ from pydantic import BaseModel, ValidationError
 
 from k3launch.errors import K3Error
 from k3launch.models.recipe import KvStore, Recipe, Strategy, Taxonomy
+from k3launch.planning.recipe_keys import IgnoredKey, ignored_entry, line_of, load_lenient, unknown_key_error
 
 M = TypeVar("M", bound=BaseModel)
 
 # libyaml's loader is ~10x faster than the pure-Python one; same safe subset of YAML.
 _Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_MERGE = "tag:yaml.org,2002:merge"
+# libyaml builds nodes recursively in C: a document nested ~100,000 deep overflows the stack and
+# kills the process. No k3launch file is nested more than a few levels, so deeper ones are refused
+# before they are built; only files large enough to be that deep are scanned (~1 ms per 20 kB).
+_MAX_DEPTH = 100
+_SCAN_ABOVE_CHARS = 16_384
+
+
+def _too_deep(text: str) -> int | None:
+    """The line where ``text`` nests past ``_MAX_DEPTH`` collections, else None (malformed YAML is
+    left to the loader, which says where)."""
+    if len(text) <= _SCAN_ABOVE_CHARS:
+        return None
+    depth = 0
+    try:
+        for ev in yaml.parse(text, Loader=_Loader):
+            if isinstance(ev, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > _MAX_DEPTH:
+                    return ev.start_mark.line + 1 if ev.start_mark is not None else 1
+            elif isinstance(ev, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.YAMLError:
+        return None
+    return None
+
+
+class _DuplicateKey(yaml.YAMLError):
+    def __init__(self, key: object, line: int, first: int) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.line, self.first = key, line, first
+
+
+class _UniqueKeysLoader(_Loader):  # type: ignore[valid-type,misc]  # libyaml's loader when there is one
+    """YAML says a mapping's keys are unique; PyYAML silently keeps the last of two. A repeated key
+    in a recipe, an inventory or a campaign file is a mistake (two `nodes:` lists, a setting given
+    twice with different values), so it is refused with both lines."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._checked: set[int] = set()
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # Every mapping passes here before it is built (merged ones too) with its keys as written;
+        # the merge (`<<: *base`) then adds keys, which the node's own keys may override.
+        if id(node) not in self._checked:
+            self._checked.add(id(node))
+            seen: dict[object, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE:
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise _DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: PyYAML refuses it with its own message
+                    continue
+        super().flatten_mapping(node)
+
 
 ENV_RECIPES_DIR = "K3LAUNCH_RECIPES_DIR"
 
@@ -44,43 +110,42 @@ def default_recipes_dir() -> Path:
     )
 
 
-def _line_of(node: yaml.Node | None, loc: tuple[int | str, ...]) -> int | None:
-    """Best line (1-based) for a pydantic error location inside a composed YAML node."""
-    line = node.start_mark.line + 1 if node is not None else None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = None
-            for k, v in node.value:
-                if k.value == str(part):
-                    nxt = v
-                    line = k.start_mark.line + 1
-                    break
-            if nxt is None:
-                return line
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
 def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("Recipe format")', code: str = "bad-recipe") -> M:
     """Parse ``path`` into ``model``; every failure is a one-line :class:`K3Error`."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise K3Error("missing-file", f"{path}: no such file", "check the path") from None
+    except IsADirectoryError:
+        raise K3Error("unreadable-file", f"{path}: is a directory", "pass the YAML file itself") from None
     except OSError as exc:
         raise K3Error("unreadable-file", f"{path}: {exc.strerror}", "check permissions") from None
+    except UnicodeDecodeError as exc:
+        at = exc.object[: exc.start].count(b"\n") + 1
+        raise K3Error(
+            "bad-encoding",
+            f"{path}:{at}: not UTF-8 text (byte {exc.object[exc.start]:#04x})",
+            "is it the file you meant? YAML files are UTF-8 text",
+        ) from None
+    deep = _too_deep(text)
+    if deep is not None:
+        raise K3Error("bad-yaml", f"{path}:{deep}: nested more than {_MAX_DEPTH} levels deep", "is it the file you meant?")
     try:
-        data = yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=_UniqueKeysLoader)
+    except _DuplicateKey as exc:
+        raise K3Error(
+            "duplicate-key",
+            f"{path}:{exc.line}: duplicate key {exc.key!r} (first at line {exc.first})",
+            "give each key once (YAML would silently keep the last)",
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f":{mark.line + 1}" if mark is not None else ""
+        position = getattr(exc, "position", None)  # a reader error: a character YAML does not allow
+        where = f":{mark.line + 1}" if mark is not None else f":{text[:position].count(chr(10)) + 1}" if position is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise K3Error("bad-yaml", f"{path}{where}: malformed YAML: {problem}", "fix the YAML syntax") from None
+    except RecursionError:  # nesting deeper than Python's stack: no recipe, inventory or campaign is like that
+        raise K3Error("bad-yaml", f"{path}: malformed YAML: nested too deeply", "fix the YAML structure") from None
     if not isinstance(data, dict):
         raise K3Error(code, f"{path}: expected a mapping at the top level", "")
     try:
@@ -89,7 +154,7 @@ def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("R
         err = exc.errors()[0]
         loc = tuple(err["loc"])
         # The node tree (for the line number) is composed only now: the text parsed, so it composes.
-        line = _line_of(yaml.compose(text, Loader=_Loader), loc)
+        line = line_of(yaml.compose(text, Loader=_Loader), loc)
         dotted = ".".join(str(p) for p in loc)
         if err["type"] == "extra_forbidden":
             msg = f"{path}:{line}: unknown key {dotted!r}"
@@ -115,26 +180,61 @@ class RecipeTree:
                 "point --recipes-dir at a checkout of the vLLM recipes layout",
             )
         self._models: dict[str, Recipe] = {}
+        # Keys k3launch does not know, per file relative to the root (trees without strict_keys).
+        self.ignored: dict[str, list[IgnoredKey]] = {}
+        self._strategy_files: dict[str, str] = {}
+        from k3launch.util.resources import bundled_dir
+
+        own = bundled_dir("recipes")
+        self._bundled = own is not None and self.root.resolve() == own.resolve()
+
+    @property
+    def strict(self) -> bool:
+        """Whether unknown keys are errors: the taxonomy says so, or this is k3launch's bundled tree
+        (which says so too: a typo of ``strict_keys`` itself must not make it lenient)."""
+        return self._bundled or self.taxonomy.strict_keys
+
+    def _load(self, path: Path, model: type[M]) -> M:
+        """A strict tree refuses unknown keys; an upstream one keeps them in :attr:`ignored`."""
+        if self.strict:
+            return load_yaml_model(path, model)
+        rel = path.relative_to(self.root).as_posix()
+        return load_lenient(path, model, rel, self.ignored.setdefault(rel, []))
 
     @cached_property
     def taxonomy(self) -> Taxonomy:
-        return load_yaml_model(self.root / "taxonomy.yaml", Taxonomy)
+        path = self.root / "taxonomy.yaml"
+        keys: list[IgnoredKey] = []
+        tax = load_lenient(path, Taxonomy, "taxonomy.yaml", keys)
+        if (self._bundled or tax.strict_keys) and keys:
+            raise unknown_key_error(path, keys[0], len(keys))
+        self.ignored["taxonomy.yaml"] = keys
+        return tax
 
     @cached_property
     def strategies(self) -> dict[str, Strategy]:
         out: dict[str, Strategy] = {}
         for path in sorted((self.root / "strategies").glob("*.yaml")):
-            strat = load_yaml_model(path, Strategy)
+            strat = self._load(path, Strategy)
             out[strat.name] = strat
+            self._strategy_files[strat.name] = path.relative_to(self.root).as_posix()
         return out
 
     @cached_property
     def kv_stores(self) -> dict[str, KvStore]:
         out: dict[str, KvStore] = {}
         for path in sorted((self.root / "kv_store").glob("*.yaml")):
-            store = load_yaml_model(path, KvStore)
+            store = self._load(path, KvStore)
             out[store.name] = store
         return out
+
+    def ignored_keys(self, recipe_id: str, strategies: list[str]) -> list[IgnoredKey]:
+        """Unknown keys a plan of ``recipe_id`` with ``strategies`` read: the taxonomy's, the
+        strategy files' and the recipe's (empty for a strict tree)."""
+        self.model(recipe_id)
+        self.strategies  # noqa: B018 -- loading them records their files
+        files = ["taxonomy.yaml", *(self._strategy_files.get(s, "") for s in strategies), f"models/{recipe_id}.yaml"]
+        return [k for f in dict.fromkeys(files) for k in self.ignored.get(f, [])]
 
     def model_ids(self) -> list[str]:
         base = self.root / "models"
@@ -163,10 +263,27 @@ class RecipeTree:
     def model(self, recipe_id: str) -> Recipe:
         if recipe_id not in self._models:
             path = self.model_path(recipe_id)
-            rec = load_yaml_model(path, Recipe)
+            rec = self._load(path, Recipe)
+            if not self.strict:
+                rec = self._drop_unknown_hardware(path, rec)
             self._check_references(path, rec)
             self._models[recipe_id] = rec
         return self._models[recipe_id]
+
+    def _drop_unknown_hardware(self, path: Path, rec: Recipe) -> Recipe:
+        """An upstream recipe may mark GPUs its taxonomy has no profile for (``a100``): nothing can
+        select them, so they are kept as ignored keys rather than refused."""
+        known = self.taxonomy.hardware_profiles
+        unknown = [h for h in rec.meta.hardware if h not in known]
+        if not unknown:
+            return rec
+        rel = path.relative_to(self.root).as_posix()
+        self.ignored.setdefault(rel, []).extend(
+            ignored_entry(path, rel, ["meta", "hardware", h], rec.meta.hardware[h], "names no hardware profile of taxonomy.yaml")
+            for h in unknown
+        )
+        kept = {h: v for h, v in rec.meta.hardware.items() if h in known}
+        return rec.model_copy(update={"meta": rec.meta.model_copy(update={"hardware": kept})})
 
     def _check_references(self, path: Path, rec: Recipe) -> None:
         """Names a recipe uses must exist in its tree: a typo there is the recipe's error."""

@@ -62,6 +62,10 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
     add("--host", node.address)
     add("--port", str(http))
     add("--prometheus-port", str(metrics))
+    ov = r.recipe.strategy_overrides.get(r.strategy.name)
+    intra = ov.router.get("intra_node_data_parallel_size") if ov is not None else None
+    if intra is not None:  # DP ranks behind each engine URL, as the recipe pins it
+        add("--intra-node-data-parallel-size", str(intra), origin=f"models/{r.recipe_id}.yaml strategy_overrides.{r.strategy.name}.router")
     # The router probes workers every 30 s by default: a deployment would look unready for up to
     # 30 s after its last engine came up.
     add("--worker-startup-check-interval", "1")

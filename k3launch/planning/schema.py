@@ -36,9 +36,14 @@ from k3launch.errors import K3Error
 
 Kind = Literal["value", "bool", "store_true", "multi", "optional", "other"]
 
-# argparse ``type`` names whose values we can check without importing vLLM.
-_JSON_TYPES = frozenset({"loads", "parse_dataclass"})
-_DICT_TYPES = frozenset({"parse_dataclass", "loads", "union_dict_and_str"})
+# Types of the flags that take JSON (vLLM's arg_utils), so dotted sub-keys too: vLLM folds ``--x.a.b v``
+# into ``--x '{"a": {"b": v}}'`` for the flag's type. ``_optional_type`` hides its inner type: _JSON_OPTIONAL
+# names the dests where it is JSON or a config dataclass (vLLM 0.32's parser, 0.33's arg_utils).
+_DICT_TYPES = frozenset({"parse_dataclass", "loads", "union_dict_and_str", "_parse_type"})
+_JSON_TYPES = frozenset({"loads", "parse_dataclass"})  # JSON values checked here; the others' in planning.configs
+_JSON_OPTIONAL = frozenset({"quantization_config", "pooler_config", "mm_processor_kwargs", "default_mm_loras", "custom_histogram_buckets",
+                            "speculative_config", "watermark_config", "diffusion_config", "kv_transfer_config", "kv_events_config",
+                            "ec_transfer_config", "engram_config", "reasoning_config", "weight_transfer_config"})
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,7 @@ class FlagSpec:
     choices: tuple[str, ...] | None
 
     canonical: str = ""  # the long option used as key and emitted spelling; derived below
+    default: str = "null"  # as dumped: JSON, or the repr of a Python value (a config dataclass's lists its fields)
 
     def __post_init__(self) -> None:
         own = "--" + self.dest.replace("_", "-")
@@ -73,7 +79,7 @@ class FlagSpec:
 
     @property
     def takes_dict(self) -> bool:
-        return self.type in _DICT_TYPES
+        return self.type in _DICT_TYPES or (self.type == "_optional_type" and self.dest in _JSON_OPTIONAL)
 
 
 def _polarity(spec: FlagSpec, option: str) -> bool:
@@ -179,13 +185,6 @@ class FlagSchema:
                     return spec, not _polarity(spec, twin)
         return None
 
-    def spec_for(self, option: str) -> FlagSpec:
-        found = self.lookup(option)
-        if found is None:
-            raise K3Error("unknown-flag", f"{option} is not a flag of vllm serve {self.version}",
-                          f"check the spelling; `k3launch lint -- vllm serve MODEL {option}` suggests fixes")
-        return found[0]
-
     def suggest(self, option: str) -> str:
         import difflib
 
@@ -223,7 +222,9 @@ class FlagSchema:
             if path:
                 if not spec.takes_dict:
                     problems.append(Problem("bad-dotted", f"{base} takes no dotted sub-keys ({name})", f"pass {spec.canonical} VALUE", option=base))
+                    i += 0 if eq else 1  # vLLM takes the next word as this key's value: one typo, one problem
                     continue
+                # Without '=', vLLM takes the next word as the value whatever it looks like.
                 value = inline if eq else (tokens[i] if i < len(tokens) else None)
                 if not eq:
                     i += 1
@@ -382,8 +383,10 @@ def _load_user(vdir: str, _serve_mtime: int, _env_mtime: int) -> FlagSchema:
 def spec_of(act: dict[str, Any]) -> FlagSpec:
     """One action of ``serve-flags.json`` (``load_schema`` and ``schema_dump.check_dumped`` read them alike)."""
     choices = act.get("choices")
+    default = act.get("default")  # a string is a repr (or a string default): either way what configs reads
     return FlagSpec(dest=act["dest"], options=tuple(act["options"]), kind=_kind(act.get("action"), act.get("nargs")),
-                    type=act.get("type"), choices=tuple(str(c) for c in choices) if choices else None)
+                    type=act.get("type"), choices=tuple(str(c) for c in choices) if choices else None,
+                    default=default if isinstance(default, str) else json.dumps(default))
 
 
 def _build(version: str, serve_flags: str, env_vars: str) -> FlagSchema:

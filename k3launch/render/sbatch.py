@@ -130,9 +130,9 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
     index = {n: i for i, n in enumerate(order)}
     addrs = {h.address: index[h.name] for h in plan.hosts if h.name in index}
     lines = [f"K3_LOGDIR={shlex.quote(log_dir)}", f"K3_NODES={len(order)}", 'mkdir -p "$K3_LOGDIR"']
-    lines += [ln for ln in token_snippet(hf_token_file).splitlines() if ln]
-    lines.append("k3_bind")
     image = next((p.image for p in plan.processes if p.image), None)
+    lines += [ln for ln in token_snippet(hf_token_file, apptainer=slurm.container == "apptainer" and image is not None).splitlines() if ln]
+    lines.append("k3_bind")
     if doctor:
         specs = []
         for n in order:

@@ -77,18 +77,18 @@ def find_any_deployment() -> str:
     return _scan("") + "k3_scan"
 
 
-def find_and_signal(name: str, ids: Iterable[str], sig: str | None, skip: Iterable[str] = ()) -> str:
+def find_and_signal(name: str, ids: Iterable[str] | None, sig: str | None, skip: Iterable[str] = ()) -> str:
     """One round trip of teardown: print ``PID PROCESS_ID`` of every live process of deployment
-    ``name`` whose process id is in ``ids``, and send ``sig`` (if any) to its process group
-    (engines are started with setsid, so the pid leads its group) -- except to pids in ``skip``,
-    which were signalled before (a second SIGTERM makes vLLM skip its graceful shutdown)."""
-    want = " ".join(shlex.quote(i) for i in ids)
+    ``name`` whose process id is in ``ids`` (None: every process of ``name``), and send ``sig``
+    (if any) to its process group (engines are started with setsid, so the pid leads its group)
+    -- except to pids in ``skip``, which were signalled before (a second SIGTERM makes vLLM skip
+    its graceful shutdown)."""
     skipped = " ".join(shlex.quote(p) for p in skip)
     kill = "" if not sig else (
         f'case " {skipped} " in *" $pid "*) continue ;; esac\n'
         f"  kill -s {shlex.quote(sig)} -- -$pid 2>/dev/null || kill -s {shlex.quote(sig)} $pid 2>/dev/null || true")
-    return (_scan(name) + f"k3_scan | while read -r pid n p; do\n  case \" {want} \" in *\" $p \"*) ;; *) continue ;; esac\n"
-            f"  echo \"$pid $p\"\n  {kill or 'true'}\ndone")
+    want = "" if ids is None else f"  case \" {' '.join(shlex.quote(i) for i in ids)} \" in *\" $p \"*) ;; *) continue ;; esac\n"
+    return _scan(name) + f"k3_scan | while read -r pid n p; do\n{want}  echo \"$pid $p\"\n  {kill or 'true'}\ndone"
 
 
 def process_status(items: Iterable[tuple[str, str]], tail_lines: int = 0) -> str:
@@ -174,6 +174,42 @@ def parse_listening(output: str) -> set[tuple[str, int]]:
 def port_busy(listening: set[tuple[str, int]], address: str, port: int) -> bool:
     """A planned (address, port) is busy if something listens on it or on the wildcard."""
     return any(p == port and a in (address, "0.0.0.0") for a, p in listening)
+
+
+def port_holders(ports: Iterable[int]) -> str:
+    """Lines ``ADDR:PORT PID SID COMM`` (address and port in ``/proc/net/tcp``'s hex) of the
+    processes holding a listening socket on one of ``ports`` in this network namespace;
+    ``ADDR:PORT ? ? ?`` when no holder is visible (another user's process). Sockets are matched to
+    processes by inode through ``/proc/PID/fd`` (GNU find; elsewhere holders stay unknown). Costs
+    one awk per table, and a find only for a port that is listening."""
+    want = " ".join(f"{p:04X}" for p in sorted(set(ports)))
+    return f"""for f in /proc/net/tcp /proc/net/tcp6; do
+  [ -r "$f" ] && awk 'NR>1 && $4=="0A" {{print $2, $10}}' "$f"
+done | while read -r a ino; do
+  case " {want} " in *" ${{a##*:}} "*) ;; *) continue ;; esac
+  h=$(find /proc/[0-9]*/fd -maxdepth 1 -lname "socket:\\[$ino\\]" 2>/dev/null | cut -d/ -f3 | sort -u)
+  [ -n "$h" ] || {{ echo "$a ? ? ?"; continue; }}
+  for pid in $h; do
+    s=; {{ read -r s < "/proc/$pid/stat"; }} 2>/dev/null || continue
+    c=${{s#*(}}; c=${{c%)*}}; r=${{s##*) }}
+    set -- $r
+    echo "$a $pid $4 $c"
+  done
+done"""
+
+
+def parse_holders(output: str) -> list[tuple[str, int, str, str, str]]:
+    """:func:`port_holders` output → ``(ip, port, pid, sid, comm)``; pid, sid and comm ``?`` when unknown."""
+    out = []
+    for line in output.splitlines():
+        words = line.split(None, 3)
+        if len(words) < 4 or ":" not in words[0]:
+            continue
+        got = parse_listening(words[0])
+        if got:
+            ip, port = next(iter(got))
+            out.append((ip, port, words[1], words[2], words[3]))
+    return out
 
 
 def shm_files() -> str:

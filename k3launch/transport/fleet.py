@@ -7,7 +7,7 @@ difference, so executors just say "run this on node X" or "run these on their no
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -15,37 +15,44 @@ from k3launch.models.plan import Host, Plan
 from k3launch.transport.runners import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, CommandRunner, LocalRunner, Outcome, Result, Target, run_many
 
 
-def target_for(plan: Plan, host: Host) -> Target:
-    if plan.backend in ("local", "none") or host.name == "login":
+def target_for(backend: str, host: Host) -> Target:
+    if backend in ("local", "none") or host.name == "login":
         return Target(host.name, "localhost", local=True)
     return Target(host.name, host.ssh_host or host.address, host.user, host.ssh_port, host.identity_file, local=False)
 
 
 @dataclass
 class Fleet:
-    plan: Plan
+    backend: str  # the plan's (or inventory's): "local" runs every host's commands here
+    hosts: Sequence[Host]
     remote: CommandRunner
     local: CommandRunner
     concurrency: int = DEFAULT_CONCURRENCY
+    plan: Plan | None = None  # the plan it was made for (None: an inventory's machines, for a record-less `down`)
     _targets: dict[str, Target] = field(default_factory=dict, repr=False)
 
     @classmethod
     def for_plan(cls, plan: Plan, remote: CommandRunner | None = None, local: CommandRunner | None = None, concurrency: int = DEFAULT_CONCURRENCY) -> Fleet:
+        return cls.for_hosts(plan.backend, plan.hosts, remote, local, concurrency, plan)
+
+    @classmethod
+    def for_hosts(cls, backend: str, hosts: Sequence[Host], remote: CommandRunner | None = None, local: CommandRunner | None = None,
+                  concurrency: int = DEFAULT_CONCURRENCY, plan: Plan | None = None) -> Fleet:
         loc = local or LocalRunner()
-        return cls(plan, remote or loc, loc, concurrency)
+        return cls(backend, tuple(hosts), remote or loc, loc, concurrency, plan)
 
     def target(self, node: str) -> Target:
         t = self._targets.get(node)
         if t is None:
-            t = self._targets[node] = target_for(self.plan, self.host(node))
+            t = self._targets[node] = target_for(self.backend, self.host(node))
         return t
 
     def host(self, node: str) -> Host:
-        return next(h for h in self.plan.hosts if h.name == node)
+        return next(h for h in self.hosts if h.name == node)
 
     def nodes(self) -> list[str]:
         seen: dict[str, None] = {}
-        for h in self.plan.hosts:
+        for h in self.hosts:
             seen.setdefault(h.name, None)
         return list(seen)
 

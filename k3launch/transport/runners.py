@@ -8,7 +8,8 @@ bounded concurrency and collects one outcome per host, like fabric's ``GroupResu
 
 Runners: :class:`LocalRunner` (this machine; the ``local`` backend and the login node),
 :class:`SshRunner` (fabric/paramiko, one connection per host reused for the whole run, host keys
-verified against known_hosts unless explicitly told otherwise), and, in tests,
+verified against known_hosts unless explicitly told otherwise, a host that stops answering
+declared unreachable within the connect timeout: :mod:`k3launch.transport.heartbeat`), and, in tests,
 :class:`k3launch.testing.FakeRunner`, which records commands and scripts replies.
 """
 
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from k3launch.errors import K3Error
+from k3launch.transport.heartbeat import Heartbeat
 from k3launch.transport.sshshell import Shell, ShellBroken, ShellTimeout
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -75,8 +77,13 @@ class CommandFailed(K3Error):
 
 
 class Unreachable(K3Error):
-    def __init__(self, target: str, why: str) -> None:
-        super().__init__("unreachable", f"{target}: cannot connect: {why}", "check the address, ssh config and that sshd runs there")
+    """A host that cannot be connected to, or (``lost``) one that stopped answering on an open connection."""
+
+    def __init__(self, target: str, why: str, lost: bool = False) -> None:
+        if lost:
+            super().__init__("unreachable", f"{target}: connection lost: {why}", "check the host and its network (up? sshd running?)")
+        else:
+            super().__init__("unreachable", f"{target}: cannot connect: {why}", "check the address, ssh config and that sshd runs there")
         self.target = target
 
 
@@ -128,6 +135,13 @@ class SshRunner:
     (:mod:`k3launch.transport.sshshell`: a write and a read instead of a new sshd session per command),
     or to an exec channel when that shell is busy with another command or cannot start;
     ``K3LAUNCH_SSH_SHELL=0`` (or ``persistent_shell=False``) always uses exec channels.
+
+    Every wait is bounded by the connect timeout while the host is silent: the TCP connect, the
+    SSH banner, authentication and opening a channel directly; an open connection by a
+    :class:`~k3launch.transport.heartbeat.Heartbeat`, which aborts it when keepalives go
+    unanswered that long. A command on a host that stops answering therefore fails with
+    :class:`Unreachable` within the connect timeout plus one beat, whatever its own timeout
+    (a start may take minutes on a host that answers).
     """
 
     known_hosts: str | None = None
@@ -141,6 +155,7 @@ class SshRunner:
     _config: object | None = None
     _shells: dict[Target, Shell] = field(default_factory=dict)
     _no_shell: set[Target] = field(default_factory=set)
+    _beats: dict[Target, Heartbeat] = field(default_factory=dict)
 
     def _fabric_config(self) -> object:
         from fabric import Config
@@ -160,7 +175,10 @@ class SshRunner:
             if conn is not None and conn.is_connected:  # type: ignore[attr-defined]
                 return conn
             if conn is not None:
+                lost = self._lost(target)
                 self._drop(target)
+                if lost:  # say so now: reconnecting to a silent host would cost another connect timeout
+                    raise Unreachable(target.name, lost, lost=True)
             conn = self._open(target)
             with self._lock:
                 self._conns[target] = conn
@@ -174,9 +192,14 @@ class SshRunner:
             config = self._fabric_config()
         # The connect timeout comes from fabric's config (ssh_config ConnectTimeout, else ours):
         # passing it in connect_kwargs too makes fabric refuse ("ambiguous") for hosts whose
-        # ssh_config sets ConnectTimeout. Banner and auth get the same bound: a host that
-        # accepts TCP but never speaks SSH must fail as fast as one that drops packets.
-        kwargs: dict[str, object] = {"banner_timeout": self.connect_timeout, "auth_timeout": self.connect_timeout}
+        # ssh_config sets ConnectTimeout. Banner, auth and channel opens get the same bound: a
+        # host that accepts TCP but never speaks SSH must fail as fast as one that drops packets
+        # (paramiko's default for opening a channel is an hour).
+        kwargs: dict[str, object] = {
+            "banner_timeout": self.connect_timeout,
+            "auth_timeout": self.connect_timeout,
+            "channel_timeout": self.connect_timeout,
+        }
         if target.identity_file:
             kwargs["key_filename"] = os.path.expanduser(target.identity_file)
         c = Connection(target.host, user=target.user, port=target.port, config=config, connect_kwargs=kwargs)
@@ -198,11 +221,14 @@ class SshRunner:
             raise Unreachable(target.name, str(exc) or type(exc).__name__) from None
         except (TimeoutError, OSError, EOFError) as exc:
             raise Unreachable(target.name, _why(exc)) from None
-        # keepalives: a silent peer (cable cut) is noticed by the command timeouts, and NAT or
-        # firewalls do not drop the idle connection between polls
+        # keepalives that want a reply: a host that goes silent is noticed within its connect
+        # timeout (ssh_config's ConnectTimeout, else ours), and NAT or firewalls do not drop the
+        # idle connection between polls
         transport = client.get_transport()
         if transport is not None:
-            transport.set_keepalive(5)
+            beat = Heartbeat(transport, float(getattr(c, "connect_timeout", None) or self.connect_timeout), name=target.name)
+            with self._lock:
+                self._beats[target] = beat.start()
         return c
 
     def _known_hosts_file(self) -> str:
@@ -222,10 +248,10 @@ class SshRunner:
             transport = conn.client.get_transport()  # type: ignore[attr-defined]
             try:
                 sh = Shell(transport, self.connect_timeout)
-            except ShellBroken:
-                if transport is not None and transport.is_active():
+            except ShellBroken as exc:
+                if transport is not None and transport.is_active() and not exc.silent:
                     self._no_shell.add(target)  # the host gives no usable bash: exec channels for it
-                return None  # (a dead connection is reported by the exec path)
+                return None  # (a dead or silent connection is reported by the exec path)
             self._shells[target] = sh
             return sh
 
@@ -247,8 +273,7 @@ class SshRunner:
                 return Result(target.name, command, 124, "", f"timed out after {timeout:g}s", time.monotonic() - t0)
             except ShellBroken as exc:
                 # not retried over an exec channel: the command may have run (a start must not run twice)
-                self._drop(target)
-                raise Unreachable(target.name, f"connection lost during a command ({exc})") from None
+                raise self._gone(target, f"during a command ({exc})", lost=True) from None
             finally:
                 sh.lock.release()
         return self._exec(target, conn, command, timeout, t0)
@@ -259,11 +284,11 @@ class SshRunner:
         try:
             r = conn.run(command, hide=True, warn=True, timeout=timeout, in_stream=False)  # type: ignore[attr-defined]
         except paramiko.SSHException as exc:
-            self._drop(target)
-            raise Unreachable(target.name, str(exc) or type(exc).__name__) from None
+            if "Timeout opening channel" in str(exc):  # an open connection whose host went silent (before its heartbeat said so)
+                raise self._gone(target, f"no answer for {self.connect_timeout:g}s (opening a channel)", lost=True) from None
+            raise self._gone(target, str(exc) or type(exc).__name__) from None
         except (TimeoutError, OSError, EOFError) as exc:
-            self._drop(target)
-            raise Unreachable(target.name, _why(exc)) from None
+            raise self._gone(target, _why(exc)) from None
         except Exception as exc:  # invoke's CommandTimedOut and friends
             if type(exc).__name__ == "CommandTimedOut":
                 self._drop(target)
@@ -271,8 +296,7 @@ class SshRunner:
             raise
         if r.exited is None or r.exited < 0:
             # the channel closed without an exit status: sshd (or the link) went away mid-command
-            self._drop(target)
-            raise Unreachable(target.name, "connection lost during a command")
+            raise self._gone(target, "during a command", lost=True)
         return Result(target.name, command, r.exited, r.stdout, r.stderr, time.monotonic() - t0)
 
     def _drop_shell(self, target: Target) -> None:
@@ -281,10 +305,25 @@ class SshRunner:
         if sh is not None:
             sh.close()
 
+    def _lost(self, target: Target) -> str | None:
+        """Why the heartbeat aborted ``target``'s connection (None: it did not)."""
+        with self._lock:
+            beat = self._beats.get(target)
+        return beat.lost if beat is not None else None
+
+    def _gone(self, target: Target, why: str, lost: bool = False) -> Unreachable:
+        """Drop ``target``'s connection after a failure; the error to raise (the heartbeat's reason first)."""
+        silent = self._lost(target)
+        self._drop(target)
+        return Unreachable(target.name, silent or why, lost=lost or silent is not None)
+
     def _drop(self, target: Target) -> None:
         self._drop_shell(target)
         with self._lock:
             conn = self._conns.pop(target, None)
+            beat = self._beats.pop(target, None)
+        if beat is not None:
+            beat.stop()
         if conn is not None:
             try:
                 conn.close()  # type: ignore[attr-defined]
@@ -295,8 +334,12 @@ class SshRunner:
         with self._lock:
             conns = list(self._conns.values())
             shells = list(self._shells.values())
+            beats = list(self._beats.values())
             self._conns.clear()
             self._shells.clear()
+            self._beats.clear()
+        for beat in beats:
+            beat.stop()
         for sh in shells:
             sh.close()
         for c in conns:

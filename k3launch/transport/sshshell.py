@@ -16,7 +16,11 @@ an exec channel when the shell is busy, broken or cannot start):
   as is, its stderr is captured and sent after a marker, then an end marker with the exit code.
   Markers carry a random per-shell token and a sequence number, so no output can fake them;
 * a command that overruns its timeout, or a channel that closes, ends the shell (the next
-  command starts a new one).
+  command starts a new one);
+* every wait is bounded: opening the channel and the handshake by the open timeout (the
+  connect timeout), a write and each read by the command's timeout; a host that goes silent
+  mid-command is noticed sooner, by the connection's heartbeat
+  (:mod:`k3launch.transport.heartbeat`), which closes the channel under the read.
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ import time
 
 
 class ShellBroken(Exception):
-    """The shell's channel closed or never answered: use another path (or report unreachable)."""
+    """The shell's channel closed or never answered: use another path (or report unreachable).
+
+    ``silent``: the host did not answer the request to open the channel in time (a silent host,
+    not one without a usable bash)."""
+
+    def __init__(self, message: str, silent: bool = False) -> None:
+        super().__init__(message)
+        self.silent = silent
 
 
 class ShellTimeout(Exception):
@@ -41,12 +52,21 @@ class Shell:
         self._token = secrets.token_hex(8)
         self._seq = 0
         self._buf = b""
+        t0 = time.monotonic()
         try:
             self._ch = transport.open_session(timeout=open_timeout)  # type: ignore[attr-defined]
-            self._ch.exec_command("exec bash --noprofile --norc")
         except Exception as exc:  # paramiko's SSHException, EOFError, socket errors: no shell here
+            raise ShellBroken(str(exc) or type(exc).__name__, silent=time.monotonic() - t0 >= open_timeout) from None
+        try:
+            self._ch.settimeout(open_timeout)  # bounds the handshake's write (paramiko's default: wait forever)
+            self._ch.exec_command("exec bash --noprofile --norc")
+        except Exception as exc:
+            self.close()
             raise ShellBroken(str(exc) or type(exc).__name__) from None
-        rc, out, _ = self.run("exec 3>&1; echo k3launch-shell", open_timeout, _init=True)
+        try:
+            rc, out, _ = self.run("exec 3>&1; echo k3launch-shell", open_timeout, _init=True)
+        except ShellTimeout:  # a bash that does not answer in time is no usable shell (the channel is closed)
+            raise ShellBroken(f"no answer from bash within {open_timeout:g}s") from None
         if rc != 0 or out.strip() != "k3launch-shell":
             self.close()
             raise ShellBroken(f"no usable bash (exit {rc})")
@@ -63,6 +83,7 @@ class Shell:
         err_mark, end_mark = f"\n{mark}:err\n".encode(), f"\n{mark}:end ".encode()
         deadline = time.monotonic() + timeout
         try:
+            self._ch.settimeout(timeout)  # a write waits for the peer's window: bounded too
             self._ch.sendall(line.encode())
         except Exception as exc:  # socket errors, EOFError, paramiko.SSHException ("channel closed")
             self.close()
@@ -89,7 +110,7 @@ class Shell:
                 raise ShellBroken(str(exc) or type(exc).__name__) from None
             if not chunk:
                 self.close()
-                raise ShellBroken("connection lost during a command")
+                raise ShellBroken("the channel closed")
             self._buf += chunk
         i_err = self._buf.rfind(err_mark, 0, i_end)
         rc_text = self._buf[i_end + len(end_mark) : nl].decode(errors="replace").strip()

@@ -30,7 +30,6 @@ writes a provisional one); otherwise the task ended early and its output says wh
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import shlex
 import sys
@@ -45,11 +44,11 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.planning.inventory import Inventory
 from k3launch.render.sbatch import make_array_string, node_order
+from k3launch.util.names import check_name
 
 SQUEUE_FAILURE_S = 120.0  # seconds of consecutive failed squeue polls before wait_array gives up
 
 
-ARRAY_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")  # a job name and a directory name
 
 
 @dataclass
@@ -92,8 +91,7 @@ def submit_array(plans: Sequence[Plan], inv: Inventory, log_dir: str | Path, *, 
         raise K3Error("not-slurm", f"inventory {inv.name} is not a slurm inventory", "job arrays need backend: slurm")
     if len({p.name for p in plans}) != len(plans):
         raise K3Error("duplicate-deployment", "two array tasks have the same deployment name", "give each plan its own name")
-    if not ARRAY_NAME.fullmatch(name):
-        raise K3Error("bad-name", f"array name {name!r}: use lowercase letters, digits and '-' (max 63)", "e.g. k3-sweep")
+    check_name(name, "array name", "k3-sweep")
     cl = client or SlurmClient()
     shapes: dict[tuple[int, int], list[Plan]] = {}
     for p in plans:

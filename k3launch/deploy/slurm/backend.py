@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from k3launch.deploy.base import Access, DryRun, Emit, Events, TeardownReport, UpOptions, own, ready_timeout, run_up
 from k3launch.deploy.slurm.launch import SlurmLaunch, log_dir_for
-from k3launch.deploy.slurm.ops import cancel_job, follow_files, observe_job, tail_logs
+from k3launch.deploy.slurm.ops import cancel_job, cancel_named, follow_files, observe_job, tail_logs
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
@@ -45,6 +45,9 @@ class SlurmBackend:
 
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport:
         return cancel_job(own(rec, SlurmRecord), store, grace_s=grace_s)
+
+    def sweep(self, name: str, inv: Inventory, grace_s: float, access: Access) -> TeardownReport:
+        return cancel_named(name)
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """The sbatch script ``up`` would submit (without the submission-time exclusions)."""

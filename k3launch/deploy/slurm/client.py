@@ -157,6 +157,15 @@ class SlurmClient:
                 return min(int(total), int(cap)) if cap.isdigit() else int(total)
         return None
 
+    def jobs_named(self, job_name: str) -> list[str]:
+        """The ids of this user's queued or running jobs named ``job_name``."""
+        r = self.call(["squeue", "-h", "--me", "-n", job_name, "-o", "%i"])
+        if r.exit_code == 127:
+            raise K3Error("slurm-missing", "squeue not found on this machine", SLURM_HINT)
+        if not r.ok:
+            raise K3Error("slurm-unavailable", f"squeue failed: {r.stderr.strip()[:200]}", SLURM_HINT)
+        return r.stdout.split()
+
     def steps(self, job_id: str) -> dict[str, str]:
         r = self.call(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N"])
         return parse_steps(r.stdout) if r.ok else {}

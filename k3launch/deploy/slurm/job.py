@@ -105,7 +105,7 @@ def record_bad_node(store: StateStore, host: str, reason: str, kind: str, deploy
 
     try:
         store.root.mkdir(parents=True, exist_ok=True)
-        with locked(store.root / "slurm-bad-nodes.lock"):
+        with locked(store.root / "slurm-bad-nodes.lock", remove=True):
             data = bad_nodes(store)
             data[host] = {"reason": reason, "kind": kind, "time": time.time(), "deployment": deployment}
             fd, tmp = tempfile.mkstemp(dir=store.root, prefix=".slurm-bad-nodes.")

@@ -163,7 +163,8 @@ class SlurmLaunch:
 
     def not_ready(self, deadline_s: float, stage: Stage, missing: list[str]) -> LaunchFailed:
         return LaunchFailed(f"not ready {deadline_s:g}s after job {self.slurm.job_id} started (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
-                            "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
+                            # the job's log directory outlives the teardown (`k3launch logs` does not)
+                            f"raise --ready-timeout if loads are slow, or read the logs in {self.slurm.log_dir}", missing[0] if missing else None,
                             tail_file(Path(self.slurm.log_dir) / f"{missing[0]}.log", 30) if missing else "", code="not-ready")
 
     def up(self, *, timeout: float | None = None, keep_on_failure: bool = False, use_bad_nodes: bool = True) -> SlurmRecord:

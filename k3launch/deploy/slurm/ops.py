@@ -103,3 +103,17 @@ def cancel_job(rec: SlurmRecord, store: StateStore, grace_s: float = 10.0, clien
     return report
 
 
+def cancel_named(name: str, client: SlurmClient | None = None, wait_s: float = CANCEL_WAIT_S) -> TeardownReport:
+    """``down`` without a (readable) record: ``scancel`` this user's jobs named after deployment
+    ``name`` (``k3-<name>``, as ``up`` submits them) and verify they ended."""
+    cl = client or SlurmClient()
+    job_name = f"k3-{name}"
+    jobs = cl.jobs_named(job_name)
+    report = TeardownReport(verified=f"no job named {job_name} of yours left in the queue")
+    for job in jobs:
+        cl.cancel(job)
+        report.stopped.append(f"job {job}")
+    left = poll_until(lambda: cl.jobs_named(job_name), lambda ids: not ids, timeout=wait_s, interval=0.5) if jobs else []
+    if left:
+        report.leftovers["slurm"] = [f"job {j} still queued or running" for j in left]
+    return report

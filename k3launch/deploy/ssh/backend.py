@@ -14,11 +14,12 @@ from k3launch.deploy.base import Access, DryRun, DryRunStep, Emit, Events, Teard
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import Launch, node_script, start_steps
 from k3launch.deploy.ssh.observe import follow_logs, observe, tail_logs
-from k3launch.deploy.ssh.teardown import teardown
+from k3launch.deploy.ssh.teardown import sweep, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan
+from k3launch.models.plan import Host, Plan
 from k3launch.models.record import DeploymentRecord, SshRecord, Stage, Status
+from k3launch.planning.build import inventory_hosts
 from k3launch.planning.inventory import Inventory
 from k3launch.render.scripts import script, script_names
 from k3launch.transport.fleet import Fleet
@@ -27,12 +28,17 @@ from k3launch.transport.runners import LocalRunner, SshRunner
 
 def connect(plan: Plan, ssh_config: str | None = None, known_hosts: str | None = None, access: Access | None = None) -> Fleet:
     """The :class:`~k3launch.transport.fleet.Fleet` that reaches a plan's nodes (ssh or local)."""
+    return _fleet(plan.backend, plan.hosts, ssh_config, known_hosts, access, plan)
+
+
+def _fleet(backend: str, hosts: Sequence[Host], ssh_config: str | None, known_hosts: str | None, access: Access | None,
+           plan: Plan | None = None) -> Fleet:
     access = access or Access()
-    if plan.backend == "ssh":
+    if backend == "ssh":
         runner = SshRunner(known_hosts=known_hosts, ssh_config=ssh_config, accept_unknown_hosts=access.accept_unknown_hosts,
                            connect_timeout=access.connect_timeout)
-        return Fleet.for_plan(plan, runner, LocalRunner())
-    return Fleet.for_plan(plan)
+        return Fleet.for_hosts(backend, hosts, runner, LocalRunner(), plan=plan)
+    return Fleet.for_hosts(backend, hosts, plan=plan)
 
 
 class SshBackend:
@@ -88,6 +94,15 @@ class SshBackend:
         fleet = connect(r.plan, r.ssh_config, r.known_hosts, access)
         try:
             return teardown(r, fleet, store, grace_s=grace_s)
+        finally:
+            fleet.close()
+
+    def sweep(self, name: str, inv: Inventory, grace_s: float, access: Access) -> TeardownReport:
+        hosts = inventory_hosts(inv)
+        fleet = _fleet(inv.backend, hosts, inv.ssh_config, inv.known_hosts, access)
+        where = "this machine" if inv.backend == "local" else f"the {len(hosts)} machine(s) of inventory {inv.name}"
+        try:
+            return sweep(name, fleet, where, grace_s)
         finally:
             fleet.close()
 

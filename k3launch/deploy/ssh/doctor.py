@@ -15,7 +15,9 @@ One shell round trip per node collects everything, then Python judges it:
 * every planned port of the node's address is free;
 * no leftover engine: no process or container marked by k3launch whose deployment is not live
   (or that carries this deployment's own name) — only a warning on a router-only host (the
-  login node is shared: other deployments' routers hold no GPU, and their ports are checked);
+  login node is shared: other deployments' routers hold no GPU, and their ports are checked),
+  and on the ``local`` backend, whose nodes are all this one machine, only this deployment's own
+  name counts unless the plan needs the machine's GPUs (other deployments there are a warning);
 * no stale vLLM/NCCL files in ``/dev/shm`` (a warning);
 * the fabric NIC of a multi-node pool exists.
 """
@@ -27,6 +29,7 @@ import shlex
 from collections.abc import Iterable
 
 from k3launch.deploy.base import Check, DoctorReport
+from k3launch.deploy.ssh.launch import router_install_hint, run_host, tools_dir
 from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan
 from k3launch.render import snippets as remote
@@ -75,6 +78,9 @@ def _section(name: str, body: str) -> str:
 
 def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
     parts = [_section("listening", remote.LISTENING), _section("procs", remote.find_any_deployment())]
+    ports = [u.port for u in plan.ports if u.node == host.name]
+    if ports:  # who holds a planned port that is taken: the hint names it
+        parts.append(_section("holders", remote.port_holders(ports)))
     if router_only:
         parts.append(_section("runtime", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing"))
         return "".join(parts)
@@ -95,7 +101,8 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
             parts.append(_section("containers", f"{q} ps -a --filter label=k3launch.deployment --format {shlex.quote(label)} 2>/dev/null || true"))
     elif plan.engine == "sim":
         py = shlex.quote(host.python or "python3")
-        parts.append(_section("runtime", f"{py} -c 'import k3launch.sim' >/dev/null 2>&1 && echo ok || echo missing"))
+        # from /, like the engine from its run directory: not k3launch found in the caller's cwd
+        parts.append(_section("runtime", f"(cd / && {py} -c 'import k3launch.sim') >/dev/null 2>&1 && echo ok || echo missing"))
     else:
         found, version = _bare_vllm(host.venv)
         parts.append(_section("runtime", found))
@@ -122,13 +129,38 @@ def _parse(out: str) -> dict[str, list[str]]:
     return sections
 
 
-def _judge(plan: Plan, host: Host, sec: dict[str, list[str]], live: set[str], router_only: bool, gpus_expected: int) -> list[Check]:
+def _runtime_hint(label: str, host: Host, local: bool) -> str:
+    """What installs a missing runtime where it is looked for."""
+    n = host.name
+    if label == "vllm-router":
+        return router_install_hint(n, local)
+    if label == "k3launch.sim":
+        py = host.python or "python3"
+        return (f"{py} on {n} cannot import k3launch: install k3launch there (`{py} -m pip install k3launch`), "
+                "or set the node's `python:` in the inventory to an interpreter that has it")
+    if label == "vllm":
+        return f"install vLLM on {n}, or set the node's `venv:` in the inventory to the virtualenv that has it"
+    return ""
+
+
+def _port_hint(host: Host, router_only: bool, holders: list[str], deployments: list[str]) -> str:
+    """What frees a planned port, or moves the deployment off it (a login node cannot be excluded)."""
+    n = host.name
+    stop = f"`k3launch down {deployments[0]}`" if deployments else f"stop {', '.join(holders) or 'what listens there'} on {n}"
+    if router_only:
+        return f"{stop}, or give the router another port: `router.port` in the inventory, or --port-base N"
+    return f"{stop}, use other ports with --port-base N, or --exclude {n}"
+
+
+def _judge(plan: Plan, host: Host, sec: dict[str, list[str]], live: set[str], router_only: bool, gpus_expected: int,
+           local: bool = False) -> list[Check]:
     n = host.name
     checks = [Check(n, "reachable", PASS)]
     rt_label = "vllm-router" if router_only else (host.runtime if host.runtime != "bare" else ("k3launch.sim" if plan.engine == "sim" else "vllm"))
     where = f" in {host.venv.rstrip('/')}/bin" if rt_label == "vllm" and host.venv else ""
-    checks.append(Check(n, "runtime", PASS if sec.get("runtime") == ["ok"] else FAIL,
-                        f"{rt_label} {'found' if sec.get('runtime') == ['ok'] else 'not found'}{where}"))
+    found = sec.get("runtime") == ["ok"]
+    checks.append(Check(n, "runtime", PASS if found else FAIL, f"{rt_label} {'found' if found else 'not found'}{where}",
+                        hint="" if found else _runtime_hint(rt_label, host, local)))
     if "image" in sec:
         checks.append(Check(n, "image", PASS if sec["image"] == ["ok"] else FAIL, "image present" if sec["image"] == ["ok"] else "image not pulled on this node"))
     if not router_only:
@@ -145,17 +177,40 @@ def _judge(plan: Plan, host: Host, sec: dict[str, list[str]], live: set[str], ro
     if sec.get("version"):
         checks.append(version_check(plan, host, sec["version"]))
     listening = remote.parse_listening("\n".join(sec.get("listening", [])))
-    busy = [f"{u.port} ({u.purpose})" for u in plan.ports if u.node == n and remote.port_busy(listening, u.address, u.port)]
-    checks.append(Check(n, "ports", FAIL if busy else PASS, ("in use: " + ", ".join(busy)) if busy else "planned ports free"))
-    stale = sorted({ln.split()[1] for ln in sec.get("procs", []) if len(ln.split()) >= 2 and (ln.split()[1] not in live or ln.split()[1] == plan.name)})
-    stale += sorted({c for c in sec.get("containers", []) if c not in live or c == plan.name})
-    what = ("routers" if router_only else "engines") + " of " + ", ".join(sorted(set(stale))) + " still run"
-    checks.append(Check(n, "leftovers", (WARN if router_only else FAIL) if stale else PASS, what if stale else "none"))
+    taken = [u for u in plan.ports if u.node == n and remote.port_busy(listening, u.address, u.port)]
+    marked = {ln.split()[0]: ln.split()[1] for ln in sec.get("procs", []) if len(ln.split()) >= 2}  # pid → its deployment
+    held = [h for h in remote.parse_holders("\n".join(sec.get("holders", []))) if any(h[1] == u.port and h[0] in (u.address, "0.0.0.0") for u in taken)]
+    holders = sorted({f"pid {pid} ({comm})" for _, _, pid, _, comm in held if pid != "?"})
+    deployments = sorted({marked[pid] for _, _, pid, _, _ in held if pid in marked})
+    busy = [f"{u.port} ({u.purpose})" for u in taken]
+    detail = ("in use: " + ", ".join(busy) + (f" by {', '.join(holders)}" if holders else "")) if busy else "planned ports free"
+    checks.append(Check(n, "ports", FAIL if busy else PASS, detail, hint=_port_hint(host, router_only, holders, deployments) if busy else ""))
+    checks.append(_leftovers(plan, n, sec, live, router_only))
     if sec.get("shm"):
         checks.append(Check(n, "shm", WARN, f"{len(sec['shm'])} stale file(s) in /dev/shm: {', '.join(sec['shm'][:3])}"))
     if "nic" in sec:
         checks.append(Check(n, "nic", PASS if sec["nic"] == ["ok"] else FAIL, f"{host.iface} {'present' if sec['nic'] == ['ok'] else 'missing'}"))
     return checks
+
+
+def _leftovers(plan: Plan, n: str, sec: dict[str, list[str]], live: set[str], router_only: bool) -> Check:
+    """Marked processes and labelled containers of deployments that are not live here, or of this
+    deployment's own name. On the ``local`` backend every node is this one machine, whose loopback
+    addresses are only names: another deployment's engines there run beside this plan's, not on
+    its node, and what of theirs could collide (a planned port) the ports check refuses. Unless the
+    plan needs this machine's GPUs (which any engine here may hold), only this deployment's own
+    name is a leftover there; the others are a note."""
+    stale = {ln.split()[1] for ln in sec.get("procs", []) if len(ln.split()) >= 2 and (ln.split()[1] not in live or ln.split()[1] == plan.name)}
+    stale |= {c for c in sec.get("containers", []) if c not in live or c == plan.name}
+    kind = "routers" if router_only else "engines"
+    if not stale:
+        return Check(n, "leftovers", PASS, "none")
+    beside = plan.backend == "local" and (plan.engine == "sim" or plan.platform == "cpu")
+    if beside and not router_only and plan.name not in stale:
+        return Check(n, "leftovers", WARN, f"{kind} of {', '.join(sorted(stale))} also run on this machine (deployments not in this state dir)")
+    if beside and plan.name in stale:
+        stale = {plan.name}  # the others are not this node's
+    return Check(n, "leftovers", WARN if router_only else FAIL, f"{kind} of {', '.join(sorted(stale))} still run")
 
 
 def version_check(plan: Plan, host: Host, lines: list[str]) -> Check:
@@ -193,8 +248,12 @@ def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorR
     router_nodes = {p.node for p in plan.processes if p.role == "router"}
     engine_nodes = {p.node for p in plan.processes if p.role != "router"}
     scripts = {}
-    for name, h in hosts.items():
-        scripts[name] = _probe_script(plan, h, router_only=name in router_nodes and name not in engine_nodes)
+    for name in hosts:
+        hosts[name] = run_host(fleet, name)  # as `up` runs it: this machine's nodes with k3launch's interpreter
+        tools = tools_dir(fleet, name)
+        # PATH as the processes will have it: programs installed with k3launch first
+        scripts[name] = (f'PATH={shlex.quote(tools)}:"$PATH"\n' if tools else "") + _probe_script(
+            plan, hosts[name], router_only=name in router_nodes and name not in engine_nodes)
         if name in router_nodes and name in engine_nodes:
             scripts[name] += _section("router", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing")
     checks: list[Check] = []
@@ -207,7 +266,10 @@ def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorR
         sec = _parse(o.stdout)
         gpus = max((p.gpus for p in plan.processes if p.node == name), default=0)
         router_only = name in router_nodes and name not in engine_nodes
-        checks += _judge(plan, hosts[name], sec, live, router_only, gpus)
+        local = fleet.target(name).local
+        checks += _judge(plan, hosts[name], sec, live, router_only, gpus, local)
         if "router" in sec:
-            checks.append(Check(name, "router", PASS if sec["router"] == ["ok"] else FAIL, "vllm-router " + ("found" if sec["router"] == ["ok"] else "not found")))
+            ok = sec["router"] == ["ok"]
+            checks.append(Check(name, "router", PASS if ok else FAIL, "vllm-router " + ("found" if ok else "not found"),
+                                hint="" if ok else router_install_hint(name, local)))
     return DoctorReport(checks)

@@ -27,29 +27,70 @@ torn down; nodes known to be unreachable are not waited for again (the record ke
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from k3launch.deploy.base import LaunchFailed, Progress, TeardownReport, error_line, rank_label, ready_timeout, run_up
-from k3launch.deploy.ssh.observe import Poll, poll
+from k3launch.deploy.ssh.observe import Poll, poll, tail_logs
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan, Process
+from k3launch.models.plan import Host, Plan, Process
 from k3launch.models.record import ProcessRecord, SshBackendName, SshRecord, Stage, StageFn
 from k3launch.render import snippets as remote
-from k3launch.render.scripts import BACKGROUND_HELPER, container_name, start_command, start_line, token_snippet
+from k3launch.render.scripts import (
+    BACKGROUND_HELPER,
+    container_name,
+    runs_in_apptainer,
+    runs_in_background,
+    start_command,
+    start_line,
+    token_snippet,
+)
 from k3launch.transport.fleet import Fleet
 
 POLL_S = 0.5
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 120.0  # a start may pull an image; a host that goes silent meanwhile fails within its connect timeout (heartbeat)
+KEPT_LOG_LINES = 500  # of each failing process, kept in <state-dir>/logs/<deployment>/ after a failed up
+
+
+def run_host(fleet: Fleet, node: str) -> Host:
+    """``node``'s host as ``up`` runs it. A node that is this machine (the local backend, the login
+    node) runs the simulated engine with k3launch's own interpreter unless the inventory names one
+    (``python``): k3launch installed by pipx, or run from a venv that is not activated, is not
+    what ``python3`` on PATH imports."""
+    host = fleet.host(node)
+    if fleet.target(node).local and not host.python and sys.executable:
+        return host.model_copy(update={"python": sys.executable})
+    return host
+
+
+def tools_dir(fleet: Fleet, node: str) -> str | None:
+    """For a node that is this machine: the directory of k3launch's interpreter, where programs
+    installed with k3launch (``vllm-router``) are; bare processes find them there before PATH."""
+    d = os.path.dirname(sys.executable) if sys.executable else ""
+    return d if d and ":" not in d and fleet.target(node).local else None  # ':' would split PATH
+
+
+def router_install_hint(node: str, local: bool) -> str:
+    """How to get ``vllm-router`` where the router runs: on this machine, into k3launch's own
+    environment (where ``up`` looks first); elsewhere, onto the PATH a non-interactive ssh shell has."""
+    if local:
+        return (f"install it with k3launch: `{shlex.quote(sys.executable or 'python3')} -m pip install vllm-router` "
+                "(pipx: `pipx inject k3launch vllm-router`)")
+    return f"install vllm-router on {node} (`pip install vllm-router`) where a non-interactive ssh shell finds it, or put the router on the login node"
 
 
 def _start_line(plan: Plan, proc: Process, fleet: Fleet, hf_token_file: str | None, log_dir: str) -> str:
-    host = fleet.host(proc.node)
-    return BACKGROUND_HELPER + token_snippet(hf_token_file) + start_line(plan, proc, host, log_dir)
+    host = run_host(fleet, proc.node)
+    helper = BACKGROUND_HELPER if runs_in_background(proc, host) else ""  # containers start without it
+    return helper + token_snippet(hf_token_file, apptainer=runs_in_apptainer(proc, host)) + start_line(
+        plan, proc, host, log_dir, tools_dir(fleet, proc.node))
 
 
 def start_steps(plan: Plan) -> list[list[Process]]:
@@ -115,6 +156,7 @@ class Launch:
     known_hosts: str | None = None
     backend: SshBackendName | None = None  # default: the plan's (local when it was planned without an inventory)
     record: SshRecord = field(init=False)
+    _blamed: list[str] = field(default_factory=list, init=False)  # the processes a failure names
 
     def __post_init__(self) -> None:
         now = time.time()
@@ -181,15 +223,51 @@ class Launch:
 
     def not_ready(self, deadline_s: float, stage: Stage, missing: list[str]) -> LaunchFailed:
         rec = self.record
+        self._blamed = list(missing)
         return LaunchFailed(f"not ready after {deadline_s:g}s (stage {stage}; not healthy: {', '.join(missing) or 'none'})",
-                            "raise --ready-timeout if loads are slow, or check `k3launch logs`", missing[0] if missing else None,
+                            "raise --ready-timeout if loads are slow, or read the logs", missing[0] if missing else None,
                             self.log_tail(rec, missing[0]) if missing and missing[0] in rec.processes else "", code="not-ready")
 
     def started(self) -> bool:
         return True  # the record is saved before anything starts; teardown finds processes by their markers
 
     def failed(self, exc: LaunchFailed) -> None:
-        return None
+        """Keep the failing processes' last log lines where the user can read them after the
+        teardown (which removes the deployment, and with it ``k3launch logs``), and name them."""
+        ids = self._blamed or ([exc.failing] if exc.failing else [p.id for p in self.plan.processes if p.http_port is not None])
+        kept = self._keep_logs(ids, exc)
+        if kept:
+            where = str(kept[0]) if len(kept) == 1 else f"{kept[0].parent}/ ({', '.join(k.name for k in kept)})"
+            said = f"{'log' if len(kept) == 1 else 'logs'} kept in {where}"
+        else:  # nothing could be kept here (a full disk): the logs stay in the run directories on the nodes
+            where = ", ".join(f"{pr.node}:{pr.log}" for i in ids if (pr := self.record.processes.get(i)) and pr.log)
+            said = f"logs on the nodes: {where}"
+        if where:
+            exc.message += f"; {said}"
+        exc.hint = exc.hint.replace("read the logs", f"read {where}" if where else "read the logs on the nodes")
+
+    def _keep_logs(self, ids: Sequence[str], exc: LaunchFailed) -> list[Path]:
+        """``<state-dir>/logs/<deployment>/<process>.log``: the last lines of each of ``ids`` (the
+        start command's output for one that never started); the previous failure's files go."""
+        rec = self.record
+        silent = exc.node if exc.code in ("node-unreachable", "unreachable") else None  # not waited for again
+        started = [i for i in ids if i in rec.processes and rec.processes[i].node != silent]
+        texts = tail_logs(rec, self.fleet, started, KEPT_LOG_LINES) if started else {}
+        if exc.failing and exc.failing not in rec.processes and exc.log_tail:
+            texts[exc.failing] = exc.log_tail
+        dest = self.store.root / "logs" / rec.name
+        try:
+            if dest.is_dir():
+                for old in dest.glob("*.log"):
+                    old.unlink()
+            dest.mkdir(parents=True, exist_ok=True)
+            out = []
+            for pid, text in texts.items():
+                (dest / f"{pid}.log").write_text(text, encoding="utf-8")
+                out.append(dest / f"{pid}.log")
+            return out
+        except OSError:
+            return []
 
     def teardown(self, exc: BaseException) -> TeardownReport:
         rec = self.record
@@ -198,10 +276,14 @@ class Launch:
         known = {exc.node: exc.message} if isinstance(exc, LaunchFailed) and exc.node and exc.code in ("node-unreachable", "unreachable") else {}
         report = teardown(rec, self.fleet, self.store, unreachable=known)
         if report.clean:
-            self.on_stage(Stage.TEARDOWN, "done: nothing left, ports free")
+            self.on_stage(Stage.TEARDOWN, f"done: {report.verified}")
+        elif report.unreachable:
+            self.on_stage(Stage.TEARDOWN, f"incomplete: {', '.join(sorted(report.unreachable))} did not answer; record kept: "
+                          f"run `k3launch down {rec.name}` once they answer")
         else:
-            self.on_stage(Stage.TEARDOWN, f"incomplete ({', '.join(sorted(report.unreachable)) or 'leftovers'}); record kept: "
-                          f"run `k3launch down {rec.name}` once the nodes answer")
+            left = [f"{', '.join(items)} on {node}" for node, items in sorted(report.leftovers.items())]
+            left += [f"port {p} still in use" for p in report.busy_ports]
+            self.on_stage(Stage.TEARDOWN, f"incomplete: {'; '.join(left)}; record kept: run `k3launch down {rec.name}` again")
         return report
 
     def up(self, *, timeout: float | None = None, keep_on_failure: bool = False) -> SshRecord:
@@ -233,12 +315,17 @@ class Launch:
     def _died(self, rec: SshRecord, pl: Poll, stage: str) -> LaunchFailed:
         dead = pl.dead
         cause = dead[0]
+        self._blamed = list(dead)
         proc = next(p for p in self.plan.processes if p.id == cause)
         then = f"; then {', '.join(dead[1:])} exited too" if dead[1:] else ""
         code = pl.codes.get(cause, "?")
         how = f" with code {code}" if code != "?" else ""
         tail = pl.tails.get(cause) or self.log_tail(rec, cause)
         said = error_line(tail)
+        hint = "its last log lines are above; fix the cause and run `k3launch up` again"
+        if code == "127":  # env(1): the program is not there
+            said = f"{proc.argv[0] if proc.role == 'router' else 'the engine program'} not found"
+            hint = (router_install_hint(proc.node, self.fleet.target(proc.node).local) if proc.role == "router"
+                    else "install the engine on the node, or set its `python:`/`venv:` in the inventory")
         return LaunchFailed(f"{cause} ({rank_label(proc)}) on {proc.node} exited{how} during {stage}{then}" + (f": {said}" if said else ""),
-                            "its last log lines are above; fix the cause and run `k3launch up` again", cause, tail,
-                            code="process-exited", node=proc.node)
+                            hint, cause, tail, code="process-exited", node=proc.node)

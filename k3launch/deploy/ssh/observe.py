@@ -20,7 +20,9 @@ from k3launch.transport.http import probe_all
 from k3launch.transport.runners import CommandFailed
 from k3launch.util.polling import ticks
 
-POLL_TIMEOUT_S = 10.0  # a poll takes milliseconds; a node silent this long has failed
+# A poll takes milliseconds; one this late has failed. A host that goes silent is noticed sooner,
+# within the connect timeout, by its connection's heartbeat (k3launch.transport.heartbeat).
+POLL_TIMEOUT_S = 10.0
 
 @dataclass
 class Poll:
@@ -51,6 +53,9 @@ def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lin
     for node, o in fleet.run_many(cmds, timeout=timeout).items():
         if isinstance(o, K3Error):
             out.unreachable[node] = o.message
+            continue
+        if o.exit_code == 124:  # the host answers keepalives but not this check (a silent host is an Unreachable above)
+            out.unreachable[node] = f"{node}: no answer to the liveness check within {timeout:g}s"
             continue
         if not o.ok:
             out.unreachable[node] = CommandFailed(o).message

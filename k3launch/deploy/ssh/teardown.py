@@ -33,7 +33,7 @@ from k3launch.util.polling import poll_until
 DEFAULT_GRACE_S = 10.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long to wait for the kernel to reap before reporting leftovers
 VERIFY_S = 5.0  # ports can take a moment to close after the last process exits
-STEP_TIMEOUT_S = 30.0
+STEP_TIMEOUT_S = 30.0  # a step on a host that answers; one that goes silent is unreachable within its connect timeout
 
 
 def _phases(rec: SshRecord) -> list[list[str]]:
@@ -97,18 +97,34 @@ def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, re
     report.stopped += ids
 
 
-def _verify_script(rec: SshRecord, node_runtimes: Iterable[str]) -> str:
+def _verify_script(rec: SshRecord, node_runtimes: Iterable[str], ports: Iterable[int] = ()) -> str:
     parts = [f"echo @@procs\n{remote.find_processes(rec.name)}", f"echo @@listening\n{remote.LISTENING}"]
     for rt in sorted(set(node_runtimes)):
         parts.append(f"echo @@containers\n{remote.labelled_containers(rt, rec.name)}")
+    ports = sorted(set(ports))
+    if ports:
+        parts.append(f"echo @@holders\n{remote.port_holders(ports)}")
     return "\n".join(parts)
 
 
 def verify(rec: SshRecord, fleet: Fleet, report: TeardownReport) -> None:
-    """One round trip per node: marked processes, labelled containers, listening ports."""
+    """One round trip per node: marked processes, labelled containers, listening ports and who
+    holds the planned ones.
+
+    Only what is ours is left over: a planned port is busy when a process of this deployment
+    holds it — one found by its marker, a recorded pid, or a process in the session of one
+    (engines lead their own session, and their children stay in it even when orphaned) — or when
+    its holder cannot be seen (another user's process, a container's) while something of ours is
+    still on the node. A port held by anything else is a note in ``report.verified``, not a leftover."""
     runtimes = {h.name: [h.runtime] if h.runtime in ("docker", "podman") else [] for h in rec.plan.hosts}
-    cmds = {n: _verify_script(rec, runtimes.get(n, [])) for n in fleet.nodes()}
+    ports: dict[str, set[int]] = {}
+    for use in rec.plan.ports:
+        ports.setdefault(use.node, set()).add(use.port)
+    cmds = {n: _verify_script(rec, runtimes.get(n, []), ports.get(n, ())) for n in fleet.nodes()}
     listening: dict[str, set[tuple[str, int]]] = {}
+    holders: dict[str, list[tuple[str, int, str, str, str]]] = {}
+    ours = {pr.handle for pr in rec.processes.values() if pr.runtime not in ("docker", "podman") and pr.handle}
+    sessions = set(ours)  # the recorded pids lead their sessions (started with setsid)
     for node, text in _run(fleet, cmds, report).items():
         sec: dict[str, list[str]] = {}
         cur = ""
@@ -118,14 +134,29 @@ def verify(rec: SshRecord, fleet: Fleet, report: TeardownReport) -> None:
                 sec.setdefault(cur, [])
             elif line.strip():
                 sec.setdefault(cur, []).append(line.strip())
-        left = [f"pid {pid} ({proc})" for pid, proc in _pairs("\n".join(sec.get("procs", [])))]
+        found = _pairs("\n".join(sec.get("procs", [])))
+        ours.update(pid for pid, _ in found)
+        left = [f"pid {pid} ({proc})" for pid, proc in found]
         left += [f"container {c}" for c in sec.get("containers", [])]
         if left:
             report.leftovers.setdefault(node, []).extend(left)
         listening[node] = remote.parse_listening("\n".join(sec.get("listening", [])))
+        holders[node] = remote.parse_holders("\n".join(sec.get("holders", [])))
+    notes: list[str] = []
     for use in rec.plan.ports:
-        if use.node in listening and remote.port_busy(listening[use.node], use.address, use.port):
-            report.busy_ports.append(f"{use.address}:{use.port} ({use.purpose} of {use.process})")
+        if use.node not in listening or not remote.port_busy(listening[use.node], use.address, use.port):
+            continue
+        what = f"{use.address}:{use.port} ({use.purpose} of {use.process})"
+        held = [h for h in holders[use.node] if h[1] == use.port and h[0] in (use.address, "0.0.0.0")]
+        seen = [h for h in held if h[2] != "?"]
+        mine = any(pid in ours or sid in sessions for _, _, pid, sid, _ in seen)
+        unseen = len(seen) < len(held) or not held
+        if mine or (unseen and use.node in report.leftovers):
+            report.busy_ports.append(what)
+        else:
+            who = ", ".join(sorted({f"pid {pid} ({comm})" for _, _, pid, _, comm in seen})) or "a process this user cannot see"
+            notes.append(f"{what}: held by {who}, not by {rec.name}")
+    report.verified = "no process or container left; planned ports free" + (f", except {'; '.join(notes)}" if notes else "")
 
 
 def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = DEFAULT_GRACE_S,
@@ -148,4 +179,57 @@ def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = D
         rec.state = "down-incomplete"
         rec.unreachable = sorted(report.unreachable)
         store.save(rec)
+    return report
+
+
+def sweep(name: str, fleet: Fleet, what: str, grace_s: float = DEFAULT_GRACE_S) -> TeardownReport:
+    """``down`` without a (readable) record: on every machine of ``fleet`` find the processes of
+    deployment ``name`` (by their marker or run directory) and its labelled containers, stop them
+    (SIGTERM to each process group, SIGKILL after ``grace_s``) and verify none is left. ``what``
+    names the machines for the report. Planned ports are not checked: without the plan they are
+    unknown. Machines this host reaches as itself (the ``local`` backend, the login node) are
+    searched once."""
+    nodes: list[str] = []
+    local_seen = False
+    for n in fleet.nodes():
+        if fleet.target(n).local:
+            if local_seen:
+                continue
+            local_seen = True
+        nodes.append(n)
+    report = TeardownReport(verified=f"no process or container of {name} left on {what}")
+    runtimes = {n: sorted({h.runtime for h in fleet.hosts if h.name == n and h.runtime in ("docker", "podman")}) for n in nodes}
+    listed = _run(fleet, {n: "\n".join(remote.labelled_containers(rt, name) for rt in rts) for n, rts in runtimes.items() if rts}, report)
+    cmds = {n: "\n".join(remote.stop_containers(rt, text.split(), int(grace_s)) for rt in runtimes[n]) for n, text in listed.items() if text.split()}
+    if cmds:
+        _run(fleet, cmds, report, timeout=grace_s + 60)
+        report.stopped += [f"container {c} on {n}" for n, text in listed.items() for c in text.split()]
+    signalled: dict[str, set[str]] = {n: set() for n in nodes}
+    t_term = time.monotonic() + grace_s
+    todo = nodes
+    while todo:
+        now = time.monotonic()
+        sig = "KILL" if now > t_term else "TERM"
+        found = {n: _pairs(text) for n, text in _run(fleet, {n: remote.find_and_signal(name, None, sig, signalled[n] if sig == "TERM" else ())
+                                                              for n in todo}, report).items()}
+        for n, items in found.items():
+            report.stopped += [f"{proc or 'pid ' + pid} on {n}" for pid, proc in items if pid not in signalled[n]]
+            signalled[n].update(pid for pid, _ in items)
+        todo = sorted(n for n, items in found.items() if items)
+        if not todo or now > t_term + KILL_WAIT_S:
+            break
+        time.sleep(0.1 if sig == "TERM" else 0.25)
+
+    def check() -> TeardownReport:
+        report.leftovers.clear()
+        scripts = {n: "\n".join([f"echo @@procs\n{remote.find_processes(name)}\necho @@containers",
+                                 *(remote.labelled_containers(rt, name) for rt in runtimes[n])]) for n in nodes}
+        for n, text in _run(fleet, scripts, report).items():
+            procs, _, containers = text.partition("@@procs\n")[2].partition("@@containers\n")
+            left = [f"pid {pid} ({proc})" for pid, proc in _pairs(procs)] + [f"container {c}" for c in containers.split()]
+            if left:
+                report.leftovers[n] = left
+        return report
+
+    poll_until(check, lambda r: r.clean or bool(r.unreachable), timeout=VERIFY_S, interval=0.2)
     return report
