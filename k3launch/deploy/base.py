@@ -121,6 +121,8 @@ class Readiness:
     model: str
     on_stage: StageFn
     healthy: set[str] = field(default_factory=set)
+    wait_s: float = 0.5  # how long one poll waits for the completion in flight before the next look at the nodes
+    _pending: http.InFlight | None = None
 
     @property
     def missing(self) -> list[str]:
@@ -136,7 +138,15 @@ class Readiness:
                 self.on_stage(Stage.HEALTH, f"{pid} healthy ({len(self.healthy)}/{n})")
         if self.missing:
             return None
-        c = http.completion(self.endpoint, self.model, timeout=max(5.0, min(60.0, t_end - time.monotonic())))
+        # The completion runs beside the polls, not inside one: it may take up to a minute, and a
+        # node that stops answering meanwhile must still be noticed by the next poll.
+        if self._pending is None:
+            timeout = max(5.0, min(60.0, t_end - time.monotonic()))
+            self._pending = http.in_background(lambda: http.completion(self.endpoint, self.model, timeout=timeout))
+        c = self._pending.wait(self.wait_s)
+        if c is None:
+            return None
+        self._pending = None
         if c.ok:
             self.on_stage(Stage.COMPLETION, f"completion through {self.endpoint}: {c.completion_tokens} tokens in {c.seconds:.2f}s")
             return c

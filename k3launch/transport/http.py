@@ -7,9 +7,11 @@ again. A probe never raises for a network problem; it returns what happened.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -84,3 +86,30 @@ def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> dict[st
     with ThreadPoolExecutor(max_workers=min(32, len(urls))) as pool:
         oks = pool.map(lambda u: health(u, timeout=timeout).ok, urls.values())
         return dict(zip(urls, oks, strict=True))
+
+
+class InFlight:
+    """A completion request running on a daemon thread (a caller that gives up never waits for it)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Completion | None = None
+
+    def wait(self, timeout: float) -> Completion | None:
+        """The answer, or None while the request is still in flight."""
+        if not self.done.wait(timeout):
+            return None
+        return self.result if self.result is not None else Completion(False, "the completion request failed", 0, "", 0.0)
+
+
+def in_background(fn: Callable[[], Completion]) -> InFlight:
+    job = InFlight()
+
+    def work() -> None:
+        try:
+            job.result = fn()
+        finally:
+            job.done.set()
+
+    threading.Thread(target=work, name="k3launch-completion", daemon=True).start()
+    return job
