@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
-    from k3launch.deploy.base import DoctorReport, DryRun, LaunchFailed, TeardownReport
+    from k3launch.deploy.base import Access, DoctorReport, DryRun, LaunchFailed, TeardownReport
     from k3launch.deploy.slurm.array import ArrayJob, ArrayResult
     from k3launch.deploy.state import StateStore
     from k3launch.models.plan import Plan
@@ -114,6 +114,15 @@ def schema_dump(python: str | Path, out: str | Path | None = None) -> SchemaDump
     return SchemaDumped(dumped.version, vdir, len(dumped.schema.specs), len(dumped.env_vars), used)
 
 
+def _access(accept_unknown_hosts: bool, connect_timeout: float) -> Access:
+    """How nodes are reached, with the same bounds as the CLI's options (a library caller's NaN
+    or negative timeout is refused, not waited on forever)."""
+    from k3launch.deploy.base import Access
+    from k3launch.util import bounds
+
+    return Access(accept_unknown_hosts, bounds.CONNECT_TIMEOUT.parse("connect_timeout", connect_timeout))
+
+
 def _store(state_dir: str | Path | None) -> StateStore:
     from k3launch.deploy.state import StateStore
 
@@ -132,7 +141,7 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
     Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
     bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
     step and the automatic exclusion of nodes it refused in the last day."""
-    from k3launch.deploy.base import Access, Events, UpOptions, no_op
+    from k3launch.deploy.base import Events, UpOptions, no_op
     from k3launch.deploy.registry import backend
 
     inv, inv_path = load(inventory)
@@ -142,8 +151,11 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
     store = _store(state_dir)
     if store.exists(plan.name):
         raise K3Error("deployment-exists", f"a deployment named {plan.name!r} already exists", f"`k3launch down {plan.name}` first, or pass --name")
-    opts = UpOptions(ready_timeout=ready_timeout, keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor,
-                     access=Access(accept_unknown_hosts, connect_timeout), extra_sbatch=tuple(extra_sbatch), queue_timeout=queue_timeout)
+    from k3launch.util import bounds
+
+    opts = UpOptions(ready_timeout=None if ready_timeout is None else bounds.READY_TIMEOUT.parse("ready_timeout", ready_timeout),
+                     keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor, access=_access(accept_unknown_hosts, connect_timeout),
+                     extra_sbatch=tuple(extra_sbatch), queue_timeout=None if queue_timeout is None else bounds.QUEUE_TIMEOUT.parse("queue_timeout", queue_timeout))
     events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op)
     with store.lock(plan.name):
         return backend(inv.backend).up(plan, inv, inv_path, store, opts, events)
@@ -175,11 +187,10 @@ def deployments(state_dir: str | Path | None = None) -> list[DeploymentRecord]:
 def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
            connect_timeout: float = 10.0) -> Status:
     """The deployment now: per process alive and healthy, its state and endpoint (``status --json``)."""
-    from k3launch.deploy.base import Access
     from k3launch.deploy.registry import backend
 
     rec = _store(state_dir).load(name)
-    return backend(rec.backend).status(rec, Access(accept_unknown_hosts, connect_timeout))
+    return backend(rec.backend).status(rec, _access(accept_unknown_hosts, connect_timeout))
 
 
 def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, node: str | None = None, lines: int = 40,
@@ -187,14 +198,13 @@ def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, nod
          connect_timeout: float = 10.0) -> None:
     """Hand ``emit`` the last ``lines`` of each process (only ``role``/``node`` when given; without
     them the backend's own log first, e.g. a Slurm job's output); ``follow`` keeps going (Ctrl-C)."""
-    from k3launch.deploy.base import Access
     from k3launch.deploy.registry import backend
 
     rec = _store(state_dir).load(name)
     ids = [p.id for p in rec.plan.processes if (role is None or p.role == role) and (node is None or p.node == node)]
     if not ids:
         raise K3Error("no-processes", "no process matches --role/--node", "processes: " + ", ".join(f"{p.id}@{p.node}" for p in rec.plan.processes))
-    backend(rec.backend).logs(rec, ids, lines, follow, emit, Access(accept_unknown_hosts, connect_timeout),
+    backend(rec.backend).logs(rec, ids, lines, follow, emit, _access(accept_unknown_hosts, connect_timeout),
                               everything=role is None and node is None)
 
 
@@ -208,11 +218,13 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
     the record names, when that much can be read) runs deployments. Without a record: the same
     search, on ``inventory``'s machines or, without one, on this machine. Idempotent: a clean
     report when nothing of ``name`` is left (``report.verified`` says where that was checked)."""
-    from k3launch.deploy.base import Access
     from k3launch.deploy.registry import backend
 
     store = _store(state_dir)
-    access = Access(accept_unknown_hosts, connect_timeout)
+    from k3launch.util import bounds
+
+    grace = bounds.GRACE.parse("grace", grace)
+    access = _access(accept_unknown_hosts, connect_timeout)
     with store.lock(name):
         if store.readable(name):
             rec = store.load(name)
@@ -267,13 +279,12 @@ def chat(name: str, message: str, *, max_tokens: int = 64, state_dir: str | Path
 def fleet(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Fleet:
     """A :class:`~k3launch.transport.fleet.Fleet` reaching the nodes of an ssh/local deployment, for
     commands on them (``bench --client engine``); the caller closes it."""
-    from k3launch.deploy.base import Access
     from k3launch.deploy.ssh.backend import connect
     from k3launch.models.record import SshRecord
 
     if not isinstance(rec, SshRecord):
         raise K3Error("not-ssh", f"{rec.name} runs on {rec.backend}: its nodes are not reached over SSH", "use --client local")
-    return connect(rec.plan, rec.ssh_config, rec.known_hosts, Access(accept_unknown_hosts, connect_timeout))
+    return connect(rec.plan, rec.ssh_config, rec.known_hosts, _access(accept_unknown_hosts, connect_timeout))
 
 
 def submit_array(plans: Sequence[Plan], inventory: str | Path | Inventory, *, work: Callable[[int, Plan], Sequence[str]] | None = None,

@@ -374,3 +374,52 @@ def test_ssh_down_without_record_searches_every_machine_of_the_inventory(tmp_pat
     report = sweep("lost", fleet, "the machines of lab", grace_s=1)
     assert {"n1", "n2", "login"} <= set(scanned)
     assert report.clean and sorted(report.stopped) == ["router on login", "serve-1 on n2"], report
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("after_s", [0.15, 0.3, 0.5])  # while importing, while scanning, while stopping (or after)
+def test_down_interrupted_at_any_moment_is_finished_by_the_next_down(tmp_path: Path, sig: signal.Signals, after_s: float) -> None:
+    """Ctrl-C (or a kill) while `down` stops the processes: one line at most, never a traceback;
+    the record stays (interrupted, or down-incomplete) and the next `down` leaves nothing."""
+    slot = {0.15: 8, 0.3: 9, 0.5: 10}[after_s] + (3 if sig == signal.SIGKILL else 0)
+    name = f"fs-down-{slot}"
+    inv, state, rec = _up(tmp_path, name, slot)
+    env = {**os.environ, "K3LAUNCH_STATE_DIR": str(state), "COLUMNS": "250", "NO_COLOR": "1"}
+    try:
+        p = subprocess.Popen([*CLI, "down", name, "--grace", "5"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+        time.sleep(after_s)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+        assert "Traceback" not in out + err, err
+        assert p.returncode in (0, 130, -signal.SIGKILL), (p.returncode, out, err)
+        if p.returncode == 130:
+            assert err.strip().splitlines()[-1].startswith("error: interrupted") or "interrupted" in err, err
+        again = _cli(state, "down", name, "--grace", "2", "--json")
+        assert again.returncode == 0 and json.loads(again.stdout)["clean"], again.stdout + again.stderr
+        procs, ports = local_leftovers(rec)
+        print(f"{sig.name} at {after_s}s: first down exit {p.returncode}; left after the second: {len(procs)} process(es), {len(ports)} port(s)")
+        assert (procs, ports) == ({}, []), (procs, ports)
+        assert not list(state.rglob("*.lock"))
+    finally:
+        _cli(state, "down", name, "-i", str(inv), "--grace", "1")
+
+
+@pytest.mark.parametrize(("call", "kwargs"), [
+    ("status", {"connect_timeout": float("nan")}),
+    ("status", {"connect_timeout": -1}),
+    ("down", {"grace": float("inf")}),
+    ("logs", {"connect_timeout": 0}),
+])
+def test_the_api_refuses_the_numbers_the_cli_refuses(tmp_path: Path, call: str, kwargs: dict[str, float]) -> None:
+    from k3launch import api
+
+    store = StateStore(tmp_path)
+    _sample_record(store, "dep")
+    fn = getattr(api, call)
+    args = (lambda line: None,) if call == "logs" else ()
+    with pytest.raises(K3Error) as exc:
+        fn("dep", *args, state_dir=tmp_path, **kwargs)
+    assert exc.value.code == "bad-value", exc.value
+    assert store.exists("dep")  # nothing was done
