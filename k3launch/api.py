@@ -32,7 +32,10 @@ from k3launch.errors import K3Error
 if TYPE_CHECKING:
     from k3launch.deploy.base import Access, DoctorReport, DryRun, LaunchFailed, TeardownReport
     from k3launch.deploy.slurm.array import ArrayJob, ArrayResult
+    from k3launch.deploy.ssh.fetch import NodeWeights
+    from k3launch.deploy.ssh.fetch import Progress as FetchProgress
     from k3launch.deploy.state import StateStore
+    from k3launch.models.phases import BringUp
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, StageFn, Status
     from k3launch.models.selection import Selection
@@ -133,10 +136,11 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
        ready_timeout: float | None = None, keep_on_failure: bool = False, force: bool = False, skip_doctor: bool = False,
        accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, extra_sbatch: Sequence[str] = (),
        queue_timeout: float | None = None, on_stage: StageFn | None = None, on_doctor: Callable[[DoctorReport], None] | None = None,
-       on_failure: Callable[[LaunchFailed], None] | None = None) -> DeploymentRecord:
+       on_failure: Callable[[LaunchFailed], None] | None = None, on_progress: Callable[[BringUp], None] | None = None) -> DeploymentRecord:
     """Start ``plan`` on the inventory's nodes and return once it serves (a real completion
     came back through its endpoint). Raises K3Error / LaunchFailed; on failure everything
-    started is torn down unless ``keep_on_failure``.
+    started is torn down unless ``keep_on_failure``. ``on_progress`` gets every process's phase
+    after each poll; the record keeps the bring-up's timeline (``record.timeline``).
 
     Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
     bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
@@ -156,7 +160,7 @@ def up(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir
     opts = UpOptions(ready_timeout=None if ready_timeout is None else bounds.READY_TIMEOUT.parse("ready_timeout", ready_timeout),
                      keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor, access=_access(accept_unknown_hosts, connect_timeout),
                      extra_sbatch=tuple(extra_sbatch), queue_timeout=None if queue_timeout is None else bounds.QUEUE_TIMEOUT.parse("queue_timeout", queue_timeout))
-    events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op)
+    events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op, on_progress or no_op)
     with store.lock(plan.name):
         return backend(inv.backend).up(plan, inv, inv_path, store, opts, events)
 
@@ -306,3 +310,64 @@ def wait_array(job: ArrayJob, timeout: float = 3600.0) -> ArrayResult:
     from k3launch.deploy.slurm.array import wait_array as _wait
 
     return _wait(job, timeout)
+
+
+def _ssh_fleet(plan: Plan, inventory: str | Path | Inventory | None, what: str, accept_unknown_hosts: bool,
+               connect_timeout: float) -> tuple[Inventory, Fleet]:
+    """The fleet reaching a plan's nodes for a command run on them outside a deployment (ssh/local)."""
+    from k3launch.deploy.ssh.backend import connect
+
+    inv = load(inventory)[0]
+    if inv.backend == "slurm":
+        raise K3Error("not-ssh", f"{what} reaches nodes over SSH; inventory {inv.name} runs Slurm jobs",
+                      "on Slurm the job's own doctor step checks each node when `up` submits it")
+    return inv, connect(plan, inv.ssh_config, inv.known_hosts, _access(accept_unknown_hosts, connect_timeout))
+
+
+def doctor(plan: Plan, inventory: str | Path | Inventory | None = None, *, state_dir: str | Path | None = None, bandwidth: bool = False,
+           min_busbw: float | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> DoctorReport:
+    """The pre-flight checks ``up`` runs, on the plan's nodes, without starting anything; with
+    ``bandwidth``, a short all-reduce per node and across nodes (``min_busbw`` GB/s to pass)."""
+    from k3launch.deploy.ssh.bandwidth import measure
+    from k3launch.deploy.ssh.doctor import doctor as run_doctor
+
+    _, nodes = _ssh_fleet(plan, inventory, "doctor", accept_unknown_hosts, connect_timeout)
+    try:
+        report = run_doctor(plan, nodes, [r.name for r in _store(state_dir).list()])
+        if bandwidth:
+            report.checks += measure(plan, nodes, min_busbw)
+        return report
+    finally:
+        nodes.close()
+
+
+def weights_check(plan: Plan, inventory: str | Path | Inventory | None = None, *, accept_unknown_hosts: bool = False,
+                  connect_timeout: float = 10.0) -> list[NodeWeights]:
+    """Per engine node: is ``plan.model`` (at its ``--revision``) complete in the node's Hugging
+    Face cache, and how much disk is free there (:mod:`k3launch.deploy.ssh.weights`)."""
+    from k3launch.deploy.ssh.fetch import check
+
+    _, nodes = _ssh_fleet(plan, inventory, "weights check", accept_unknown_hosts, connect_timeout)
+    try:
+        return check(plan, nodes)
+    finally:
+        nodes.close()
+
+
+def weights_fetch(plan: Plan, inventory: str | Path | Inventory | None = None, *, from_path: str | None = None,
+                  from_node: str | None = None, on_progress: Callable[[FetchProgress], None] | None = None, interval: float = 10.0,
+                  accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> list[NodeWeights]:
+    """Bring ``plan.model`` to every engine node that lacks it, in parallel: from the hub on each
+    node (the inventory's ``hf_token_file`` as the token), or copied from ``from_path`` (a
+    directory the nodes share) or ``from_node`` (over the same SSH); ``on_progress`` every ``interval`` s."""
+    from k3launch.deploy.ssh.fetch import Source, fetch
+
+    if from_path and from_node:
+        raise K3Error("bad-source", "--from-path and --from-node both given", "pick one source (neither: the hub)")
+    inv, nodes = _ssh_fleet(plan, inventory, "weights fetch", accept_unknown_hosts, connect_timeout)
+    src = (Source("path", path=from_path) if from_path else Source("node", node=from_node) if from_node
+           else Source("hub", token_file=inv.hf_token_file))
+    try:
+        return fetch(plan, nodes, src, on_progress, interval)
+    finally:
+        nodes.close()

@@ -213,9 +213,11 @@ def test_tables_and_series_by_deployment() -> None:
     rows = [row(f"{d}{c}", True, tput=c * (2 if d == "b" else 1), dep=d, conc=c) for d in "ab" for c in (1, 4, 16)]
     rows.append(row("x", False, dep="a", conc=64))
     (t,) = tables(rows)
-    assert t.headers == ["deployment", "1", "4", "16", "64"] and t.title.startswith("by max_concurrency")
-    assert t.rows[1][1:4] == ["2\n5.0\n20", "8\n5.0\n20", "32\n5.0\n20"]  # tok/s, TPOT p99, TTFT p99
-    assert [r[0] for r in t.rows] == ["a", "b"] and t.rows[0][-1] == "invalid" and t.rows[1][-1] == "-"
+    assert t.headers == ["deployment", "figure (unit)", "1", "4", "16", "64"] and t.title.startswith("by max_concurrency")
+    b = [r[1:5] for r in t.rows[4:]]  # deployment b: a line per figure, each labelled with its unit
+    assert b == [["output (tok/s)", "2", "8", "32"], ["TPOT p99 (ms)", "5.0", "5.0", "5.0"], ["ITL p99 (ms)", "5.0", "5.0", "5.0"],
+                 ["TTFT p99 (ms)", "20", "20", "20"]]
+    assert [r[0] for r in t.rows if r[0]] == ["a", "b"] and t.rows[0][-1] == "invalid" and t.rows[4][-1] == "-"
     ss = series(rows)
     assert [s.name for s in ss] == ["a", "b"] and [len(s.rows) for s in ss] == [3, 3]  # the invalid cell is in no series
     assert {r.cell for r in front_rows(rows, "tpot")} == {"b16"}  # same latency everywhere: the top throughput wins

@@ -28,6 +28,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from k3launch import api
+from k3launch.campaign import benchprogress
+from k3launch.campaign import power as powermod
+from k3launch.campaign.benchprogress import BenchProgressFn
+from k3launch.campaign.energy import Energy
 from k3launch.deploy.state import default_state_dir
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
@@ -63,6 +68,7 @@ class BenchRun:
     # True when a timed-out client could not be stopped: it may still load the deployment, so no
     # further load point against it would measure what it claims
     stray: bool = False
+    energy: Energy | None = None  # the GPUs' energy over the run (k3launch.campaign.power), with figures only
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,11 @@ def choose_client(rec: DeploymentRecord, mode: str) -> str:
 
 
 def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, client: str = "auto", seed: int = 0,
-        range_ratio: float = 0.0, warmups: int = 0, timeout_s: float = 3600.0) -> BenchRun:
-    """Run one load point; a client failure is a BenchRun with ``error`` (the caller decides)."""
+        range_ratio: float = 0.0, warmups: int = 0, timeout_s: float = 3600.0, power: bool = True,
+        percentiles: str = "50,99", on_progress: BenchProgressFn | None = None) -> BenchRun:
+    """Run one load point; a client failure is a BenchRun with ``error`` (the caller decides).
+    ``power``: sample the GPUs' power on every node meanwhile (:mod:`k3launch.campaign.power`).
+    ``on_progress``: requests done of total while it runs (:mod:`k3launch.campaign.benchprogress`)."""
     mode = choose_client(rec, client)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,19 +165,30 @@ def run(rec: DeploymentRecord, load: LoadPoint, *, out_dir: Path, tag: str, clie
     result = out_dir / f"{tag}.json"
     log = out_dir / f"{tag}.log"
     result.unlink(missing_ok=True)  # never read an earlier attempt's figures
-    started = now_iso()
+    sampler = powermod.start(rec) if power else None  # its first reading precedes the client's start
+    started, t0 = now_iso(), time.time()
     kw = {"base_url": rec.endpoint, "model": rec.plan.model, "served_name": served_name(head(rec)), "seed": seed, "range_ratio": range_ratio, "warmups": warmups,
-          "result_filename": result.name}
+          "result_filename": result.name, "percentiles": percentiles}
     stray = False
-    if mode == "local":
-        error = _run_local(bench_argv(load, result_dir=str(out_dir), **kw), log, timeout_s)  # type: ignore[arg-type]
-    else:
-        c = _engine_client(rec, result)
-        error, stray = _run_engine(rec, c, bench_argv(load, result_dir=c.result_dir, **kw), result, log, timeout_s)  # type: ignore[arg-type]
+    progress = (tag, load.num_prompts, on_progress) if on_progress is not None else None
+    try:
+        if mode == "local":
+            error = _run_local(bench_argv(load, result_dir=str(out_dir), **kw), log, timeout_s, progress)  # type: ignore[arg-type]
+        else:
+            c = _engine_client(rec, result)
+            with benchprogress.Heartbeat(progress[2], tag, load.num_prompts) if progress else contextlib.nullcontext():
+                error, stray = _run_engine(rec, c, bench_argv(load, result_dir=c.result_dir, **kw), result, log, timeout_s)  # type: ignore[arg-type]
+            if progress:
+                benchprogress.report(progress[2], tag, log, load.num_prompts, time.time() - t0)
+    except BaseException:
+        powermod.finish(sampler, t0, time.time(), None, out_dir / f"{tag}.power.csv")  # stops it (Ctrl-C, SIGTERM)
+        raise
+    t1 = time.time()
     metrics = None
     if error is None:
         metrics, error = read_result(result)
-    return BenchRun(mode, started, now_iso(), result if result.is_file() else None, log, metrics, error, stray)
+    energy = powermod.finish(sampler, t0, t1, metrics, out_dir / f"{tag}.power.csv")
+    return BenchRun(mode, started, now_iso(), result if result.is_file() else None, log, metrics, error, stray, energy)
 
 
 def read_result(path: Path) -> tuple[BenchMetrics | None, str | None]:
@@ -185,7 +205,7 @@ def _tail(text: str) -> str:
     return lines[-1][:300] if lines else ""
 
 
-def _run_local(argv: list[str], log: Path, timeout_s: float) -> str | None:
+def _run_local(argv: list[str], log: Path, timeout_s: float, progress: tuple[str, int, BenchProgressFn] | None = None) -> str | None:
     cmd = [sys.executable, "-m", "k3launch.sim", "bench", "serve", *argv]
     with log.open("w", encoding="utf-8") as f:
         f.write("$ " + shlex.join(cmd) + "\n")
@@ -194,7 +214,10 @@ def _run_local(argv: list[str], log: Path, timeout_s: float) -> str | None:
         # stray load reaches the deployment's next load point
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            p.wait(timeout=timeout_s)
+            if progress is None:
+                p.wait(timeout=timeout_s)
+            else:
+                benchprogress.wait_watching(p, log, timeout_s, *progress)
         except subprocess.TimeoutExpired:
             _kill_group(p)
             return f"the benchmark client did not finish within {timeout_s:g}s"

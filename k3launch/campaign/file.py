@@ -17,11 +17,16 @@ Unknown keys are errors with file and line (the same loader as recipes and inven
     exclude:                         # drop cells matching every key of one entry
       - {strategy: multi_node_dep, max_concurrency: 1}
     validity: {max_error_rate: 0.01}
+    repeats: 3                       # each point 3 times after an unrecorded warm-up: median and CI
+    sla:                             # instead of fixed values of one load axis: the highest that meets every SLO
+      variable: max_concurrency
+      slo: {p99_ttft_ms: 2000, p99_tpot_ms: 50}
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -41,6 +46,8 @@ NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"  # + "-<8 hex>" stays a valid deploy
 LIST_AXES = tuple(n for n in Selection.list_fields() if n != "sets")
 SCALAR_AXES = tuple(n for n in Selection.model_fields if n not in Selection.list_fields())
 LOAD_AXES = ("max_concurrency", "input_len", "output_len", "request_rate", "num_prompts")
+# vLLM's result keys an SLO may bound: a mean, the median or any percentile of the four latencies
+SLO_KEY = re.compile(r"^(mean|median|p(\d{1,2}(\.\d+)?))_(ttft|tpot|itl|e2el)_ms$")
 
 
 class Strict(BaseModel):
@@ -167,6 +174,73 @@ class Validity(Strict):
     min_completed: int = Field(default=1, **bounds.PROMPTS.field())
     max_error_rate: float = Field(default=0.01, ge=0.0, le=1.0)  # failed / (completed + failed)
     min_output_tokens: int = Field(default=1, ge=1, le=bounds.PROMPTS.hi * bounds.TOKENS.hi)
+    # a repeated point whose confidence interval is wider than this share of its median, either side
+    # (output throughput, and each SLO metric of an SLA search), is flagged invalid: too noisy to compare
+    max_spread: float = Field(default=0.1, gt=0.0, le=10.0)
+
+
+class Repeats(Strict):
+    """``repeats: N`` (or this mapping): each load point N times, one row per run, after a warm-up run."""
+
+    runs: int = Field(default=1, ge=1, le=100)
+    warmup: bool | None = None  # one unrecorded run of the point first; None: when runs > 1
+    confidence: float = Field(default=0.95, gt=0.5, lt=1.0)  # of the interval reported around each median
+
+    def warms_up(self) -> bool:
+        return self.runs > 1 if self.warmup is None else self.warmup
+
+
+class Sla(Strict):
+    """Search each deployment (and each point of the other load axes) for the highest ``variable``
+    whose point meets every SLO: bracketing by doubling from ``start``, then bisection, until the
+    highest passing and the lowest failing probe are within ``tolerance`` (relative; for
+    concurrency at least 1 request), in at most ``max_probes`` probes."""
+
+    variable: Literal["max_concurrency", "request_rate"] = "request_rate"
+    slo: dict[str, float]  # vLLM result key -> upper bound in ms: {p99_ttft_ms: 2000, mean_tpot_ms: 50}
+    start: float = Field(default=1.0, gt=0.0, le=bounds.CONCURRENCY.hi)
+    max: float = Field(default=1024.0, gt=0.0, le=bounds.CONCURRENCY.hi)  # never probed above
+    tolerance: float = Field(default=0.1, gt=0.0, le=1.0)
+    max_probes: int = Field(default=16, ge=2, le=100)
+
+    @field_validator("slo")
+    @classmethod
+    def _slo(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v:
+            raise ValueError("sla.slo has no objective (write `slo: {p99_ttft_ms: 2000, p99_tpot_ms: 50}`)")
+        for key, bound in v.items():
+            m = SLO_KEY.match(key)
+            if m is None or (m.group(2) is not None and not 0 < float(m.group(2)) < 100):
+                raise ValueError(
+                    f"sla.slo: {key!r} is not a latency statistic of vLLM's result "
+                    "(mean_, median_ or p<N>_ with ttft, tpot, itl or e2el, then _ms: p99_tpot_ms)"
+                )
+            if not (math.isfinite(bound) and bound > 0):
+                raise ValueError(f"sla.slo.{key}: {bound} is not a positive number of milliseconds")
+        return v
+
+    @model_validator(mode="after")
+    def _range(self) -> Sla:
+        if self.max <= self.start:
+            raise ValueError(f"sla: max ({self.max:g}) must be above start ({self.start:g})")
+        if self.variable == "max_concurrency" and not (self.start.is_integer() and self.max.is_integer()):
+            raise ValueError("sla: start and max of a concurrency search are whole numbers of requests")
+        return self
+
+    def percentiles(self) -> list[float]:
+        """The percentiles the client must compute besides its default 50 and 99."""
+        out = {float(m.group(2)) for k in self.slo if (m := SLO_KEY.match(k)) and m.group(2)}
+        return sorted(out - {50.0, 99.0})
+
+
+class Reference(Strict):
+    """A published figure drawn on the report's plots: ``y`` output tokens/s per GPU at ``x`` ms of
+    ``metric`` (a vendor's throughput at an interactivity level, say)."""
+
+    label: str = Field(min_length=1, max_length=80, pattern=r"^[^\n\r]+$")
+    metric: Literal["p99_tpot_ms", "p99_itl_ms", "p99_ttft_ms"] = "p99_tpot_ms"
+    x: float = Field(gt=0, le=3_600_000, allow_inf_nan=False)  # ms: an hour
+    y: float = Field(ge=0, le=10_000_000, allow_inf_nan=False)  # tokens/s per GPU
 
 
 class BenchSettings(Strict):
@@ -190,6 +264,20 @@ class Campaign(Strict):
     exclude: list[dict[str, Scalar | list[Scalar]]] = []
     validity: Validity = Validity()
     bench: BenchSettings = BenchSettings()
+    repeats: Repeats = Repeats()
+    sla: Sla | None = None
+    references: list[Reference] = Field(default=[], max_length=100)
+
+    @field_validator("repeats", mode="before")
+    @classmethod
+    def _repeats(cls, v: object) -> object:
+        return {"runs": v} if isinstance(v, int) and not isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _sla_axis(self) -> Campaign:
+        if self.sla is not None and self.sla.variable in self.load.model_fields_set:
+            raise ValueError(f"load.{self.sla.variable}: the SLA search chooses it; drop it from load (or drop sla)")
+        return self
 
     @field_validator("port_base")
     @classmethod

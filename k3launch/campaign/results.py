@@ -18,8 +18,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from k3launch.campaign.energy import Energy
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint
+from k3launch.models.phases import Timeline
 from k3launch.util.locks import locked
 
 RESULTS = "results.jsonl"
@@ -48,6 +50,17 @@ class Provenance(BaseModel):
     client: str | None  # local | engine | None (nothing was run)
     started: str
     ended: str
+    timeline: Timeline | None = None  # the deployment's bring-up (`k3launch timeline`), when it had one
+
+
+class PointStats(BaseModel):
+    """On a point's summary row (never in results.jsonl): how its runs spread."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_inf_nan="strings")
+
+    runs: int  # valid runs summed up
+    confidence: float
+    ci: dict[str, tuple[float, float]]  # vLLM result key -> the interval of the runs' mean
 
 
 class ResultRow(BaseModel):
@@ -64,6 +77,10 @@ class ResultRow(BaseModel):
     metrics: BenchMetrics | None = None  # only on valid rows: invalid cells never carry numbers
     result_file: str | None = None  # the raw vLLM result JSON, relative to the campaign directory
     provenance: Provenance | None = None
+    run: int = 0  # which of the point's `repeats` runs (0-based); one row per run
+    slo: dict[str, float] = {}  # an SLA search's figures by vLLM's key (p90_ttft_ms, ...), valid rows only
+    stats: PointStats | None = None  # only on a point's summary row (campaign.repeats.points)
+    energy: Energy | None = None  # GPU energy of the run (k3launch.campaign.power), valid rows only
 
 
 def append_row(out: Path, row: ResultRow) -> None:
@@ -105,25 +122,34 @@ def done_cells(rows: Iterable[ResultRow], campaign: str, still_valid: Callable[[
     return {r.cell for r in rows if r.campaign == campaign and r.valid and still_valid(r)}
 
 
+def done_runs(rows: Iterable[ResultRow], campaign: str, still_valid: Callable[[ResultRow], bool] = lambda r: True) -> dict[str, set[int]]:
+    """Cell -> the runs of it that have a valid row (``repeats``: a resumed run adds the others)."""
+    out: dict[str, set[int]] = {}
+    for r in rows:
+        if r.campaign == campaign and r.valid and still_valid(r):
+            out.setdefault(r.cell, set()).add(r.run)
+    return out
+
+
 def latest(rows: Iterable[ResultRow], campaign: str) -> list[ResultRow]:
-    """One row per cell: the last valid one, else the last attempt; in first-seen order."""
-    best: dict[str, ResultRow] = {}
+    """One row per run of a cell: the last valid one, else the last attempt; in first-seen order."""
+    best: dict[tuple[str, int], ResultRow] = {}
     for r in rows:
         if r.campaign != campaign:
             continue
-        have = best.get(r.cell)
+        have = best.get((r.cell, r.run))
         if have is None or r.valid or not have.valid:
-            best[r.cell] = r
+            best[(r.cell, r.run)] = r
     return list(best.values())
 
 
-CSV_FIELDS = ["campaign", "cell", "group", "deployment", "max_concurrency", "input_len", "output_len", "request_rate", "num_prompts",
+CSV_FIELDS = ["campaign", "cell", "run", "group", "deployment", "max_concurrency", "input_len", "output_len", "request_rate", "num_prompts",
               "valid", "reason", *(f for f in BenchMetrics.model_fields if f != "max_concurrency"), "plan_hash", "deployment_name", "recipe_sha256", "k3launch_version",
               "vllm_version", "image", "image_id", "nodes", "client", "started", "ended", "result_file"]
 
 
 def csv_record(r: ResultRow) -> dict[str, object]:
-    rec: dict[str, object] = {"campaign": r.campaign, "cell": r.cell, "group": r.group, "deployment": r.deployment,
+    rec: dict[str, object] = {"campaign": r.campaign, "cell": r.cell, "run": r.run, "group": r.group, "deployment": r.deployment,
                               "valid": r.valid, "reason": r.reason or "", "result_file": r.result_file or ""}
     if r.metrics is not None:
         rec.update(r.metrics.model_dump())

@@ -19,7 +19,6 @@ group. Deployment names are ``<campaign>-<plan hash prefix>``, the same on every
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -29,141 +28,24 @@ from typing import TYPE_CHECKING
 
 from k3launch import __version__, api
 from k3launch.campaign import bench as benchmod
-from k3launch.campaign.file import Campaign, load_campaign
-from k3launch.campaign.matrix import (
-    Cell,
-    DeploymentSpec,
-    Group,
-    cell_id,
-    deployment_name,
-    deployment_specs,
-    expand,
-    group,
-    invalid_reason,
-    label,
-    load_points,
-    plan_hash,
-    varying_axes,
-    workload_key,
-)
-from k3launch.campaign.results import Provenance, ResultRow, append_row, done_cells, group_lock, latest, make_out, read_rows, write_csv
+from k3launch.campaign import points
+from k3launch.campaign.benchprogress import BenchProgressFn
+from k3launch.campaign.matrix import Group, deployment_name, invalid_reason, plan_hash
+from k3launch.campaign.prepared import Prepared as Prepared  # re-exported: callers import these from here
+from k3launch.campaign.prepared import build_plan as build_plan
+from k3launch.campaign.prepared import campaign_path as campaign_path
+from k3launch.campaign.prepared import prepare as prepare
+from k3launch.campaign.prepared import refused_hash
+from k3launch.campaign.prepared import sha256_of as _sha256
+from k3launch.campaign.results import Provenance, ResultRow, append_row, group_lock, latest, make_out, read_rows, write_csv
 from k3launch.errors import K3Error
 from k3launch.models.bench import LoadPoint
 
 if TYPE_CHECKING:
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord
-    from k3launch.planning.inventory import Inventory
 
 EventFn = Callable[[str], None]
-
-
-def _sha256(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
-
-@dataclass
-class Prepared:
-    """A campaign expanded and planned: what a run, a dry run and a report all start from."""
-
-    campaign: Campaign
-    path: Path
-    sha256: str
-    inventory: Inventory
-    cells: list[Cell]
-    plans: dict[str, Plan]  # spec key -> plan (no name, the file's port base): what cells are keyed on
-    refused: dict[str, K3Error]  # spec key -> why it cannot be planned
-    groups: list[Group]
-    varying: list[str]
-    port_base: int | None  # what this run's deployments use (--port-base, else the file's)
-    excluded: int = 0  # cells of the full product that `exclude` dropped
-    workload: str = ""  # the dataset settings' part of every cell id (campaign.workload_key)
-
-    def cell_ids(self) -> set[str]:
-        """The cells of this expansion (a changed file's older rows are not among them)."""
-        ids = {g.cell_id(ld) for g in self.groups for ld in g.loads}
-        return ids | {cell_id(refused_hash(c.spec), c.load, self.workload) for c in self.cells if c.spec.key in self.refused}
-
-    def still_valid(self, row: ResultRow) -> bool:
-        """A row's figures pass the campaign's validity gates as the file says them now."""
-        return row.metrics is not None and invalid_reason(row.metrics, self.campaign.validity) is None
-
-    def rejudge(self, row: ResultRow) -> ResultRow:
-        """A valid row whose figures fail the gates as they are now: invalid, with the reason and
-        without numbers (as a resumed run would measure it again)."""
-        if not row.valid or row.metrics is None or self.still_valid(row):
-            return row
-        why = invalid_reason(row.metrics, self.campaign.validity)
-        return row.model_copy(update={"valid": False, "metrics": None, "reason": f"{why} (by the current validity gates)"})
-
-    def spec_label(self, spec: DeploymentSpec) -> str:
-        return label(spec, self.varying)
-
-
-def _inventory_path(c: Campaign, path: Path) -> Path:
-    if c.inventory is None:
-        return api.bundled_inventory("local")
-    ref = c.inventory
-    if "/" not in ref and not ref.endswith((".yaml", ".yml")):
-        return api.bundled_inventory(ref)
-    p = Path(ref).expanduser()
-    return p if p.is_absolute() else path.parent / p
-
-
-def _inventory(c: Campaign, path: Path) -> Inventory:
-    from k3launch.planning.inventory import Inventory
-
-    inv, _ = api.load(_inventory_path(c, path))
-    if not c.engine_env:
-        return inv
-    data = inv.model_dump()
-    data["defaults"]["env"] = {**(inv.defaults.env or {}), **c.engine_env}  # the campaign's engine env wins
-    return Inventory.model_validate(data)
-
-
-def build_plan(inv: Inventory, spec: DeploymentSpec, port_base: int | None, name: str | None = None) -> Plan:
-    return api.plan(inv, selection=spec.fields(), name=name, port_base=port_base)  # Selection owns the defaults and "all"
-
-
-def campaign_path(ref: Path) -> Path:
-    """A file, or the name of a bundled campaign (``local-demo``)."""
-    if ref.exists() or ref.suffix in (".yaml", ".yml") or "/" in str(ref):
-        return ref
-    from k3launch.util.resources import bundled
-
-    return bundled("campaigns", f"{ref}.yaml") or ref
-
-
-def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
-    path = campaign_path(path)
-    c = load_campaign(path)
-    inv = _inventory(c, path)
-    cells = expand(c)
-    plans: dict[str, Plan] = {}
-    refused: dict[str, K3Error] = {}
-    for cell in cells:
-        key = cell.spec.key
-        if key in plans or key in refused:
-            continue
-        try:
-            # the file's port base: a cell is the same cell whatever --port-base a run uses
-            plans[key] = build_plan(inv, cell.spec, c.port_base)
-        except K3Error as exc:
-            refused[key] = exc
-    hashes = {k: plan_hash(p) for k, p in plans.items()}
-    specs = list({cell.spec.key: cell.spec for cell in cells}.values())
-    full = len(deployment_specs(c)) * len(load_points(c))
-    workload = workload_key(c.bench.seed, c.bench.random_range_ratio)
-    return Prepared(c, path, _sha256(path) or "", inv, cells, plans, refused, group(cells, hashes, workload), varying_axes(specs),
-                    port_base if port_base is not None else c.port_base, full - len(cells), workload)
-
-
-def refused_hash(spec: DeploymentSpec) -> str:
-    """A stand-in plan hash for a deployment that has no plan (its cells still get rows)."""
-    return "refused-" + hashlib.sha256(spec.key.encode()).hexdigest()
 
 
 @dataclass
@@ -173,6 +55,7 @@ class Options:
     only_group: int | None = None
     client: str | None = None  # overrides the campaign's bench.client
     on_event: EventFn = field(default=lambda msg: None)
+    on_progress: BenchProgressFn | None = None  # each load point's requests done of total while it runs
     # Inside a job array task (--slurm-array): the task's own job started the group's deployment;
     # use it as it is (no up, no down).
     attached: bool = False
@@ -203,6 +86,7 @@ class Summary:
     reused: int = 0
     groups: list[int] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
+    sla: list[dict[str, object]] = field(default_factory=list)  # each SLA search's outcome (Searched.as_json)
     wall_s: float = 0.0
     results: str = ""
 
@@ -230,9 +114,9 @@ class CampaignRunner:
             groups = [groups[self.o.only_group]]
         else:
             self._record_refused()
-        done = done_cells(read_rows(self.o.out), self.c.name, self.p.still_valid)
+        rows = latest(read_rows(self.o.out), self.c.name)
         for g in groups:
-            todo = [ld for ld in g.loads if g.cell_id(ld) not in done]
+            todo = self.p.todo(g, rows)  # with repeats: points missing runs; with sla: searches not over
             self.s.cells += len(g.loads)
             self.s.skipped += len(g.loads) - len(todo)
             if not todo:
@@ -241,8 +125,9 @@ class CampaignRunner:
                 continue
             self.s.groups.append(g.index)
             self._group(g, todo)
-        current = self.p.cell_ids()
-        write_csv(self.o.out, [r for r in latest(read_rows(self.o.out), self.c.name) if r.cell in current])
+        rows = latest(read_rows(self.o.out), self.c.name)
+        write_csv(self.o.out, self.p.current(rows))
+        self.s.sla = [x.as_json() for x in self.p.searches(rows)]
         self.s.wall_s = time.monotonic() - t0
         return self.s
 
@@ -259,7 +144,7 @@ class CampaignRunner:
                          cell.load, f"plan refused ({err.code}): {err.message}")
 
     def _append(self, g: Group, load: LoadPoint, reason: str | None, run: benchmod.BenchRun | None = None,
-                prov: Provenance | None = None) -> None:
+                prov: Provenance | None = None, run_index: int = 0, slo: dict[str, float] | None = None) -> ResultRow:
         metrics = run.metrics if run is not None else None
         if reason is None and metrics is not None:
             reason = invalid_reason(metrics, self.c.validity)
@@ -272,9 +157,12 @@ class CampaignRunner:
         spec = g.specs[0]
         result = str(run.result_file.relative_to(self.o.out)) if run is not None and run.result_file is not None else None
         row = ResultRow(campaign=self.c.name, cell=g.cell_id(load), group=g.index, deployment=self.p.spec_label(spec), axes=dict(spec.axes),
-                        load=load, valid=valid, reason=reason, metrics=metrics if valid else None, result_file=result, provenance=prov)
+                        load=load, valid=valid, reason=reason, metrics=metrics if valid else None, result_file=result, provenance=prov,
+                        energy=run.energy if valid and run else None, run=run_index, slo=(slo or {}) if valid else {})
         append_row(self.o.out, row)
-        self.event(f"cell {row.cell}: " + ("valid" if valid else f"INVALID: {reason}"))
+        runs = f" run {run_index}" if self.c.repeats.runs > 1 else ""
+        self.event(f"cell {row.cell}{runs}: " + ("valid" if valid else f"INVALID: {reason}"))
+        return row
 
     def record_invalid(self, g: Group, load: LoadPoint, reason: str) -> None:
         """An invalid row for a cell that never ran (its deployment failed elsewhere)."""
@@ -376,17 +264,16 @@ class CampaignRunner:
         return rec
 
     def _bench_all(self, g: Group, rec: DeploymentRecord, todo: Sequence[LoadPoint]) -> None:
-        facts = benchmod.engine_facts(rec)
-        b = self.c.bench
-        for i, ld in enumerate(todo):
-            run = benchmod.run(rec, ld, out_dir=self.o.out / "bench", tag=f"{g.plan_hash[:12]}-{ld.key}", client=self.o.client or b.client,
-                               seed=b.seed, range_ratio=b.random_range_ratio, warmups=b.num_warmups, timeout_s=b.timeout_s)
-            self._append(g, ld, run.error, run, self._provenance(g, rec, facts, run))
-            if run.stray:
-                # a client still loading the deployment would skew every later figure: stop here
-                for rest in todo[i + 1:]:
-                    self._append(g, rest, f"not measured: the timed-out client of {ld.key} could not be stopped in the container")
-                return
+        # each point's runs (and warm-up), or each SLA search's probes: k3launch.campaign.points
+        points.measure(self, g, rec, benchmod.engine_facts(rec), todo)
+
+    def bench_once(self, rec: DeploymentRecord, ld: LoadPoint, tag: str, *, warmup: bool = False) -> benchmod.BenchRun:
+        """One ``vllm bench serve`` run of a load point (a warm-up is measured by nobody: no power samples)."""
+        b, s = self.c.bench, self.c.sla
+        pct = ",".join(f"{p:g}" for p in [50.0, 99.0, *(s.percentiles() if s else [])])
+        return benchmod.run(rec, ld, out_dir=self.o.out / "bench", tag=tag, client=self.o.client or b.client, seed=b.seed,
+                            range_ratio=b.random_range_ratio, warmups=b.num_warmups, timeout_s=b.timeout_s, power=not warmup, percentiles=pct,
+                            on_progress=self.o.on_progress)
 
     def _provenance(self, g: Group, rec: DeploymentRecord, facts: benchmod.EngineFacts, run: benchmod.BenchRun) -> Provenance:
         from k3launch.planning.recipes import default_recipes_dir
@@ -396,7 +283,7 @@ class CampaignRunner:
                           recipe_sha256=_sha256(default_recipes_dir() / plan.recipe_file), campaign_sha256=self.p.sha256,
                           k3launch_version=__version__, vllm_version=facts.vllm_version, vllm_schema=plan.vllm_version,
                           runtime=facts.runtime, image=facts.image, image_id=facts.image_id, inventory=rec.inventory or "",
-                          nodes=rec.machines(), client=run.client, started=run.started, ended=run.ended)
+                          nodes=rec.machines(), client=run.client, started=run.started, ended=run.ended, timeline=rec.timeline)
 
 
 def named_plan(prep: Prepared, g: Group) -> Plan:
@@ -413,6 +300,6 @@ def run(prep: Prepared, opts: Options) -> Summary:
 
 
 def pending(prep: Prepared, out: Path) -> dict[int, int]:
-    """Group index -> cells still to run (for the dry run)."""
-    done = done_cells(read_rows(out), prep.campaign.name, prep.still_valid)
-    return {g.index: sum(g.cell_id(ld) not in done for ld in g.loads) for g in prep.groups}
+    """Group index -> cells (with sla: searches) still to run (for the dry run)."""
+    rows = latest(read_rows(out), prep.campaign.name)
+    return {g.index: len(prep.todo(g, rows)) for g in prep.groups}

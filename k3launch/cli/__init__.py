@@ -42,12 +42,13 @@ from k3launch.cli import campaign as _cli_campaign  # registers `bench` and `cam
 from k3launch.cli import deploy as _cli_deploy  # registers up/status/logs/down/list
 from k3launch.cli import recipes as _cli_recipes  # registers `recipes` and `lint`
 from k3launch.cli import schema as _cli_schema  # registers `schema dump`
+from k3launch.cli import weights as _cli_weights  # registers `doctor` and `weights check/fetch`
 from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, io_error, with_selection
 from k3launch.errors import K3Error
 
 __all__ = ["app", "main"]
 _QUIET = logging.NullHandler()
-_ = (_cli_recipes, _cli_deploy, _cli_campaign, _cli_schema)
+_ = (_cli_recipes, _cli_deploy, _cli_campaign, _cli_schema, _cli_weights)
 
 
 def _version(value: bool) -> None:

@@ -25,6 +25,8 @@ from k3launch.util import bounds
 
 if TYPE_CHECKING:
     from k3launch.campaign.held import Held
+    from k3launch.campaign.results import ResultRow
+    from k3launch.cli.show_progress import BenchView
 
 INTERRUPTED = 130
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
@@ -74,7 +76,8 @@ def bench(
         rec = benchmod.record(name, state_dir)
         load = LoadPoint(max_concurrency=max_concurrency, input_len=input_len, output_len=output_len, request_rate=rate, num_prompts=num_prompts)
         tag = (result_filename or f"bench-{name}-{load.key}.json").removesuffix(".json")
-        run = benchmod.run(rec, load, out_dir=benchmod.result_dir(name, state_dir, result_dir), tag=tag, client=_client(client) or "auto", seed=seed)
+        run = benchmod.run(rec, load, out_dir=benchmod.result_dir(name, state_dir, result_dir), tag=tag, client=_client(client) or "auto", seed=seed,
+                           on_progress=_bench_view(json_out))
     except K3Error as err:
         fail(err)
     reason = run.error or (invalid_reason(run.metrics, Validity()) if run.metrics else "no figures")
@@ -91,6 +94,15 @@ def bench(
             typer.echo(f"invalid: {reason} (client log: {run.log_file})", err=True)
     if reason:
         raise typer.Exit(1)
+
+
+def _bench_view(quiet: bool) -> BenchView:
+    """Requests done of total, elapsed and ETA of each load point, on stderr (stdout keeps the results)."""
+    from rich.console import Console
+
+    from k3launch.cli.show_progress import BenchView
+
+    return BenchView(Console(stderr=True, soft_wrap=False), quiet=quiet)
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:
@@ -127,6 +139,9 @@ def campaign_run(
             raise K3Error("bad-option", "--attached needs --group", "it is how a job array task names its group")
         if slurm_array and group is not None:
             raise K3Error("bad-option", "--slurm-array submits every pending group; --group runs one", "drop one of them")
+        if slurm_array and (prep.campaign.sla is not None or prep.campaign.repeats.runs > 1):
+            raise K3Error("bad-option", "--slurm-array does not run SLA searches or repeats",
+                          'submit `campaign run FILE --out DIR --group N` per group yourself (docs/campaigns.md ("Without a slurm inventory"))')
         if slurm_array and not dry_run:
             from k3launch.campaign import slurm as campaign_slurm
 
@@ -161,7 +176,8 @@ def campaign_run(
         old_hup = signal.signal(signal.SIGHUP, _sigterm)
         try:
             opts = cr.Options(out=out, state_dir=state_dir, only_group=group, client=client, attached=attached,
-                              on_event=(lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True)))
+                              on_event=(lambda m: None) if json_out else (lambda m: typer.echo(f"campaign: {m}", err=True)),
+                              on_progress=_bench_view(json_out))
             summary = cr.run(prep, opts)
         finally:
             signal.signal(signal.SIGTERM, old)
@@ -197,9 +213,12 @@ def _dry_json(prep: object, todo: dict[int, int], holds: list[Held]) -> dict[str
 
 @campaign_app.command("report")
 def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) -> None:
-    """Tables per load axis, CSV, and PNG plots (throughput vs TPOT/ITL p99 with the Pareto front, TTFT vs concurrency)."""
+    """Tables per load axis, CSV, PNG plots (throughput per GPU vs TPOT/ITL/TTFT p99 with Pareto fronts, TTFT vs concurrency) and report.html."""
     STATE.json = json_out
+    from k3launch import __version__
     from k3launch.campaign import report as rep
+    from k3launch.campaign.bench import now_iso
+    from k3launch.campaign.html import write_report
     from k3launch.campaign.plots import plot_all
     from k3launch.campaign.results import latest, read_rows, write_csv
     from k3launch.campaign.run import campaign_path, prepare
@@ -209,27 +228,112 @@ def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) 
         prep = prepare(campaign_path(file))
         c = prep.campaign
         every = latest(read_rows(out), c.name)
-        current = prep.cell_ids()
-        rows = [prep.rejudge(r) for r in every if r.cell in current]  # rows of an earlier version of the matrix stay out
-        if not rows:
+        runs = [prep.rejudge(r) for r in prep.current(every)]  # rows of an earlier version of the matrix stay out
+        if not runs:
             raise K3Error("no-results", f"{out}: no results of campaign {c.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
-        csv_path = write_csv(out, rows)
-        plots = plot_all(rows, out / "plots", c.name)
+        rows = prep.points(runs)  # one per point: the medians of its runs (repeats), judged by the spread gate
+        searches = prep.searches(runs)
+        csv_path = write_csv(out, runs)  # one line per run
+        ctx = rep.Context({g.index: prep.plans[g.specs[0].key] for g in prep.groups}, prep.inventory.gpu_hour_price, c.references)
+        plots = plot_all(rows, out / "plots", c.name, ctx)
+        html = write_report(out, c.name, rows, ctx, description=c.description, generated=f"k3launch {__version__}, {now_iso()}")
     except K3Error as err:
         fail(err)
-    tables = rep.tables(rows)
+    tables = rep.tables(rows, ctx)
     bad = rep.invalid_table(rows)
     if json_out:
         fronts = {m: [r.cell for r in rep.front_rows(rows, m)] for m in ("tpot", "itl")}
-        typer.echo(json.dumps({"campaign": c.name, "cells": len(rows), "valid": sum(r.valid for r in rows), "stale": len(every) - len(rows),
-                               "csv": str(csv_path),
-                               "plots": [str(p) for p in plots], "pareto": fronts,
+        typer.echo(json.dumps({"campaign": c.name, "cells": len(rows), "valid": sum(r.valid for r in rows), "stale": len(every) - len(runs),
+                               "csv": str(csv_path), "points": [_point_json(r) for r in rows], "sla": [x.as_json() for x in searches],
+                               "plots": [str(p) for p in plots], "html": str(html), "pareto": fronts,
                                "invalid": [{"cell": r.cell, "reason": r.reason} for r in rows if not r.valid]}))
         return
     con = console()
     show_campaign.tables(con, [*tables, *([bad] if bad else [])])
-    if len(every) > len(rows):
-        con.print(f"{len(every) - len(rows)} cell(s) in {out} belong to an earlier version of the matrix and are left out")
+    show_campaign.repeated(con, rows)
+    show_campaign.searches(con, searches)
+    if len(every) > len(runs):
+        con.print(f"{len(every) - len(runs)} row(s) in {out} belong to an earlier version of the matrix and are left out")
     con.print(f"csv: {csv_path}")
+    for p in plots:
+        con.print(f"plot: {p}")
+    con.print(f"report: {html}")
+
+
+def _point_json(r: ResultRow) -> dict[str, object]:
+    """A point of the report: its figures (medians over its runs) and how they spread."""
+    return {"cell": r.cell, "deployment": r.deployment, "load": r.load.key, "valid": r.valid, "reason": r.reason,
+            "runs": r.stats.runs if r.stats else 1, "confidence": r.stats.confidence if r.stats else None,
+            "median": r.metrics.model_dump() if r.metrics else None, "slo": r.slo, "ci": r.stats.ci if r.stats else {}}
+
+
+@campaign_app.command("export")
+def campaign_export(file: CampaignFile, out: OutDir,
+                    to: Annotated[Path, typer.Option("--to", help="The experiment directory to write, in `vllm bench sweep`'s layout.")],
+                    json_out: JsonOut = False) -> None:
+    """Write the campaign's runs in `vllm bench sweep`'s output layout (run=N.json, summary.json, summary.csv)."""
+    STATE.json = json_out
+    from k3launch.campaign import sweepio
+    from k3launch.campaign.results import latest, read_rows
+    from k3launch.campaign.run import campaign_path, prepare
+
+    try:
+        prep = prepare(campaign_path(file))
+        runs = [prep.rejudge(r) for r in prep.current(latest(read_rows(out), prep.campaign.name))]
+        if not runs:
+            raise K3Error("no-results", f"{out}: no results of campaign {prep.campaign.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
+        gpus = {g.plan_hash[:12]: sum(pool.gpus for pool in prep.plans[g.specs[0].key].capacity.pools) for g in prep.groups}
+        try:
+            written = sweepio.export(out, runs, to, gpus)
+        except OSError as exc:
+            raise K3Error("bad-out", f"--to {to}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps({"campaign": prep.campaign.name, "experiment": str(to), "runs": len(runs), "summaries": [str(p) for p in written]}))
+    else:
+        console().print(f"{len(runs)} run(s) of {len(written)} point(s) written to {to} (`vllm bench sweep plot {to}` reads them; "
+                        "`plot_pareto` with --gpu-count-var num_gpus)")
+
+
+@campaign_app.command("import")
+def campaign_import(src: Annotated[Path, typer.Argument(help="A `vllm bench sweep` experiment directory (its summary.json files).")],
+                    out: OutDir,
+                    name: Annotated[str | None, typer.Option("--name", help="Campaign name of the rows (default: the directory's name).")] = None,
+                    json_out: JsonOut = False) -> None:
+    """Read a `vllm bench sweep` experiment into DIR/results.jsonl, then report it: tables, CSV, plots."""
+    STATE.json = json_out
+    import re
+
+    from k3launch.campaign import repeats, sweepio
+    from k3launch.campaign import report as rep
+    from k3launch.campaign.file import Repeats, Validity
+    from k3launch.campaign.plots import plot_all
+    from k3launch.campaign.results import append_row, latest, make_out, read_rows, write_csv
+    from k3launch.cli import show_campaign
+
+    campaign = name or re.sub(r"[^a-z0-9-]+", "-", src.resolve().name.lower()).strip("-") or "imported"
+    try:
+        rows, raw = sweepio.read(src, campaign)
+        make_out(out)
+        (out / "bench").mkdir(exist_ok=True)
+        for i, (row, data) in enumerate(zip(rows, raw, strict=True)):
+            copy = out / "bench" / f"imported-{i}.json"  # the run's own JSON, every key vLLM wrote
+            copy.write_text(json.dumps(data), encoding="utf-8")
+            append_row(out, row.model_copy(update={"result_file": str(copy.relative_to(out))}))
+        runs = latest(read_rows(out), campaign)
+        csv_path = write_csv(out, runs)
+        points = repeats.points(runs, Repeats().confidence, Validity().max_spread)  # a sweep's --num-runs: medians and intervals
+        plots = plot_all(points, out / "plots", campaign)
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps({"campaign": campaign, "runs": len(rows), "results": str(out / "results.jsonl"), "csv": str(csv_path),
+                               "plots": [str(p) for p in plots]}))
+        return
+    con = console()
+    show_campaign.tables(con, rep.tables(points))
+    show_campaign.repeated(con, points)
+    con.print(f"{len(rows)} run(s) imported from {src} as campaign {campaign}; results {out / 'results.jsonl'}; csv: {csv_path}")
     for p in plots:
         con.print(f"plot: {p}")

@@ -47,7 +47,7 @@ def up(
     On a slurm inventory: one sbatch job, watched from here until it serves (see docs/slurm.md)."""
     STATE.json = json_out
     from k3launch import api
-    from k3launch.cli import show_deploy
+    from k3launch.cli import show_deploy, show_progress
 
     con = console()
     try:
@@ -59,13 +59,13 @@ def up(
         if dry_run:
             _dry_run(con, plan, api.dry_run(plan, args.inventory_path, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
             return
-        emit = show_deploy.stage_printer(con, quiet=json_out)  # times count from here, doctor included
         t0 = time.monotonic()
-        rec = api.up(plan, args.inventory_path, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
-                     force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
-                     extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, on_stage=emit,
-                     on_doctor=lambda report: show_deploy.doctor(con, report, quiet=json_out),
-                     on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None)
+        with show_progress.UpView(con, quiet=json_out) as view:  # stages, and each process's phase while it waits
+            rec = api.up(plan, args.inventory_path, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
+                         force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+                         extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, on_stage=view.stage, on_progress=view.progress,
+                         on_doctor=lambda report: show_deploy.doctor(con, report, quiet=json_out),
+                         on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None)
     except K3Error as err:
         fail(err)
     except KeyboardInterrupt:
@@ -165,6 +165,29 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
         show_deploy.down(console(), name, report)
     if not report.clean:
         raise typer.Exit(1)
+
+
+@app.command()
+def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")], state_dir: StateDir = None,
+             json_out: JsonOut = False) -> None:
+    """The bring-up's timeline: per process, each phase's start and end; the slowest rank and what it waited for."""
+    STATE.json = json_out
+    from k3launch import api
+    from k3launch.cli import show_progress
+
+    try:
+        rec = api.record(name, state_dir)
+        if rec is None:
+            raise K3Error("unknown-deployment", f"no deployment named {name!r}", "see `k3launch list`")
+        if rec.timeline is None:
+            raise K3Error("no-timeline", f"{name} has no bring-up timeline ({rec.state})",
+                          "it is recorded by `up` from this version on; bring the deployment up again to get one")
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps({"name": name, **rec.timeline.as_dict()}, indent=2))
+    else:
+        show_progress.timeline(console(), name, rec.timeline)
 
 
 @app.command("list")

@@ -10,7 +10,9 @@ from rich.markup import escape
 from rich.table import Table as RichTable
 
 from k3launch.campaign.held import Held, refused_groups
+from k3launch.campaign.prepared import Searched
 from k3launch.campaign.report import Table
+from k3launch.campaign.results import ResultRow
 from k3launch.campaign.run import Prepared, Summary
 from k3launch.models.bench import BenchMetrics, LoadPoint
 
@@ -53,6 +55,12 @@ def dry_run(con: Console, prep: Prepared, todo: Mapping[int, int], holds: Sequen
         g_t.add_row(str(g.index), f"{c.name}-{g.plan_hash[:8]}", "; ".join(prep.spec_label(s) for s in g.specs), str(len(g.loads)), str(todo.get(g.index, 0)))
     con.print(g_t)
     starts = sum(1 for n in todo.values() if n)
+    if c.sla is not None:
+        slo = ", ".join(f"{k} <= {v:g}" for k, v in c.sla.slo.items())
+        con.print(f"SLA search of {c.sla.variable} at each load point ({slo}): from {c.sla.start:g}, at most {c.sla.max_probes} probes "
+                  f"up to {c.sla.max:g}, tolerance {c.sla.tolerance:g}")
+    if c.repeats.runs > 1 or c.repeats.warms_up():
+        con.print(f"each point {c.repeats.runs} time(s)" + (" after an unrecorded warm-up run" if c.repeats.warms_up() else ""))
     con.print(f"{len(prep.cells)} cells ({prep.excluded} excluded), {len(prep.groups)} distinct deployment(s), {len(prep.refused)} refused; "
               f"engine starts needed: [bold]{starts}[/bold] (groups already complete: {len(prep.groups) - starts})")
     if holds:
@@ -74,6 +82,14 @@ def summary(con: Console, s: Summary) -> None:
     for r in s.refused:
         con.print(f"[red]refused[/red] group {r.group} ({escape(r.label)}, {r.name}), {r.cells} cell(s) not run: {r.code}: {escape(r.message)}")
         con.print(f"  hint: {escape(r.hint)}")
+    for x in s.sla:
+        probes = x["probes"]
+        assert isinstance(probes, list)
+        bracket = x["bracket"]
+        assert isinstance(bracket, list)
+        lo, hi = ("-" if v is None else f"{v:g}" for v in bracket)
+        con.print(f"SLA capacity of group {x['group']} ({escape(str(x['deployment']))}) at {x['load']}: {x['variable']} = {lo} "
+                  f"({x['status']}; passing probe {lo}, lowest failing probe {hi}; {len(probes)} probe(s))")
     con.print(f"results: {s.results}")
 
 
@@ -85,3 +101,48 @@ def tables(con: Console, ts: Sequence[Table]) -> None:
         for row in tb.rows:
             t.add_row(*row)
         con.print(t)
+
+
+def repeated(con: Console, rows: Sequence[ResultRow]) -> None:
+    """Points measured more than once: each figure's median and the confidence interval of the runs' mean."""
+    # by deployment, then by load (an SLA search's probes were measured in search order)
+    rep = sorted((r for r in rows if r.stats is not None), key=lambda r: (r.group, r.load.max_concurrency or 0, r.load.request_rate, r.load.key))
+    if not rep:
+        return
+    conf = rep[0].stats.confidence if rep[0].stats else 0.95
+    t = RichTable(title=f"repeated points: median [{conf:.0%} confidence interval of the mean]", show_header=True)
+    for h in ("deployment", "load", "valid runs", "output tok/s", "TPOT p99 ms", "TTFT p99 ms", "spread gate"):
+        t.add_column(h)
+    for r in rep:
+        assert r.stats is not None
+        ci = r.stats.ci
+
+        def cell(key: str, digits: int, r: ResultRow = r, ci: dict[str, tuple[float, float]] = ci) -> str:
+            m = getattr(r.metrics, key, None) if r.metrics is not None else None
+            lo_hi = ci.get(key)
+            if m is None:
+                return "-" if lo_hi is None else f"[{lo_hi[0]:.{digits}f}, {lo_hi[1]:.{digits}f}]"
+            return f"{m:.{digits}f}" + ("" if lo_hi is None else f" [{lo_hi[0]:.{digits}f}, {lo_hi[1]:.{digits}f}]")
+
+        gate = "ok" if r.valid else f"[red]{escape(r.reason or 'invalid')}[/red]"
+        t.add_row(r.deployment, r.load.key, str(r.stats.runs), cell("output_throughput", 1), cell("p99_tpot_ms", 2), cell("p99_ttft_ms", 1), gate)
+    con.print(t)
+
+
+def searches(con: Console, found: Sequence[Searched]) -> None:
+    """Each SLA search: the capacity it found and the probes that bound it."""
+    if not found:
+        return
+    var = found[0].capacity.variable
+    t = RichTable(title=f"SLA capacity: the highest {var} that meets every SLO", show_header=True)
+    for h in ("deployment", "load (other axes)", f"capacity ({var})", "status", "bound by: passing probe", "failing probe", "probes"):
+        t.add_column(h)
+    for s in found:
+        c = s.capacity
+        at = "-" if c.capacity is None else f"{c.capacity:g}"
+        passing = "-" if c.passing is None else f"{c.passing.value:g}: {escape(c.passing.why)}"
+        failing = "-" if c.failing is None else f"{c.failing.value:g}: {escape(c.failing.why)}"
+        t.add_row(s.deployment, s.base.key, at, c.status, passing, failing, " ".join(f"{p.value:g}{'+' if p.passed else '-'}" for p in c.probes))
+    con.print(t)
+    con.print(f"tolerance {found[0].capacity.tolerance:g} (relative): the true capacity lies between the passing and the failing probe; "
+              "probes in the order run, + met the SLOs, - did not")

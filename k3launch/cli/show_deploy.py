@@ -10,7 +10,7 @@ from rich.text import Text
 
 from k3launch.deploy.base import DoctorReport, DryRun, TeardownReport
 from k3launch.models.plan import Plan
-from k3launch.models.record import DeploymentRecord, Stage, StageFn, Status
+from k3launch.models.record import DeploymentRecord, Status
 
 _ICON = {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]", "warn": "[yellow]warn[/]", "skip": "[dim]skipped[/]"}
 
@@ -31,16 +31,6 @@ def doctor(con: Console, report: DoctorReport, quiet: bool) -> None:
     for c in report.checks:
         t.add_row(c.node, c.name, _ICON.get(c.status, c.status), c.detail)
     con.print(t)
-
-
-def stage_printer(con: Console, quiet: bool) -> StageFn:
-    t0 = time.monotonic()
-
-    def emit(stage: Stage, message: str) -> None:
-        if not quiet:
-            con.print(f"[dim]{time.monotonic() - t0:7.1f}s[/] [bold]{stage:<10}[/] {message}")
-
-    return emit
 
 
 def log_block(con: Console, pid: str, tail: str) -> None:

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from k3launch.deploy.progress import ProgressFn, Tracker
 from k3launch.errors import K3Error
+from k3launch.models.phases import LogDelta
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
 from k3launch.transport import http
@@ -235,11 +237,12 @@ def no_op(*_: object) -> None:
 
 @dataclass(frozen=True)
 class Events:
-    """Where ``up`` reports progress: stages, the doctor's table, the failure (before teardown)."""
+    """Where ``up`` reports progress: stages, the doctor's table, the failure (before teardown), phases."""
 
     on_stage: StageFn = no_op
     on_doctor: Callable[[DoctorReport], None] = no_op
     on_failure: Callable[[LaunchFailed], None] = no_op
+    on_progress: ProgressFn = no_op
 
 
 @dataclass(frozen=True)
@@ -309,6 +312,7 @@ class Progress:
     endpoint: str = ""
     stage: Stage = Stage.START  # the backend's own stage while nothing serves yet
     restarted: bool = False  # started anew (Slurm: resubmitted): deadline and probes start over
+    logs: Mapping[str, LogDelta] = field(default_factory=dict)  # process id -> what its log gained since the last poll
 
 
 class Launch(Protocol):
@@ -348,8 +352,9 @@ class Launch(Protocol):
         ...
 
 
-def wait_ready(launch: Launch, deadline_s: float) -> http.Completion:
-    """Poll until the deployment serves a completion; LaunchFailed otherwise."""
+def wait_ready(launch: Launch, deadline_s: float, tracker: Tracker | None = None) -> http.Completion:
+    """Poll until the deployment serves a completion (LaunchFailed otherwise), tracking each process's phase."""
+    tracker = tracker or Tracker(launch.plan)
     t0 = time.monotonic()
     t_end: float | None = None
     ready: Readiness | None = None
@@ -360,11 +365,14 @@ def wait_ready(launch: Launch, deadline_s: float) -> http.Completion:
             t_end, ready = None, None
         if p.running and t_end is None:
             t_end = time.monotonic() + deadline_s
+            tracker.restart(time.time())  # the timeline, like the deadline, counts from when the deployment runs
+        c = None
         if p.serving is not None and t_end is not None:
             ready = ready or Readiness(p.serving, p.endpoint, launch.plan.model, launch.on_stage)
             c = ready.check(t_end)
-            if c is not None:
-                return c
+        tracker.update(p.logs, ready.healthy if ready else (), str(ready.stage() if ready else p.stage))
+        if c is not None:
+            return c
         if t_end is not None and time.monotonic() > t_end:
             missing = ready.missing if ready else [q.id for q in launch.plan.processes if q.http_port is not None]
             raise launch.not_ready(deadline_s, ready.stage() if ready else p.stage, missing)
@@ -373,15 +381,17 @@ def wait_ready(launch: Launch, deadline_s: float) -> http.Completion:
 
 
 def run_up(launch: Launch, store: StateStore, deadline_s: float, keep_on_failure: bool,
-           on_failure: Callable[[LaunchFailed], None] = no_op) -> DeploymentRecord:
-    """The ``up`` skeleton every backend shares (module docstring)."""
+           on_failure: Callable[[LaunchFailed], None] = no_op, on_progress: ProgressFn = no_op) -> DeploymentRecord:
+    """The ``up`` skeleton every backend shares (module docstring); the record keeps the bring-up's timeline."""
     rec = launch.record
+    tracker = Tracker(launch.plan, on_progress)
     try:
         launch.start()
-        wait_ready(launch, deadline_s)
+        wait_ready(launch, deadline_s, tracker)
     except (K3Error, KeyboardInterrupt) as exc:
         rec.state = "failed"
         rec.error = exc.message if isinstance(exc, K3Error) else "interrupted"
+        rec.timeline = tracker.timeline(ready=False)
         if launch.started():
             store.save(rec)
         launch.on_stage(Stage.FAILED, rec.error)  # now, not after a teardown that may take a while
@@ -395,6 +405,7 @@ def run_up(launch: Launch, store: StateStore, deadline_s: float, keep_on_failure
         raise
     rec.state = "ready"
     rec.error = None
+    rec.timeline = tracker.timeline(ready=True)
     store.save(rec)
     launch.on_stage(Stage.READY, f"{launch.plan.name} serving at {rec.endpoint}" + _job_note(rec))
     return rec

@@ -73,16 +73,17 @@ class BenchMetrics(BaseModel):
 
 
 def bench_argv(load: LoadPoint, *, base_url: str, model: str, served_name: str | None = None, seed: int = 0, range_ratio: float = 0.0,
-               warmups: int = 0, result_dir: str, result_filename: str) -> list[str]:
+               warmups: int = 0, result_dir: str, result_filename: str, percentiles: str = "50,99") -> list[str]:
     """The arguments after ``vllm bench serve`` (the same for vLLM's client and k3launch's).
 
     ``model`` names the tokenizer; ``served_name`` is what requests ask for when the engine
-    serves the model under another name (its ``--served-model-name``)."""
+    serves the model under another name (its ``--served-model-name``). The client's progress bar
+    stays on: its log is how ``bench`` shows requests done of total."""
     argv = ["--backend", "openai", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
             "--dataset-name", "random", "--random-input-len", str(load.input_len), "--random-output-len", str(load.output_len),
             "--num-prompts", str(load.num_prompts), "--request-rate", "inf" if math.isinf(load.request_rate) else f"{load.request_rate:g}",
-            "--seed", str(seed), "--ignore-eos", "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", "50,99",
-            "--save-result", "--result-dir", result_dir, "--result-filename", result_filename, "--disable-tqdm"]
+            "--seed", str(seed), "--ignore-eos", "--percentile-metrics", PERCENTILE_METRICS, "--metric-percentiles", percentiles,
+            "--save-result", "--result-dir", result_dir, "--result-filename", result_filename]
     if served_name and served_name != model:
         argv += ["--served-model-name", served_name]
     if load.max_concurrency is not None:

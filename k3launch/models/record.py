@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, model_validator
 
+from k3launch.models.phases import Timeline
 from k3launch.models.plan import Plan
 
 
@@ -104,6 +105,7 @@ class RecordBase(Record):
     unreachable: list[str] = []
     error: str | None = None
     owner: Owner | None = None  # set while the state is transient (TRANSIENT_STATES)
+    timeline: Timeline | None = None  # the bring-up, per process and phase (`k3launch timeline`); None before it ran
 
     @property
     def job(self) -> SlurmJob | None:

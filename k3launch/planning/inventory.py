@@ -24,6 +24,7 @@ from k3launch.util.bounds import MEMORY_GB
 from k3launch.util.hosts import check_host, expand_hostlist
 
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+GPU_HOUR_PRICE_MAX = 100_000.0  # per GPU and hour, in any currency (yen included): a typo like 1e9 is caught
 
 Runtime = Literal["docker", "podman", "apptainer", "bare"]
 SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "OPENAI_API_KEY"})
@@ -173,6 +174,20 @@ class SlurmSection(Strict):
         return [_one_line(x, "extra_sbatch line") for x in v]
 
 
+class GpuHourPrice(Strict):
+    """What one GPU of this inventory costs per hour: reports then show the cost per million tokens."""
+
+    amount: float = Field(gt=0, le=GPU_HOUR_PRICE_MAX, allow_inf_nan=False)
+    currency: str = "USD"
+
+    @field_validator("currency")
+    @classmethod
+    def _currency(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Z]{3}", v):
+            raise ValueError(f"gpu_hour_price.currency {v!r} is not a three-letter currency code (USD, EUR, ...)")
+        return v
+
+
 class RouterSection(Strict):
     node: str = "login"  # "login" (where k3launch runs) or an inventory node name
     address: str | None = None  # how clients reach it; default 127.0.0.1 on the login node
@@ -199,6 +214,7 @@ class Inventory(Strict):
     hf_token_file: str | None = None  # read on the login node at launch; never copied into plans
     ssh_config: str | None = None
     known_hosts: str | None = None
+    gpu_hour_price: GpuHourPrice | None = None  # {amount: 2.5, currency: USD}: for the cost per million tokens
 
     @field_validator("vllm_version")
     @classmethod

@@ -17,6 +17,8 @@ K3LAUNCH_SIM_LOAD_S                    simulated weight-loading time before read
 K3LAUNCH_SIM_TTFT_MS / _ITL_MS         time to first token / between tokens (default 20 / 2)
 K3LAUNCH_SIM_BATCH_COST                a decode step's stretch per other request of its rank (default 0)
 K3LAUNCH_SIM_GPUS                      GPUs per node (default 8)
+K3LAUNCH_SIM_IDLE_W / _WATTS_PER_SEQ   a GPU's simulated draw: idle, and per request decoded (default 100 / 15)
+K3LAUNCH_SIM_POWER_DIR                 where that draw is published (k3launch.sim.power; default /tmp/...)
 K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S      how long groups wait for members (default: the ready timeout)
 K3LAUNCH_SIM_FAIL                      a fault to simulate (below)
 K3LAUNCH_SIM_FAIL_AFTER_S              when the exit faults fire (default: half the load time)

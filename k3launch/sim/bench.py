@@ -29,6 +29,7 @@ import urllib.parse
 from collections.abc import Sequence
 from datetime import datetime
 
+from k3launch.sim.bar import Bar
 from k3launch.sim.bench_stats import DEFAULT_PERCENTILE_METRICS, METRICS, Outcome, detailed, p_word, summarize
 from k3launch.sim.pool import Pool
 from k3launch.sim.wire import Json
@@ -239,7 +240,8 @@ def _ready_check(args: argparse.Namespace, pool: Pool, path: str, payload: Json)
         time.sleep(1.0)
 
 
-def _fire(pool: Pool, path: str, payloads: list[Json], delays: list[float], limit: int | None, prefix: str) -> list[Outcome]:
+def _fire(pool: Pool, path: str, payloads: list[Json], delays: list[float], limit: int | None, prefix: str,
+          bar: Bar | None = None) -> list[Outcome]:
     """Send every request at its time; at most ``limit`` in flight (a waiting request's clock starts when it is sent)."""
     outcomes: list[Outcome | None] = [None] * len(payloads)
     sem = threading.BoundedSemaphore(limit) if limit else None
@@ -247,9 +249,11 @@ def _fire(pool: Pool, path: str, payloads: list[Json], delays: list[float], limi
     def one(i: int) -> None:
         if sem is None:
             outcomes[i] = request(pool, path, payloads[i], f"{prefix}{i}")
-            return
-        with sem:
-            outcomes[i] = request(pool, path, payloads[i], f"{prefix}{i}")
+        else:
+            with sem:
+                outcomes[i] = request(pool, path, payloads[i], f"{prefix}{i}")
+        if bar is not None:
+            bar.update()
 
     t0 = time.perf_counter()
     threads = []
@@ -287,9 +291,11 @@ def run(args: argparse.Namespace) -> Json:
             )
         print(f"Traffic request rate: {args.request_rate}\nMaximum request concurrency: {args.max_concurrency}")
         delays = _delays(len(payloads), args.request_rate, args.burstiness, random.Random(args.seed))
+        bar = Bar(len(payloads), disable=args.disable_tqdm)  # vLLM's tqdm bar on stderr: how far the run got
         t0 = time.perf_counter()
-        outcomes = _fire(pool, path, payloads, delays, args.max_concurrency, args.request_id_prefix)
+        outcomes = _fire(pool, path, payloads, delays, args.max_concurrency, args.request_id_prefix, bar)
         duration = time.perf_counter() - t0
+        bar.close()
     finally:
         pool.close()
     metrics = [m for m in (args.percentile_metrics or DEFAULT_PERCENTILE_METRICS).split(",") if m]

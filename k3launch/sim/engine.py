@@ -147,6 +147,14 @@ class Engine:
     def metrics_text(self) -> str:
         return render(self.opts.name, {r: s.metrics for r, s in self.ranks.items()})
 
+    def batch(self) -> float:
+        """Requests decoding now, on average per local rank (what the simulated GPUs' draw follows)."""
+        running = 0
+        for s in self.ranks.values():
+            with s.metrics.lock:
+                running += s.metrics.running
+        return running / len(self.ranks)
+
     def load(self) -> int:
         total = 0
         for s in self.ranks.values():

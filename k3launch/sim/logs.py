@@ -45,10 +45,14 @@ class Logger:
 
     def uvicorn(self, msg: str) -> None:
         """A line of vLLM's HTTP server (uvicorn): ``INFO:     message``, without vLLM's prefix."""
+        self.raw(f"INFO:     {msg}")
+
+    def raw(self, line: str) -> None:
+        """A line as written, without vLLM's prefix: uvicorn's, or a tqdm progress bar's."""
         with _LOCK:
             try:
                 stream = self._stream or sys.stdout
-                stream.write(f"INFO:     {msg}\n")
+                stream.write(f"{line}\n")
                 stream.flush()
             except (OSError, ValueError):
                 pass

@@ -70,6 +70,9 @@ class Knobs:
     fault: str | None  # the fault that applies to *this* process, after FAIL_PROCESS filtering
     fail_after_s: float
     process: str | None
+    idle_w: float = 100.0  # what a simulated GPU draws with nothing to decode (k3launch.sim.power)
+    per_seq_w: float = 15.0  # and what each request its rank decodes adds
+    power_dir: str | None = None  # K3LAUNCH_SIM_POWER_DIR (None: k3launch.sim.power's default)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Knobs:
@@ -93,6 +96,9 @@ class Knobs:
             fault=fault,
             fail_after_s=_num(env, "K3LAUNCH_SIM_FAIL_AFTER_S", load_s / 2),
             process=process,
+            idle_w=_num(env, "K3LAUNCH_SIM_IDLE_W", 100.0),
+            per_seq_w=_num(env, "K3LAUNCH_SIM_WATTS_PER_SEQ", 15.0),
+            power_dir=env.get("K3LAUNCH_SIM_POWER_DIR") or None,
         )
 
 

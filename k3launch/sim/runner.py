@@ -16,10 +16,12 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
+from k3launch.sim import startup
 from k3launch.sim.engine import Engine
 from k3launch.sim.logs import Logger
 from k3launch.sim.nixl import SideChannel
 from k3launch.sim.options import Knobs, ServeOptions
+from k3launch.sim.power import PowerFile, power_dir
 from k3launch.sim.rendezvous import Coordinator, Group, Member, RendezvousError
 from k3launch.sim.server import App, SimHTTPServer
 from k3launch.sim.wire import Stopped, can_bind
@@ -133,6 +135,7 @@ class SimProcess:
     def _startup(self) -> None:
         t0 = time.monotonic()
         try:
+            startup.distributed_init(self.log, self.opts)
             self._rendezvous(t0 + self.knobs.rendezvous_timeout_s)
             self._load(t0)
             side = self._side_channel()
@@ -145,8 +148,9 @@ class SimProcess:
                 o = self.opts
                 where = f"node rank {o.node_rank}" if o.multi_node_tp else f"DP ranks {o.dp_start}-{o.dp_start + o.dp_local - 1}"
                 self.log.info(f"Headless node ready ({where}); no API server on this node", src="launcher.py")
+                self._power(None)
             else:
-                self._serve(side)
+                self._power(self._serve(side))
             self.ready.set()
             if self.knobs.fault == "crash-after-ready":
                 self._timer(self.knobs.fail_after_s, self._die_running)
@@ -201,11 +205,7 @@ class SimProcess:
                       f"{len(group.expected)} {group.noun}s present", src="parallel_state.py")
 
     def _load(self, t0: float) -> None:
-        self.log.info(f"Loading weights of {self.opts.model} (simulated, {self.knobs.load_s:g} s)", src="default_loader.py")
-        if self.done.wait(max(0.0, t0 + self.knobs.load_s - time.monotonic())):
-            raise Stopped
-        self.log.info(f"Loading weights took {time.monotonic() - t0:.2f} seconds", src="default_loader.py")
-        self.log.info(f"init engine (profile, create kv cache, warmup model) took {time.monotonic() - t0:.2f} s", src="core.py")
+        startup.load(self.log, self.opts, self.knobs, self.done, t0)  # vLLM's lines for each phase
 
     def _side_channel(self) -> SideChannel | None:
         kv = self.opts.kv
@@ -229,7 +229,15 @@ class SimProcess:
         ip = self.opts.host_ip
         return ip if ip and can_bind(ip) else "0.0.0.0"
 
-    def _serve(self, side: SideChannel | None) -> None:
+    def _power(self, engine: Engine | None) -> None:
+        """Publish what this process's simulated GPUs draw (the stand-in ``nvidia-smi`` reads it)."""
+        k = self.knobs
+        pf = PowerFile(power_dir(k.power_dir), self.opts.host_ip or "-", self.opts.gpus_needed, k.idle_w, k.per_seq_w,
+                       engine.batch if engine is not None else lambda: 0.0)
+        pf.start()
+        self._closer(pf.close)
+
+    def _serve(self, side: SideChannel | None) -> Engine:
         host, port = self._bind_host(), self.opts.port
         engine = Engine(self.opts, self.knobs, self.log, side)
         try:
@@ -246,3 +254,4 @@ class SimProcess:
         self._closer(close)
         self.log.info(f"Starting vLLM server on http://{host}:{port}", src="entry.py")
         self.log.uvicorn("Application startup complete.")
+        return engine

@@ -26,7 +26,7 @@ class SlurmBackend:
     def up(self, plan: Plan, inv: Inventory, inv_path: str, store: StateStore, opts: UpOptions, events: Events) -> SlurmRecord:
         launch = SlurmLaunch(plan, inv, store, inventory=inv_path, on_stage=events.on_stage, extra_sbatch=opts.extra_sbatch,
                              queue_timeout=opts.queue_timeout, doctor=not opts.skip_doctor, use_bad_nodes=not opts.skip_doctor)
-        run_up(launch, store, ready_timeout(plan, opts.ready_timeout), opts.keep_on_failure, events.on_failure)
+        run_up(launch, store, ready_timeout(plan, opts.ready_timeout), opts.keep_on_failure, events.on_failure, events.on_progress)
         return launch.record
 
     def status(self, rec: DeploymentRecord, access: Access) -> Status:

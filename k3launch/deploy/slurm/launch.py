@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3launch.deploy.base import PEER_LOSS, LaunchFailed, Progress, TeardownReport, error_line, rank_label, ready_timeout, run_up
+from k3launch.deploy.logtail import LogCursor
+from k3launch.deploy.logtail import read_file as read_log
 from k3launch.deploy.slurm.client import NEVER_RUNS, JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import JobOutput, bad_nodes, bind_plan, parse_output, read_file, record_bad_node, tail_file
 from k3launch.deploy.slurm.ops import cancel_job
@@ -94,6 +96,7 @@ class SlurmLaunch:
     _reason: str | None = field(default=None, init=False)
     _bound: Plan | None = field(default=None, init=False)
     _t_unavailable: float | None = field(default=None, init=False)
+    _cursor: LogCursor = field(default_factory=LogCursor, init=False)  # how far each process log was read (live progress)
 
     def __post_init__(self) -> None:
         now = time.time()
@@ -140,6 +143,7 @@ class SlurmLaunch:
         self.store.save(self.record)
         self.on_stage(Stage.SUBMIT, f"job {self.slurm.job_id} submitted (script {self.slurm.script})")
         self._t_queue, self._running, self._stage, self._reason, self._bound = time.monotonic(), False, Stage.QUEUED, None, None
+        self._cursor = LogCursor()  # the new job writes its logs anew
 
     def started(self) -> bool:
         return bool(self.slurm.job_id)
@@ -197,8 +201,10 @@ class SlurmLaunch:
 
     def _progress(self) -> Progress:
         serving = self._bound is not None and self._stage in (Stage.HEALTH, Stage.COMPLETION)
+        # live progress: what each process log in the shared log directory gained since the last poll
+        logs = {p.id: read_log(Path(self.slurm.log_dir) / f"{p.id}.log", self._cursor, p.id) for p in self.plan.processes} if self._bound else {}
         return Progress(running=self._running, serving=self._bound.processes if serving and self._bound else None,
-                        endpoint=self._bound.endpoint if self._bound else "", stage=self._stage)
+                        endpoint=self._bound.endpoint if self._bound else "", stage=self._stage, logs=logs)
 
     def _pending(self, info: JobInfo) -> None:
         job = info.job_id

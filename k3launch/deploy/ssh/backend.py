@@ -62,7 +62,7 @@ class SshBackend:
                 events.on_stage(Stage.DOCTOR, f"{len(fleet.nodes())} node(s) checked")
             launch = Launch(plan, fleet, store, inventory=inv_path, hf_token_file=inv.hf_token_file, on_stage=events.on_stage,
                             ssh_config=inv.ssh_config, known_hosts=inv.known_hosts, backend="ssh" if inv.backend == "ssh" else "local")
-            run_up(launch, store, ready_timeout(plan, opts.ready_timeout), opts.keep_on_failure, events.on_failure)
+            run_up(launch, store, ready_timeout(plan, opts.ready_timeout), opts.keep_on_failure, events.on_failure, events.on_progress)
             return launch.record
         finally:
             fleet.close()

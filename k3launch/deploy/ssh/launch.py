@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3launch.deploy.base import LaunchFailed, Progress, TeardownReport, error_line, rank_label, ready_timeout, run_up
+from k3launch.deploy.logtail import LogCursor
 from k3launch.deploy.ssh.observe import Poll, poll, tail_logs
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
@@ -157,6 +158,7 @@ class Launch:
     backend: SshBackendName | None = None  # default: the plan's (local when it was planned without an inventory)
     record: SshRecord = field(init=False)
     _blamed: list[str] = field(default_factory=list, init=False)  # the processes a failure names
+    _cursor: LogCursor = field(default_factory=LogCursor, init=False)  # how far each log was read (live progress)
 
     def __post_init__(self) -> None:
         now = time.time()
@@ -205,7 +207,7 @@ class Launch:
     # ------------------------------------------------------------------ hooks of run_up
     def poll(self, stage: Stage | None) -> Progress:
         rec = self.record
-        pl = poll(rec, self.fleet)
+        pl = poll(rec, self.fleet, cursor=self._cursor)
         during = stage or Stage.ALIVE
         if pl.unreachable:
             node, why = next(iter(sorted(pl.unreachable.items())))
@@ -216,7 +218,7 @@ class Launch:
             raise self._died(rec, pl, during)
         if stage is None:
             self.on_stage(Stage.ALIVE, f"all {len(rec.processes)} processes running")
-        return Progress(running=True, serving=self.plan.processes, endpoint=self.plan.endpoint, stage=Stage.ALIVE)
+        return Progress(running=True, serving=self.plan.processes, endpoint=self.plan.endpoint, stage=Stage.ALIVE, logs=pl.logs)
 
     def poll_interval(self, elapsed_s: float) -> float:
         return POLL_S

@@ -12,8 +12,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from k3launch.deploy.base import PEER_LOSS
+from k3launch.deploy.logtail import LogCursor, cut_sections
 from k3launch.errors import K3Error
+from k3launch.models.phases import LogDelta
 from k3launch.models.record import ProcessRecord, ProcessStatus, SshRecord, Status, observed_state
+from k3launch.render import logread
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.http import probe_all
@@ -32,9 +35,17 @@ class Poll:
     unreachable: dict[str, str] = field(default_factory=dict)  # node → why
     tails: dict[str, str] = field(default_factory=dict)  # dead process id → its last log lines
     codes: dict[str, str] = field(default_factory=dict)  # dead process id → exit code ("?" unknown)
+    logs: dict[str, LogDelta] = field(default_factory=dict)  # with a cursor: process id → what its log gained
 
 
-def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30) -> Poll:
+def _log_reads(prs: list[ProcessRecord], cursor: LogCursor) -> list[str]:
+    """Live progress: what each process's log gained, in the same round trip as the liveness check."""
+    return [logread.container_log_since(p.id, p.runtime, p.handle, cursor.since.get(p.id, "")) if p.runtime in ("docker", "podman")
+            else logread.log_from(p.id, p.log, cursor.offsets.get(p.id, 0)) for p in prs if p.runtime in ("docker", "podman") or p.log]
+
+
+def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30, cursor: LogCursor | None = None) -> Poll:
+    """Liveness of every started process (and, with ``cursor``, what each log gained since the last poll)."""
     by_node: dict[str, list[ProcessRecord]] = {}
     for pr in rec.processes.values():
         if pr.handle:
@@ -47,6 +58,7 @@ def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lin
             names = [p.handle for p in prs if p.runtime == rt]
             if names:
                 parts.append(remote.containers_alive(rt, names))
+        parts += _log_reads(prs, cursor) if cursor is not None else []  # after the status lines: they are parsed first
         cmds[node] = "\n".join(parts) or "true"
     out = Poll()
     died: dict[str, float] = {}
@@ -60,9 +72,16 @@ def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lin
         if not o.ok:
             out.unreachable[node] = CommandFailed(o).message
             continue
+        stdout = o.stdout
+        if cursor is not None:
+            stdout, sections = cut_sections(o.stdout)
+            for p in by_node[node]:
+                if p.id in sections:
+                    take = cursor.take_container if p.runtime in ("docker", "podman") else cursor.take
+                    out.logs[p.id] = take(p.id, sections[p.id])
         status: dict[str, list[str]] = {}
         tails: dict[str, list[str]] = {}
-        for ln in o.stdout.splitlines():
+        for ln in stdout.splitlines():
             if ln.startswith("@@"):
                 handle, _, text = ln[2:].partition(" ")
                 tails.setdefault(handle, []).append(text)

@@ -1,0 +1,176 @@
+"""Live progress of the waits: ``up`` (each process's phase) and ``bench`` (requests done of total).
+
+On a terminal: a rich Live table, redrawn in place. Elsewhere (CI, nohup, Slurm output, a pipe):
+plain lines — one when a process changes phase, and a summary at least every
+:data:`HEARTBEAT_S` seconds — written whole: a line is never wrapped or cut at the 80 columns
+rich assumes for a file.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from k3launch.models.phases import BringUp, Phase, ProcessProgress, Timeline
+from k3launch.models.record import Stage
+
+HEARTBEAT_S = 10.0  # the longest a wait stays silent when not on a terminal
+LISTED = 8  # a summary line names each process up to this many, then counts them by phase
+
+
+def phase_text(p: ProcessProgress) -> str:
+    pct = f" {p.percent:.0f}%" if p.percent is not None and p.phase in (Phase.LOADING_WEIGHTS, Phase.COMPILING) else ""
+    return p.phase.label + pct
+
+
+def _plain(con: Console, text: str) -> None:
+    con.print(text, soft_wrap=True, markup=False, highlight=False)  # soft_wrap: never folded at the console width
+
+
+class UpView:
+    """``up``'s stages and live progress (a context manager: the Live table stops on exit)."""
+
+    def __init__(self, con: Console, quiet: bool = False, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.con = con
+        self.quiet = quiet
+        self.live_ok = con.is_terminal and not quiet
+        self.heartbeat_s = heartbeat_s
+        self.t0 = time.monotonic()  # times count from here, doctor included
+        self._live: Live | None = None
+        self._seen: dict[str, Phase] = {}
+        self._last_line = self.t0
+
+    def __enter__(self) -> UpView:
+        return self
+
+    def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop()
+
+    def _t(self) -> str:
+        return f"{time.monotonic() - self.t0:7.1f}s"
+
+    def stage(self, stage: Stage, message: str) -> None:
+        if self.quiet:
+            return
+        if stage in (Stage.READY, Stage.FAILED):
+            self._stop()  # the last table stays above; what follows (teardown, the endpoint) goes below it
+        if self._live is not None:
+            self._live.console.print(f"[dim]{self._t()}[/] [bold]{stage:<10}[/] {message}", soft_wrap=True)
+        else:
+            self.con.print(f"[dim]{self._t()}[/] [bold]{stage:<10}[/] {message}", soft_wrap=True)
+        self._last_line = time.monotonic()
+
+    def progress(self, b: BringUp) -> None:
+        if self.quiet or not b.processes:
+            return
+        if self.live_ok:
+            if self._live is None:
+                self._live = Live(table(b), console=self.con, refresh_per_second=4, transient=False)
+                self._live.start()
+            else:
+                self._live.update(table(b))
+            return
+        changed = [p for p in b.processes if self._seen.get(p.id) != p.phase]
+        for p in changed:
+            self._seen[p.id] = p.phase
+            _plain(
+                self.con, f"{self._t()} {'progress':<10} {p.id} on {p.node}: {phase_text(p)}" + (f" | {p.last_line}" if p.last_line else "")
+            )
+        if changed:
+            self._last_line = time.monotonic()
+        elif time.monotonic() - self._last_line >= self.heartbeat_s:
+            _plain(self.con, f"{self._t()} {'progress':<10} {summary(b)}")
+            self._last_line = time.monotonic()
+
+    def _stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
+def summary(b: BringUp) -> str:
+    """One line for every process: each by name when few, else counted by phase, with the laggard."""
+    procs = sorted(b.processes, key=lambda p: (p.phase.rank, p.since))
+    if len(procs) <= LISTED:
+        parts = "; ".join(f"{p.id} {phase_text(p)} {b.now - p.since:.0f}s" for p in procs)
+    else:
+        counts: dict[str, int] = {}
+        for p in procs:
+            counts[p.phase.label] = counts.get(p.phase.label, 0) + 1
+        parts = ", ".join(f"{n} {label}" for label, n in counts.items())
+    last = procs[0]  # the one furthest behind
+    tail = f" | {last.id}: {last.last_line}" if last.last_line else ""
+    return f"{b.stage}, {b.elapsed:.0f}s: {parts}{tail}"
+
+
+def table(b: BringUp) -> Table:
+    t = Table(title=f"{b.stage} · {b.elapsed:.0f}s", title_justify="left", show_header=True, header_style="bold", expand=True)
+    t.add_column("process", no_wrap=True)
+    t.add_column("node", no_wrap=True)
+    t.add_column("phase", no_wrap=True)
+    t.add_column("in phase", justify="right", no_wrap=True)
+    t.add_column("last log line", no_wrap=True, overflow="ellipsis", ratio=1)
+    for p in b.processes:
+        style = "green" if p.phase == Phase.HEALTHY else ""
+        t.add_row(p.id, p.node, Text(phase_text(p), style=style), f"{b.now - p.since:.0f}s", Text(p.last_line, style="dim"))
+    return t
+
+
+class BenchView:
+    """``bench``/``campaign run``: per load point, requests done of total, elapsed, ETA — a line when
+    the first figures come, then at least every :data:`HEARTBEAT_S` seconds, and when it is done."""
+
+    def __init__(self, con: Console, quiet: bool = False, heartbeat_s: float = HEARTBEAT_S) -> None:
+        self.con = con
+        self.quiet = quiet
+        self.heartbeat_s = heartbeat_s
+        self._last: dict[str, float] = {}
+        self._done: set[str] = set()
+
+    def __call__(self, tag: str, done: int | None, total: int, elapsed: float) -> None:
+        finished = done is not None and done >= total
+        if self.quiet or tag in self._done:
+            return
+        now = time.monotonic()
+        if tag in self._last and now - self._last[tag] < self.heartbeat_s and not finished:
+            return
+        self._last[tag] = now
+        if finished:
+            self._done.add(tag)
+        _plain(self.con, f"bench {tag}: {bench_line(done, total, elapsed)}")
+
+
+def bench_line(done: int | None, total: int, elapsed: float) -> str:
+    if done is None:
+        return f"?/{total} requests (not known until it ends), {elapsed:.0f}s elapsed"
+    eta = "done" if done >= total else f"ETA {elapsed * (total - done) / done:.0f}s" if done else "ETA ?"
+    return f"{done}/{total} requests, {elapsed:.0f}s elapsed, {eta}"
+
+
+def timeline(con: Console, name: str, tl: Timeline) -> None:
+    """``k3launch timeline NAME``: per process, each phase's start (from the bring-up's start) and length."""
+    how = "ready" if tl.ready else "failed"
+    con.print(f"[bold]{name}[/]: bring-up {how} in {tl.ended - tl.started:.1f}s", soft_wrap=True)
+    t = Table(show_header=True, header_style="bold")
+    for col, just in (("process", "left"), ("node", "left"), ("phase", "left"), ("from", "right"), ("to", "right"), ("seconds", "right")):
+        t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
+    for p in tl.processes:
+        for i, s in enumerate(p.phases):
+            t.add_row(
+                p.id if i == 0 else "",
+                p.node if i == 0 else "",
+                s.phase.label,
+                f"{s.start - tl.started:.1f}",
+                f"{s.end - tl.started:.1f}",
+                f"{s.seconds:.1f}",
+            )
+    con.print(t)
+    slow = tl.slowest()
+    if slow is not None:
+        what = f"; it waited longest for {slow.waited_for.label} ({slow.waited_s:.1f}s)" if slow.waited_for else ""
+        con.print(f"slowest: {slow.process} on {slow.node}, done {slow.seconds:.1f}s after the start{what}", soft_wrap=True, markup=False)

@@ -1,0 +1,250 @@
+"""``k3launch doctor`` and ``k3launch weights check / fetch``: the nodes, before anything starts.
+
+``doctor`` runs the pre-flight checks ``up`` runs (``--bandwidth`` adds a short all-reduce);
+``weights check`` tells per node whether the model is complete in its Hugging Face cache and how
+much disk is free; ``weights fetch`` brings it there. Each exits 0 when every node is fine, 1
+when one is not (the table or ``--json`` says which and why), 2 on a refusal.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
+from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
+from k3launch.errors import K3Error
+from k3launch.util.bounds import Bound
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from k3launch.deploy.base import Check
+    from k3launch.deploy.ssh.fetch import NodeWeights, Progress
+
+weights_app = typer.Typer(help="The model's weights on the nodes: check them, fetch them.", no_args_is_help=True)
+app.add_typer(weights_app, name="weights")
+
+BUSBW = Bound(0.0, 100_000.0, "GB/s", above=True)
+INTERVAL = Bound(0.1, 3600.0, "seconds")
+_ICON = {
+    "pass": "[green]ok[/]",
+    "fail": "[red]FAIL[/]",
+    "warn": "[yellow]warn[/]",
+    "skip": "[dim]skipped[/]",
+    "complete": "[green]complete[/]",
+    "missing": "[red]missing[/]",
+}
+
+
+def _with_inventory(args: PlanArgs) -> PlanArgs:
+    """Like ``up``: without --inventory, the embedded default (this machine)."""
+    if args.inventory_path is not None:
+        return args
+    from k3launch import api
+
+    return PlanArgs({**args.values, "inventory": api.bundled_inventory("local")})
+
+
+@app.command()
+@with_selection
+def doctor(
+    bandwidth: Annotated[
+        bool, typer.Option("--bandwidth", help="Also run a short all_reduce_perf (nccl-tests/rccl-tests) per node and across nodes.")
+    ] = False,
+    min_busbw: Annotated[
+        float | None, number_option("--min-busbw", BUSBW, "Bus bandwidth to pass --bandwidth (default: 100 in a node, 40 across nodes).")
+    ] = None,
+    state_dir: StateDir = None,
+    accept_unknown_hosts: AcceptUnknown = False,
+    connect_timeout: ConnectTimeout = 10.0,
+    json_out: JsonOut = False,
+    *,
+    args: PlanArgs,
+) -> None:
+    """Check every planned node as `up` would (GPUs, fabric, /dev/shm, memlock, clocks, weights, ports), starting nothing."""
+    STATE.json = json_out
+    from k3launch import api
+
+    try:
+        args = _with_inventory(args)
+        plan = args.build()
+        report = api.doctor(
+            plan,
+            args.inventory_path,
+            state_dir=state_dir,
+            bandwidth=bandwidth,
+            min_busbw=min_busbw,
+            accept_unknown_hosts=accept_unknown_hosts,
+            connect_timeout=connect_timeout,
+        )
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps({"name": plan.name, "ok": report.ok, "checks": [asdict(c) for c in report.checks]}, indent=2))
+    else:
+        con = console()
+        _doctor_table(con, report.checks)
+        if report.ok:
+            con.print(f"[green]all {len({c.node for c in report.checks})} node(s) pass[/]")
+        else:
+            refusal = report.error()
+            typer.echo(f"error: {refusal.message}", err=True)
+            typer.echo(f"hint: {refusal.hint}", err=True)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _table(con: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]], status: int) -> None:
+    """A rich table on a terminal (column ``status`` coloured); elsewhere (CI, nohup, a pipe) one
+    plain line per row, never wrapped or cut at the 80 columns rich assumes there."""
+    if not con.is_terminal:
+        for row in rows:
+            typer.echo("  ".join(x for x in row if x))
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    t = Table(title=title, show_header=True, header_style="bold")
+    for col in cols:
+        t.add_column(col, overflow="fold")
+    for row in rows:  # values are data, not markup ("[N/A]" stays as it is)
+        t.add_row(*(Text.from_markup(_ICON.get(x, x)) if i == status else Text(x) for i, x in enumerate(row)))
+    con.print(t)
+
+
+def _doctor_table(con: Console, checks: list[Check]) -> None:
+    rows: list[tuple[str, ...]] = [
+        (c.node, c.name, c.status, c.detail, f"hint: {c.hint}" if c.hint and c.status != "pass" else "") for c in checks
+    ]
+    _table(con, "doctor", ("node", "check", "result", "detail", "hint"), rows, status=2)
+
+
+def _rows(rows: list[NodeWeights]) -> list[dict[str, object]]:
+    out: list[dict[str, object]] = []
+    for r in rows:
+        s = r.state
+        out.append(
+            {
+                "node": r.node,
+                "model": r.where.model,
+                "revision": r.where.revision,
+                "complete": r.complete,
+                "dir": (s.dir if s else "") or r.where.repo_dir,
+                "commit": s.commit if s else "",
+                "files": s.files if s else 0,
+                "bytes": s.bytes if s else 0,
+                "free_bytes": s.free if s else None,
+                "problem": r.error or (s.problem() if s else ""),
+                "fetched": r.fetched,
+            }
+        )
+    return out
+
+
+def _weights_table(con: Console, rows: list[NodeWeights]) -> None:
+    out: list[tuple[str, ...]] = []
+    for r in rows:
+        s = r.state
+        free = f"{s.free / 1e9:,.0f} GB" if s is not None and s.free is not None else "?"
+        where = r.error or (s.problem() if s else "") or ((s.dir if s else "") or r.where.repo_dir)
+        out.append(
+            (
+                r.node,
+                f"{r.where.model}@{r.where.revision}",
+                "complete" if r.complete else "missing",
+                str(s.files if s else 0),
+                f"{(s.bytes if s else 0) / 1e9:,.1f} GB",
+                free,
+                where,
+            )
+        )
+    _table(con, "weights", ("node", "model", "state", "files", "size", "free", "where / problem"), out, status=2)
+
+
+def _finish(rows: list[NodeWeights], json_out: bool) -> None:
+    if json_out:
+        typer.echo(json.dumps({"complete": all(r.complete for r in rows), "nodes": _rows(rows)}, indent=2))
+    else:
+        _weights_table(console(), rows)
+    if not all(r.complete for r in rows):
+        if not json_out:
+            typer.echo(f"missing on {', '.join(r.node for r in rows if not r.complete)}", err=True)
+        raise typer.Exit(1)
+
+
+@weights_app.command("check")
+@with_selection
+def check(
+    accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False, *, args: PlanArgs
+) -> None:
+    """Per node: is the model (at the plan's --revision) complete in its Hugging Face cache, and how much disk is free."""
+    STATE.json = json_out
+    from k3launch import api
+
+    try:
+        args = _with_inventory(args)
+        rows = api.weights_check(
+            args.build(), args.inventory_path, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
+        )
+    except K3Error as err:
+        fail(err)
+    _finish(rows, json_out)
+
+
+def _progress_printer(json_out: bool) -> Callable[[Progress], None] | None:
+    def show(p: Progress) -> None:
+        pct = f" ({100 * p.done_bytes / p.total_bytes:.0f}%)" if p.total_bytes else ""
+        eta = ""
+        if 0 < p.done_bytes < p.total_bytes and p.elapsed_s > 0:
+            eta = f", ETA {(p.total_bytes - p.done_bytes) / (p.done_bytes / p.elapsed_s):.0f} s"
+        line = (
+            f"weights fetch: {p.nodes_done}/{p.nodes} node(s) done, {p.done_bytes / 1e9:,.2f} of ~{p.total_bytes / 1e9:,.2f} GB"
+            f"{pct}, {p.elapsed_s:.0f} s{eta}"
+        )
+        typer.echo(line, err=True)  # plain lines: never wrapped, readable in CI logs and nohup files
+
+    return None if json_out else show
+
+
+@weights_app.command("fetch")
+@with_selection
+def fetch(
+    from_path: Annotated[
+        str | None,
+        typer.Option("--from-path", help="Copy from this directory every node sees (a shared HF cache, or the model's directory)."),
+    ] = None,
+    from_node: Annotated[str | None, typer.Option("--from-node", help="Copy from this node of the plan (over the same SSH).")] = None,
+    interval: Annotated[float, number_option("--interval", INTERVAL, "Seconds between progress lines.")] = 10.0,
+    accept_unknown_hosts: AcceptUnknown = False,
+    connect_timeout: ConnectTimeout = 10.0,
+    json_out: JsonOut = False,
+    *,
+    args: PlanArgs,
+) -> None:
+    """Bring the model to every node that lacks it, in parallel: from the hub on each node (token: the inventory's hf_token_file), or copied."""
+    STATE.json = json_out
+    from k3launch import api
+
+    try:
+        args = _with_inventory(args)
+        rows = api.weights_fetch(
+            args.build(),
+            args.inventory_path,
+            from_path=from_path,
+            from_node=from_node,
+            on_progress=_progress_printer(json_out),
+            interval=interval,
+            accept_unknown_hosts=accept_unknown_hosts,
+            connect_timeout=connect_timeout,
+        )
+    except K3Error as err:
+        fail(err)
+    except KeyboardInterrupt:
+        typer.echo("interrupted: partial downloads stay in the cache (the next fetch resumes them)", err=True)
+        raise typer.Exit(130) from None
+    _finish(rows, json_out)

