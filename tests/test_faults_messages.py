@@ -419,3 +419,22 @@ def test_up_runs_with_k3launch_s_own_interpreter_and_tools_whatever_path_says(e2
     down = _k3(tmp, "down", name, env={"PATH": path})
     assert down.returncode == 0, down.stdout + down.stderr
     assert _left(rec["plan"], name) == ({}, [])
+
+
+def test_output_off_a_terminal_is_never_wrapped_at_80_columns(tmp_path: Path) -> None:
+    """A pipe (CI logs, nohup, Slurm output) gets whole lines: the messages and table rows scripts
+    grep for are never folded at rich's default 80 columns."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env["K3LAUNCH_STATE_DIR"] = str(tmp_path / "state")
+    r = subprocess.run([sys.executable, "-m", "k3launch", "down", "never-was-here-with-a-long-name"], capture_output=True, text=True,
+                       env=env, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if "is down" in ln)
+    assert len(line) > 80 and line.rstrip().endswith("this machine"), r.stdout  # one line, not folded
+    r = subprocess.run([sys.executable, "-m", "k3launch", "plan", "--strategy", "pd_cluster"], capture_output=True, text=True, env=env,
+                       timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert max(len(ln) for ln in r.stdout.splitlines()) > 80  # the plan's table keeps its rows whole

@@ -98,11 +98,9 @@ def bench(
 
 def _bench_view(quiet: bool) -> BenchView:
     """Requests done of total, elapsed and ETA of each load point, on stderr (stdout keeps the results)."""
-    from rich.console import Console
-
     from k3launch.cli.show_progress import BenchView
 
-    return BenchView(Console(stderr=True, soft_wrap=False), quiet=quiet)
+    return BenchView(console(stderr=True), quiet=quiet)
 
 
 def _sigterm(signum: int, frame: FrameType | None) -> None:

@@ -210,10 +210,21 @@ RecipesDir = Annotated[
 VllmVersion = Annotated[str, typer.Option("--vllm-version", help="vLLM flag schema to check against.")]  # the lint command's own
 
 
-def console() -> Console:
+# Off a terminal (CI logs, nohup, Slurm output, a pipe) lines are never wrapped or cut: rich's
+# default of 80 columns would split messages and table rows that scripts grep for.
+UNBOUNDED_WIDTH = 10_000
+
+
+def console(stderr: bool = False) -> Console:
+    """Rich output: the terminal's width on a terminal; off one, ``$COLUMNS`` if set, else unbounded."""
+    import os
+
     from rich.console import Console
 
-    return Console(soft_wrap=False)
+    c = Console(soft_wrap=False, stderr=stderr)
+    if c.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return c
+    return Console(soft_wrap=True, stderr=stderr, width=UNBOUNDED_WIDTH)
 
 
 def tree(recipes_dir: Path | None) -> RecipeTree:
