@@ -330,7 +330,10 @@ def doctor(plan: Plan, inventory: str | Path | Inventory | None = None, *, state
     ``bandwidth``, a short all-reduce per node and across nodes (``min_busbw`` GB/s to pass)."""
     from k3launch.deploy.ssh.bandwidth import measure
     from k3launch.deploy.ssh.doctor import doctor as run_doctor
+    from k3launch.util import bounds
 
+    if min_busbw is not None:
+        min_busbw = bounds.BUSBW.parse("min_busbw", min_busbw)
     _, nodes = _ssh_fleet(plan, inventory, "doctor", accept_unknown_hosts, connect_timeout)
     try:
         report = run_doctor(plan, nodes, [r.name for r in _store(state_dir).list()])
@@ -361,7 +364,9 @@ def weights_fetch(plan: Plan, inventory: str | Path | Inventory | None = None, *
     node (the inventory's ``hf_token_file`` as the token), or copied from ``from_path`` (a
     directory the nodes share) or ``from_node`` (over the same SSH); ``on_progress`` every ``interval`` s."""
     from k3launch.deploy.ssh.fetch import Source, fetch
+    from k3launch.util import bounds
 
+    interval = bounds.PROGRESS_INTERVAL.parse("interval", interval)
     if from_path and from_node:
         raise K3Error("bad-source", "--from-path and --from-node both given", "pick one source (neither: the hub)")
     inv, nodes = _ssh_fleet(plan, inventory, "weights fetch", accept_unknown_hosts, connect_timeout)

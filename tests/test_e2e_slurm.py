@@ -309,3 +309,51 @@ def test_a_submitit_job_drives_a_deployment_through_the_api(cluster: Cluster, st
     assert out["state"] == "ready" and out["clean"] is True and out["host"] in cluster.nodes, out
     assert str(out["endpoint"]).startswith("http://10.")
     assert_nothing_left(cluster, name)
+
+
+def test_a_slurm_bring_up_shows_its_phases_keeps_a_timeline_and_its_power_is_read_by_an_srun_step(
+        cluster: Cluster, state: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off a terminal, `up` on Slurm prints each rank's phase from the job's own log files, at
+    least every 10 s of a 12 s load; the record keeps the timeline; and a power sampler reads the
+    job's nodes through one `srun --overlap` step (a stand-in nvidia-smi reading the simulated
+    engines' draw), integrating to valid joules."""
+    from k3launch import api
+    from k3launch.campaign import power
+    from k3launch.sim import power as simpower
+
+    power_dir = tmp_path / "power"
+    inv = write_inventory(tmp_path, cluster, env={"K3LAUNCH_SIM_LOAD_S": "12", "K3LAUNCH_SIM_POWER_DIR": str(power_dir)})
+    name = f"k3e-phases-{uuid.uuid4().hex[:4]}"
+    t0 = time.monotonic()
+    up = k3(cluster, state, "up", "-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2", "--name", name, "--ready-timeout", "120",
+            timeout=240)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        print(f"up {time.monotonic() - t0:.1f}s")
+        lines = up.stdout.splitlines()
+        assert any("loading weights" in ln for ln in lines), up.stdout  # the phase the 12 s load sits in, from the job's logs
+        rec = api.record(name, state)
+        assert rec is not None and rec.timeline is not None and rec.timeline.ready
+        for p in rec.timeline.processes:
+            phases = [s.phase.value for s in p.phases]
+            assert "loading_weights" in phases and all(s.start <= s.end for s in p.phases), (p.id, phases)
+        assert rec.timeline.slowest() is not None
+
+        bindir = simpower.install(tmp_path / "bin").parent
+        for k, v in cluster.env({"PATH": f"{bindir}:{os.environ['PATH']}", "K3LAUNCH_SIM_POWER_DIR": str(power_dir)}).items():
+            monkeypatch.setenv(k, v)
+        sampler = power.sampler_for(rec)
+        assert isinstance(sampler, power.SrunSampler)
+        sampler.start()
+        start = time.time()
+        time.sleep(3)
+        end = time.time()
+        trace = sampler.stop()
+        energy = power.summarize(trace, start, end, output_tokens=100, total_tokens=200, samples_file=None)
+        print(f"srun power step: {energy.samples} readings of {energy.nodes} node(s), {energy.mean_watts} W")
+        assert energy.valid and energy.nodes == 2 and energy.joules and energy.joules > 0, energy
+        assert not [line for line in cluster.run("squeue", "-h", "-s", "-j", rec.slurm.job_id, "-o", "%j").stdout.split() if "bash" in line]
+    finally:
+        down = k3(cluster, state, "down", name, "--json")
+        assert down.returncode == 0, down.stdout + down.stderr
+    assert_nothing_left(cluster, name)

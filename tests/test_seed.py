@@ -1,6 +1,6 @@
-"""One test per concrete statement of the seed (../shared/seeds: the Chinese original 000_* and its
-English translation 001_*) about composition, capacity, floors, P/D, KV offload, features,
-Advanced and hardware.
+"""One test per concrete statement of the Kimi K3 recipe specification (the "seed": the recipe page's
+source text, whose statements docs/planning.md follows) about composition, capacity, floors, P/D,
+KV offload, features, Advanced and hardware.
 
 Expected values are derived from the seed's own text and tables (quoted in each docstring),
 never copied from k3launch's output.

@@ -116,22 +116,7 @@ def energy(
     reason = problem or coverage(by_node, nodes, start, end)
     if reason is None and window <= 0:
         reason = "the run has no duration"
-    if reason is not None:
-        return Energy(
-            source=source,
-            nodes=len(nodes),
-            gpus=gpus,
-            samples=n,
-            window_s=window,
-            joules=None,
-            mean_watts=None,
-            j_per_output_token=None,
-            j_per_total_token=None,
-            valid=False,
-            reason=reason,
-            samples_file=samples_file,
-        )
-    joules = sum(node_joules(by_node[node], start, end) for node in nodes)
+    joules = sum(node_joules(by_node[node], start, end) for node in nodes) if reason is None else None
     return Energy(
         source=source,
         nodes=len(nodes),
@@ -139,10 +124,11 @@ def energy(
         samples=n,
         window_s=window,
         joules=joules,
-        mean_watts=joules / window,
-        j_per_output_token=joules / output_tokens if output_tokens > 0 else None,
-        j_per_total_token=joules / total_tokens if total_tokens > 0 else None,
-        valid=True,
+        mean_watts=joules / window if joules is not None else None,
+        j_per_output_token=joules / output_tokens if joules is not None and output_tokens > 0 else None,
+        j_per_total_token=joules / total_tokens if joules is not None and total_tokens > 0 else None,
+        valid=reason is None,
+        reason=reason,
         samples_file=samples_file,
     )
 

@@ -1,4 +1,4 @@
-"""``k3launch bench`` and ``k3launch campaign run / report``.
+"""``k3launch bench`` and ``k3launch campaign run / report / export / import``.
 
 Exit codes: 0 success; 1 ``campaign run`` finished but some cells are invalid (each recorded
 with its reason) or a group's deployment was refused before it started (its cells not run; the

@@ -18,7 +18,7 @@ import typer
 from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
 from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
 from k3launch.errors import K3Error
-from k3launch.util.bounds import Bound
+from k3launch.util.bounds import BUSBW, PROGRESS_INTERVAL
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 weights_app = typer.Typer(help="The model's weights on the nodes: check them, fetch them.", no_args_is_help=True)
 app.add_typer(weights_app, name="weights")
 
-BUSBW = Bound(0.0, 100_000.0, "GB/s", above=True)
-INTERVAL = Bound(0.1, 3600.0, "seconds")
 _ICON = {
     "pass": "[green]ok[/]",
     "fail": "[red]FAIL[/]",
@@ -219,7 +217,7 @@ def fetch(
         typer.Option("--from-path", help="Copy from this directory every node sees (a shared HF cache, or the model's directory)."),
     ] = None,
     from_node: Annotated[str | None, typer.Option("--from-node", help="Copy from this node of the plan (over the same SSH).")] = None,
-    interval: Annotated[float, number_option("--interval", INTERVAL, "Seconds between progress lines.")] = 10.0,
+    interval: Annotated[float, number_option("--interval", PROGRESS_INTERVAL, "Seconds between progress lines.")] = 10.0,
     accept_unknown_hosts: AcceptUnknown = False,
     connect_timeout: ConnectTimeout = 10.0,
     json_out: JsonOut = False,

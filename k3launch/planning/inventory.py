@@ -211,7 +211,7 @@ class Inventory(Strict):
     nodes: list[InventoryNode] = []
     slurm: SlurmSection | None = None
     router: RouterSection = Field(default_factory=RouterSection)
-    hf_token_file: str | None = None  # read on the login node at launch; never copied into plans
+    hf_token_file: str | None = None  # a path on the nodes: the launch scripts and `weights fetch` read it there; never copied into plans
     ssh_config: str | None = None
     known_hosts: str | None = None
     gpu_hour_price: GpuHourPrice | None = None  # {amount: 2.5, currency: USD}: for the cost per million tokens

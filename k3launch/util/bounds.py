@@ -111,3 +111,5 @@ MAX_CELLS = 10_000
 MAX_DEPLOYMENTS = 1_000
 CAMPAIGN_GROUP = Bound(0, MAX_DEPLOYMENTS - 1, "", integer=True)
 ARRAY_LIMIT = Bound(1, MAX_DEPLOYMENTS, "tasks", integer=True)
+BUSBW = Bound(0.0, 100_000.0, "GB/s", above=True)  # doctor --min-busbw: an all-reduce's bus bandwidth
+PROGRESS_INTERVAL = Bound(0.1, 3600.0, "seconds")  # weights fetch --interval
