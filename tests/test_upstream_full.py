@@ -483,3 +483,16 @@ def test_the_router_takes_the_recipes_pinned_dp_size(raw: dict[str, Any]) -> Non
     assert router.argv[router.argv.index("--intra-node-data-parallel-size") + 1] == str(pinned)
     assert "--intra-node-data-parallel-size" not in next(p for p in build_plan(RecipeTree(), Selection(strategy="pd_cluster")).processes
                                                            if p.role == "router").argv
+
+
+def test_recipes_show_names_the_default_selection_plan_would_make(tmp_path: Path) -> None:
+    """`recipes show` states the default `plan --recipe ID` selects (the recipes project's rules),
+    or why the recipe is not planned -- not only the author's meta.default_hardware."""
+    from inventory_helpers import run_cli
+
+    root = str(UPSTREAM / "latest-full")
+    r = run_cli(["recipes", "--recipes-dir", root, "--json", "show", "deepseek-ai/DeepSeek-V4-Flash"], tmp_path)
+    assert r.code == 0, r.stdout + r.stderr
+    assert r.json()["default"] == {"hardware": "h200", "strategy": "single_node_tep", "nodes": 1, "variant": "default"}
+    r = run_cli(["recipes", "--recipes-dir", root, "--json", "show", "OpenMOSS-Team/MOSS-SoundEffect"], tmp_path)
+    assert r.code == 0 and r.json()["default"]["refused"] == "omni-recipe", r.stdout

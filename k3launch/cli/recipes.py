@@ -89,6 +89,8 @@ def recipes_show(ctx: typer.Context, recipe_id: Annotated[str, typer.Argument(he
     json_out = json_out or parent_json
     STATE.json = json_out
     from k3launch.cli import show_plan as show
+    from k3launch.models.selection import Selection
+    from k3launch.planning.build import build_plan
     from k3launch.planning.resolve import kv_offload_matrix
 
     try:
@@ -96,11 +98,19 @@ def recipes_show(ctx: typer.Context, recipe_id: Annotated[str, typer.Argument(he
         rid = t.resolve(recipe_id)
         rec = t.model(rid)
         taxonomy = t.taxonomy
-        kv_hw = rec.meta.default_hardware or next(iter(taxonomy.hardware_profiles))
+        # The default is what `plan --recipe ID` selects (the recipes project's rules), not only
+        # the author's meta.default_hardware; a recipe that cannot be planned says why.
+        try:
+            p = build_plan(t, Selection(recipe=rid))
+            default: dict[str, object] = {"hardware": p.hardware, "strategy": p.strategy, "nodes": p.nodes, "variant": p.variant}
+        except K3Error as err:
+            default = {"refused": err.code, "message": err.message}
+        kv_hw = str(default.get("hardware") or rec.meta.default_hardware or next(iter(taxonomy.hardware_profiles)))
         kv = kv_offload_matrix(t, rec, kv_hw)
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"id": rid, "recipe": rec.model_dump(mode="json"), "kv_offload_support": {kv_hw: kv}}, indent=2))
+        typer.echo(json.dumps({"id": rid, "default": default, "recipe": rec.model_dump(mode="json"), "kv_offload_support": {kv_hw: kv}},
+                              indent=2))
     else:
-        show.recipe_detail(console(), rid, rec, taxonomy, kv, kv_hw)
+        show.recipe_detail(console(), rid, rec, taxonomy, kv, kv_hw, default)

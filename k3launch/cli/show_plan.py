@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 
 from rich.console import Console, Group
 from rich.panel import Panel
@@ -109,13 +110,17 @@ def recipes_list(console: Console, rows: list[tuple[str, str, str]], taxonomy: T
     console.print("strategies: " + ", ".join(strategies))
 
 
-def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, kv: dict[str, dict[str, bool]], kv_hw: str) -> None:
+def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, kv: dict[str, dict[str, bool]], kv_hw: str,
+                  default: Mapping[str, object]) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
     head.add_row("model", rec.model.model_id)
     head.add_row("parameters", f"{rec.model.parameter_count or '?'} ({rec.model.architecture})")
-    head.add_row("default", f"hardware {rec.meta.default_hardware or '-'}, strategy {rec.default_strategy or '-'}")
+    if "refused" in default:
+        head.add_row("default", f"not planned ({default['refused']}): {default['message']}")
+    else:
+        head.add_row("default", f"{default['variant']} on {default['nodes']} x {default['hardware']}, {default['strategy']}")
     head.add_row("strategies", ", ".join(rec.compatible_strategies) or "any")
     head.add_row("floors (GPUs)", ", ".join(f"{k} {v}" for k, v in rec.strategy_min_gpus.items()) or "-")
     head.add_row("variants", ", ".join(f"{k} ({v.precision or '?'}, {v.vram_minimum_gb or '?'} GB)" for k, v in rec.variants.items()))
