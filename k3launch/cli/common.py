@@ -323,6 +323,15 @@ class PlanArgs:
         p: Path | None = self.values["inventory"]
         return p
 
+    def or_local(self) -> PlanArgs:
+        """These arguments, with the embedded default inventory (this machine) when none was given:
+        what the commands that run something (`up`, `doctor`, `weights`) use."""
+        if self.inventory_path is not None:
+            return self
+        from k3launch import api
+
+        return PlanArgs({**self.values, "inventory": api.bundled_inventory("local")})
+
 
 def with_selection(fn: Callable[..., None]) -> Callable[..., None]:
     """Add the selection options to a command; the command receives ``args: PlanArgs``."""

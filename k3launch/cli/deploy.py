@@ -52,7 +52,7 @@ def up(
     con = console()
     try:
         if args.inventory_path is None:
-            args = PlanArgs({**args.values, "inventory": api.bundled_inventory("local")})
+            args = args.or_local()
             if not json_out:
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
         plan = args.build()

@@ -39,15 +39,6 @@ _ICON = {
 }
 
 
-def _with_inventory(args: PlanArgs) -> PlanArgs:
-    """Like ``up``: without --inventory, the embedded default (this machine)."""
-    if args.inventory_path is not None:
-        return args
-    from k3launch import api
-
-    return PlanArgs({**args.values, "inventory": api.bundled_inventory("local")})
-
-
 @app.command()
 @with_selection
 def doctor(
@@ -69,7 +60,7 @@ def doctor(
     from k3launch import api
 
     try:
-        args = _with_inventory(args)
+        args = args.or_local()
         plan = args.build()
         report = api.doctor(
             plan,
@@ -185,7 +176,7 @@ def check(
     from k3launch import api
 
     try:
-        args = _with_inventory(args)
+        args = args.or_local()
         rows = api.weights_check(
             args.build(), args.inventory_path, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
         )
@@ -229,7 +220,7 @@ def fetch(
     from k3launch import api
 
     try:
-        args = _with_inventory(args)
+        args = args.or_local()
         rows = api.weights_fetch(
             args.build(),
             args.inventory_path,
