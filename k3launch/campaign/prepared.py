@@ -23,12 +23,10 @@ from k3launch.campaign.matrix import (
     DeploymentSpec,
     Group,
     cell_id,
-    deployment_specs,
     expand,
     group,
     invalid_reason,
     label,
-    load_points,
     plan_hash,
     varying_axes,
     workload_key,
@@ -235,7 +233,7 @@ def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
             refused[key] = exc
     hashes = {k: plan_hash(p) for k, p in plans.items()}
     specs = list({cell.spec.key: cell.spec for cell in cells}.values())
-    full = len(deployment_specs(c)) * len(load_points(c))
+    full = c.deployment_points() * c.load_points()  # counted, not built again
     workload = workload_key(c.bench.seed, c.bench.random_range_ratio)
     return Prepared(
         c,

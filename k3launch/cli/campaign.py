@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, app, console, fail, number_option, port_base_option
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, app, console, fail, number_option, port_base_option
 from k3launch.errors import K3Error
 from k3launch.util import bounds
 
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from k3launch.campaign.results import ResultRow
     from k3launch.cli.show_progress import BenchView
 
-INTERRUPTED = 130
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
 Client = Annotated[str | None, typer.Option("--client", help="auto, local (k3launch's client here) or engine (`vllm bench serve` in the head container).")]
 CampaignFile = Annotated[Path, typer.Argument(help="Campaign YAML, or the name of a bundled one (local-demo).")]

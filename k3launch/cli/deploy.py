@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
 from k3launch.errors import K3Error
 from k3launch.util import bounds
 
@@ -24,7 +24,6 @@ StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment r
 AcceptUnknown = Annotated[bool, typer.Option("--accept-unknown-hosts", help="Accept (and remember) SSH host keys not in known_hosts. Off by default.")]
 ConnectTimeout = Annotated[float, number_option("--connect-timeout", bounds.CONNECT_TIMEOUT,
                                                 "Seconds to wait for a node's SSH connection (ssh_config ConnectTimeout wins).")]
-INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 
 
 @app.command()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
 from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
 from k3launch.errors import K3Error
 from k3launch.util.bounds import BUSBW, PROGRESS_INTERVAL
@@ -235,5 +235,5 @@ def fetch(
         fail(err)
     except KeyboardInterrupt:
         typer.echo("interrupted: partial downloads stay in the cache (the next fetch resumes them)", err=True)
-        raise typer.Exit(130) from None
+        raise typer.Exit(INTERRUPTED) from None
     _finish(rows, json_out)

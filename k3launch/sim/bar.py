@@ -15,7 +15,7 @@ from typing import TextIO
 MIN_INTERVAL_S = 0.5
 
 
-def _clock(s: float) -> str:
+def clock(s: float) -> str:
     s = int(s)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60:02d}:{s % 60:02d}"
 
@@ -24,8 +24,8 @@ def render(n: int, total: int, elapsed: float) -> str:
     frac = n / total if total else 1.0
     bar = "#" * int(frac * 10)
     rate = n / elapsed if elapsed > 0 else 0.0
-    left = _clock((total - n) / rate) if rate > 0 else "?"
-    return f"{frac * 100:3.0f}%|{bar:<10}| {n}/{total} [{_clock(elapsed)}<{left}, {rate:5.2f}it/s]"
+    left = clock((total - n) / rate) if rate > 0 else "?"
+    return f"{frac * 100:3.0f}%|{bar:<10}| {n}/{total} [{clock(elapsed)}<{left}, {rate:5.2f}it/s]"
 
 
 class Bar:

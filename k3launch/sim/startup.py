@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+from k3launch.sim.bar import clock
 from k3launch.sim.logs import Logger
 from k3launch.sim.options import Knobs, ServeOptions
 from k3launch.sim.wire import Stopped
@@ -35,11 +36,7 @@ def _bar(desc: str, n: int, total: int, elapsed: float) -> str:
     """vLLM's bar format for checkpoint shards (it ends each update with a newline)."""
     rate = f"{n / elapsed:.2f}it/s" if elapsed > 0 and n else "?it/s"
     left = (total - n) * elapsed / n if n else 0.0
-    return f"{desc}: {100 * n / total:3.0f}% Completed | {n}/{total} [{_clock(elapsed)}<{_clock(left) if n else '?'}, {rate}]"
-
-
-def _clock(s: float) -> str:
-    return f"{int(s) // 60:02d}:{int(s) % 60:02d}"
+    return f"{desc}: {100 * n / total:3.0f}% Completed | {n}/{total} [{clock(elapsed)}<{clock(left) if n else '?'}, {rate}]"
 
 
 def load(log: Logger, o: ServeOptions, k: Knobs, done: threading.Event, t0: float) -> None:
