@@ -230,8 +230,8 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
     grace = bounds.GRACE.parse("grace", grace)
     access = _access(accept_unknown_hosts, connect_timeout)
     with store.lock(name):
-        if store.readable(name):
-            rec = store.load(name)
+        rec = store.try_load(name)
+        if rec is not None:
             report = backend(rec.backend).down(rec, store, grace, access)
             if report.clean:
                 store.delete(name)

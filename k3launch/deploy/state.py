@@ -103,13 +103,12 @@ class StateStore:
         except OSError as exc:
             raise io_error(exc, p, "read") from None
 
-    def readable(self, name: str) -> bool:
-        """Whether ``name``'s record exists and parses (``load`` would not raise bad-state)."""
+    def try_load(self, name: str) -> DeploymentRecord | None:
+        """``name``'s record, or None when it is missing or unreadable (no error)."""
         try:
-            self._parse(self.path(name).read_bytes())
+            return self._parse(self.path(name).read_bytes())
         except (ValidationError, ValueError, OSError):
-            return False
-        return True
+            return None
 
     def set_aside(self, name: str) -> Path:
         """Rename an unreadable record ``NAME.json.corrupt-<time>`` (never deleted: it may be evidence)."""

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from k3launch.errors import K3Error
-from k3launch.models.recipe import AdvancedPreset, Env, HardwareOverride, HardwareProfile, Recipe, Strategy
+from k3launch.models.recipe import AdvancedPreset, Env, HardwareProfile, Recipe, Strategy
 from k3launch.models.selection import Pool, Resolved
 from k3launch.planning import rules
 from k3launch.planning.compose import Locked, Source
@@ -58,10 +58,6 @@ RESERVED: dict[str, str] = {
 
 def _env(env: Env) -> tuple[tuple[str, str], ...]:
     return tuple((k, str(v)) for k, v in env.items())
-
-
-def _hw_block(blocks: Mapping[str, HardwareOverride], hw: HardwareProfile) -> tuple[str, HardwareOverride] | None:
-    return rules.generation_block(blocks, hw)
 
 
 # Flags k3launch's placement writes for the layout (its ports and bind address are planned apart).
@@ -141,13 +137,13 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
     replacing = None
     for blocks, where in ((role_ov.hardware_overrides if role_ov else {}, f"strategy_overrides.{sname}.{role}"),
                           (ov.hardware_overrides if ov else {}, f"strategy_overrides.{sname}")):
-        found = _hw_block(blocks, hw)
+        found = rules.generation_block(blocks, hw)
         if found is not None and replacing is None:
             replacing = (f"{where}.hardware_overrides.{found[0]}", found[1])
     if replacing is not None:
         post.append(Source("hardware", f"{rf} {replacing[0]}", tuple(replacing[1].extra_args), _env(replacing[1].extra_env)))
     else:
-        found = _hw_block(rec.hardware_overrides, hw)
+        found = rules.generation_block(rec.hardware_overrides, hw)
         if found is not None:
             post.append(Source("hardware", f"{rf} hardware_overrides.{found[0]}", tuple(found[1].extra_args), _env(found[1].extra_env)))
         vfound = rules.generation_block(v.hardware_overrides, hw)

@@ -99,16 +99,12 @@ def _recipes_listing(tree: RecipeTree, hw: str) -> list[str]:
     return out
 
 
-def _strategy_allowed(recipe: Recipe, name: str, hw_id: str, hw: HardwareProfile) -> bool:
-    return rules.strategy_offered(recipe, name, hw_id, hw)
-
-
 def _get_strategy(tree: RecipeTree, recipe: Recipe, name: str, hw_id: str, hw: HardwareProfile) -> Strategy:
     strategies = tree.strategies
     if name not in strategies:
         raise _unknown("strategy", name, sorted(strategies))
-    if not _strategy_allowed(recipe, name, hw_id, hw):
-        ok = [s for s in strategies if _strategy_allowed(recipe, s, hw_id, hw)]
+    if not rules.strategy_offered(recipe, name, hw_id, hw):
+        ok = [s for s in strategies if rules.strategy_offered(recipe, s, hw_id, hw)]
         raise K3Error("incompatible-strategy", f"{recipe.meta.title} does not support {name} on {hw_id}", "choose one of: " + ", ".join(ok))
     return strategies[name]
 

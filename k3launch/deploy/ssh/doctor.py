@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from k3launch.deploy.base import Check, DoctorReport
 from k3launch.deploy.ssh import preflight
 from k3launch.deploy.ssh import weights as model_weights
+from k3launch.deploy.ssh.gpus import FAIL, PASS, SKIP, WARN
 from k3launch.deploy.ssh.launch import router_install_hint, run_host, tools_dir
 from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan
@@ -47,7 +48,6 @@ from k3launch.render import snippets as remote
 from k3launch.render.scripts import Raw, home_path
 from k3launch.transport.fleet import Fleet
 
-PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
 PROBE_TIMEOUT_S = 60.0
 VERSION_TIMEOUT_S = 120  # one `vllm --version` (a bare runtime: ~7 s; a container adds its start)
 _VERSION = re.compile(r"v?(\d+\.\d+[0-9A-Za-z.+_-]*)")
@@ -90,50 +90,46 @@ def _bare_vllm(venv: str | None) -> tuple[str, str]:
     )
 
 
-def _section(name: str, body: str) -> str:
-    return f"echo '@@{name}'\n{body}\n"
-
-
 def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
-    parts = [_section("listening", remote.LISTENING), _section("procs", remote.find_any_deployment())]
+    parts = [preflight.section("listening", remote.LISTENING), preflight.section("procs", remote.find_any_deployment())]
     ports = [u.port for u in plan.ports if u.node == host.name]
     if ports:  # who holds a planned port that is taken: the hint names it
-        parts.append(_section("holders", remote.port_holders(ports)))
+        parts.append(preflight.section("holders", remote.port_holders(ports)))
     if router_only:
-        parts.append(_section("runtime", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing"))
+        parts.append(preflight.section("runtime", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing"))
         return "".join(parts)
     rt = host.runtime
     if rt in ("docker", "podman", "apptainer"):
         q = shlex.quote(rt)
         check = f"command -v {q} >/dev/null 2>&1 && echo ok || echo missing"
-        parts.append(_section("runtime", check))
+        parts.append(preflight.section("runtime", check))
         image = next((p.image for p in plan.processes if p.node == host.name and p.image), None)
         if image and rt in ("docker", "podman"):
-            parts.append(_section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
+            parts.append(preflight.section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
             if plan.engine == "vllm":  # only an image that is there: never pull from here
                 run = f"{q} run --rm --entrypoint vllm {shlex.quote(image)} --version"
                 parts.append(
-                    _section(
+                    preflight.section(
                         "version", f"if {q} image inspect {shlex.quote(image)} >/dev/null 2>&1; then {_bounded(run, VERSION_TIMEOUT_S)}; fi"
                     )
                 )
             # -a: a stopped leftover still holds its name; podman's ps has no .Label method
             label = '{{index .Labels "k3launch.deployment"}}' if rt == "podman" else '{{.Label "k3launch.deployment"}}'
             parts.append(
-                _section("containers", f"{q} ps -a --filter label=k3launch.deployment --format {shlex.quote(label)} 2>/dev/null || true")
+                preflight.section("containers", f"{q} ps -a --filter label=k3launch.deployment --format {shlex.quote(label)} 2>/dev/null || true")
             )
     elif plan.engine == "sim":
         py = shlex.quote(host.python or "python3")
         # from /, like the engine from its run directory: not k3launch found in the caller's cwd
-        parts.append(_section("runtime", f"(cd / && {py} -c 'import k3launch.sim') >/dev/null 2>&1 && echo ok || echo missing"))
+        parts.append(preflight.section("runtime", f"(cd / && {py} -c 'import k3launch.sim') >/dev/null 2>&1 && echo ok || echo missing"))
     else:
         found, version = _bare_vllm(host.venv)
-        parts.append(_section("runtime", found))
-        parts.append(_section("version", version))
-    parts.append(_section("shm", remote.shm_files()))
+        parts.append(preflight.section("runtime", found))
+        parts.append(preflight.section("version", version))
+    parts.append(preflight.section("shm", remote.shm_files()))
     parts.append(preflight.probe(plan, host))
     if not model_weights.wanted(plan, host.name):
-        parts.append(_section("weights", model_weights.check_command(host, model_weights.where(plan, host))))
+        parts.append(preflight.section("weights", model_weights.check_command(host, model_weights.where(plan, host))))
     return "".join(parts)
 
 
@@ -309,7 +305,7 @@ def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorR
         scripts[name] = node_path(plan, fleet, name) + preflight.clock_section(plan, hosts[name])
         scripts[name] += _probe_script(plan, hosts[name], router_only=name in router_nodes and name not in engine_nodes)
         if name in router_nodes and name in engine_nodes:
-            scripts[name] += _section("router", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing")
+            scripts[name] += preflight.section("router", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing")
     checks: list[Check] = []
     versions = plan.engine == "vllm"  # a `vllm --version` in the probe: allow for it
     timeout = PROBE_TIMEOUT_S + (VERSION_TIMEOUT_S + 30 if versions else 0)

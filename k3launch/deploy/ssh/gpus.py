@@ -11,7 +11,7 @@ from k3launch.deploy.base import Check
 from k3launch.deploy.ssh import fabric
 from k3launch.models.plan import Plan
 
-PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
+PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"  # a check's status (doctor, preflight)
 GPU_MEMORY_SLACK = 0.9  # tools report usable memory, a little under the marketing figure
 QUERY_GPU = (
     "nvidia-smi --query-gpu=index,name,memory.total,uuid,persistence_mode,ecc.errors.uncorrected.volatile.total "

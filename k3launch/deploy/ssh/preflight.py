@@ -27,10 +27,9 @@ from dataclasses import dataclass
 
 from k3launch.deploy.base import Check
 from k3launch.deploy.ssh import fabric
-from k3launch.deploy.ssh.gpus import QUERY_APPS, QUERY_GPU, gpu_checks
+from k3launch.deploy.ssh.gpus import FAIL, PASS, QUERY_APPS, QUERY_GPU, SKIP, WARN, gpu_checks
 from k3launch.models.plan import Host, Plan
 
-PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"
 FABRIC_FLAGS = ("--nnodes", "--data-parallel-address", "--kv-transfer-config")
 SHM_FLOOR = 1 << 30  # below 1 GiB (docker's default is 64 MB) NCCL and vLLM's shared-memory queues fail
 CLOCK_SKEW_S = 1.0  # more than this between nodes and their logs, timelines and TLS/Kerberos tickets disagree
@@ -58,7 +57,7 @@ def scope(plan: Plan, node: str) -> Scope:
     return Scope(gpu, fab)
 
 
-def _section(name: str, body: str) -> str:
+def section(name: str, body: str) -> str:
     return f"echo '@@{name}'\n{body}\n"
 
 
@@ -73,16 +72,16 @@ def probe(plan: Plan, host: Host) -> str:
     if not sc.gpu:
         if plan.platform == "rocm":
             parts += [
-                _section("gpuinfo", _tool("rocm-smi", "rocm-smi --showproductname --showmeminfo vram --json")),
-                _section("gpuprocs", _tool("rocm-smi", "rocm-smi --showpids")),
+                section("gpuinfo", _tool("rocm-smi", "rocm-smi --showproductname --showmeminfo vram --json")),
+                section("gpuprocs", _tool("rocm-smi", "rocm-smi --showpids")),
             ]
         else:
-            parts += [_section("gpuinfo", _tool("nvidia-smi", QUERY_GPU)), _section("gpuprocs", _tool("nvidia-smi", QUERY_APPS))]
+            parts += [section("gpuinfo", _tool("nvidia-smi", QUERY_GPU)), section("gpuprocs", _tool("nvidia-smi", QUERY_APPS))]
     if plan.engine != "sim":
-        parts.append(_section("shmsize", "df -Pk /dev/shm 2>&1"))
+        parts.append(section("shmsize", "df -Pk /dev/shm 2>&1"))
     if sc.rdma:
         parts.append(
-            _section(
+            section(
                 "hcas",
                 "if command -v ibstat >/dev/null 2>&1; then echo 'tool ibstat'; ibstat 2>&1; "
                 "elif command -v ibv_devinfo >/dev/null 2>&1; then echo 'tool ibv_devinfo'; ibv_devinfo 2>&1; "
@@ -90,15 +89,15 @@ def probe(plan: Plan, host: Host) -> str:
             )
         )
         parts.append(
-            _section(
+            section(
                 "lsmod", "if command -v lsmod >/dev/null 2>&1; then lsmod; else echo 'Module Size Used by'; cat /proc/modules; fi 2>&1"
             )
         )
-        parts.append(_section("memlock", "ulimit -l"))
+        parts.append(section("memlock", "ulimit -l"))
     if sc.fabric and host.iface:
         q = shlex.quote(host.iface)
         parts.append(
-            _section(
+            section(
                 "nic",
                 f"if command -v ip >/dev/null 2>&1; then echo 'tool ip'; ip -o link show dev {q} 2>&1; "
                 f"echo '@@nicaddr'; ip -o addr show dev {q} 2>&1; "
@@ -110,7 +109,7 @@ def probe(plan: Plan, host: Host) -> str:
 
 def clock_section(plan: Plan, host: Host) -> str:
     """The node's clock, first in its probe (compared with this machine's around the round trip)."""
-    return _section("clock", "date +%s.%N") if plan.engine != "sim" and scope(plan, host.name).fabric else ""
+    return section("clock", "date +%s.%N") if plan.engine != "sim" and scope(plan, host.name).fabric else ""
 
 
 def judge(plan: Plan, host: Host, sec: Mapping[str, list[str]], gpus_expected: int) -> list[Check]:
