@@ -77,24 +77,45 @@ def _stop_containers(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: floa
 def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, report: TeardownReport) -> None:
     node_of = {p.id: p.node for p in rec.plan.processes}
     _stop_containers(rec, fleet, ids, grace_s, report)
-    nodes = sorted({node_of[i] for i in ids})
-    signalled: dict[str, set[str]] = {n: set() for n in nodes}
+    # On a shared machine (local backend) every "node" sees every process: act only on this phase's process ids.
+    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report)
+    report.stopped += ids
+
+
+def _signal_until_gone(fleet: Fleet, name: str, ids: list[str] | None, nodes: list[str], grace_s: float,
+                       report: TeardownReport) -> dict[str, dict[str, str]]:
+    """SIGTERM to each process group of ``name`` found on ``nodes`` (only process ids ``ids``;
+    None: all), once per pid; SIGKILL every round after ``grace_s``, until none is found or the
+    kill wait is over (what is left is reported by the verification). Node -> {pid: process id}
+    of everything found, in the order first seen."""
+    found_all: dict[str, dict[str, str]] = {n: {} for n in nodes}
     t_term = time.monotonic() + grace_s
-    t_give_up = t_term + KILL_WAIT_S
     while nodes:
         now = time.monotonic()
         sig = "KILL" if now > t_term else "TERM"
-        # On a shared machine (local backend) every "node" sees every process: act only on
-        # this phase's process ids. SIGTERM goes once to each pid; SIGKILL every round.
-        cmds = {n: remote.find_and_signal(rec.name, ids, sig, signalled[n] if sig == "TERM" else ()) for n in nodes}
+        cmds = {n: remote.find_and_signal(name, ids, sig, found_all[n] if sig == "TERM" else ()) for n in nodes}
         found = {n: _pairs(text) for n, text in _run(fleet, cmds, report).items()}
         for n, items in found.items():
-            signalled[n].update(pid for pid, _ in items)
+            for pid, proc in items:
+                found_all[n].setdefault(pid, proc)
         nodes = sorted(n for n, items in found.items() if items)
-        if not nodes or now > t_give_up:
-            break  # what is left is reported by verify
+        if not nodes or now > t_term + KILL_WAIT_S:
+            break
         time.sleep(0.1 if sig == "TERM" else 0.25)
-    report.stopped += ids
+    return found_all
+
+
+def _sections(text: str) -> dict[str, list[str]]:
+    """A probe's output split at its ``@@name`` lines: name -> its non-empty lines."""
+    sec: dict[str, list[str]] = {}
+    cur = ""
+    for line in text.splitlines():
+        if line.startswith("@@"):
+            cur = line[2:]
+            sec.setdefault(cur, [])
+        elif line.strip():
+            sec.setdefault(cur, []).append(line.strip())
+    return sec
 
 
 def _verify_script(rec: SshRecord, node_runtimes: Iterable[str], ports: Iterable[int] = ()) -> str:
@@ -126,14 +147,7 @@ def verify(rec: SshRecord, fleet: Fleet, report: TeardownReport) -> None:
     ours = {pr.handle for pr in rec.processes.values() if pr.runtime not in ("docker", "podman") and pr.handle}
     sessions = set(ours)  # the recorded pids lead their sessions (started with setsid)
     for node, text in _run(fleet, cmds, report).items():
-        sec: dict[str, list[str]] = {}
-        cur = ""
-        for line in text.splitlines():
-            if line.startswith("@@"):
-                cur = line[2:]
-                sec.setdefault(cur, [])
-            elif line.strip():
-                sec.setdefault(cur, []).append(line.strip())
+        sec = _sections(text)
         found = _pairs("\n".join(sec.get("procs", [])))
         ours.update(pid for pid, _ in found)
         left = [f"pid {pid} ({proc})" for pid, proc in found]
@@ -204,29 +218,17 @@ def sweep(name: str, fleet: Fleet, what: str, grace_s: float = DEFAULT_GRACE_S) 
     if cmds:
         _run(fleet, cmds, report, timeout=grace_s + 60)
         report.stopped += [f"container {c} on {n}" for n, text in listed.items() for c in text.split()]
-    signalled: dict[str, set[str]] = {n: set() for n in nodes}
-    t_term = time.monotonic() + grace_s
-    todo = nodes
-    while todo:
-        now = time.monotonic()
-        sig = "KILL" if now > t_term else "TERM"
-        found = {n: _pairs(text) for n, text in _run(fleet, {n: remote.find_and_signal(name, None, sig, signalled[n] if sig == "TERM" else ())
-                                                              for n in todo}, report).items()}
-        for n, items in found.items():
-            report.stopped += [f"{proc or 'pid ' + pid} on {n}" for pid, proc in items if pid not in signalled[n]]
-            signalled[n].update(pid for pid, _ in items)
-        todo = sorted(n for n, items in found.items() if items)
-        if not todo or now > t_term + KILL_WAIT_S:
-            break
-        time.sleep(0.1 if sig == "TERM" else 0.25)
+    found = _signal_until_gone(fleet, name, None, nodes, grace_s, report)
+    report.stopped += [f"{proc or 'pid ' + pid} on {n}" for n, procs in found.items() for pid, proc in procs.items()]
 
     def check() -> TeardownReport:
         report.leftovers.clear()
         scripts = {n: "\n".join([f"echo @@procs\n{remote.find_processes(name)}\necho @@containers",
                                  *(remote.labelled_containers(rt, name) for rt in runtimes[n])]) for n in nodes}
         for n, text in _run(fleet, scripts, report).items():
-            procs, _, containers = text.partition("@@procs\n")[2].partition("@@containers\n")
-            left = [f"pid {pid} ({proc})" for pid, proc in _pairs(procs)] + [f"container {c}" for c in containers.split()]
+            sec = _sections(text)
+            left = [f"pid {pid} ({proc})" for pid, proc in _pairs("\n".join(sec.get("procs", [])))]
+            left += [f"container {c}" for c in sec.get("containers", [])]
             if left:
                 report.leftovers[n] = left
         return report
