@@ -393,8 +393,9 @@ def test_down_interrupted_at_any_moment_is_finished_by_the_next_down(tmp_path: P
         p.send_signal(sig)
         out, err = p.communicate(timeout=60)
         assert "Traceback" not in out + err, err
-        assert p.returncode in (0, 130, -signal.SIGKILL), (p.returncode, out, err)
-        if p.returncode == 130:
+        # -SIGINT: Python re-raised the signal on its way out after printing the line; the shell shows 130 either way
+        assert p.returncode in (0, 130, -signal.SIGINT, -signal.SIGKILL), (p.returncode, out, err)
+        if p.returncode in (130, -signal.SIGINT):
             assert err.strip().splitlines()[-1].startswith("error: interrupted") or "interrupted" in err, err
         again = _cli(state, "down", name, "--grace", "2", "--json")
         assert again.returncode == 0 and json.loads(again.stdout)["clean"], again.stdout + again.stderr

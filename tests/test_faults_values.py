@@ -496,7 +496,8 @@ def test_ctrl_c_at_any_moment_of_up_is_one_line_and_leaves_nothing(after_s: floa
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
-    assert p is not None and p.returncode == 130, (p.returncode, out, err)
+    # -SIGINT: Python re-raised the signal on its way out after printing the line; the shell shows 130 either way
+    assert p is not None and p.returncode in (130, -2), (p.returncode, out, err)
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err, err
     last = [line for line in err.splitlines() if line.strip()]
     assert last and last[-1].startswith("interrupted"), err
