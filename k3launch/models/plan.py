@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model
 Role = Literal["serve", "prefill", "decode", "router"]
 EngineRole = Literal["serve", "prefill", "decode"]  # a pool's role: what its engines do
 Parallelism = Literal["tp", "tep", "dep", "tp_pp", "tp_dp", "replicas"]  # replicas: independent engines, one per node  # how a pool lays out its GPUs
-PlanBackend = Literal["none", "ssh", "slurm", "local"]  # "none": planned without an inventory
+PlanBackend = str  # a registered backend (k3launch.models.backends), or "none": planned without an inventory
 Engine = Literal["vllm", "sim"]
 Platform = Literal["cuda", "rocm", "cpu"]  # cpu: vLLM's CPU backend, no GPU devices
 Runtime = Literal["docker", "podman", "apptainer", "bare"]

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from k3launch.errors import K3Error
+from k3launch.models.backends import spec
 from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry, Role
 from k3launch.models.recipe import KvOffloadOption
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
@@ -154,9 +155,10 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
                                       gpu_memory_gb=memory, weights_gb=r.weights_gb,
                                       fits=memory >= r.weights_gb, tp=tp, dp=dp, pp=pp))
     r.pools = pools  # a recipe-sized one-node pool replaced the resolved one: the router and the totals read these
-    # On Slurm the router runs inside the allocation, on the first engine node (the login node
-    # cannot be assumed to reach compute nodes' ports, nor to outlive a job array task).
-    rnode = placed[0] if inventory is not None and inventory.backend == "slurm" else router_node(inventory, exclude)
+    # The backend says where the router lives: the inventory's router.node, or (a scheduler's
+    # allocation) the first engine node, since the login node may not reach compute nodes' ports.
+    home = spec(inventory.backend).router_home if inventory is not None else "inventory"
+    rnode = placed[0] if home == "allocation" else router_node(inventory, exclude)
     router_port = inventory.router.port if inventory is not None and inventory.router.port else None
     router = router_process(r, procs, notices, rnode, ports, router_port)
     if router is not None:

@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from k3launch.errors import K3Error
+from k3launch.models.backends import names as backend_names
+from k3launch.models.backends import spec as backend_spec
 from k3launch.models.recipe import Strict
 from k3launch.planning.recipes import load_yaml_model
 from k3launch.util.bounds import MEMORY_GB
@@ -201,7 +203,7 @@ class RouterSection(Strict):
 
 class Inventory(Strict):
     name: str
-    backend: Literal["ssh", "slurm", "local"]
+    backend: str  # a registered backend (k3launch.models.backends): ssh, local, slurm
     hardware: str | None = None
     engine: Literal["vllm", "sim"] = "vllm"
     vllm_version: str | None = None  # the vLLM its nodes run: plans use its flag schema unless --vllm-version says otherwise
@@ -215,6 +217,13 @@ class Inventory(Strict):
     ssh_config: str | None = None
     known_hosts: str | None = None
     gpu_hour_price: GpuHourPrice | None = None  # {amount: 2.5, currency: USD}: for the cost per million tokens
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v: str) -> str:
+        if v not in backend_names():
+            raise ValueError(f"backend {v!r} is not one of: {', '.join(backend_names())}")
+        return v
 
     @field_validator("vllm_version")
     @classmethod
@@ -235,9 +244,10 @@ class Inventory(Strict):
             raise ValueError(f"nodes share an address ({', '.join(sorted(dup))}); ports are planned per address")
         if self.backend == "slurm" and self.slurm is None:
             raise ValueError("backend slurm needs a 'slurm:' section (partition, ...)")
-        if self.backend != "slurm" and not self.nodes:
+        traits = backend_spec(self.backend)
+        if traits.needs_nodes and not self.nodes:
             raise ValueError(f"backend {self.backend} needs at least one node under 'nodes:'")
-        if self.backend == "slurm" and (self.router.node != "login" or self.router.address):
+        if traits.router_home == "allocation" and (self.router.node != "login" or self.router.address):
             raise ValueError(
                 "on slurm the router runs inside the allocation, on the first engine node: "
                 "router.node and router.address do not apply (router.port does)"
@@ -259,7 +269,7 @@ def load_inventory(path: Path | str) -> Inventory:
 def load_placed(path: Path | str) -> Inventory:
     """An inventory as plans place on it: loaded, and (ssh) with ``~/.ssh/config`` aliases resolved."""
     inv = load_inventory(path)
-    return apply_ssh_config(inv, read_ssh_config(inv)) if inv.backend == "ssh" else inv
+    return apply_ssh_config(inv, read_ssh_config(inv)) if backend_spec(inv.backend).reads_ssh_config else inv
 
 
 def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:

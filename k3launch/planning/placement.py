@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from k3launch.errors import K3Error
+from k3launch.models.backends import spec
 from k3launch.planning.capacity import HostMemory
 
 if TYPE_CHECKING:  # imported where an inventory is used: a plan without one never loads the inventory models
@@ -129,7 +130,7 @@ def node_spec(inv: Inventory, name: str, address: str | None, hw: str | None, ov
     from k3launch.planning.inventory import NodeSettings
 
     d = inv.defaults
-    values: dict[str, object] = {**SETTING_DEFAULTS, "runtime": "bare" if inv.backend == "local" else "docker"}
+    values: dict[str, object] = {**SETTING_DEFAULTS, "runtime": spec(inv.backend).default_runtime}
     for field in NodeSettings.model_fields:
         v = getattr(over, field, None) if over is not None else None
         if v is None:
@@ -146,7 +147,7 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
     unknown = [x for x in exclude if x not in {n.name for n in inv.nodes}] if inv.nodes else []
     if unknown:
         raise K3Error("unknown-node", f"--exclude {unknown[0]}: no such node in inventory {inv.name}", "node names: " + ", ".join(n.name for n in inv.nodes))
-    if inv.backend == "slurm" and not inv.nodes:
+    if spec(inv.backend).scheduler_nodes and not inv.nodes:
         assert inv.slurm is not None
         if inv.slurm.nodelist:
             from k3launch.planning.inventory import expand_nodelist

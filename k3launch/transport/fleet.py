@@ -11,12 +11,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from k3launch.models.backends import spec
 from k3launch.models.plan import Host, Plan
 from k3launch.transport.runners import DEFAULT_CONCURRENCY, DEFAULT_TIMEOUT_S, CommandRunner, LocalRunner, Outcome, Result, Target, run_many
 
 
 def target_for(backend: str, host: Host) -> Target:
-    if backend in ("local", "none") or host.name == "login":
+    if backend == "none" or spec(backend).this_machine or host.name == "login":
         return Target(host.name, "localhost", local=True)
     return Target(host.name, host.ssh_host or host.address, host.user, host.ssh_port, host.identity_file, local=False)
 
