@@ -23,3 +23,9 @@ class K3Error(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+# The advice for a host key that is not in known_hosts: said by the SSH runner at connect time and
+# by the doctor's report of many nodes, in the same words.
+HOST_KEY_HINT = ("check the host's key fingerprint and add it to known_hosts (ssh-keyscan), or pass --accept-unknown-hosts "
+                 "to accept and remember keys not seen before")

@@ -17,8 +17,11 @@ import pytest
 import yaml
 
 from k3launch.campaign import power
-from k3launch.campaign.energy import MAX_GAP_S, Sample, cost_per_million, coverage, energy, node_joules
+from k3launch.campaign.energy import MAX_GAP_S, cost_per_million, coverage, energy, node_joules
+from k3launch.deploy import power as sampling
+from k3launch.deploy.slurm.power import SrunSampler
 from k3launch.errors import K3Error
+from k3launch.models.bench import Sample
 from k3launch.models.plan import Host
 from k3launch.planning.inventory import load_inventory
 from k3launch.sim import power as simpower
@@ -87,7 +90,7 @@ def test_cost_per_million_tokens() -> None:
     ],
 )
 def test_probe_output_is_parsed_per_tool(out: str, tool: str, watts: tuple[float, ...]) -> None:
-    assert power.parse(out) == (tool, watts)
+    assert sampling.parse(out) == (tool, watts)
 
 
 def test_the_probe_prefers_nvidia_smi_and_runs_in_a_shell(tmp_path: Path) -> None:
@@ -95,10 +98,10 @@ def test_the_probe_prefers_nvidia_smi_and_runs_in_a_shell(tmp_path: Path) -> Non
         (tmp_path / name).write_text(f"#!/bin/sh\n{text}\n")
         (tmp_path / name).chmod(0o755)
     env = {**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin"}
-    r = subprocess.run(["bash", "-c", power.probe("10.0.0.1")], capture_output=True, text=True, env=env, check=True)
-    assert power.parse(r.stdout) == ("nvidia-smi", (250.5, 249.5))
-    r = subprocess.run(["/bin/bash", "-c", power.probe()], capture_output=True, text=True, env={"PATH": "/nonexistent"}, check=True)
-    assert power.parse(r.stdout) == ("none", ())
+    r = subprocess.run(["bash", "-c", sampling.probe("10.0.0.1")], capture_output=True, text=True, env=env, check=True)
+    assert sampling.parse(r.stdout) == ("nvidia-smi", (250.5, 249.5))
+    r = subprocess.run(["/bin/bash", "-c", sampling.probe()], capture_output=True, text=True, env={"PATH": "/nonexistent"}, check=True)
+    assert sampling.parse(r.stdout) == ("none", ())
 
 
 # ----------------------------------------------------------------- samplers
@@ -109,7 +112,7 @@ def hosts(*names: str) -> list[Host]:
 def test_fleet_sampler_reads_every_node_before_and_after_the_run() -> None:
     fake = FakeRunner((0, "#nvidia-smi\n400\n400\n", ""))
     fleet = Fleet.for_hosts("ssh", hosts("n1", "n2"), remote=fake)
-    s = power.FleetSampler(fleet, {"n1": "10.0.0.1", "n2": "10.0.0.2"}, period=0.05)
+    s = sampling.FleetSampler(fleet, {"n1": "10.0.0.1", "n2": "10.0.0.2"}, period=0.05)
     s.start()
     t0 = time.time()
     while len(fake.calls) < 8:  # a few rounds of both nodes while "the client runs"
@@ -125,7 +128,7 @@ def test_fleet_sampler_reads_every_node_before_and_after_the_run() -> None:
 
 def test_fleet_sampler_on_nodes_without_a_tool_stops_and_says_why() -> None:
     fake = FakeRunner((0, "#none\n", ""))
-    s = power.FleetSampler(Fleet.for_hosts("ssh", hosts("n1"), remote=fake), {"n1": "10.0.0.1"}, period=0.05)
+    s = sampling.FleetSampler(Fleet.for_hosts("ssh", hosts("n1"), remote=fake), {"n1": "10.0.0.1"}, period=0.05)
     s.start()
     time.sleep(0.2)
     trace = s.stop()
@@ -137,7 +140,7 @@ def test_fleet_sampler_on_nodes_without_a_tool_stops_and_says_why() -> None:
 
 def test_a_node_that_stops_answering_leaves_a_gap_and_the_reason() -> None:
     fake = FakeRunner((0, "#nvidia-smi\n300\n", ""))
-    s = power.FleetSampler(Fleet.for_hosts("ssh", hosts("n1"), remote=fake), {"n1": "10.0.0.1"}, period=0.05)
+    s = sampling.FleetSampler(Fleet.for_hosts("ssh", hosts("n1"), remote=fake), {"n1": "10.0.0.1"}, period=0.05)
     s.start()
     t0 = time.time()
     fake.fail_on.append("n1")  # unreachable from now on
@@ -168,7 +171,7 @@ def fake_srun(bin_dir: Path) -> None:
 def test_srun_sampler_reads_every_node_of_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake_srun(tmp_path / "bin")
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    s = power.SrunSampler("4242", {"node-a": "gpu-01", "node-b": "gpu-02"}, period=0.1)
+    s = SrunSampler("4242", {"node-a": "gpu-01", "node-b": "gpu-02"}, period=0.1)
     assert s.argv()[:4] == ["srun", "--overlap", "--jobid=4242", "--nodelist=gpu-01,gpu-02"]
     s.start()
     t0 = time.time()
@@ -183,7 +186,7 @@ def test_srun_sampler_reads_every_node_of_the_job(tmp_path: Path, monkeypatch: p
 
 def test_srun_sampler_without_srun_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", "/nonexistent")
-    s = power.SrunSampler("1", {"n": "h"}, period=0.1)
+    s = SrunSampler("1", {"n": "h"}, period=0.1)
     s.start()
     trace = s.stop()
     assert not trace.measured and "cannot start the power step (srun)" in (trace.problem or "")

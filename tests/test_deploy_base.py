@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from k3launch.deploy.base import error_line
+from k3launch.models.reports import error_line
 
 # what vLLM 0.32.0 (CPU build) printed last, quoted from real runs
 VLLM_MAX_MODEL_LEN = """(APIServer pid=9) INFO 12-01 15:06:22 [model.py:733] Resolved architecture: LlamaForCausalLM

@@ -11,9 +11,9 @@ import pytest
 from inventory_helpers import example, write_yaml
 
 from k3launch import api
-from k3launch.deploy.base import DoctorReport
 from k3launch.deploy.ssh.doctor import VERSION_TIMEOUT_S, doctor
 from k3launch.models.plan import Plan
+from k3launch.models.reports import DoctorReport
 from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Target

@@ -299,7 +299,7 @@ def test_a_dry_run_reports_what_the_pre_flight_checks_of_ssh_nodes_find_once_per
 ) -> None:
     from k3launch.campaign import held as heldmod
     from k3launch.campaign.run import pending, prepare
-    from k3launch.deploy.base import Check, DoctorReport
+    from k3launch.models.reports import Check, DoctorReport
 
     body = {
         "name": "sshc",
@@ -313,7 +313,7 @@ def test_a_dry_run_reports_what_the_pre_flight_checks_of_ssh_nodes_find_once_per
     prep = prepare(f)
     asked: list[str] = []
 
-    def doctor(plan: Plan, prep: object, live: list[str], timeout: float) -> DoctorReport:  # the nodes, as the doctor finds them
+    def doctor(plan: Plan, inventory: object, **_: object) -> DoctorReport:  # the nodes, as the doctor finds them
         asked.append(plan.name)
         return DoctorReport(
             [
@@ -323,7 +323,7 @@ def test_a_dry_run_reports_what_the_pre_flight_checks_of_ssh_nodes_find_once_per
             ]
         )
 
-    monkeypatch.setattr(heldmod, "_doctor", doctor)
+    monkeypatch.setattr(heldmod.api, "doctor", doctor)  # the campaign asks the API, as any caller does
     holds = heldmod.held(prep, pending(prep, tmp_path / "out"), tmp_path / "state")
     assert len(asked) == 1  # both groups run on the same nodes and ports: one look at them
     assert [(h.groups, h.node, h.check, h.blocking) for h in holds] == [([0, 1], "h200-a", "leftovers", True)]

@@ -44,13 +44,13 @@ from e2e_helpers import (
     wait_for_record,
 )
 
-from k3launch.deploy.base import LaunchFailed, TeardownReport
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import POLL_S, Launch
 from k3launch.deploy.ssh.observe import observe
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
 from k3launch.models.record import SshRecord, Stage, Status
+from k3launch.models.reports import LaunchFailed, TeardownReport
 
 if TYPE_CHECKING:
     from sshhosts import Hosts

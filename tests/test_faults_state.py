@@ -187,14 +187,20 @@ def test_unreadable_record_is_kept_aside_never_deleted(tmp_path: Path) -> None:
     assert not store.exists("dep") and not list(tmp_path.rglob("*.lock"))
 
 
-def test_garbage_record_without_inventory_asks_for_one_and_keeps_the_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("content", [b"\x00\xff garbage", b"", b"[1, 2, 3]", b'{"name": "dep"}'])
+def test_an_unreadable_record_without_inventory_is_kept_aside_and_this_machine_is_swept(tmp_path: Path, content: bytes) -> None:
+    """Like a missing record: the file is kept aside (never deleted), this machine is searched, and
+    the user is told how to search an inventory's nodes instead of being refused."""
     store = StateStore(tmp_path)
     store.dir.mkdir(parents=True)
-    store.path("dep").write_bytes(b"\x00\xff garbage")
+    store.path("dep").write_bytes(content)
     r = run_cli(["down", "dep", "--state-dir", str(tmp_path), "--json"], tmp_path / "home")
-    err = r.error()
-    assert err["code"] == "bad-state" and "--inventory" in err["hint"], err
-    assert store.path("dep").read_bytes() == b"\x00\xff garbage"
+    assert r.code == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    assert out["clean"] and "this machine" in out["verified"], out
+    assert "--inventory" in out["hint"]
+    assert not store.path("dep").exists()
+    assert Path(out["set_aside"]).read_bytes() == content
 
 
 def test_record_of_a_killed_command_reads_interrupted(tmp_path: Path) -> None:

@@ -268,7 +268,15 @@ def test_the_api_refuses_a_node_count_past_the_bound() -> None:
 
     with pytest.raises(K3Error) as info:
         api.plan(strategy="multi_node_tp", nodes=100_000)
-    assert info.value.code == "bad-selection" and "nodes" in info.value.message
+    assert info.value.code == "bad-value" and "--nodes" in info.value.message  # the code and words the CLI gives
+
+
+def test_the_api_refuses_an_unknown_selection_field() -> None:
+    from k3launch import api
+
+    with pytest.raises(K3Error) as info:
+        api.plan(strategy="multi_node_tp", nodez=2)
+    assert info.value.code == "bad-selection" and "nodez" in info.value.message
 
 
 # ---- campaign matrices: counted, never built past the limit -----------------------------------

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from k3launch.deploy.base import LaunchFailed
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import Launch
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
 from k3launch.models.record import ProcessRecord, SshRecord
+from k3launch.models.reports import LaunchFailed
 from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import load_inventory

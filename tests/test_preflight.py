@@ -22,11 +22,11 @@ import standin
 from inventory_helpers import example
 
 from k3launch import api
-from k3launch.deploy.base import Check, DoctorReport
 from k3launch.deploy.ssh import fabric
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.preflight import fleet_checks
 from k3launch.models.plan import Plan
+from k3launch.models.reports import Check, DoctorReport
 from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Target

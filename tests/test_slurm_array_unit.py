@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from k3launch.deploy.slurm import array as slurm_array
-from k3launch.deploy.slurm.array import ArrayJob, submit_array, wait_array
+from k3launch.deploy.slurm.array import submit_array, wait_array
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.reports import ArrayJob
 from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import Inventory

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from k3launch.deploy.base import LaunchFailed
 from k3launch.deploy.slurm.client import JobInfo, expand, parse_sacct, parse_squeue, parse_steps, submit_env
 from k3launch.deploy.slurm.job import bind_plan, parse_output
 from k3launch.deploy.slurm.launch import SlurmLaunch
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.reports import LaunchFailed
 from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import Inventory

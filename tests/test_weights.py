@@ -21,8 +21,10 @@ import yaml
 
 from k3launch import api
 from k3launch.deploy.ssh import weights
-from k3launch.deploy.ssh.fetch import Progress, Source, fetch_command
+from k3launch.deploy.ssh.fetch import fetch_command
 from k3launch.errors import K3Error
+from k3launch.models.weights import FetchProgress as Progress
+from k3launch.models.weights import Source
 from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 

@@ -43,14 +43,15 @@ from k3launch.campaign import benchprogress
 from k3launch.campaign import power as powermod
 from k3launch.campaign.benchprogress import BenchProgressFn
 from k3launch.campaign.energy import Energy
-from k3launch.deploy.state import default_state_dir
 from k3launch.errors import K3Error
+from k3launch.models.backends import spec
 from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
 from k3launch.render.scripts import venv_path
 
 if TYPE_CHECKING:
     from k3launch.models.plan import Process
     from k3launch.models.record import DeploymentRecord
+    from k3launch.transport.fleet import Fleet
 
 CONTAINER_RUNTIMES = ("docker", "podman")
 CONTAINER_RESULT_DIR = "/tmp/k3launch-bench"  # inside the head container
@@ -98,7 +99,7 @@ def result_dir(name: str, state_dir: str | Path | None = None, out: Path | None 
     ``<state-dir>/bench/<deployment>/`` — never the current directory unless asked."""
     if out is not None:
         return out
-    return (Path(state_dir).expanduser() if state_dir is not None else default_state_dir()) / "bench" / name
+    return api.bench_dir(name, state_dir)
 
 
 def head(rec: DeploymentRecord) -> Process:
@@ -137,7 +138,7 @@ def choose_client(rec: DeploymentRecord, mode: str) -> str:
     h = head(rec)
     runtime = rec.processes[h.id].runtime if h.id in rec.processes else "bare"
     in_container = runtime in CONTAINER_RUNTIMES or _bare_vllm(rec, runtime)
-    reachable = rec.plan.backend == "local" or not _loopback(rec.endpoint)  # a login-node router on 127.0.0.1 is not
+    reachable = spec(rec.plan.backend).this_machine or not _loopback(rec.endpoint)  # a login-node router on 127.0.0.1 is not
     if mode == "engine":
         if not in_container:
             raise K3Error("no-container", f"{rec.name}: the head engine runs {runtime}, not in a container, and is not a real vLLM "
@@ -271,7 +272,11 @@ def _engine_client(rec: DeploymentRecord, result: Path) -> _EngineClient:
 def _run_engine(rec: DeploymentRecord, c: _EngineClient, argv: list[str], result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
     """(error, stray): ``stray`` when a timed-out client could not be stopped."""
     cmd = f"{c.run} {shlex.join(argv)}"
-    fleet = api.fleet(rec)
+    with api.fleet(rec) as fleet:
+        return _engine_round(fleet, c, cmd, result, log, timeout_s)
+
+
+def _engine_round(fleet: Fleet, c: _EngineClient, cmd: str, result: Path, log: Path, timeout_s: float) -> tuple[str | None, bool]:
     try:
         r = fleet.run(c.node, f"{cmd} 2>&1", timeout=timeout_s)
         log.write_text(f"$ {cmd}\n{r.stdout}{r.stderr}", encoding="utf-8")
@@ -287,8 +292,6 @@ def _run_engine(rec: DeploymentRecord, c: _EngineClient, argv: list[str], result
         return None, False
     except K3Error as exc:
         return f"{c.node}: {exc.message}", False
-    finally:
-        fleet.close()
 
 
 def engine_facts(rec: DeploymentRecord) -> EngineFacts:
@@ -303,12 +306,10 @@ def engine_facts(rec: DeploymentRecord) -> EngineFacts:
     runtime = pr.runtime if pr else "bare"
     image_id = None
     if pr is not None and runtime in CONTAINER_RUNTIMES:
-        fleet = api.fleet(rec)
-        try:
-            r = fleet.run(h.node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
-            image_id = (r.stdout.strip() or None) if r.ok else None
-        except K3Error:
-            image_id = None
-        finally:
-            fleet.close()
+        with api.fleet(rec) as fleet:
+            try:
+                r = fleet.run(h.node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
+                image_id = (r.stdout.strip() or None) if r.ok else None
+            except K3Error:
+                image_id = None
     return EngineFacts(version, runtime, h.image if runtime in CONTAINER_RUNTIMES else None, image_id)

@@ -15,23 +15,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
+
+from k3launch.models.bench import Sample
 
 MAX_GAP_S = 2.0  # at least 1 Hz is asked of every source; twice that period is a stall
 TOKENS_PER_MILLION = 1_000_000
 SECONDS_PER_HOUR = 3600.0
-
-
-@dataclass(frozen=True)
-class Sample:
-    t: float  # seconds since the epoch when the reading was taken
-    watts: tuple[float, ...]  # one per GPU of the node
-
-    @property
-    def total(self) -> float:
-        return sum(self.watts)
 
 
 class Energy(BaseModel):

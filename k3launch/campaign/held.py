@@ -2,8 +2,8 @@
 
 A group's ``up`` is refused, before anything starts, when its nodes are held: by a live
 deployment of the state directory (``nodes-in-use``: the rule of
-:meth:`~k3launch.deploy.state.StateStore.nodes_in_use`), or by what runs on the nodes (the
-pre-flight checks of :mod:`k3launch.deploy.ssh.doctor`: another deployment's engines, busy
+:func:`k3launch.api.nodes_in_use`), or by what runs on the nodes (the pre-flight checks of
+:func:`k3launch.api.doctor`: another deployment's engines, busy
 planned ports, an unreachable node, ...). The dry run asks both, read-only, for the groups still
 to run — the doctor once per distinct placement (groups on the same nodes and ports share one) —
 so a run that would start nothing says so before it is started. Slurm inventories are not
@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from k3launch import api
 from k3launch.campaign.run import Prepared, named_plan
 from k3launch.errors import K3Error
+from k3launch.models.backends import Feature, spec
 
 if TYPE_CHECKING:
-    from k3launch.deploy.base import DoctorReport
     from k3launch.models.plan import Plan
 
 
@@ -36,27 +37,14 @@ class Held:
     blocking: bool  # `up` refuses these groups as things stand (else a note)
 
 
-def _doctor(plan: Plan, prep: Prepared, live: list[str], connect_timeout: float) -> DoctorReport:
-    from k3launch.deploy.base import Access
-    from k3launch.deploy.ssh.backend import connect
-    from k3launch.deploy.ssh.doctor import doctor
-
-    fleet = connect(plan, prep.inventory.ssh_config, prep.inventory.known_hosts, Access(connect_timeout=connect_timeout))
-    try:
-        return doctor(plan, fleet, live)
-    finally:
-        fleet.close()
-
-
 def held(prep: Prepared, todo: Mapping[int, int], state_dir: Path | None = None, connect_timeout: float = 10.0) -> list[Held]:
     """Findings for the groups with cells still to run (``todo``: group index -> cells to run)."""
-    if prep.inventory.backend not in ("local", "ssh"):
+    traits = spec(prep.inventory.backend)
+    if not traits.holds_nodes:
         return []
-    from k3launch.deploy.state import StateStore
-
-    store = StateStore(state_dir)
-    records = {r.name: r for r in store.list()}
-    in_use = store.nodes_in_use()
+    records = {r.name: r for r in api.deployments(state_dir)}
+    in_use = api.nodes_in_use(state_dir)
+    root = api.state_root(state_dir)
     found: dict[tuple[str, str, str, bool], list[int]] = {}
     placements: dict[tuple[object, ...], tuple[Plan, list[int]]] = {}
     for g in prep.groups:
@@ -82,14 +70,14 @@ def held(prep: Prepared, todo: Mapping[int, int], state_dir: Path | None = None,
             holder = in_use.get(h.address)
             if h.gpus and holder is not None and holder != plan.name:
                 found.setdefault(
-                    (h.name, "nodes-in-use", f"{h.address} is held by live deployment {holder} (in {store.root})", True), []
+                    (h.name, "nodes-in-use", f"{h.address} is held by live deployment {holder} (in {root})", True), []
                 ).append(g.index)
         if own is None:  # its own processes would be leftovers by name until the run takes them down
             key = (tuple((h.name, h.address) for h in plan.hosts), tuple((u.node, u.address, u.port) for u in plan.ports))
             placements.setdefault(key, (plan, []))[1].append(g.index)
-    for plan, groups in placements.values():
+    for plan, groups in placements.values() if traits.supports(Feature.DOCTOR) else ():
         try:
-            checks = _doctor(plan, prep, list(records), connect_timeout).checks
+            checks = api.doctor(plan, prep.inventory, state_dir=state_dir, connect_timeout=connect_timeout).checks
         except K3Error as exc:
             found.setdefault(("-", exc.code, exc.message, True), []).extend(groups)
             continue

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from k3launch.campaign import sla
 from k3launch.campaign.results import ResultRow, latest, read_rows
@@ -26,10 +27,33 @@ from k3launch.models.bench import LoadPoint
 
 if TYPE_CHECKING:
     from k3launch.campaign.bench import BenchRun, EngineFacts
+    from k3launch.campaign.file import Campaign
     from k3launch.campaign.matrix import Group
-    from k3launch.campaign.prepared import ByCell
-    from k3launch.campaign.run import CampaignRunner
+    from k3launch.campaign.prepared import ByCell, Prepared
+    from k3launch.campaign.results import Provenance
     from k3launch.models.record import DeploymentRecord
+
+
+class Runner(Protocol):
+    """What measuring needs of the campaign run it measures for (:class:`k3launch.campaign.run.Runner`):
+    a protocol, so this module does not import the runner that imports it."""
+
+    p: Prepared
+    c: Campaign
+
+    @property
+    def out(self) -> Path: ...
+
+    def event(self, msg: str) -> None: ...
+
+    def record_invalid(self, g: Group, load: LoadPoint, reason: str) -> None: ...
+
+    def bench_once(self, rec: DeploymentRecord, ld: LoadPoint, tag: str, *, warmup: bool = False) -> BenchRun: ...
+
+    def _append(self, g: Group, load: LoadPoint, reason: str | None, run: BenchRun | None = None, prov: Provenance | None = None,
+                run_index: int = 0, slo: dict[str, float] | None = None) -> ResultRow: ...
+
+    def _provenance(self, g: Group, rec: DeploymentRecord, facts: EngineFacts, run: BenchRun) -> Provenance: ...
 
 
 class Stray(Exception):
@@ -56,8 +80,8 @@ def slo_figures(run: BenchRun, keys: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def measure(r: CampaignRunner, g: Group, rec: DeploymentRecord, facts: EngineFacts, todo: Sequence[LoadPoint]) -> None:
-    by_cell = r.p.by_cell(latest(read_rows(r.o.out), r.c.name))
+def measure(r: Runner, g: Group, rec: DeploymentRecord, facts: EngineFacts, todo: Sequence[LoadPoint]) -> None:
+    by_cell = r.p.by_cell(latest(read_rows(r.out), r.c.name))
     for i, ld in enumerate(todo):
         try:
             if r.c.sla is not None:
@@ -76,7 +100,7 @@ def measure(r: CampaignRunner, g: Group, rec: DeploymentRecord, facts: EngineFac
 
 
 def _point(
-    r: CampaignRunner, g: Group, rec: DeploymentRecord, facts: EngineFacts, ld: LoadPoint, runs: Sequence[int], by_cell: ByCell
+    r: Runner, g: Group, rec: DeploymentRecord, facts: EngineFacts, ld: LoadPoint, runs: Sequence[int], by_cell: ByCell
 ) -> None:
     """The runs ``runs`` of one point, after a warm-up when the campaign asks for one."""
     if not runs:
@@ -102,7 +126,7 @@ def _remember(by_cell: ByCell, row: ResultRow) -> None:
     by_cell[row.cell] = [*rows, row]
 
 
-def _search(r: CampaignRunner, g: Group, rec: DeploymentRecord, facts: EngineFacts, base: LoadPoint, by_cell: ByCell) -> None:
+def _search(r: Runner, g: Group, rec: DeploymentRecord, facts: EngineFacts, base: LoadPoint, by_cell: ByCell) -> None:
     s = r.c.sla
     assert s is not None
     for _ in range(s.max_probes + 1):  # each pass measures the probe the replay asks for, so this bounds it

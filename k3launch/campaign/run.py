@@ -98,6 +98,10 @@ class CampaignRunner:
         self.o = opts
         self.s = Summary(results=str(opts.out / "results.jsonl"))
 
+    @property
+    def out(self) -> Path:
+        return self.o.out
+
     def event(self, msg: str) -> None:
         self.o.on_event(msg)
         with (self.o.out / "campaign.log").open("a", encoding="utf-8") as f:
@@ -221,9 +225,7 @@ class CampaignRunner:
         name = plan.name
         self.event(f"group {g.index} ({lbl}): {len(todo)} load point(s) on {name}")
         if self.o.attached:
-            from k3launch.deploy.slurm.job import attached_record
-
-            self._bench_all(g, attached_record(plan, os.environ, self.p.inventory.name), todo)
+            self._bench_all(g, api.attached_record(plan, os.environ, self.p.inventory), todo)
             return
         rec = self._reuse(name, plan_hash(plan))
         if rec is None:
@@ -238,8 +240,8 @@ class CampaignRunner:
 
     def _up(self, g: Group, plan: Plan, todo: Sequence[LoadPoint]) -> DeploymentRecord | None:
         """``api.up`` of the group's deployment; None when it does not serve (counted as it happened)."""
-        from k3launch.deploy.base import LaunchFailed
         from k3launch.models.record import Stage
+        from k3launch.models.reports import LaunchFailed
 
         name, t0, stages = plan.name, time.monotonic(), set[Stage]()
 

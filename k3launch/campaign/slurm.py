@@ -1,7 +1,7 @@
 """``k3launch campaign run FILE --out DIR --slurm-array``: one job array task per deployment group.
 
-For a campaign whose inventory is a Slurm inventory. Every group with cells still to run becomes
-one array task (:func:`k3launch.deploy.slurm.array.submit_array`; one array per shape, at most
+For a campaign whose inventory's backend runs job arrays (Slurm). Every group with cells still to
+run becomes one array task (:func:`k3launch.api.submit_array`; one array per shape, at most
 ``limit`` tasks at once): the task's job starts the group's deployment inside its allocation,
 waits until it serves, then runs ``k3launch campaign run FILE --out DIR --group N --attached``
 on its batch host, which runs the group's missing load points against that deployment and
@@ -22,11 +22,10 @@ from pathlib import Path
 from k3launch import api
 from k3launch.campaign.results import done_cells, latest, make_out, read_rows, write_csv
 from k3launch.campaign.run import Prepared, named_plan
-from k3launch.deploy.base import ready_timeout
-from k3launch.deploy.slurm.array import ArrayJob, ArrayResult, task_states
-from k3launch.deploy.slurm.client import ACTIVE, SlurmClient
 from k3launch.errors import K3Error
+from k3launch.models.backends import Feature, spec
 from k3launch.models.plan import Plan
+from k3launch.models.reports import ArrayJob, ArrayResult
 
 
 class ArrayInterrupted(Exception):
@@ -59,14 +58,14 @@ def task_argv(prep: Prepared, out: Path, group: int, client: str | None) -> list
 def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str | None = None, wait: bool = True,
            timeout_s: float = 24 * 3600.0, on_event: Callable[[str], None] = lambda m: None) -> ArraySummary:
     inv = prep.inventory
-    if inv.backend != "slurm":
-        raise K3Error("not-slurm", f"--slurm-array needs a campaign on a slurm inventory; {inv.name} is {inv.backend}",
+    if not spec(inv.backend).supports(Feature.ARRAYS):
+        raise K3Error("not-supported", f"--slurm-array needs a campaign on a slurm inventory; {inv.name} is {inv.backend}",
                       "set `inventory:` in the campaign file to a slurm inventory, or submit "
                       "`k3launch campaign run FILE --out DIR --group $SLURM_ARRAY_TASK_ID` as an array job yourself")
     make_out(out)
     done = done_cells(read_rows(out), prep.campaign.name, prep.still_valid)
     s = ArraySummary(results=str(out / "results.jsonl"))
-    flying = in_flight(out)
+    flying = in_flight(out, inv.backend)
     plans: list[Plan] = []
     for g in prep.groups:
         if all(g.cell_id(ld) in done for ld in g.loads):
@@ -84,7 +83,7 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
     group_of = {p.name: gi for p, gi in zip(plans, s.submitted, strict=True)}
     jobs: list[ArrayJob] = api.submit_array(
         plans, inv, work=lambda i, p: task_argv(prep, out, group_of[p.name], client), concurrency=limit, log_dir=out / "slurm",
-        name=f"k3c-{prep.campaign.name}", ready_timeout=prep.campaign.ready_timeout or ready_timeout(plans[0], None))
+        name=f"k3c-{prep.campaign.name}", ready_timeout=prep.campaign.ready_timeout or api.ready_timeout(plans[0]))
     s.jobs = [j.job_id for j in jobs]
     _remember(out, {prep.groups[group_of[d]].plan_hash: f"{j.job_id}_{t}" for j in jobs for t, d in enumerate(j.deployments)})
     for j in jobs:
@@ -94,7 +93,7 @@ def submit(prep: Prepared, out: Path, *, limit: int | None = None, client: str |
         return s
     try:
         for j in jobs:
-            res: ArrayResult = api.wait_array(j, timeout=timeout_s)
+            res: ArrayResult = api.wait_array(j, timeout=timeout_s, backend=inv.backend)
             for t, r in res.results.items():
                 gi = group_of[j.deployments[t]]
                 s.tasks[gi] = r
@@ -141,14 +140,13 @@ def _remember(out: Path, tasks: dict[str, str]) -> None:
     path.write_text(json.dumps({**known, **tasks}, indent=1, sort_keys=True))
 
 
-def in_flight(out: Path, client: SlurmClient | None = None) -> dict[str, str]:
+def in_flight(out: Path, backend: str = "slurm") -> dict[str, str]:
     """Groups an earlier --slurm-array submission (e.g. with --no-wait) still runs: plan hash -> task."""
     try:
         known: dict[str, str] = json.loads(_arrays_file(out).read_text())
     except (OSError, ValueError):
         return {}
-    cl = client or SlurmClient()
-    # one squeue per array: a single forgotten job id would make squeue refuse a joint query
-    active = {f"{jid}_{t}" for jid in sorted({t.split("_")[0] for t in known.values()})
-              for t, state in (task_states(jid, cl) or {}).items() if state in ACTIVE}
+    if not known:
+        return {}
+    active = api.active_array_tasks(sorted({t.split("_")[0] for t in known.values()}), backend=backend)
     return {h: t for h, t in known.items() if t in active}

@@ -101,13 +101,10 @@ def explain(
 ) -> None:
     """Show which layers wrote FLAG, in order, and which value runs."""
     STATE.json = json_out
-    from k3launch.planning.explain import explain as do_explain
-    from k3launch.planning.explain import flag_key
+    from k3launch import api
 
     try:
-        p = args.build()
-        key = flag_key(p, flag)
-        items = do_explain(p, flag, process)
+        key, items = api.explain(args.build(), flag, process)
     except K3Error as err:
         fail(err)
     if json_out:

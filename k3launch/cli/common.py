@@ -21,7 +21,7 @@ import inspect
 import json
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -34,9 +34,8 @@ from k3launch.util.bounds import Bound
 if TYPE_CHECKING:  # heavy imports stay lazy so `--help` and `plan` start fast
     from rich.console import Console
 
+    from k3launch.api import Loaded
     from k3launch.models.plan import Plan
-    from k3launch.models.selection import Selection
-    from k3launch.planning.recipes import RecipeTree
 
 INTERRUPTED = 130  # the shell's code for a command ended by SIGINT
 # Recent Typers carry their own copy of click, older ones use click itself: the exception classes
@@ -191,14 +190,13 @@ def port_base_option(flag: str, help: str) -> Any:
     ``plan`` applies, checked here so that a command that plans later refuses it at once)."""
 
     def parse(raw: object) -> int:
-        from k3launch.planning.placement import Ports
+        from k3launch import api
 
         try:
             base = raw if isinstance(raw, int) else int(str(raw).strip(), 10)
         except ValueError:
             raise K3Error("bad-value", f"{flag} {raw!r}: not a whole number", f"{flag} takes a port, e.g. 9000 or 20000") from None
-        Ports.shifted(base)  # its 512-port block inside 1024-65535, clear of the default ports
-        return base
+        return api.check_port_base(base)  # its 512-port block inside 1024-65535, clear of the default ports
 
     return typer.Option(flag, parser=parse, metavar="PORT", help=help)
 
@@ -227,16 +225,17 @@ def console(stderr: bool = False) -> Console:
     return Console(soft_wrap=True, stderr=stderr, width=UNBOUNDED_WIDTH)
 
 
-def tree(recipes_dir: Path | None) -> RecipeTree:
-    from k3launch.planning.recipes import RecipeTree
-
-    return RecipeTree(recipes_dir)
-
-
 def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[annotation, typer.Option(*flags, help=help)]
     )
+
+
+@functools.cache
+def _selection_names() -> tuple[str, ...]:
+    from k3launch.models.selection import Selection
+
+    return tuple(Selection.model_fields)
 
 
 @functools.cache
@@ -282,41 +281,32 @@ PLACEMENT_PARAMS = [
 
 @dataclass(frozen=True)
 class PlanArgs:
+    """The selection and placement options of one command, turned into a plan by :func:`k3launch.api.plan`
+    (one validation, one error code, whoever plans)."""
+
     values: dict[str, Any]
+    _loaded: dict[str, Loaded] = field(default_factory=dict, compare=False, repr=False)
 
-    def selection(self) -> Selection:
-        """The :class:`~k3launch.models.selection.Selection` the options describe."""
-        from pydantic import ValidationError
+    def inventory(self) -> Loaded | None:
+        """The inventory, read once (and, for ssh, resolved through ``~/.ssh/config`` once) for
+        every use of this command: planning, the doctor, ``up``."""
+        if self.inventory_path is None:
+            return None
+        if "inv" not in self._loaded:
+            from k3launch import api
 
-        from k3launch.models.selection import Selection
-
-        try:
-            return Selection(**{n: self.values[n] for n in Selection.model_fields})
-        except ValidationError as exc:  # the options' parsers check first; this is the model's word
-            err = exc.errors()[0]
-            name = str(err["loc"][0]) if err["loc"] else ""
-            flag = next((f for n, f, _, _ in Selection.cli_fields() if n == name), name)
-            raise K3Error("bad-value", f"{flag}: {err['msg']}", f"`k3launch plan --help` lists {flag}'s values") from None
+            self._loaded["inv"] = api.load(self.inventory_path)
+        return self._loaded["inv"]
 
     def build(self) -> Plan:
-        """Load recipes and inventory, build the plan; raises K3Error."""
-        from k3launch.planning.build import build_plan
+        """The plan these options describe; raises K3Error."""
+        from k3launch import api
 
         v = self.values
-        inv = None  # no inventory: placeholder nodes (and the inventory module is not even imported)
-        if v["inventory"] is not None:
-            from k3launch.planning.inventory import load_placed
-
-            inv = load_placed(v["inventory"])
-        # the name is checked by build_plan (the API takes names too)
-        return build_plan(
-            tree(v["recipes_dir"]),
-            self.selection(),
-            inventory=inv,
-            exclude=tuple(v["exclude"] or ()),
-            port_base=v["port_base"],
-            name=v["name"],
-        )
+        inv = self.inventory()  # None: placeholder nodes
+        fields = {n: v[n] for n in _selection_names()}
+        return api.plan(inv, selection=fields, placeholders=inv is None, exclude=tuple(v["exclude"] or ()), port_base=v["port_base"],
+                        name=v["name"], recipes_dir=v["recipes_dir"])
 
     @property
     def inventory_path(self) -> Path | None:

@@ -16,9 +16,9 @@ from k3launch.util import bounds
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from k3launch.deploy.base import DryRun
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord
+    from k3launch.models.reports import DryRun
 
 StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
 AcceptUnknown = Annotated[bool, typer.Option("--accept-unknown-hosts", help="Accept (and remember) SSH host keys not in known_hosts. Off by default.")]
@@ -56,14 +56,14 @@ def up(
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
         plan = args.build()
         if dry_run:
-            _dry_run(con, plan, api.dry_run(plan, args.inventory_path, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
+            _dry_run(con, plan, api.dry_run(plan, args.inventory(), state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
             return
         t0 = time.monotonic()
         with show_progress.UpView(con, quiet=json_out) as view:  # stages, and each process's phase while it waits
-            rec = api.up(plan, args.inventory_path, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
+            rec = api.up(plan, args.inventory(), state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
                          force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
                          extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, on_stage=view.stage, on_progress=view.progress,
-                         on_doctor=lambda report: show_deploy.doctor(con, report, quiet=json_out),
+                         on_doctor=lambda report: None if json_out else show_deploy.doctor(con, report.checks),
                          on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None)
     except K3Error as err:
         fail(err)
@@ -159,7 +159,7 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
     if json_out:
         typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "leftovers": report.leftovers,
                                "unreachable": report.unreachable, "busy_ports": report.busy_ports, "verified": report.verified,
-                               "set_aside": report.set_aside}, indent=2))
+                               "set_aside": report.set_aside, "hint": report.hint}, indent=2))
     else:
         show_deploy.down(console(), name, report)
     if not report.clean:

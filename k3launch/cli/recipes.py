@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, RecipesDir, VllmVersion, app, console, fail, tree
+from k3launch.cli.common import STATE, JsonOut, RecipesDir, VllmVersion, app, console, fail
 from k3launch.defaults import DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
 
@@ -23,10 +23,9 @@ def lint(
 ) -> None:
     """Check a pasted command: k3launch lint -- vllm serve MODEL --flag ... (exit 1 on findings)."""
     STATE.json = json_out
+    from k3launch import api
     from k3launch.cli import show_plan as show
-    from k3launch.planning.lint import ERROR
-    from k3launch.planning.lint import lint as do_lint
-    from k3launch.planning.schema import load_schema
+    from k3launch.models.findings import ERROR
 
     words = list(ctx.args)
     if not words:
@@ -36,7 +35,7 @@ def lint(
 
         words = shlex.split(words[0])
     try:
-        found = do_lint(load_schema(vllm_version), words)
+        found = api.lint(words, vllm_version)
     except K3Error as err:
         fail(err)
     if json_out:
@@ -54,30 +53,21 @@ def recipes(ctx: typer.Context, recipes_dir: RecipesDir = None, json_out: JsonOu
     ctx.obj = (recipes_dir, json_out)
     if ctx.invoked_subcommand is not None:
         return
+    from k3launch import api
     from k3launch.cli import show_plan as show
 
     try:
-        t = tree(recipes_dir)
-        rows: list[tuple[str, str, str]] = []
-        broken: list[dict[str, str]] = []
-        for rid in t.model_ids():
-            try:
-                rec = t.model(rid)
-            except K3Error as err:
-                broken.append({"id": rid, **err.as_dict()})
-                continue
-            rows.append((rid, rec.meta.title, ", ".join(h for h, v in rec.meta.hardware.items() if v == "verified")))
-        taxonomy = t.taxonomy
-        strategies = sorted(t.strategies)
+        listing = api.recipes(recipes_dir)
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"root": str(t.root), "recipes": [{"id": r[0], "title": r[1]} for r in rows],
-                               "broken": broken, "hardware": sorted(taxonomy.hardware_profiles), "strategies": strategies}, indent=2))
+        typer.echo(json.dumps({"root": str(listing.root), "recipes": [{"id": r[0], "title": r[1]} for r in listing.recipes],
+                               "broken": listing.broken, "hardware": sorted(listing.taxonomy.hardware_profiles),
+                               "strategies": listing.strategies}, indent=2))
         return
     con = console()
-    show.recipes_list(con, rows, taxonomy, strategies)
-    for b in broken:
+    show.recipes_list(con, listing.recipes, listing.taxonomy, listing.strategies)
+    for b in listing.broken:
         con.print(f"[red]broken[/] {b['id']}: {b['message']}")
 
 
@@ -88,29 +78,15 @@ def recipes_show(ctx: typer.Context, recipe_id: Annotated[str, typer.Argument(he
     recipes_dir, parent_json = ctx.obj or (None, False)
     json_out = json_out or parent_json
     STATE.json = json_out
+    from k3launch import api
     from k3launch.cli import show_plan as show
-    from k3launch.models.selection import Selection
-    from k3launch.planning.build import build_plan
-    from k3launch.planning.resolve import kv_offload_matrix
 
     try:
-        t = tree(recipes_dir)
-        rid = t.resolve(recipe_id)
-        rec = t.model(rid)
-        taxonomy = t.taxonomy
-        # The default is what `plan --recipe ID` selects (the recipes project's rules), not only
-        # the author's meta.default_hardware; a recipe that cannot be planned says why.
-        try:
-            p = build_plan(t, Selection(recipe=rid))
-            default: dict[str, object] = {"hardware": p.hardware, "strategy": p.strategy, "nodes": p.nodes, "variant": p.variant}
-        except K3Error as err:
-            default = {"refused": err.code, "message": err.message}
-        kv_hw = str(default.get("hardware") or rec.meta.default_hardware or next(iter(taxonomy.hardware_profiles)))
-        kv = kv_offload_matrix(t, rec, kv_hw)
+        d = api.recipe(recipe_id, recipes_dir)
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"id": rid, "default": default, "recipe": rec.model_dump(mode="json"), "kv_offload_support": {kv_hw: kv}},
-                              indent=2))
+        typer.echo(json.dumps({"id": d.id, "default": d.default, "recipe": d.recipe.model_dump(mode="json"),
+                               "kv_offload_support": {d.kv_hardware: d.kv_offload}}, indent=2))
     else:
-        show.recipe_detail(console(), rid, rec, taxonomy, kv, kv_hw, default)
+        show.recipe_detail(console(), d.id, d.recipe, d.taxonomy, d.kv_offload, d.kv_hardware, d.default)

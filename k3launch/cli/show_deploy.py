@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import time
 
+import typer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from k3launch.deploy.base import DoctorReport, DryRun, TeardownReport
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, Status
+from k3launch.models.reports import Check, DoctorReport, DryRun, TeardownReport
 
-_ICON = {"pass": "[green]ok[/]", "fail": "[red]FAIL[/]", "warn": "[yellow]warn[/]", "skip": "[dim]skipped[/]"}
+# How a check's or a node's result reads on a terminal (doctor and weights tables alike).
+ICON = {
+    "pass": "[green]ok[/]",
+    "fail": "[red]FAIL[/]",
+    "warn": "[yellow]warn[/]",
+    "skip": "[dim]skipped[/]",
+    "complete": "[green]complete[/]",
+    "missing": "[red]missing[/]",
+}
 
 
 def dry_run(con: Console, plan: Plan, dry: DryRun) -> None:
@@ -22,15 +31,37 @@ def dry_run(con: Console, plan: Plan, dry: DryRun) -> None:
         con.print(Text(st.script), soft_wrap=True)
 
 
-def doctor(con: Console, report: DoctorReport, quiet: bool) -> None:
-    if quiet:
+def table(con: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]], status: int) -> None:
+    """A rich table on a terminal (column ``status`` coloured); elsewhere (CI, nohup, a pipe) one
+    plain line per row, never wrapped or cut at the 80 columns rich assumes there."""
+    if not con.is_terminal:
+        for row in rows:
+            typer.echo("  ".join(x for x in row if x))
         return
-    t = Table(title="doctor", show_header=True, header_style="bold")
-    for col in ("node", "check", "result", "detail"):
-        t.add_column(col)
-    for c in report.checks:
-        t.add_row(c.node, c.name, _ICON.get(c.status, c.status), c.detail)
+    t = Table(title=title, show_header=True, header_style="bold")
+    for col in cols:
+        t.add_column(col, overflow="fold")
+    for row in rows:  # values are data, not markup ("[N/A]" stays as it is)
+        t.add_row(*(Text.from_markup(ICON.get(x, x)) if i == status else Text(x) for i, x in enumerate(row)))
     con.print(t)
+
+
+def doctor(con: Console, checks: list[Check]) -> None:
+    """The pre-flight checks, one row each (``doctor``, and ``up`` before it starts anything)."""
+    rows: list[tuple[str, ...]] = [
+        (c.node, c.name, c.status, c.detail, f"hint: {c.hint}" if c.hint and c.status != "pass" else "") for c in checks
+    ]
+    table(con, "doctor", ("node", "check", "result", "detail", "hint"), rows, status=2)
+
+
+def doctor_summary(con: Console, report: DoctorReport) -> None:
+    """After the table: every node passes, or the refusal ``up`` would give."""
+    if report.ok:
+        con.print(f"[green]all {len({c.node for c in report.checks})} node(s) pass[/]")
+    else:
+        refusal = report.error()
+        typer.echo(f"error: {refusal.message}", err=True)
+        typer.echo(f"hint: {refusal.hint}", err=True)
 
 
 def log_block(con: Console, pid: str, tail: str) -> None:
@@ -73,6 +104,8 @@ def down(con: Console, name: str, report: TeardownReport) -> None:
     if report.clean:
         what = f"{len(report.stopped)} process(es) stopped" if report.stopped else "nothing was running"
         con.print(f"[green]{name} is down[/]: {what}; {report.verified}")
+        if report.hint:
+            con.print(f"hint: {report.hint}")
         return
     con.print(f"[red]{name} is not fully down[/]")
     for node, why in report.unreachable.items():

@@ -10,10 +10,9 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from k3launch.models.findings import Finding, FlagHistory
 from k3launch.models.plan import Plan, Process
 from k3launch.models.recipe import Recipe, Taxonomy
-from k3launch.planning.explain import FlagHistory
-from k3launch.planning.lint import Finding
 
 
 def command_lines(proc: Process) -> str:

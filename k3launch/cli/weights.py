@@ -23,21 +23,10 @@ from k3launch.util.bounds import BUSBW, PROGRESS_INTERVAL
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from k3launch.deploy.base import Check
-    from k3launch.deploy.ssh.fetch import NodeWeights, Progress
+    from k3launch.models.weights import FetchProgress, NodeWeights
 
 weights_app = typer.Typer(help="The model's weights on the nodes: check them, fetch them.", no_args_is_help=True)
 app.add_typer(weights_app, name="weights")
-
-_ICON = {
-    "pass": "[green]ok[/]",
-    "fail": "[red]FAIL[/]",
-    "warn": "[yellow]warn[/]",
-    "skip": "[dim]skipped[/]",
-    "complete": "[green]complete[/]",
-    "missing": "[red]missing[/]",
-}
-
 
 @app.command()
 @with_selection
@@ -64,7 +53,7 @@ def doctor(
         plan = args.build()
         report = api.doctor(
             plan,
-            args.inventory_path,
+            args.inventory(),
             state_dir=state_dir,
             bandwidth=bandwidth,
             min_busbw=min_busbw,
@@ -76,41 +65,13 @@ def doctor(
     if json_out:
         typer.echo(json.dumps({"name": plan.name, "ok": report.ok, "checks": [asdict(c) for c in report.checks]}, indent=2))
     else:
+        from k3launch.cli import show_deploy  # rich: loaded by the commands that print tables, never at start-up
+
         con = console()
-        _doctor_table(con, report.checks)
-        if report.ok:
-            con.print(f"[green]all {len({c.node for c in report.checks})} node(s) pass[/]")
-        else:
-            refusal = report.error()
-            typer.echo(f"error: {refusal.message}", err=True)
-            typer.echo(f"hint: {refusal.hint}", err=True)
+        show_deploy.doctor(con, report.checks)
+        show_deploy.doctor_summary(con, report)
     if not report.ok:
         raise typer.Exit(1)
-
-
-def _table(con: Console, title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]], status: int) -> None:
-    """A rich table on a terminal (column ``status`` coloured); elsewhere (CI, nohup, a pipe) one
-    plain line per row, never wrapped or cut at the 80 columns rich assumes there."""
-    if not con.is_terminal:
-        for row in rows:
-            typer.echo("  ".join(x for x in row if x))
-        return
-    from rich.table import Table
-    from rich.text import Text
-
-    t = Table(title=title, show_header=True, header_style="bold")
-    for col in cols:
-        t.add_column(col, overflow="fold")
-    for row in rows:  # values are data, not markup ("[N/A]" stays as it is)
-        t.add_row(*(Text.from_markup(_ICON.get(x, x)) if i == status else Text(x) for i, x in enumerate(row)))
-    con.print(t)
-
-
-def _doctor_table(con: Console, checks: list[Check]) -> None:
-    rows: list[tuple[str, ...]] = [
-        (c.node, c.name, c.status, c.detail, f"hint: {c.hint}" if c.hint and c.status != "pass" else "") for c in checks
-    ]
-    _table(con, "doctor", ("node", "check", "result", "detail", "hint"), rows, status=2)
 
 
 def _rows(rows: list[NodeWeights]) -> list[dict[str, object]]:
@@ -152,7 +113,9 @@ def _weights_table(con: Console, rows: list[NodeWeights]) -> None:
                 where,
             )
         )
-    _table(con, "weights", ("node", "model", "state", "files", "size", "free", "where / problem"), out, status=2)
+    from k3launch.cli import show_deploy
+
+    show_deploy.table(con, "weights", ("node", "model", "state", "files", "size", "free", "where / problem"), out, status=2)
 
 
 def _finish(rows: list[NodeWeights], json_out: bool) -> None:
@@ -178,15 +141,15 @@ def check(
     try:
         args = args.or_local()
         rows = api.weights_check(
-            args.build(), args.inventory_path, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
+            args.build(), args.inventory(), accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
         )
     except K3Error as err:
         fail(err)
     _finish(rows, json_out)
 
 
-def _progress_printer(json_out: bool) -> Callable[[Progress], None] | None:
-    def show(p: Progress) -> None:
+def _progress_printer(json_out: bool) -> Callable[[FetchProgress], None] | None:
+    def show(p: FetchProgress) -> None:
         pct = f" ({100 * p.done_bytes / p.total_bytes:.0f}%)" if p.total_bytes else ""
         eta = ""
         if 0 < p.done_bytes < p.total_bytes and p.elapsed_s > 0:
@@ -223,7 +186,7 @@ def fetch(
         args = args.or_local()
         rows = api.weights_fetch(
             args.build(),
-            args.inventory_path,
+            args.inventory(),
             from_path=from_path,
             from_node=from_node,
             on_progress=_progress_printer(json_out),

@@ -21,213 +21,27 @@ seam"):
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Protocol, TypeVar
 
+from k3launch.deploy.options import UpOptions
 from k3launch.deploy.progress import ProgressFn, Tracker
+from k3launch.deploy.readiness import Readiness
 from k3launch.errors import K3Error
 from k3launch.models.phases import LogDelta
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
+from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport, DryRun, LaunchFailed, TeardownReport
+from k3launch.models.weights import FetchProgress, NodeWeights, Source
 from k3launch.transport import http
-from k3launch.transport.runners import HOST_KEY_HINT
 
 if TYPE_CHECKING:
     from k3launch.deploy.state import StateStore
+    from k3launch.models.power import Sampler
     from k3launch.planning.inventory import Inventory
-
-DEFAULT_READY_TIMEOUT_S = 1800.0
-# How a rank says it went down *because another did* (torch/gloo/NCCL, vLLM, the simulated engine)
-PEER_LOSS = re.compile(r"by peer|peer process|remote process exited|disconnected|lost the connection|lost a member|"
-                       r"connection (?:reset|closed|refused)|broken pipe", re.IGNORECASE)
-
-
-class LaunchFailed(K3Error):
-    """``up`` failed: which process (``failing``) on which node, with its last log lines."""
-
-    def __init__(self, message: str, hint: str, failing: str | None = None, log_tail: str = "", code: str = "launch-failed",
-                 node: str | None = None) -> None:
-        super().__init__(code, message, hint)
-        self.failing = failing
-        self.log_tail = log_tail
-        self.node = node
-
-
-@dataclass
-class TeardownReport:
-    """What ``down`` (or the teardown of a failed ``up``) did and found, per node."""
-
-    stopped: list[str] = field(default_factory=list)
-    leftovers: dict[str, list[str]] = field(default_factory=dict)  # node -> what remains
-    unreachable: dict[str, str] = field(default_factory=dict)  # node -> why
-    busy_ports: list[str] = field(default_factory=list)
-    verified: str = "no process or container left; planned ports free"  # what a clean report checked
-    set_aside: str | None = None  # an unreadable record, renamed NAME.json.corrupt-<time> before the search
-
-    @property
-    def clean(self) -> bool:
-        return not (self.leftovers or self.unreachable or self.busy_ports)
-
-
-# The line of a dead engine's log that says why: vLLM's own error (argparse's "vllm: error: ...",
-# pydantic's "Value error, ...", an exception line "EngineDeadError: ..."), the last one logged.
-_ERROR_LINE = re.compile(r"\b(?:[A-Za-z]*Error|error)\b[:,]")
-
-
-def error_line(log_tail: str) -> str | None:
-    """The last line of ``log_tail`` that states an error, trimmed (None when no line does)."""
-    for line in reversed(log_tail.splitlines()):
-        text = line.strip()
-        if _ERROR_LINE.search(text) and not text.startswith(("Traceback", "For further information")):
-            return text if len(text) <= 300 else text[:297] + "..."
-    return None
-
-
-def rank_label(proc: Process) -> str:
-    """``node rank 2`` / ``DP ranks 8-15`` / ``router`` — how people name the rank."""
-    a = proc.argv
-
-    def flag(name: str) -> str | None:
-        return a[a.index(name) + 1] if name in a and a.index(name) + 1 < len(a) else None
-
-    if (r := flag("--node-rank")) is not None:
-        return f"{proc.role}, node rank {r}"
-    local = flag("--data-parallel-size-local")
-    if local and local.isdigit() and flag("--data-parallel-size"):
-        start = int(flag("--data-parallel-start-rank") or 0)
-        return f"{proc.role}, DP ranks {start}-{start + int(local) - 1}"
-    return proc.role
-
-
-def ready_timeout(plan: Plan, override: float | None) -> float:
-    """``--ready-timeout``, else the plan's ``VLLM_ENGINE_READY_TIMEOUT_S``, else 1800 s."""
-    if override is not None:
-        return override
-    for p in plan.processes:
-        v = p.env.get("VLLM_ENGINE_READY_TIMEOUT_S")
-        if v and v.isdigit():
-            return float(v)
-    return DEFAULT_READY_TIMEOUT_S
-
-
-@dataclass
-class Readiness:
-    """The ``health`` and ``completion`` stages, shared by every backend: every HTTP endpoint
-    answers ``/health`` 200, then one real completion comes back through the public endpoint."""
-
-    processes: Sequence[Process]  # with the addresses the processes really bind
-    endpoint: str
-    model: str
-    on_stage: StageFn
-    healthy: set[str] = field(default_factory=set)
-    wait_s: float = 0.5  # how long one poll waits for the completion in flight before the next look at the nodes
-    _pending: http.InFlight | None = None
-
-    @property
-    def missing(self) -> list[str]:
-        return [p.id for p in self.processes if p.http_port is not None and p.id not in self.healthy]
-
-    def check(self, t_end: float) -> http.Completion | None:
-        """One poll: probe what is not healthy yet; once all are, try the completion."""
-        n = sum(1 for p in self.processes if p.http_port is not None)
-        todo = {p.id: f"http://{p.address}:{p.http_port}" for p in self.processes if p.id in self.missing}
-        for pid, ok in http.probe_all(todo).items():
-            if ok:
-                self.healthy.add(pid)
-                self.on_stage(Stage.HEALTH, f"{pid} healthy ({len(self.healthy)}/{n})")
-        if self.missing:
-            return None
-        # The completion runs beside the polls, not inside one: it may take up to a minute, and a
-        # node that stops answering meanwhile must still be noticed by the next poll.
-        if self._pending is None:
-            timeout = max(5.0, min(60.0, t_end - time.monotonic()))
-            self._pending = http.in_background(lambda: http.completion(self.endpoint, self.model, timeout=timeout))
-        c = self._pending.wait(self.wait_s)
-        if c is None:
-            return None
-        self._pending = None
-        if c.ok:
-            self.on_stage(Stage.COMPLETION, f"completion through {self.endpoint}: {c.completion_tokens} tokens in {c.seconds:.2f}s")
-            return c
-        if c.detail.startswith("no tokens"):
-            raise LaunchFailed(f"completion stage: {self.endpoint} answers but generated no tokens ({c.detail})",
-                               "the engines answer but generate nothing: read the logs", code="no-tokens")
-        return None
-
-    def stage(self) -> Stage:
-        return Stage.HEALTH if self.missing else Stage.COMPLETION
-
-
-# ---------------------------------------------------------------------- options and events
-@dataclass(frozen=True)
-class Access:
-    """How k3launch reaches nodes (SSH backends; others ignore it)."""
-
-    accept_unknown_hosts: bool = False  # only ever set from an explicit user flag
-    connect_timeout: float = 10.0
-
-
-@dataclass(frozen=True)
-class UpOptions:
-    """Everything ``up`` takes besides the plan and the inventory (see ``k3launch up --help``)."""
-
-    ready_timeout: float | None = None
-    keep_on_failure: bool = False
-    force: bool = False  # use nodes another live deployment holds (ssh/local)
-    skip_doctor: bool = False
-    access: Access = Access()
-    extra_sbatch: tuple[str, ...] = ()  # Slurm only
-    queue_timeout: float | None = None  # Slurm only
-
-
-@dataclass(frozen=True)
-class Check:
-    """One pre-flight check of one node (``doctor``)."""
-
-    node: str
-    name: str
-    status: str  # pass | fail | warn | skip
-    detail: str = ""
-    code: str = ""  # the error code of a failed connection (host-key-unknown, unreachable, ...)
-    hint: str = ""  # what fixes a failure, when the check knows better than the generic advice
-
-
-@dataclass
-class DoctorReport:
-    """Every check of every node; ``ok`` when none failed."""
-
-    checks: list[Check]
-
-    @property
-    def ok(self) -> bool:
-        return not any(c.status == "fail" for c in self.checks)
-
-    def failures(self) -> list[Check]:
-        return [c for c in self.checks if c.status == "fail"]
-
-    def failed_nodes(self) -> list[str]:
-        return sorted({c.node for c in self.failures()})
-
-    def error(self) -> K3Error:
-        """The refusal to raise when not ok: connection problems first, with their own codes."""
-        bad = self.failures()
-        keys = [c for c in bad if c.code in ("host-key-unknown", "host-key-mismatch")]
-        if keys:
-            nodes = ", ".join(sorted({c.node for c in keys}))
-            if any(c.code == "host-key-mismatch" for c in keys):
-                return K3Error("host-key-mismatch", f"host key mismatch on {nodes}: {keys[0].detail}",
-                               "the host's key changed: check why before fixing known_hosts")
-            return K3Error("host-key-unknown", f"host key of {nodes} not in known_hosts ({keys[0].detail})", HOST_KEY_HINT)
-        unreach = [c for c in bad if c.name == "reachable"]
-        if unreach:
-            return K3Error("unreachable", f"cannot reach {', '.join(sorted({c.node for c in unreach}))}: {unreach[0].detail}",
-                           "check the address, ssh config and that sshd runs there; or --exclude the node")
-        first = next((c for c in bad if c.hint), bad[0])
-        return K3Error("doctor-failed", f"pre-flight checks failed on {', '.join(self.failed_nodes())}: {first.name}: {first.detail}",
-                       first.hint or "fix the nodes or --exclude them; --skip-doctor to launch anyway")
+    from k3launch.transport.fleet import Fleet
 
 
 def no_op(*_: object) -> None:
@@ -245,25 +59,6 @@ class Events:
     on_progress: ProgressFn = no_op
 
 
-@dataclass(frozen=True)
-class DryRunStep:
-    step: str  # engines | router
-    node: str
-    address: str
-    script: str  # exactly what `up` hands to `bash -c` on that node
-
-
-@dataclass(frozen=True)
-class DryRun:
-    """What ``up`` would run, without running it: per-node steps, or the sbatch script; and the
-    same as standalone files (``render --out``: file name → text, all executable)."""
-
-    name: str
-    steps: tuple[DryRunStep, ...] = ()
-    sbatch: str | None = None
-    files: tuple[tuple[str, str], ...] = ()
-
-
 Emit = Callable[[str], None]
 R = TypeVar("R", bound=RecordBase)
 
@@ -278,28 +73,73 @@ def own(rec: DeploymentRecord, kind: type[R]) -> R:
 
 # ---------------------------------------------------------------------- the seam
 class Backend(Protocol):
-    """A way of running deployments (docs/design.md, "How to add a backend")."""
+    """A way of running deployments: the lifecycle every backend has (docs/design.md, "How to add a
+    backend"). A backend is built by the registry with the option types it lists in ``OPTIONS``
+    (:mod:`k3launch.deploy.options`); what it supports beyond the lifecycle it declares as
+    :class:`~k3launch.models.backends.Feature` s in its registry entry, and implements as the
+    protocols below (:class:`NodeOps`, :class:`PowerOps`, :class:`ArrayOps`)."""
+
+    OPTIONS: ClassVar[tuple[type, ...]]
 
     def up(self, plan: Plan, inv: Inventory, inv_path: str, store: StateStore, opts: UpOptions, events: Events) -> DeploymentRecord:
         """Bring ``plan`` up and return once it serves (raises K3Error / LaunchFailed)."""
         ...
 
-    def status(self, rec: DeploymentRecord, access: Access) -> Status: ...
+    def status(self, rec: DeploymentRecord) -> Status: ...
 
-    def logs(self, rec: DeploymentRecord, ids: Sequence[str], lines: int, follow: bool, emit: Emit, access: Access,
-             everything: bool = False) -> None:
+    def logs(self, rec: DeploymentRecord, ids: Sequence[str], lines: int, follow: bool, emit: Emit, everything: bool = False) -> None:
         """Print each process's last ``lines`` (``everything``: the backend's own log first), then follow."""
         ...
 
-    def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport: ...
+    def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float) -> TeardownReport: ...
 
-    def sweep(self, name: str, inv: Inventory, grace_s: float, access: Access) -> TeardownReport:
+    def sweep(self, name: str, inv: Inventory, grace_s: float) -> TeardownReport:
         """``down`` without a (readable) record: find what runs of deployment ``name`` where ``inv``
         runs deployments (processes by marker, containers by label, jobs by name), stop it, verify."""
         ...
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """``inv`` None: a plan on placeholder nodes (no inventory settings such as ``hf_token_file``)."""
+        ...
+
+
+class NodeOps(Protocol):
+    """Commands on a plan's nodes outside the lifecycle: features ``doctor``, ``weights``, ``fleet``."""
+
+    def doctor(self, plan: Plan, inv: Inventory, live: Sequence[str], bandwidth: bool, min_busbw: float | None) -> DoctorReport:
+        """The pre-flight checks ``up`` runs (``live``: the state directory's deployments, not leftovers)."""
+        ...
+
+    def weights_check(self, plan: Plan, inv: Inventory) -> list[NodeWeights]: ...
+
+    def weights_fetch(self, plan: Plan, inv: Inventory, source: Source, on_progress: Callable[[FetchProgress], None] | None,
+                      interval: float) -> list[NodeWeights]: ...
+
+    def fleet(self, rec: DeploymentRecord) -> Fleet:
+        """The nodes of a live deployment, for commands on them (a context manager: closed on exit)."""
+        ...
+
+
+class PowerOps(Protocol):
+    """Feature ``power``: GPU power readings of a deployment's engine nodes while a load runs."""
+
+    def power_sampler(self, rec: DeploymentRecord) -> Sampler: ...
+
+
+class ArrayOps(Protocol):
+    """Feature ``arrays``: one allocation per plan, as one job array per shape."""
+
+    def submit_array(self, plans: Sequence[Plan], inv: Inventory, log_dir: str, work: Callable[[int, Plan], Sequence[str]] | None,
+                     concurrency: int | None, name: str, extra: Sequence[str], ready_timeout: float) -> list[ArrayJob]: ...
+
+    def wait_array(self, job: ArrayJob, timeout: float) -> ArrayResult: ...
+
+    def active_tasks(self, job_ids: Sequence[str]) -> set[str]:
+        """``<job>_<task>`` of every task of these arrays still pending or running (unknown jobs: none)."""
+        ...
+
+    def attached_record(self, plan: Plan, env: Mapping[str, str], inventory: str | None) -> DeploymentRecord:
+        """Inside an array task's allocation: the record of the deployment the task's job brought up."""
         ...
 
 

@@ -68,9 +68,33 @@ def io_error(exc: OSError, path: Path | str, doing: str) -> K3Error:
 
 
 class StateStore:
+    """The state directory (``--state-dir``, ``$K3LAUNCH_STATE_DIR``, else ``~/.k3launch``): every
+    path k3launch keeps there is spelled here, once.
+
+    ``deployments/NAME.json`` (the records), ``logs/NAME/`` (a failed ``up``'s last log lines),
+    ``bench/NAME/`` (``bench`` results), ``slurm/NAME/`` (a Slurm job's shared logs, unless the
+    inventory's ``slurm.log_dir`` says otherwise), ``slurm/arrays/`` (job arrays),
+    ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused).
+    """
+
     def __init__(self, root: Path | None = None) -> None:
         self.root = (root or default_state_dir()).expanduser()
         self.dir = self.root / "deployments"
+
+    def logs_dir(self, name: str) -> Path:
+        return self.root / "logs" / check_name(name)
+
+    def bench_dir(self, name: str) -> Path:
+        return self.root / "bench" / check_name(name)
+
+    def slurm_dir(self) -> Path:
+        return self.root / "slurm"
+
+    def arrays_dir(self) -> Path:
+        return self.slurm_dir() / "arrays"
+
+    def bad_nodes_path(self) -> Path:
+        return self.root / "slurm-bad-nodes.json"
 
     def _ensure(self) -> None:
         try:

@@ -9,6 +9,7 @@ Pure. :class:`BenchMetrics` names its fields exactly as vLLM's result JSON does 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -93,3 +94,13 @@ def bench_argv(load: LoadPoint, *, base_url: str, model: str, served_name: str |
     if warmups:
         argv += ["--num-warmups", str(warmups)]
     return argv
+
+
+@dataclass(frozen=True)
+class Sample:
+    t: float  # seconds since the epoch when the reading was taken
+    watts: tuple[float, ...]  # one per GPU of the node
+
+    @property
+    def total(self) -> float:
+        return sum(self.watts)

@@ -52,6 +52,15 @@ class Process(Frozen):
     dp_start_rank: int | None = None
     gpus: int = 0
 
+    def rank_label(self) -> str:
+        """``prefill, node rank 2`` / ``decode, DP ranks 8-15`` / ``router``: how people name the rank."""
+        if self.node_rank is not None:
+            return f"{self.role}, node rank {self.node_rank}"
+        if self.dp_start_rank is not None:
+            local = max(self.gpus, 1)  # one DP rank per GPU (a CPU node runs one)
+            return f"{self.role}, DP ranks {self.dp_start_rank}-{self.dp_start_rank + local - 1}"
+        return self.role
+
 
 class PoolCapacity(Frozen):
     role: EngineRole

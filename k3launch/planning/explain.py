@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan, ProvenanceEntry
+from k3launch.models.findings import FlagHistory
+from k3launch.models.plan import Plan
 from k3launch.planning.schema import load_schema
-
-
-@dataclass(frozen=True)
-class FlagHistory:
-    key: str
-    processes: list[str]  # ids sharing this history
-    entries: list[ProvenanceEntry]
-    final: str | None  # None: not in the final command (a later layer removed it)
 
 
 def flag_key(plan: Plan, name: str) -> str:

@@ -10,24 +10,9 @@ before the program are checked as environment: ``VLLM_*`` names vLLM does not re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from k3launch.models.findings import ERROR, WARNING, Finding
 from k3launch.planning.configs import unknown_fields
 from k3launch.planning.schema import Arg, FlagSchema, Problem
-
-ERROR = "error"
-WARNING = "warning"
-
-
-@dataclass(frozen=True)
-class Finding:
-    severity: str
-    code: str
-    message: str
-    hint: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"severity": self.severity, "code": self.code, "message": self.message, "hint": self.hint}
 
 
 def _split_command(words: list[str]) -> tuple[list[str], list[str], list[Finding]]:

@@ -80,3 +80,10 @@ class Fleet:
         self.remote.close()
         if self.local is not self.remote:
             self.local.close()
+
+    # A fleet holds connections: ``with connect(...) as fleet:`` closes them whatever happens.
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

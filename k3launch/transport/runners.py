@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from k3launch.errors import K3Error
+from k3launch.errors import HOST_KEY_HINT, K3Error
 from k3launch.transport.heartbeat import Heartbeat
 from k3launch.transport.sshshell import Shell, ShellBroken, ShellTimeout
 
@@ -116,10 +116,6 @@ class LocalRunner:
 
     def close(self) -> None:
         return None
-
-
-HOST_KEY_HINT = ("check the host's key fingerprint and add it to known_hosts (ssh-keyscan), or pass --accept-unknown-hosts "
-                 "to accept and remember keys not seen before")
 
 
 @dataclass

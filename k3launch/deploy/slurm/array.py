@@ -35,13 +35,13 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3launch.deploy.slurm.client import ACTIVE, SLURM_HINT, SlurmClient
 from k3launch.deploy.slurm.job import parse_output
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.reports import ArrayJob, ArrayResult
 from k3launch.planning.inventory import Inventory
 from k3launch.render.sbatch import make_array_string, node_order
 from k3launch.util.names import check_name
@@ -49,27 +49,6 @@ from k3launch.util.names import check_name
 SQUEUE_FAILURE_S = 120.0  # seconds of consecutive failed squeue polls before wait_array gives up
 
 
-
-
-@dataclass
-class ArrayJob:
-    job_id: str
-    log_dir: str
-    deployments: list[str]  # task index -> deployment name
-    script: str
-
-    def result_path(self, task: int) -> Path:
-        return Path(self.log_dir) / "results" / f"task-{task}.json"
-
-    def output_path(self, task: int) -> Path:
-        return Path(self.log_dir) / f"slurm-{self.job_id}_{task}.out"
-
-
-@dataclass
-class ArrayResult:
-    job: ArrayJob
-    states: dict[int, str] = field(default_factory=dict)  # task -> Slurm state (missing: Slurm forgot the task)
-    results: dict[int, dict[str, object]] = field(default_factory=dict)  # task -> its result JSON
 
 
 def task_work(plan_path: str, result_path: str, ready_timeout: float, work: Sequence[str]) -> list[str]:

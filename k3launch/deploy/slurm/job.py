@@ -85,7 +85,7 @@ def bind_plan(plan: Plan, addresses: dict[str, str]) -> Plan:
 
 # ---------------------------------------------------------------------- bad nodes
 def _bad_path(store: StateStore) -> Path:
-    return store.root / "slurm-bad-nodes.json"
+    return store.bad_nodes_path()
 
 
 def bad_nodes(store: StateStore, now: float | None = None) -> dict[str, dict[str, object]]:
@@ -105,7 +105,7 @@ def record_bad_node(store: StateStore, host: str, reason: str, kind: str, deploy
 
     try:
         store.root.mkdir(parents=True, exist_ok=True)
-        with locked(store.root / "slurm-bad-nodes.lock", remove=True):
+        with locked(store.bad_nodes_path().with_suffix(".lock"), remove=True):
             data = bad_nodes(store)
             data[host] = {"reason": reason, "kind": kind, "time": time.time(), "deployment": deployment}
             fd, tmp = tempfile.mkstemp(dir=store.root, prefix=".slurm-bad-nodes.")

@@ -29,9 +29,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3launch.deploy.base import PEER_LOSS, LaunchFailed, Progress, TeardownReport, error_line, rank_label, ready_timeout, run_up
+from k3launch.deploy.base import Progress, run_up
 from k3launch.deploy.logtail import LogCursor
 from k3launch.deploy.logtail import read_file as read_log
+from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.slurm.client import NEVER_RUNS, JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import JobOutput, bad_nodes, bind_plan, parse_output, read_file, record_bad_node, tail_file
 from k3launch.deploy.slurm.ops import cancel_job
@@ -39,6 +40,7 @@ from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SlurmJob, SlurmRecord, Stage, StageFn
+from k3launch.models.reports import PEER_LOSS, LaunchFailed, TeardownReport, error_line
 from k3launch.planning.inventory import Inventory
 from k3launch.render.sbatch import make_sbatch_string, node_order
 from k3launch.util.polling import poll_until
@@ -63,7 +65,7 @@ _SAFE_PATH = re.compile(r"[A-Za-z0-9._/+,:@=~-]+")
 def log_dir_for(store: StateStore, inv: Inventory, name: str) -> str:
     """Absolute: slurmd resolves a relative --output against the job's working directory."""
     base = inv.slurm.log_dir if inv.slurm is not None else None
-    d = (Path(base).expanduser().resolve() if base else store.root.expanduser().resolve() / "slurm") / name
+    d = (Path(base).expanduser().resolve() if base else store.slurm_dir().resolve()) / name
     if not _SAFE_PATH.fullmatch(str(d)):
         raise K3Error("bad-log-dir", f"log directory {str(d)!r} cannot stand on an #SBATCH line (white space, quotes, '#' or '%')",
                       "set slurm.log_dir in the inventory to a plain path on a shared filesystem")
@@ -287,7 +289,7 @@ class SlurmLaunch:
             tails = {pid: tail_file(log_dir / f"{pid}.log", 30) for pid, _, _ in out.step_exits}
             pid, host, rc = next((e for e in out.step_exits if not PEER_LOSS.search(tails[e[0]])), out.step_exits[0])
             proc = next((p for p in self.plan.processes if p.id == pid), None)
-            label = rank_label(proc) if proc else pid
+            label = proc.rank_label() if proc else pid
             others = [e[0] for e in out.step_exits if e[0] != pid]
             then = f"; {', '.join(others)} exited too" if others else ""
             said = error_line(tails[pid])

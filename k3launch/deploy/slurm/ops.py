@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from k3launch.deploy.base import TeardownReport
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import bind_plan, tail_file
 from k3launch.deploy.state import StateStore
 from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status, observed_state
+from k3launch.models.reports import TeardownReport
 from k3launch.transport.http import probe_all
 from k3launch.util.polling import poll_until, ticks
 

@@ -22,9 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from k3launch.deploy.base import LaunchFailed, Readiness
+from k3launch.deploy.readiness import Readiness
 from k3launch.deploy.slurm.job import bind_plan
 from k3launch.models.plan import Plan
+from k3launch.models.reports import LaunchFailed
 from k3launch.render.sbatch import node_order
 from k3launch.util.polling import poll_until
 

@@ -4,21 +4,33 @@ Every node is reached through one :class:`~k3launch.transport.fleet.Fleet` (SSH 
 verified, or local commands), opened for one command and closed after it. ``up`` refuses nodes
 another live deployment holds (``--force`` overrides), runs the ``doctor`` pre-flight checks,
 then the shared ``up`` skeleton with :class:`~k3launch.deploy.ssh.launch.Launch`'s hooks.
+Besides the lifecycle it implements the node operations (``doctor``, ``weights``, ``fleet``) and
+power sampling over the fleet (its features: :mod:`k3launch.models.backends`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
-from k3launch.deploy.base import Access, DryRun, DryRunStep, Emit, Events, TeardownReport, UpOptions, own, ready_timeout, run_up
+from k3launch.deploy.base import Emit, Events, own, run_up
+from k3launch.deploy.options import Access, UpOptions
+from k3launch.deploy.power import FleetSampler, engine_nodes
+from k3launch.deploy.readiness import ready_timeout
+from k3launch.deploy.ssh.bandwidth import measure
 from k3launch.deploy.ssh.doctor import doctor
+from k3launch.deploy.ssh.fetch import check, fetch
 from k3launch.deploy.ssh.launch import Launch, node_script, start_steps
 from k3launch.deploy.ssh.observe import follow_logs, observe, tail_logs
 from k3launch.deploy.ssh.teardown import sweep, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.backends import spec
 from k3launch.models.plan import Host, Plan
+from k3launch.models.power import Sampler
 from k3launch.models.record import DeploymentRecord, SshRecord, Stage, Status
+from k3launch.models.reports import DoctorReport, DryRun, DryRunStep, TeardownReport
+from k3launch.models.weights import FetchProgress, NodeWeights, Source
 from k3launch.planning.build import inventory_hosts
 from k3launch.planning.inventory import Inventory
 from k3launch.render.scripts import script, script_names
@@ -34,7 +46,7 @@ def connect(plan: Plan, ssh_config: str | None = None, known_hosts: str | None =
 def _fleet(backend: str, hosts: Sequence[Host], ssh_config: str | None, known_hosts: str | None, access: Access | None,
            plan: Plan | None = None) -> Fleet:
     access = access or Access()
-    if backend == "ssh":
+    if backend != "none" and not spec(backend).this_machine:
         runner = SshRunner(known_hosts=known_hosts, ssh_config=ssh_config, accept_unknown_hosts=access.accept_unknown_hosts,
                            connect_timeout=access.connect_timeout)
         return Fleet.for_hosts(backend, hosts, runner, LocalRunner(), plan=plan)
@@ -44,16 +56,22 @@ def _fleet(backend: str, hosts: Sequence[Host], ssh_config: str | None, known_ho
 class SshBackend:
     """Processes over SSH (or on this machine), one round trip per node and step."""
 
+    OPTIONS: ClassVar[tuple[type, ...]] = (Access,)
+
+    def __init__(self, access: Access | None = None) -> None:
+        self.access = access or Access()
+
+    def _connect(self, plan: Plan, inv: Inventory | SshRecord) -> Fleet:
+        return connect(plan, inv.ssh_config, inv.known_hosts, self.access)
+
+    # ------------------------------------------------------------------ lifecycle
     def up(self, plan: Plan, inv: Inventory, inv_path: str, store: StateStore, opts: UpOptions, events: Events) -> SshRecord:
-        if opts.extra_sbatch:
-            raise K3Error("not-slurm", "--extra-sbatch applies to slurm inventories only", "drop --extra-sbatch")
         held = store.nodes_in_use()
         clash = sorted({f"{h.name} ({held[h.address]})" for h in plan.hosts if h.address in held and h.gpus})
         if clash and not opts.force:
             raise K3Error("nodes-in-use", f"nodes held by live deployments: {', '.join(clash)}",
                           "`k3launch down` that deployment, --exclude the nodes, or pass --force")
-        fleet = connect(plan, inv.ssh_config, inv.known_hosts, opts.access)
-        try:
+        with self._connect(plan, inv) as fleet:
             if not opts.skip_doctor:
                 report = doctor(plan, fleet, [r.name for r in store.list()])
                 events.on_doctor(report)
@@ -64,47 +82,32 @@ class SshBackend:
                             ssh_config=inv.ssh_config, known_hosts=inv.known_hosts, backend="ssh" if inv.backend == "ssh" else "local")
             run_up(launch, store, ready_timeout(plan, opts.ready_timeout), opts.keep_on_failure, events.on_failure, events.on_progress)
             return launch.record
-        finally:
-            fleet.close()
 
-    def status(self, rec: DeploymentRecord, access: Access) -> Status:
+    def status(self, rec: DeploymentRecord) -> Status:
         r = own(rec, SshRecord)
-        fleet = connect(r.plan, r.ssh_config, r.known_hosts, access)
-        try:
+        with self._connect(r.plan, r) as fleet:
             return observe(r, fleet)
-        finally:
-            fleet.close()
 
-    def logs(self, rec: DeploymentRecord, ids: Sequence[str], lines: int, follow: bool, emit: Emit, access: Access,
-             everything: bool = False) -> None:
+    def logs(self, rec: DeploymentRecord, ids: Sequence[str], lines: int, follow: bool, emit: Emit, everything: bool = False) -> None:
         r = own(rec, SshRecord)
-        fleet = connect(r.plan, r.ssh_config, r.known_hosts, access)
         node_of = {p.id: p.node for p in r.plan.processes}
-        try:
+        with self._connect(r.plan, r) as fleet:
             for pid, text in tail_logs(r, fleet, ids, lines).items():
                 emit(f"==> {pid} on {node_of[pid]} <==")
                 emit(text.rstrip())
             if follow:
                 follow_logs(r, fleet, ids, emit)
-        finally:
-            fleet.close()
 
-    def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float, access: Access) -> TeardownReport:
+    def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float) -> TeardownReport:
         r = own(rec, SshRecord)
-        fleet = connect(r.plan, r.ssh_config, r.known_hosts, access)
-        try:
+        with self._connect(r.plan, r) as fleet:
             return teardown(r, fleet, store, grace_s=grace_s)
-        finally:
-            fleet.close()
 
-    def sweep(self, name: str, inv: Inventory, grace_s: float, access: Access) -> TeardownReport:
+    def sweep(self, name: str, inv: Inventory, grace_s: float) -> TeardownReport:
         hosts = inventory_hosts(inv)
-        fleet = _fleet(inv.backend, hosts, inv.ssh_config, inv.known_hosts, access)
-        where = "this machine" if inv.backend == "local" else f"the {len(hosts)} machine(s) of inventory {inv.name}"
-        try:
+        where = "this machine" if spec(inv.backend).this_machine else f"the {len(hosts)} machine(s) of inventory {inv.name}"
+        with _fleet(inv.backend, hosts, inv.ssh_config, inv.known_hosts, self.access) as fleet:
             return sweep(name, fleet, where, grace_s)
-        finally:
-            fleet.close()
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """Exactly the text ``up`` hands to ``bash -c`` on each node, in order (nothing is connected
@@ -119,3 +122,27 @@ class SshBackend:
                 steps.append(DryRunStep(step, node, fleet.host(node).address, text))
         files = tuple((fname, script(plan, node, token_file)) for node, fname in script_names(plan).items())
         return DryRun(plan.name, steps=tuple(steps), files=files)
+
+    # ------------------------------------------------------------------ node operations
+    def doctor(self, plan: Plan, inv: Inventory, live: Sequence[str], bandwidth: bool, min_busbw: float | None) -> DoctorReport:
+        with self._connect(plan, inv) as fleet:
+            report = doctor(plan, fleet, list(live))
+            if bandwidth:
+                report.checks += measure(plan, fleet, min_busbw)
+            return report
+
+    def weights_check(self, plan: Plan, inv: Inventory) -> list[NodeWeights]:
+        with self._connect(plan, inv) as fleet:
+            return check(plan, fleet)
+
+    def weights_fetch(self, plan: Plan, inv: Inventory, source: Source, on_progress: Callable[[FetchProgress], None] | None,
+                      interval: float) -> list[NodeWeights]:
+        with self._connect(plan, inv) as fleet:
+            return fetch(plan, fleet, source, on_progress, interval)
+
+    def fleet(self, rec: DeploymentRecord) -> Fleet:
+        r = own(rec, SshRecord)
+        return self._connect(r.plan, r)
+
+    def power_sampler(self, rec: DeploymentRecord) -> Sampler:
+        return FleetSampler(self.fleet(rec), engine_nodes(rec))

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import shlex
 
-from k3launch.deploy.base import Check
 from k3launch.deploy.ssh import fabric
 from k3launch.deploy.ssh.doctor import node_path
 from k3launch.deploy.ssh.fetch import engine_nodes
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.reports import Check
 from k3launch.transport.fleet import Fleet
 
 # Defaults well under what healthy systems reach (NVLink all-reduce: hundreds of GB/s; 8 x 400 Gb/s

@@ -37,13 +37,13 @@ import shlex
 import time
 from collections.abc import Iterable
 
-from k3launch.deploy.base import Check, DoctorReport
 from k3launch.deploy.ssh import preflight
 from k3launch.deploy.ssh import weights as model_weights
 from k3launch.deploy.ssh.gpus import FAIL, PASS, SKIP, WARN
 from k3launch.deploy.ssh.launch import router_install_hint, run_host, tools_dir
 from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan
+from k3launch.models.reports import Check, DoctorReport
 from k3launch.render import snippets as remote
 from k3launch.render.scripts import Raw, home_path
 from k3launch.transport.fleet import Fleet

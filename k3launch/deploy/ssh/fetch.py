@@ -28,46 +28,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from k3launch.deploy.ssh import weights as w
 from k3launch.deploy.ssh.launch import run_host
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.weights import FetchProgress, NodeWeights, Source, Where
 from k3launch.transport.fleet import Fleet
 
 FETCH_TIMEOUT_S = 24 * 3600.0  # a 1.5 TB model over a slow link: hours, not forever
 CHECK_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class Source:
-    kind: Literal["hub", "path", "node"] = "hub"
-    path: str = ""  # kind path: a directory the nodes see
-    node: str = ""  # kind node: the plan node to copy from
-    token_file: str | None = None  # kind hub: the inventory's hf_token_file (a path on the nodes)
-
-
-@dataclass(frozen=True)
-class NodeWeights:
-    node: str
-    where: w.Where
-    state: w.State | None  # None: not checked (unreachable, no Python)
-    error: str = ""  # why there is no state; or, after a fetch, why it failed
-    fetched: bool = False  # a fetch ran on this node
-
-    @property
-    def complete(self) -> bool:
-        return self.state is not None and self.state.complete
-
-
-@dataclass(frozen=True)
-class Progress:
-    done_bytes: int
-    total_bytes: int  # an estimate: the source's size (or the plan's weights) per fetching node
-    nodes_done: int
-    nodes: int
-    elapsed_s: float
 
 
 @dataclass
@@ -173,7 +144,7 @@ def _stream(fleet: Fleet, src: str, src_cmd: str, dst: str, dst_cmd: str, timeou
     return ""
 
 
-def _tar_commands(spot_src: w.Where, spot_dst: w.Where) -> tuple[str, str]:
+def _tar_commands(spot_src: Where, spot_dst: Where) -> tuple[str, str]:
     """tar of the model's directory on the source node, and its unpacking on a target."""
     if spot_src.local:
         src, dst = w.word(spot_src.model), w.word(spot_dst.model)
@@ -182,7 +153,7 @@ def _tar_commands(spot_src: w.Where, spot_dst: w.Where) -> tuple[str, str]:
     return f"tar -C {w.word(spot_src.hub)} -cf - {name}", f"mkdir -p {w.word(spot_dst.hub)} && tar -C {w.word(spot_dst.hub)} -xf -"
 
 
-def _du(fleet: Fleet, spots: dict[str, w.Where]) -> int:
+def _du(fleet: Fleet, spots: dict[str, Where]) -> int:
     cmds = {n: f"du -sk {w.word(s.repo_dir)} 2>/dev/null | cut -f1" for n, s in spots.items()}
     total = 0
     for o in fleet.run_many(cmds, timeout=60).values():
@@ -195,7 +166,7 @@ def fetch(
     plan: Plan,
     fleet: Fleet,
     src: Source,
-    on_progress: Callable[[Progress], None] | None = None,
+    on_progress: Callable[[FetchProgress], None] | None = None,
     interval: float = 10.0,
     timeout: float = FETCH_TIMEOUT_S,
 ) -> list[NodeWeights]:
@@ -244,14 +215,14 @@ def fetch(
             spots = {r.node: r.where for r in todo}
             while not all(f.done() for f in futures):
                 if on_progress is not None:
-                    on_progress(Progress(_du(fleet, spots), per_node * len(todo), len(tally.finished), len(todo), time.monotonic() - t0))
+                    on_progress(FetchProgress(_du(fleet, spots), per_node * len(todo), len(tally.finished), len(todo), time.monotonic() - t0))
                 for _ in range(max(1, int(interval / 0.1))):
                     if all(f.done() for f in futures):
                         break
                     time.sleep(0.1)
         if on_progress is not None:
             on_progress(
-                Progress(_du(fleet, {r.node: r.where for r in todo}), per_node * len(todo), len(todo), len(todo), time.monotonic() - t0)
+                FetchProgress(_du(fleet, {r.node: r.where for r in todo}), per_node * len(todo), len(todo), len(todo), time.monotonic() - t0)
             )
     after = {r.node: r for r in check(plan, fleet, [r.node for r in todo])} if todo else {}
     rows = []

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from k3launch.deploy.base import Check
 from k3launch.deploy.ssh import fabric
 from k3launch.models.plan import Plan
+from k3launch.models.reports import Check
 
 PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"  # a check's status (doctor, preflight)
 GPU_MEMORY_SLACK = 0.9  # tools report usable memory, a little under the marketing figure

@@ -35,14 +35,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3launch.deploy.base import LaunchFailed, Progress, TeardownReport, error_line, rank_label, ready_timeout, run_up
+from k3launch.deploy.base import Progress, run_up
 from k3launch.deploy.logtail import LogCursor
+from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.ssh.observe import Poll, poll, tail_logs
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan, Process
 from k3launch.models.record import ProcessRecord, SshBackendName, SshRecord, Stage, StageFn
+from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.render import snippets as remote
 from k3launch.render.scripts import (
     BACKGROUND_HELPER,
@@ -257,7 +259,7 @@ class Launch:
         texts = tail_logs(rec, self.fleet, started, KEPT_LOG_LINES) if started else {}
         if exc.failing and exc.failing not in rec.processes and exc.log_tail:
             texts[exc.failing] = exc.log_tail
-        dest = self.store.root / "logs" / rec.name
+        dest = self.store.logs_dir(rec.name)
         try:
             if dest.is_dir():
                 for old in dest.glob("*.log"):
@@ -329,5 +331,5 @@ class Launch:
             said = f"{proc.argv[0] if proc.role == 'router' else 'the engine program'} not found"
             hint = (router_install_hint(proc.node, self.fleet.target(proc.node).local) if proc.role == "router"
                     else "install the engine on the node, or set its `python:`/`venv:` in the inventory")
-        return LaunchFailed(f"{cause} ({rank_label(proc)}) on {proc.node} exited{how} during {stage}{then}" + (f": {said}" if said else ""),
+        return LaunchFailed(f"{cause} ({proc.rank_label()}) on {proc.node} exited{how} during {stage}{then}" + (f": {said}" if said else ""),
                             hint, cause, tail, code="process-exited", node=proc.node)

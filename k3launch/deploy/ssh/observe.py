@@ -11,11 +11,11 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from k3launch.deploy.base import PEER_LOSS
 from k3launch.deploy.logtail import LogCursor, cut_sections
 from k3launch.errors import K3Error
 from k3launch.models.phases import LogDelta
 from k3launch.models.record import ProcessRecord, ProcessStatus, SshRecord, Status, observed_state
+from k3launch.models.reports import PEER_LOSS
 from k3launch.render import logread
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet

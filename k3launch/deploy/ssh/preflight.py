@@ -25,10 +25,10 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from k3launch.deploy.base import Check
 from k3launch.deploy.ssh import fabric
 from k3launch.deploy.ssh.gpus import FAIL, PASS, QUERY_APPS, QUERY_GPU, SKIP, WARN, gpu_checks
 from k3launch.models.plan import Host, Plan
+from k3launch.models.reports import Check
 
 FABRIC_FLAGS = ("--nnodes", "--data-parallel-address", "--kv-transfer-config")
 SHM_FLOOR = 1 << 30  # below 1 GiB (docker's default is 64 MB) NCCL and vLLM's shared-memory queues fail

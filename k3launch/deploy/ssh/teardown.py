@@ -21,10 +21,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 
-from k3launch.deploy.base import TeardownReport
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.record import SshRecord
+from k3launch.models.reports import TeardownReport
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Outcome

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass, field
 
-from k3launch.deploy.base import Check
 from k3launch.models.plan import Host, Plan
+from k3launch.models.reports import Check
+from k3launch.models.weights import State, Where
 from k3launch.render.scripts import Raw, home_path
 
 OPT_IN = "K3LAUNCH_CHECK_WEIGHTS"  # a node env: "1" checks the simulated engine's weights too, "0" never checks
@@ -93,55 +93,6 @@ elif snap:
             out["bad"].append([f, size, want])
 print("K3W " + json.dumps(out))
 """
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where one node keeps the plan's model."""
-
-    model: str  # a hub id, or a local directory
-    revision: str
-    hub: str  # the hub cache directory (~ expands on the node)
-
-    @property
-    def local(self) -> bool:
-        return self.model.startswith(("/", "~", "."))
-
-    @property
-    def repo_dir(self) -> str:
-        """The model's directory in the hub cache (or the local directory itself)."""
-        return self.model if self.local else f"{self.hub.rstrip('/')}/models--{self.model.replace('/', '--')}"
-
-
-@dataclass(frozen=True)
-class State:
-    """What the node reported (:data:`CHECK_PY`)."""
-
-    dir: str = ""
-    commit: str = ""
-    files: int = 0
-    bytes: int = 0
-    missing: list[str] = field(default_factory=list)
-    bad: list[tuple[str, int, int | None]] = field(default_factory=list)
-    free: int | None = None
-    error: str = ""
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.dir) and not (self.error or self.missing or self.bad)
-
-    def problem(self) -> str:
-        """What is wrong, in one line ('' when complete)."""
-        if self.error:
-            return self.error
-        parts = []
-        if self.missing:
-            parts.append(f"{len(self.missing)} file(s) missing: {', '.join(self.missing[:3])}{' ...' if len(self.missing) > 3 else ''}")
-        for name, have, want in self.bad[:2]:
-            parts.append(
-                f"{name} is {have} bytes, its header says {want}" if want is not None else f"{name} has no readable safetensors header"
-            )
-        return "; ".join(parts)
 
 
 def engine_env(plan: Plan, node: str) -> dict[str, str]:

@@ -1,0 +1,66 @@
+"""The Python API: plan, bring up, observe and tear down deployments from a script.
+
+The CLI is a thin layer over these functions, so a benchmark script, a notebook or a submitit
+job drives deployments exactly as a user at the shell does (same checks, same state records,
+same errors)::
+
+    from k3launch import api
+
+    plan = api.plan("inventories/h200-pair.yaml", strategy="multi_node_tep", nodes=2)
+    with api.deployed(plan, "inventories/h200-pair.yaml") as rec:   # up ... down
+        print(rec.endpoint, api.status(rec.name).state)
+
+Every refusal is a :class:`~k3launch.errors.K3Error` (``code``, ``message``, ``hint``); a launch
+that fails is a :class:`~k3launch.models.reports.LaunchFailed` naming the failing process and
+node, with its last log lines. This package is the only caller of the backends: it picks one
+from the registry (:mod:`k3launch.deploy.registry`) by the inventory's or the record's
+``backend`` (``ssh`` and ``local``: processes over SSH / on this machine; ``slurm``: one sbatch
+job per deployment), and an operation a backend does not support is refused there, in one place.
+"""
+
+from k3launch.api._common import InventoryArg, Loaded, bundled_inventory, load
+from k3launch.api.lifecycle import (
+    bench_dir,
+    chat,
+    deployed,
+    deployments,
+    down,
+    logs,
+    nodes_in_use,
+    ready_timeout,
+    record,
+    state_root,
+    status,
+    up,
+)
+from k3launch.api.nodes import (
+    active_array_tasks,
+    attached_record,
+    doctor,
+    fleet,
+    power_sampler,
+    submit_array,
+    wait_array,
+    weights_check,
+    weights_fetch,
+)
+from k3launch.api.planning import (
+    RecipeDetail,
+    RecipeListing,
+    SchemaDumped,
+    check_port_base,
+    dry_run,
+    explain,
+    lint,
+    plan,
+    recipe,
+    recipes,
+    schema_dump,
+)
+
+__all__ = [
+    "InventoryArg", "Loaded", "RecipeDetail", "RecipeListing", "SchemaDumped", "active_array_tasks", "attached_record", "bench_dir",
+    "bundled_inventory", "chat", "check_port_base", "deployed", "deployments", "doctor", "down", "dry_run", "explain", "fleet", "lint",
+    "load", "logs", "nodes_in_use", "plan", "power_sampler", "ready_timeout", "recipe", "recipes", "record", "schema_dump", "state_root", "status", "submit_array", "up", "wait_array",
+    "weights_check", "weights_fetch",
+]

@@ -1,0 +1,195 @@
+"""A deployment's life: ``up`` (and ``deployed``, a context manager around ``up`` and ``down``),
+``status``, ``logs``, ``chat``, ``down``, and the records of the state directory.
+
+Each call picks the backend from the registry by the inventory's or the record's ``backend``
+(:mod:`k3launch.deploy.registry`) and hands it its own options: how nodes are reached
+(``accept_unknown_hosts``, ``connect_timeout``: SSH backends) and the job's settings
+(``extra_sbatch``, ``queue_timeout``: Slurm, refused elsewhere).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from k3launch.api._common import InventoryArg, access, load, store
+from k3launch.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3launch.models.phases import BringUp
+    from k3launch.models.plan import Plan
+    from k3launch.models.record import DeploymentRecord, StageFn, Status
+    from k3launch.models.reports import DoctorReport, LaunchFailed, TeardownReport
+
+
+def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None,
+       ready_timeout: float | None = None, keep_on_failure: bool = False, force: bool = False, skip_doctor: bool = False,
+       accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, extra_sbatch: Sequence[str] = (),
+       queue_timeout: float | None = None, on_stage: StageFn | None = None, on_doctor: Callable[[DoctorReport], None] | None = None,
+       on_failure: Callable[[LaunchFailed], None] | None = None, on_progress: Callable[[BringUp], None] | None = None) -> DeploymentRecord:
+    """Start ``plan`` on the inventory's nodes and return once it serves (a real completion
+    came back through its endpoint). Raises K3Error / LaunchFailed; on failure everything
+    started is torn down unless ``keep_on_failure``. ``on_progress`` gets every process's phase
+    after each poll; the record keeps the bring-up's timeline (``record.timeline``).
+
+    Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
+    bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
+    step and the automatic exclusion of nodes it refused in the last day."""
+    from k3launch.deploy.base import Events, no_op
+    from k3launch.deploy.options import SlurmOptions, UpOptions
+    from k3launch.deploy.registry import backend
+    from k3launch.util import bounds
+
+    inv, inv_path = load(inventory)
+    if plan.backend != inv.backend and plan.backend != "none":
+        raise K3Error("inventory-mismatch", f"the plan was built for backend {plan.backend}, the inventory is {inv.backend}",
+                      "build the plan from the same inventory")
+    st = store(state_dir)
+    if st.exists(plan.name):
+        raise K3Error("deployment-exists", f"a deployment named {plan.name!r} already exists", f"`k3launch down {plan.name}` first, or pass --name")
+    opts = UpOptions(ready_timeout=None if ready_timeout is None else bounds.READY_TIMEOUT.parse("ready_timeout", ready_timeout),
+                     keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor)
+    slurm = SlurmOptions(tuple(extra_sbatch), None if queue_timeout is None else bounds.QUEUE_TIMEOUT.parse("queue_timeout", queue_timeout))
+    b = backend(inv.backend, [access(accept_unknown_hosts, connect_timeout), slurm])
+    events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op, on_progress or no_op)
+    with st.lock(plan.name):
+        return b.up(plan, inv, inv_path, st, opts, events)
+
+
+@contextmanager
+def deployed(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None, grace: float = 10.0,
+             **up_options: Any) -> Iterator[DeploymentRecord]:
+    """``with api.deployed(plan, inv) as rec:`` — ``up``, then ``down`` when the block ends, however
+    it ends (a failed ``up`` has torn itself down already). ``up_options`` are :func:`up`'s."""
+    rec = up(plan, inventory, state_dir=state_dir, **up_options)
+    try:
+        yield rec
+    finally:
+        down(rec.name, state_dir=state_dir, grace=grace, accept_unknown_hosts=up_options.get("accept_unknown_hosts", False),
+             connect_timeout=up_options.get("connect_timeout", 10.0))
+
+
+def ready_timeout(plan: Plan, override: float | None = None) -> float:
+    """How long ``up`` waits for ``plan`` to serve: ``override``, else the plan's
+    ``VLLM_ENGINE_READY_TIMEOUT_S``, else 1800 s."""
+    from k3launch.deploy.readiness import ready_timeout as rule
+
+    return rule(plan, override)
+
+
+def record(name: str, state_dir: str | Path | None = None) -> DeploymentRecord | None:
+    """The record of deployment ``name``, or None when there is none (no error)."""
+    st = store(state_dir)
+    return st.load(name) if st.exists(name) else None
+
+
+def deployments(state_dir: str | Path | None = None) -> list[DeploymentRecord]:
+    return store(state_dir).list()
+
+
+def nodes_in_use(state_dir: str | Path | None = None) -> dict[str, str]:
+    """Node address -> the live deployment holding it (the rule ``up`` refuses nodes by)."""
+    return store(state_dir).nodes_in_use()
+
+
+def state_root(state_dir: str | Path | None = None) -> Path:
+    """The state directory itself (``--state-dir``, ``$K3LAUNCH_STATE_DIR``, else ``~/.k3launch``)."""
+    return store(state_dir).root
+
+
+def bench_dir(name: str, state_dir: str | Path | None = None) -> Path:
+    """Where ``bench`` keeps deployment ``name``'s results by default (``<state dir>/bench/NAME``)."""
+    return store(state_dir).bench_dir(name)
+
+
+def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
+           connect_timeout: float = 10.0) -> Status:
+    """The deployment now: per process alive and healthy, its state and endpoint (``status --json``)."""
+    from k3launch.deploy.registry import backend
+
+    rec = store(state_dir).load(name)
+    return backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec)
+
+
+def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, node: str | None = None, lines: int = 40,
+         follow: bool = False, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
+         connect_timeout: float = 10.0) -> None:
+    """Hand ``emit`` the last ``lines`` of each process (only ``role``/``node`` when given; without
+    them the backend's own log first, e.g. a Slurm job's output); ``follow`` keeps going (Ctrl-C)."""
+    from k3launch.deploy.registry import backend
+
+    rec = store(state_dir).load(name)
+    ids = [p.id for p in rec.plan.processes if (role is None or p.role == role) and (node is None or p.node == node)]
+    if not ids:
+        raise K3Error("no-processes", "no process matches --role/--node", "processes: " + ", ".join(f"{p.id}@{p.node}" for p in rec.plan.processes))
+    backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).logs(rec, ids, lines, follow, emit,
+                                                                              everything=role is None and node is None)
+
+
+def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, accept_unknown_hosts: bool = False,
+         connect_timeout: float = 10.0, inventory: InventoryArg = None) -> TeardownReport:
+    """Stop everything of ``name`` and verify; the record is deleted only when nothing is left.
+
+    Works from any state. With a readable record: its processes, in order. Without one — no
+    record, or one that cannot be read (garbage, empty, the wrong shape: the file is kept aside as
+    ``NAME.json.corrupt-<time>``, never deleted) — the deployment's processes, containers or Slurm
+    jobs are searched for by name on ``inventory``'s machines, else on those of the inventory an
+    unreadable record still names, else on this machine (the report's ``hint`` then says to pass
+    ``inventory`` if it ran elsewhere). Idempotent: a clean report when nothing of ``name`` is
+    left (``report.verified`` says where that was checked)."""
+    from k3launch.deploy.registry import backend
+    from k3launch.util import bounds
+
+    st = store(state_dir)
+    grace = bounds.GRACE.parse("grace", grace)
+    conn = access(accept_unknown_hosts, connect_timeout)
+    with st.lock(name):
+        rec = st.try_load(name)
+        if rec is not None:
+            report = backend(rec.backend, [conn]).down(rec, st, grace)
+            if report.clean:
+                st.delete(name)
+            return report
+        unreadable = st.exists(name)
+        if inventory is None and unreadable:
+            inventory = _inventory_named_in(st.path(name))
+        here = inventory is None
+        inv = load(inventory).inventory  # None: the bundled local inventory, this machine
+        aside = str(st.set_aside(name)) if unreadable else None
+        report = backend(inv.backend, [conn]).sweep(name, inv, grace)
+        report.set_aside = aside
+        if here:
+            report.hint = f"only this machine was searched: `k3launch down {name} --inventory FILE` searches the nodes of an inventory"
+        return report
+
+
+def _inventory_named_in(path: Path) -> str | None:
+    """The inventory path an unreadable record still names (best effort: a truncated or
+    wrong-shaped record often keeps its ``"inventory": "..."`` line), if that file exists."""
+    import re
+
+    try:
+        m = re.search(r'"inventory":\s*("(?:[^"\\]|\\.)*")', path.read_text(errors="replace"))
+        found = json.loads(m.group(1)) if m else None
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, str) and Path(found).is_file() else None
+
+
+def chat(name: str, message: str, *, max_tokens: int = 64, state_dir: str | Path | None = None) -> Mapping[str, Any]:
+    """One chat completion through the deployment's public endpoint: vLLM's JSON answer."""
+    import urllib.error
+    import urllib.request
+
+    rec = store(state_dir).load(name)
+    body = json.dumps({"model": rec.plan.model, "messages": [{"role": "user", "content": message}], "max_tokens": max_tokens}).encode()
+    req = urllib.request.Request(rec.endpoint + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=600) as r:
+            data: dict[str, Any] = json.loads(r.read().decode())
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+        raise K3Error("chat-failed", f"{rec.endpoint}: {getattr(exc, 'reason', exc)}", f"check `k3launch status {name}`") from None
+    return data

@@ -1,0 +1,118 @@
+"""Operations on nodes outside the lifecycle, each a feature a backend declares
+(:class:`~k3launch.models.backends.Feature`): the pre-flight checks, the weights, commands on a
+live deployment's nodes, power sampling, and Slurm job arrays. A backend without the feature
+refuses it in one place (``not-supported``, :func:`k3launch.models.backends.require`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from k3launch.api._common import InventoryArg, access, load, store
+from k3launch.errors import K3Error
+from k3launch.models.backends import Feature
+
+if TYPE_CHECKING:
+    from k3launch.models.plan import Plan
+    from k3launch.models.power import Sampler
+    from k3launch.models.record import DeploymentRecord
+    from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport
+    from k3launch.models.weights import FetchProgress, NodeWeights
+    from k3launch.transport.fleet import Fleet
+
+
+def doctor(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None, bandwidth: bool = False,
+           min_busbw: float | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> DoctorReport:
+    """The pre-flight checks ``up`` runs, on the plan's nodes, without starting anything; with
+    ``bandwidth``, a short all-reduce per node and across nodes (``min_busbw`` GB/s to pass)."""
+    from k3launch.deploy.registry import node_ops
+    from k3launch.util import bounds
+
+    if min_busbw is not None:
+        min_busbw = bounds.BUSBW.parse("min_busbw", min_busbw)
+    inv = load(inventory).inventory
+    ops = node_ops(inv.backend, Feature.DOCTOR, "doctor", [access(accept_unknown_hosts, connect_timeout)])
+    return ops.doctor(plan, inv, [r.name for r in store(state_dir).list()], bandwidth, min_busbw)
+
+
+def weights_check(plan: Plan, inventory: InventoryArg = None, *, accept_unknown_hosts: bool = False,
+                  connect_timeout: float = 10.0) -> list[NodeWeights]:
+    """Per engine node: is ``plan.model`` (at its ``--revision``) complete in the node's Hugging
+    Face cache, and how much disk is free there."""
+    from k3launch.deploy.registry import node_ops
+
+    inv = load(inventory).inventory
+    return node_ops(inv.backend, Feature.WEIGHTS, "weights check", [access(accept_unknown_hosts, connect_timeout)]).weights_check(plan, inv)
+
+
+def weights_fetch(plan: Plan, inventory: InventoryArg = None, *, from_path: str | None = None,
+                  from_node: str | None = None, on_progress: Callable[[FetchProgress], None] | None = None, interval: float = 10.0,
+                  accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> list[NodeWeights]:
+    """Bring ``plan.model`` to every engine node that lacks it, in parallel: from the hub on each
+    node (the inventory's ``hf_token_file`` as the token), or copied from ``from_path`` (a
+    directory the nodes share) or ``from_node`` (over the same SSH); ``on_progress`` every ``interval`` s."""
+    from k3launch.deploy.registry import node_ops
+    from k3launch.models.weights import Source
+    from k3launch.util import bounds
+
+    interval = bounds.PROGRESS_INTERVAL.parse("interval", interval)
+    if from_path and from_node:
+        raise K3Error("bad-source", "--from-path and --from-node both given", "pick one source (neither: the hub)")
+    inv = load(inventory).inventory
+    ops = node_ops(inv.backend, Feature.WEIGHTS, "weights fetch", [access(accept_unknown_hosts, connect_timeout)])
+    src = (Source("path", path=from_path) if from_path else Source("node", node=from_node) if from_node
+           else Source("hub", token_file=inv.hf_token_file))
+    return ops.weights_fetch(plan, inv, src, on_progress, interval)
+
+
+def fleet(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Fleet:
+    """A :class:`~k3launch.transport.fleet.Fleet` reaching the nodes of a live deployment, for
+    commands on them (``bench --client engine``); use it as a context manager (``with``) or close it."""
+    from k3launch.deploy.registry import node_ops
+
+    return node_ops(rec.backend, Feature.FLEET, "commands on the deployment's nodes", [access(accept_unknown_hosts, connect_timeout)]).fleet(rec)
+
+
+def power_sampler(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Sampler:
+    """A sampler of the GPU power of ``rec``'s engine nodes (``start()``, then ``stop()`` returns the trace)."""
+    from k3launch.deploy.registry import power_ops
+
+    return power_ops(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).power_sampler(rec)
+
+
+def submit_array(plans: Sequence[Plan], inventory: InventoryArg, *, work: Callable[[int, Plan], Sequence[str]] | None = None,
+                 concurrency: int | None = None, log_dir: str | Path | None = None, name: str = "k3-array",
+                 extra_sbatch: Sequence[str] = (), ready_timeout: float = 1800.0, state_dir: str | Path | None = None) -> list[ArrayJob]:
+    """Slurm: one job-array task per plan (one array per shape), each bringing its deployment up
+    in its own allocation, running ``work(i, plan)`` (argv; ``K3LAUNCH_ENDPOINT`` set) once it
+    serves, and tearing down. Returns :class:`~k3launch.models.reports.ArrayJob` s; see :func:`wait_array`.
+    Logs and per-task results go to ``log_dir`` (default ``<state dir>/slurm/arrays``)."""
+    from k3launch.deploy.registry import array_ops
+
+    inv = load(inventory).inventory
+    root = Path(log_dir) if log_dir else store(state_dir).arrays_dir()
+    return array_ops(inv.backend, "job arrays").submit_array(plans, inv, str(root), work, concurrency, name, extra_sbatch, ready_timeout)
+
+
+def wait_array(job: ArrayJob, timeout: float = 3600.0, backend: str = "slurm") -> ArrayResult:
+    """Wait for every task of an array job; its :class:`~k3launch.models.reports.ArrayResult` (per-task results)."""
+    from k3launch.deploy.registry import array_ops
+
+    return array_ops(backend, "job arrays").wait_array(job, timeout)
+
+
+def active_array_tasks(job_ids: Sequence[str], backend: str = "slurm") -> set[str]:
+    """``<job>_<task>`` of every task of these arrays still pending or running."""
+    from k3launch.deploy.registry import array_ops
+
+    return array_ops(backend, "job arrays").active_tasks(job_ids)
+
+
+def attached_record(plan: Plan, env: Mapping[str, str], inventory: InventoryArg) -> DeploymentRecord:
+    """Inside a job array task: the record of the deployment the task's job brought up (for code
+    that uses a deployment it did not start, such as ``campaign run --attached``)."""
+    from k3launch.deploy.registry import array_ops
+
+    inv = load(inventory).inventory
+    return array_ops(inv.backend, "attaching to an array task's deployment").attached_record(plan, env, inv.name)

@@ -1,0 +1,182 @@
+"""Plans and what is known before anything runs: ``plan``, ``dry_run``, ``explain``, ``lint``, the
+recipe tree, ``schema_dump``. Nothing here starts a process or connects to a node."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from k3launch.api._common import InventoryArg, load, store
+from k3launch.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3launch.models.findings import Finding, FlagHistory
+    from k3launch.models.plan import Plan
+    from k3launch.models.recipe import Recipe, Taxonomy
+    from k3launch.models.reports import DryRun
+    from k3launch.models.selection import Selection
+
+
+def _selection(selection: Selection | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> Selection:
+    """The selection, refused in one shape whoever asks: an unknown field is ``bad-selection``,
+    a bad value ``bad-value`` naming the option that sets it."""
+    from pydantic import ValidationError
+
+    from k3launch.models.selection import Selection
+
+    base = selection.model_dump() if isinstance(selection, Selection) else dict(selection or {})
+    try:
+        return Selection.model_validate({**base, **fields})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else "selection"
+        if err["type"] == "extra_forbidden":
+            raise K3Error("bad-selection", f"selection {name}: not a selection field", "use Selection fields: " + ", ".join(Selection.model_fields)) from None
+        flag = next((f for n, f, _, _ in Selection.cli_fields() if n == name), name)
+        raise K3Error("bad-value", f"{flag}: {err['msg']}", f"`k3launch plan --help` lists {flag}'s values") from None
+
+
+def plan(inventory: InventoryArg = None, *, selection: Selection | Mapping[str, Any] | None = None,
+         name: str | None = None, exclude: Sequence[str] = (), port_base: int | None = None, recipes_dir: str | Path | None = None,
+         placeholders: bool = False, **fields: Any) -> Plan:
+    """Build a plan from a :class:`~k3launch.models.selection.Selection` (or its fields as a mapping),
+    and/or its fields as keywords (``strategy``, ``nodes``, ``hardware``, ``features``, ``sets``, ...;
+    keywords win). ``placeholders``: on placeholder nodes, without an inventory (``k3launch plan``
+    without ``--inventory``); else on ``inventory``'s nodes (``None``: the bundled local inventory)."""
+    from k3launch.planning.build import build_plan
+    from k3launch.planning.recipes import RecipeTree
+
+    sel = _selection(selection, fields)
+    inv = None if placeholders else load(inventory).inventory
+    return build_plan(RecipeTree(Path(recipes_dir) if recipes_dir else None), sel, inventory=inv, exclude=tuple(exclude),
+                      port_base=port_base, name=name)
+
+
+def check_port_base(base: int) -> int:
+    """``base`` if planning accepts it as a port base (its 512-port block inside 1024-65535, clear
+    of the default ports); else the refusal ``plan`` would give."""
+    from k3launch.planning.placement import Ports
+
+    Ports.shifted(base)
+    return base
+
+
+def dry_run(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None,
+            extra_sbatch: Sequence[str] = ()) -> DryRun:
+    """What ``up`` would run for ``plan`` (per-node scripts, or the sbatch script), and the same as
+    files for ``render``; starts nothing. Without an inventory, a plan on placeholder nodes gets
+    the SSH backend's scripts."""
+    from k3launch.deploy.options import SlurmOptions, UpOptions
+    from k3launch.deploy.registry import backend
+
+    inv = load(inventory).inventory if inventory is not None else None
+    name = inv.backend if inv is not None else plan.backend if plan.backend != "none" else "ssh"
+    b = backend(name, [SlurmOptions(extra_sbatch=tuple(extra_sbatch))])
+    return b.dry_run(plan, inv, store(state_dir), UpOptions())
+
+
+def explain(plan: Plan, flag: str, process: str | None = None) -> tuple[str, list[FlagHistory]]:
+    """(the provenance key ``flag`` names, which layers wrote it, in order, per group of processes)."""
+    from k3launch.planning.explain import explain as histories
+    from k3launch.planning.explain import flag_key
+
+    return flag_key(plan, flag), histories(plan, flag, process)
+
+
+def lint(words: Sequence[str], vllm_version: str) -> list[Finding]:
+    """Findings on a pasted ``vllm serve`` command, against vLLM ``vllm_version``'s flag schema."""
+    from k3launch.planning.lint import lint as run_lint
+    from k3launch.planning.schema import load_schema
+
+    return run_lint(load_schema(vllm_version), list(words))
+
+
+@dataclass(frozen=True)
+class RecipeListing:
+    """The recipe tree at a glance (``k3launch recipes``)."""
+
+    root: Path
+    recipes: list[tuple[str, str, str]]  # id, title, verified hardware
+    broken: list[dict[str, str]]  # a recipe that does not load: id, code, message, hint
+    taxonomy: Taxonomy
+    strategies: list[str]
+
+
+def recipes(recipes_dir: str | Path | None = None) -> RecipeListing:
+    from k3launch.planning.recipes import RecipeTree
+
+    t = RecipeTree(Path(recipes_dir) if recipes_dir else None)
+    rows: list[tuple[str, str, str]] = []
+    broken: list[dict[str, str]] = []
+    for rid in t.model_ids():
+        try:
+            rec = t.model(rid)
+        except K3Error as err:
+            broken.append({"id": rid, **err.as_dict()})
+            continue
+        rows.append((rid, rec.meta.title, ", ".join(h for h, v in rec.meta.hardware.items() if v == "verified")))
+    return RecipeListing(t.root, rows, broken, t.taxonomy, sorted(t.strategies))
+
+
+@dataclass(frozen=True)
+class RecipeDetail:
+    """One recipe (``k3launch recipes show``) and the selection ``plan --recipe ID`` makes of it."""
+
+    id: str
+    recipe: Recipe
+    taxonomy: Taxonomy
+    default: dict[str, object]  # hardware, strategy, nodes, variant; or refused, message
+    kv_offload: dict[str, dict[str, bool]]  # the KV offload options' support on ``kv_hardware``
+    kv_hardware: str
+
+
+def recipe(recipe_id: str, recipes_dir: str | Path | None = None) -> RecipeDetail:
+    from k3launch.models.selection import Selection
+    from k3launch.planning.build import build_plan
+    from k3launch.planning.options import kv_offload_matrix
+    from k3launch.planning.recipes import RecipeTree
+
+    t = RecipeTree(Path(recipes_dir) if recipes_dir else None)
+    rid = t.resolve(recipe_id)
+    rec = t.model(rid)
+    # The default is what `plan --recipe ID` selects (the recipes project's rules), not only the
+    # author's meta.default_hardware; a recipe that cannot be planned says why.
+    try:
+        p = build_plan(t, Selection(recipe=rid))
+        default: dict[str, object] = {"hardware": p.hardware, "strategy": p.strategy, "nodes": p.nodes, "variant": p.variant}
+    except K3Error as err:
+        default = {"refused": err.code, "message": err.message}
+    kv_hw = str(default.get("hardware") or rec.meta.default_hardware or next(iter(t.taxonomy.hardware_profiles)))
+    return RecipeDetail(rid, rec, t.taxonomy, default, kv_offload_matrix(t, rec, kv_hw), kv_hw)
+
+
+@dataclass(frozen=True)
+class SchemaDumped:
+    """What :func:`schema_dump` wrote: vLLM ``version``'s flag schema in ``path`` (``<out>/<version>/``)."""
+
+    version: str
+    path: Path
+    flags: int  # `vllm serve` options (argparse actions with option strings)
+    env_vars: int
+    used: bool  # ``path`` is where plans look for schemas (:func:`~k3launch.planning.schema.user_schema_dir`)
+
+
+def schema_dump(python: str | Path, out: str | Path | None = None) -> SchemaDumped:
+    """Dump the ``vllm serve`` flag schema and the env names of the vLLM that ``python`` imports
+    (vLLM runs in a child process of that interpreter, never in this one) into ``out/<version>/``;
+    ``out`` defaults to where plans look first: ``$K3LAUNCH_SCHEMA_DIR``, else ``~/.k3launch/schemas``
+    (the state directory's ``schemas/``). Plans then take ``--vllm-version <version>``."""
+    from k3launch.planning.schema import user_schema_dir
+    from k3launch.planning.schema_dump import check_dumped, dump
+
+    root = Path(out).expanduser() if out is not None else user_schema_dir()
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise K3Error("write-failed", f"cannot create {root}: {exc.strerror}", "pass --out DIR (a writable directory)") from None
+    vdir = dump(str(python), root)
+    dumped = check_dumped(vdir)
+    used = root.resolve() == user_schema_dir().resolve()
+    return SchemaDumped(dumped.version, vdir, len(dumped.schema.specs), len(dumped.env_vars), used)
