@@ -172,23 +172,36 @@ class SlurmRecord(RecordBase):
         return sorted(set(self.slurm.hosts.values())) if self.slurm.hosts else super().machines()
 
 
+class OtherRecord(RecordBase):
+    """A deployment of any other registered backend (a plug-in, :func:`k3launch.models.backends.register`):
+    whatever it must remember beyond the base record it keeps in ``data``, so adding a backend
+    needs no new variant here."""
+
+    backend: str
+    data: dict[str, Any] = {}
+
+
 def _kind(data: Any) -> str:
     if isinstance(data, dict):
         backend = data.get("backend")
-        return "slurm" if backend == "slurm" or (backend is None and data.get("slurm")) else "ssh"
-    return "slurm" if isinstance(data, SlurmRecord) else "ssh"
+        if backend == "slurm" or (backend is None and data.get("slurm")):
+            return "slurm"
+        return "ssh" if backend in (None, "ssh", "local") else "other"
+    return "slurm" if isinstance(data, SlurmRecord) else "ssh" if isinstance(data, SshRecord) else "other"
 
 
-DeploymentRecord = Annotated[Annotated[SshRecord, Tag("ssh")] | Annotated[SlurmRecord, Tag("slurm")], Discriminator(_kind)]
+DeploymentRecord = Annotated[
+    Annotated[SshRecord, Tag("ssh")] | Annotated[SlurmRecord, Tag("slurm")] | Annotated[OtherRecord, Tag("other")], Discriminator(_kind)
+]
 
 
 @cache
-def _records() -> TypeAdapter[SshRecord | SlurmRecord]:
+def _records() -> TypeAdapter[SshRecord | SlurmRecord | OtherRecord]:
     # built on first use: `plan` and `--help` never read a record
     return TypeAdapter(DeploymentRecord)
 
 
-def parse_record(text: str | bytes) -> SshRecord | SlurmRecord:
+def parse_record(text: str | bytes) -> SshRecord | SlurmRecord | OtherRecord:
     """A record from its JSON (raises pydantic's ValidationError or ValueError)."""
     return _records().validate_json(text)
 
