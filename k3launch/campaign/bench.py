@@ -46,13 +46,13 @@ from k3launch.campaign.energy import Energy
 from k3launch.deploy.state import default_state_dir
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
+from k3launch.models.plan import is_container
 from k3launch.render.scripts import venv_path
 
 if TYPE_CHECKING:
     from k3launch.models.plan import Process
     from k3launch.models.record import DeploymentRecord
 
-CONTAINER_RUNTIMES = ("docker", "podman")
 CONTAINER_RESULT_DIR = "/tmp/k3launch-bench"  # inside the head container
 
 
@@ -136,7 +136,7 @@ def _bare_vllm(rec: DeploymentRecord, runtime: str) -> bool:
 def choose_client(rec: DeploymentRecord, mode: str) -> str:
     h = head(rec)
     runtime = rec.processes[h.id].runtime if h.id in rec.processes else "bare"
-    in_container = runtime in CONTAINER_RUNTIMES or _bare_vllm(rec, runtime)
+    in_container = is_container(runtime) or _bare_vllm(rec, runtime)
     reachable = rec.plan.backend == "local" or not _loopback(rec.endpoint)  # a login-node router on 127.0.0.1 is not
     if mode == "engine":
         if not in_container:
@@ -302,7 +302,7 @@ def engine_facts(rec: DeploymentRecord) -> EngineFacts:
     pr = rec.processes.get(h.id)
     runtime = pr.runtime if pr else "bare"
     image_id = None
-    if pr is not None and runtime in CONTAINER_RUNTIMES:
+    if pr is not None and is_container(runtime):
         fleet = api.fleet(rec)
         try:
             r = fleet.run(h.node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
@@ -311,4 +311,4 @@ def engine_facts(rec: DeploymentRecord) -> EngineFacts:
             image_id = None
         finally:
             fleet.close()
-    return EngineFacts(version, runtime, h.image if runtime in CONTAINER_RUNTIMES else None, image_id)
+    return EngineFacts(version, runtime, h.image if is_container(runtime) else None, image_id)

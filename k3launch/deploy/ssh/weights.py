@@ -25,7 +25,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from k3launch.deploy.base import Check
-from k3launch.models.plan import Host, Plan
+from k3launch.models.plan import Host, Plan, is_container
 from k3launch.render.scripts import Raw, home_path
 
 OPT_IN = "K3LAUNCH_CHECK_WEIGHTS"  # a node env: "1" checks the simulated engine's weights too, "0" never checks
@@ -161,7 +161,7 @@ def where(plan: Plan, host: Host) -> Where:
     """Where the engine on ``host`` looks: containers mount the node's ``hf_cache`` as their
     ``HF_HOME``; a bare engine reads ``HF_HUB_CACHE`` or ``HF_HOME`` from its env, else the
     Hugging Face default."""
-    if host.runtime in ("docker", "podman", "apptainer"):
+    if is_container(host.runtime) or host.runtime == "apptainer":
         return Where(plan.model, revision(plan), (host.hf_cache or DEFAULT_HOME).rstrip("/") + "/hub")
     env = engine_env(plan, host.name)
     hub = env.get("HF_HUB_CACHE") or (env.get("HF_HOME") or DEFAULT_HOME).rstrip("/") + "/hub"
