@@ -9,7 +9,7 @@ import yaml
 # tests import their helpers (plan_checks, sshhosts, ...) as top-level modules; the fakes are k3launch.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tiers import missing_markers
+from tiers import misplaced_lint, missing_markers
 
 ROOT = Path(__file__).resolve().parents[1]
 # The test suite's own loopback range. The bundled local inventories put their nodes on 127.0.0.x
@@ -26,6 +26,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if problems:
         raise pytest.UsageError("tests that start infrastructure need its markers (pytestmark = [pytest.mark.e2e, ...]; "
                                 "see tests/tiers.py):\n  " + "\n  ".join(problems))
+    problems = misplaced_lint(items)
+    if problems:
+        raise pytest.UsageError("linters run in the fast tier (see tests/tiers.py):\n  " + "\n  ".join(problems))
 
 
 @pytest.fixture(autouse=True, scope="session")

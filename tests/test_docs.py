@@ -26,6 +26,7 @@ CITATION = re.compile(r"docs/([\w./-]+\.md)(?:\s*\(\s*\"([^\"]+)\"|,\s*\"([^\"]+
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.MULTILINE)
 
 
+@pytest.mark.lint
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     """A broken link or anchor, or a page missing from nav, fails the build (mkdocs.yml: validation)."""
     if importlib.util.find_spec("mkdocs") is None:

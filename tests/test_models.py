@@ -95,3 +95,14 @@ def test_a_ready_deployment_with_an_unhealthy_endpoint_is_degraded() -> None:
     assert observed_state("ready", [up.model_copy(update={"healthy": False}), headless]) == "degraded"
     assert observed_state("ready", [up, headless.model_copy(update={"alive": False})]) == "degraded"
     assert observed_state("starting", [up.model_copy(update={"healthy": False})]) == "starting"
+
+
+def test_docker_and_podman_are_the_container_runtimes() -> None:
+    from typing import get_args
+
+    from k3launch.models.plan import CONTAINER_RUNTIMES, Runtime, is_container
+    from k3launch.planning import inventory
+
+    assert inventory.Runtime is Runtime  # inventories and plans name runtimes the same way
+    assert {r: is_container(r) for r in get_args(Runtime)} == {"docker": True, "podman": True, "apptainer": False, "bare": False}
+    assert CONTAINER_RUNTIMES == ("docker", "podman")

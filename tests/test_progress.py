@@ -28,6 +28,7 @@ from k3launch.sim.bar import render as bar_line
 from k3launch.sim.cli import parse_serve
 from k3launch.sim.logs import Logger
 from k3launch.sim.options import Knobs
+from k3launch.transport.runners import LocalRunner, Target
 
 DATA = Path(__file__).parent / "data"
 REAL_LOG = DATA / "vllm-0.32-cpu-serve.log"
@@ -150,8 +151,8 @@ def test_a_process_never_moves_back_and_an_unfinished_line_is_not_taken_twice() 
     )
     snap = t.update({pid: LogDelta("", "Loading safetensors checkpoint shards:  12% Completed | 1/8 [")}, (), "alive", 2.0)
     me = next(p for p in snap.processes if p.id == pid)
-    assert (me.phase, me.percent, me.since) == (Phase.LOADING_WEIGHTS, 12.0, 1.0)
-    assert me.last_line.startswith("Loading safetensors checkpoint shards:  12%")
+    assert (me.phase, me.percent, me.since) == (Phase.LOADING_WEIGHTS, 12.0, 1.0)  # the unfinished bar counts...
+    assert me.last_line == "Starting to load model m..."  # ...but only a whole line is shown
     # a second engine of the same process starting later does not send it back
     t.update({pid: LogDelta("world_size=8 rank=1 local_rank=1 distributed_init_method=tcp://x:1 backend=nccl\n")}, (), "alive", 3.0)
     t.update({}, {pid}, "health", 4.0)
@@ -186,9 +187,72 @@ def test_the_poll_reads_each_log_from_where_it_left_off_whole_lines_only(tmp_pat
     _, got = logtail.cut_sections(_sh(logread.log_from("serve-0", str(log), cur.offsets["serve-0"])))
     assert cur.take("serve-0", got["serve-0"]) == LogDelta("half done\nnext\n", "")
     _, got = logtail.cut_sections(_sh(logread.log_from("serve-0", str(log), cur.offsets["serve-0"])))
-    assert got == {"serve-0": ""}  # nothing new
+    assert cur.take("serve-0", got["serve-0"]) == LogDelta() and cur.offsets["serve-0"] == len("line one\nline two\nhalf done\nnext\n")
     _, got = logtail.cut_sections(_sh(logread.log_from("serve-0", str(tmp_path / "none.log"), 0)))
     assert got == {"serve-0": ""}  # no log yet
+
+
+def test_the_local_runner_passes_vllms_crlf_lines_through_so_only_whole_lines_are_shown(tmp_path: Path) -> None:
+    """vLLM ends the lines of a multi-line message with ``\\r\\n`` (its NewLineFormatter: the banner, the
+    OpenMP binding). Decoded in text mode they became ``\\n``, the cursor fell a byte behind per such line,
+    and the next poll began inside a line already read: "t -n", "ead.", "[1]" as the last log line."""
+    data = REAL_LOG.read_bytes()
+    assert b"\r\n" in data
+    lines = data.splitlines(keepends=True)
+    complete = {clean(line.decode()) for line in lines}
+    plan = _plan()
+    pid = plan.processes[0].id
+    log = tmp_path / "serve-0.log"
+    log.write_bytes(b"")
+    cur, runner, t = logtail.LogCursor(), LocalRunner(), Tracker(plan, started=0.0)
+    shown = []
+    for i in range(0, len(lines), 4):
+        with log.open("ab") as f:
+            f.write(b"".join(lines[i : i + 4]))
+        for _ in range(2):  # a poll that brings lines, then one that brings none
+            out = runner.run(Target("n"), logread.log_from(pid, str(log), cur.offsets.get(pid, 0))).stdout
+            snap = t.update({pid: cur.take(pid, logtail.cut_sections(out)[1][pid])}, (), "alive", now=float(i))
+            shown.append(next(p.last_line for p in snap.processes if p.id == pid))
+    assert cur.offsets[pid] == len(data)
+    assert [s for s in shown if s not in complete] == []
+
+
+# the sections polls read in one `up` of the real engine: the cursor a few bytes behind, so each began
+# with the end of a line read before (shown as the last log line)
+NOISY = ["t -n\n", "ead.\n", "[1]\r\n"]
+
+
+@pytest.mark.parametrize("fragment", NOISY, ids=[f.strip() for f in NOISY])
+def test_a_read_that_does_not_start_where_a_line_starts_skips_to_the_next_line(fragment: str) -> None:
+    cur = logtail.LogCursor(offsets={"serve-0": 4096})
+    nxt = "(APIServer pid=2156) INFO 12-01 18:29:09 [model.py:2152] Using max model len 512\n"
+    assert cur.take("serve-0", fragment.rstrip("\r\n")) == LogDelta()  # no line start in sight: nothing is taken
+    assert cur.offsets["serve-0"] == 4096
+    assert cur.take("serve-0", fragment + nxt + "(APIServer pid=2156) INF") == LogDelta(nxt, "(APIServer pid=2156) INF")
+    assert cur.offsets["serve-0"] == 4096 - 1 + len(fragment) + len(nxt)  # the read began a byte before the offset
+    assert cur.take("serve-0", "\nnext\n") == LogDelta("next\n")  # led by the newline before it: where a line starts
+
+
+def test_only_whole_lines_of_the_process_are_shown_never_job_control_or_an_unfinished_line() -> None:
+    plan = _plan()
+    pid = plan.processes[0].id
+    t = Tracker(plan, started=0.0)
+    line = "(APIServer pid=2156) INFO 12-01 18:29:09 [model.py:2152] Using max model len 512"
+    noise = "[1] 12345\n[1]+  Done                    sleep 1\n[2]-  Exit 1                  false\n[3]+  Killed   x\n"
+    snap = t.update({pid: LogDelta(f"{line}\n{noise}", "(APIServer pid=2156) WARNING 12-01 18:29:09 [system_utils.py:255] Found ulimi")},
+                    (), "alive", 1.0)
+    assert next(p.last_line for p in snap.processes if p.id == pid) == line
+    assert clean("[1] 12345") == clean("[12]+  Terminated              vllm serve m") == ""
+    assert clean("[1] reserved") == "[1] reserved"  # a log line that merely starts like one is shown
+
+
+def test_container_lines_keep_their_carriage_returns_and_an_unfinished_one_waits() -> None:
+    cur = logtail.LogCursor()
+    bar = "\rLoading safetensors checkpoint shards:   0% Completed | 0/1 [00:00<?, ?it/s]"
+    got = cur.take_container("d-0", f"2025-03-02T10:00:01Z {bar}\n2025-03-02T10:00:02Z (APIServer pid=1) WARNING Found ulimi")
+    assert got == LogDelta(f"{bar}\n", "(APIServer pid=1) WARNING Found ulimi") and cur.since["d-0"] == "2025-03-02T10:00:01Z"
+    got = cur.take_container("d-0", "2025-03-02T10:00:02Z (APIServer pid=1) WARNING Found ulimit -n\n")
+    assert got == LogDelta("(APIServer pid=1) WARNING Found ulimit -n\n") and cur.since["d-0"] == "2025-03-02T10:00:02Z"
 
 
 def test_an_answer_cut_short_yields_no_section_and_a_marker_mid_line_is_text() -> None:

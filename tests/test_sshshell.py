@@ -210,6 +210,24 @@ def test_large_output_arrives_whole(transport: FakeTransport) -> None:
     assert sh.run("echo after", 5) == (0, "after\n", "")
 
 
+def test_log_bytes_come_through_as_written_and_background_jobs_leave_no_chatter(transport: FakeTransport, tmp_path: Path) -> None:
+    """Live progress reads logs through this shell: vLLM's ``\\r\\n`` lines and an unfinished last line
+    arrive byte for byte, and the jobs ``up`` starts in the background (the start helper) add no
+    job-control messages ("[1] PID", "[1]+ Done") to this or any later command's output."""
+    from k3launch.render.logread import log_from
+    from k3launch.render.scripts import BACKGROUND_HELPER
+
+    sh = shell(transport)
+    log = tmp_path / "p" / "p.log"
+    program = "printf 'a\\r\\n(EngineCore pid=1) INFO x\\r\\nhalf'; sleep 0.2"
+    rc, out, _ = sh.run(BACKGROUND_HELPER + f"k3launch_background {_q(str(log))} bash -c {_q(program)}", 10)
+    assert rc == 0 and out.startswith("started pid ") and out.count("\n") == 1
+    time.sleep(0.5)  # the job has ended: a shell with job control would report it now
+    rc, out, _ = sh.run(log_from("p", str(log), 0) + "; sleep 0.1 & wait", 10)
+    assert (rc, out) == (0, "@@k3log p\na\r\n(EngineCore pid=1) INFO x\r\nhalf\n@@k3end p\n")
+    assert sh.run("true", 5) == (0, "", "")
+
+
 def _q(text: str) -> str:
     import shlex
 

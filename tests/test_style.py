@@ -1,4 +1,5 @@
-"""The code style gates run as part of the suite: ruff clean and mypy --strict clean."""
+"""The code style gates run as part of the suite: ruff clean and mypy --strict clean. The linters
+carry the ``lint`` marker: ``-m "not e2e and not lint"`` is the inner loop without them."""
 
 from __future__ import annotations
 
@@ -16,17 +17,20 @@ def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *cmd], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.lint
 @pytest.mark.skipif(shutil.which("ruff") is None and not (Path(sys.prefix) / "bin" / "ruff").exists(), reason="ruff not installed")
 def test_ruff_clean() -> None:
     out = _run("ruff", "check", "k3launch", "tests", "benchmarks")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.lint
 def test_mypy_strict_clean() -> None:
     out = _run("mypy")
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.lint
 def test_import_layers_hold() -> None:
     """The import-linter contracts of pyproject.toml (the layers of docs/design.md)."""
     pytest.importorskip("importlinter")
@@ -44,10 +48,11 @@ def test_modules_stay_small() -> None:
 
 def test_a_test_starting_infrastructure_must_carry_its_markers() -> None:
     """conftest.py refuses a run in which a test uses an infrastructure fixture (tests/tiers.py)
-    without its markers: ``-m "not e2e"`` must never start sshd hosts, Slurm or podman."""
+    without its markers: ``-m "not e2e"`` must never start sshd hosts, Slurm or podman; and one in
+    which a linter (``lint``) would leave the fast tier."""
     from types import SimpleNamespace
 
-    from tiers import missing_markers
+    from tiers import misplaced_lint, missing_markers
 
     def item(name: str, fixtures: list[str], marks: list[str]) -> SimpleNamespace:
         return SimpleNamespace(nodeid=name, fixturenames=fixtures, iter_markers=lambda: iter(SimpleNamespace(name=m) for m in marks))
@@ -58,3 +63,7 @@ def test_a_test_starting_infrastructure_must_carry_its_markers() -> None:
                             item("t::c", ["podman_env", "ssh_hosts"], ["e2e", "ssh"])]) == [
         "t::a: uses slurm_cluster but is not marked slurm", "t::b: uses procs but is not marked e2e",
         "t::c: uses podman_env, ssh_hosts but is not marked podman"]
+    assert misplaced_lint([item("ok", ["tmp_path"], ["lint"]), item("e2e", [], ["e2e"])]) == []
+    assert misplaced_lint([item("t::d", [], ["lint", "e2e"]), item("t::e", ["procs"], ["lint"])]) == [
+        "t::d: is marked lint, so it belongs to the fast tier: not e2e, no infrastructure",
+        "t::e: is marked lint, so it belongs to the fast tier: not e2e, no procs"]

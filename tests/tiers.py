@@ -1,9 +1,12 @@
-"""The test tiers: ``-m "not e2e"`` is the fast tier, ``-m e2e`` the rest (markers in pyproject.toml).
+"""The test tiers: ``-m "not e2e"`` is the fast tier, ``-m e2e`` the rest (markers in pyproject.toml);
+``-m "not e2e and not lint"`` is the inner loop: the fast tier without the linters.
 
 A test that uses a fixture starting infrastructure must carry that infrastructure's markers;
 conftest.py refuses the whole run otherwise (:func:`missing_markers`). Fixtures are matched in a
 test's whole fixture closure, so a fixture built on one of these (``k3`` on ``podman_env``,
-``cluster`` on ``slurm_cluster``, ``jobs``) counts too.
+``cluster`` on ``slurm_cluster``, ``jobs``) counts too. A linter (marker ``lint``) needs no
+infrastructure and stays in the fast tier: conftest.py refuses a ``lint`` test that is ``e2e``
+or uses such a fixture (:func:`misplaced_lint`).
 """
 
 from __future__ import annotations
@@ -30,4 +33,15 @@ def missing_markers(items: Iterable[Any]) -> list[str]:
         have = {m.name for m in item.iter_markers()}
         if need - have:
             out.append(f"{item.nodeid}: uses {', '.join(uses)} but is not marked {', '.join(sorted(need - have))}")
+    return out
+
+
+def misplaced_lint(items: Iterable[Any]) -> list[str]:
+    """One line per ``lint`` test that would leave the fast tier (``-m "not e2e"`` runs every linter)."""
+    out = []
+    for item in items:
+        have = {m.name for m in item.iter_markers()}
+        uses = sorted(f for f in getattr(item, "fixturenames", ()) if f in NEEDS)
+        if "lint" in have and ("e2e" in have or uses):
+            out.append(f"{item.nodeid}: is marked lint, so it belongs to the fast tier: not e2e, no {', '.join(uses) or 'infrastructure'}")
     return out

@@ -46,6 +46,7 @@ from k3launch.campaign.energy import Energy
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec
 from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
+from k3launch.models.plan import is_container
 from k3launch.render.scripts import venv_path
 
 if TYPE_CHECKING:
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
     from k3launch.models.record import DeploymentRecord
     from k3launch.transport.fleet import Fleet
 
-CONTAINER_RUNTIMES = ("docker", "podman")
 CONTAINER_RESULT_DIR = "/tmp/k3launch-bench"  # inside the head container
 
 
@@ -137,7 +137,7 @@ def _bare_vllm(rec: DeploymentRecord, runtime: str) -> bool:
 def choose_client(rec: DeploymentRecord, mode: str) -> str:
     h = head(rec)
     runtime = rec.processes[h.id].runtime if h.id in rec.processes else "bare"
-    in_container = runtime in CONTAINER_RUNTIMES or _bare_vllm(rec, runtime)
+    in_container = is_container(runtime) or _bare_vllm(rec, runtime)
     reachable = spec(rec.plan.backend).this_machine or not _loopback(rec.endpoint)  # a login-node router on 127.0.0.1 is not
     if mode == "engine":
         if not in_container:
@@ -305,11 +305,11 @@ def engine_facts(rec: DeploymentRecord) -> EngineFacts:
     pr = rec.processes.get(h.id)
     runtime = pr.runtime if pr else "bare"
     image_id = None
-    if pr is not None and runtime in CONTAINER_RUNTIMES:
+    if pr is not None and is_container(runtime):
         with api.fleet(rec) as fleet:
             try:
                 r = fleet.run(h.node, f"{shlex.quote(runtime)} inspect --format '{{{{.Image}}}}' {shlex.quote(pr.handle)}", timeout=30)
                 image_id = (r.stdout.strip() or None) if r.ok else None
             except K3Error:
                 image_id = None
-    return EngineFacts(version, runtime, h.image if runtime in CONTAINER_RUNTIMES else None, image_id)
+    return EngineFacts(version, runtime, h.image if is_container(runtime) else None, image_id)

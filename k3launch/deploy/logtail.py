@@ -3,7 +3,10 @@
 Bare processes are read by byte offset, containers by the runtime's timestamps (over SSH, in the
 liveness poll: :mod:`k3launch.render.logread`); on Slurm the logs are files in the job's shared
 log directory, read here. Only whole lines advance the cursor: an unfinished last line (a tqdm
-bar being redrawn) is shown now and read again, whole, later.
+bar being redrawn) counts for the phase now and is read again, whole, later. A bare log's read
+starts with the byte before the offset, which must be the newline that ended the last line read:
+if the offset missed a line start, the text up to the next newline is the end of a line already
+read (or half of one) and is skipped, so a fragment is never taken for a line.
 """
 
 from __future__ import annotations
@@ -23,24 +26,37 @@ class LogCursor:
     since: dict[str, str] = field(default_factory=dict)  # container logs: the timestamp of the last line read
 
     def take(self, pid: str, text: str) -> LogDelta:
-        """A bare log's new ``text`` (from the offset on): whole lines advance the offset."""
+        """A bare log's new ``text`` (:func:`k3launch.render.logread.log_from` at the offset): whole
+        lines advance the offset."""
+        at = self.offsets.get(pid, 0)
+        if at > 0 and text:
+            # the read began a byte early: a newline there means the offset is where a line starts.
+            # The runner decoded the bytes (invalid UTF-8 replaced), so the count of a log that is
+            # not UTF-8 can miss by a few bytes: then skip to the next line start
+            skip = 1 if text[0] == "\n" else text.find("\n") + 1
+            if skip == 0:
+                return LogDelta()  # inside a line that has not ended yet: nothing to take
+            at += len(text[:skip].encode()) - 1
+            text = text[skip:]
         whole = text[: text.rfind("\n") + 1]
-        # the runner decoded the bytes (invalid UTF-8 replaced): a log that is not UTF-8 may be
-        # read a few bytes off, which shifts one line, never the phases after it
-        self.offsets[pid] = self.offsets.get(pid, 0) + len(whole.encode())
+        self.offsets[pid] = at + len(whole.encode())
         return LogDelta(whole, text[len(whole) :])
 
     def take_container(self, pid: str, text: str) -> LogDelta:
-        """Container log lines ``TIMESTAMP text``: those after the last timestamp read, without it."""
+        """Container log lines ``TIMESTAMP text``: those after the last timestamp read, without it.
+        Split at newlines only (a tqdm redraw's ``\\r`` stays in its line); an unfinished last line
+        is not taken, so it comes again, whole, from its own timestamp."""
         last = self.since.get(pid, "")
+        *lines, unfinished = text.split("\n")
         out = []
-        for line in text.splitlines():
+        for line in lines:
             ts, _, rest = line.partition(" ")
             if not ts[:1].isdigit() or ts == last:
                 continue  # `--since` includes the line it starts from
             self.since[pid] = ts
             out.append(rest)
-        return LogDelta("".join(f"{x}\n" for x in out))
+        ts, _, rest = unfinished.partition(" ")
+        return LogDelta("".join(f"{x}\n" for x in out), rest if ts[:1].isdigit() and ts != last else "")
 
 
 def cut_sections(stdout: str) -> tuple[str, dict[str, str]]:

@@ -41,15 +41,15 @@ class _Proc:
             self.percent = percent
 
     def read(self, delta: LogDelta, now: float) -> None:
-        lines = delta.text.splitlines()
-        if delta.partial:
-            lines.append(delta.partial)  # read again next poll: moving to its phase twice is a no-op
-        for line in lines:
+        # the unfinished line counts for the phase (a bar's percentage) but is not shown: it may be
+        # cut anywhere, and is read again, whole, next poll (moving to its phase twice is a no-op)
+        whole = delta.text.split("\n")[:-1]
+        for i, line in enumerate([*whole, delta.partial]):
             for part in line.split("\r"):  # tqdm's updates of one line
                 hit = classify(part)
                 if hit is not None:
                     self.move(hit.phase, hit.percent, now)
-            shown = clean(line)
+            shown = clean(line) if i < len(whole) else ""
             if shown:
                 self.last_line = shown
 

@@ -105,6 +105,10 @@ _PATTERNS: tuple[tuple[Phase, re.Pattern[str]], ...] = (
     ),
 )
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# a shell's job-control messages ("[1] 12345", "[1]+  Done  cmd"): a wrapper's chatter, not the engine's
+_JOB_CONTROL = re.compile(
+    r"\[\d+\][+-]?\s+(?:\d+|(?:Done|Exit \d+|Running|Stopped|Killed|Terminated|Hangup|Interrupt|Quit|Aborted|Segmentation fault)\b.*)"
+)
 LINE_CHARS = 300  # what a progress event keeps of the last log line
 
 
@@ -126,16 +130,19 @@ def classify(line: str) -> Hit | None:
 
 
 def clean(line: str) -> str:
-    """A log line as shown: without colour codes, the last of its ``\\r`` updates, trimmed."""
+    """A log line as shown: without colour codes, the last of its ``\\r`` updates, trimmed; nothing
+    for a shell's job-control message."""
     parts = [p for p in _ANSI.sub("", line).split("\r") if p.strip()]
     text = parts[-1].strip() if parts else ""
+    if _JOB_CONTROL.fullmatch(text):
+        return ""
     return text if len(text) <= LINE_CHARS else text[: LINE_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
 class LogDelta:
     """What a process's log gained since the last look: whole lines, then an unfinished last line
-    (read again next time, so it is shown but not taken as new)."""
+    (read again next time: it counts for the phase, but is neither taken as new nor shown)."""
 
     text: str = ""
     partial: str = ""

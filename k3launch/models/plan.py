@@ -19,6 +19,14 @@ PlanBackend = str  # a registered backend (k3launch.models.backends), or "none":
 Engine = Literal["vllm", "sim"]
 Platform = Literal["cuda", "rocm", "cpu"]  # cpu: vLLM's CPU backend, no GPU devices
 Runtime = Literal["docker", "podman", "apptainer", "bare"]
+CONTAINER_RUNTIMES: tuple[Runtime, ...] = ("docker", "podman")
+
+
+def is_container(runtime: str) -> bool:
+    """Whether ``runtime`` runs a process as a container it manages: started detached (``run -d``),
+    found by its labels, its log read with ``<runtime> logs``. apptainer and bare processes run in
+    the background with a log file, as the host's own processes."""
+    return runtime in CONTAINER_RUNTIMES
 
 
 class Frozen(BaseModel):

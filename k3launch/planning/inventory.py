@@ -20,6 +20,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from k3launch.errors import K3Error
 from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
+from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
 from k3launch.planning.recipes import load_yaml_model
 from k3launch.util.bounds import MEMORY_GB
@@ -28,7 +29,6 @@ from k3launch.util.hosts import check_host, expand_hostlist
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 GPU_HOUR_PRICE_MAX = 100_000.0  # per GPU and hour, in any currency (yen included): a typo like 1e9 is caught
 
-Runtime = Literal["docker", "podman", "apptainer", "bare"]
 SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "OPENAI_API_KEY"})
 NOT_SECRETS = frozenset({"TOKENIZERS_PARALLELISM"})
 PLACEMENT_ENV = frozenset(

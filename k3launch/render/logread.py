@@ -27,8 +27,12 @@ def _frame(pid: str, body: str) -> str:
 
 
 def log_from(pid: str, log: str, offset: int) -> str:
-    """The bytes of ``log`` from ``offset`` on (at most :data:`CHUNK_BYTES`)."""
-    return _frame(pid, f"tail -c +{int(offset) + 1} {path_word(log)} 2>/dev/null | head -c {CHUNK_BYTES}")
+    """The bytes of ``log`` from ``offset`` on (at most :data:`CHUNK_BYTES`), led by the byte before
+    ``offset`` when there is one: the newline that ended the last line read, unless the offset missed
+    a line start (:meth:`k3launch.deploy.logtail.LogCursor.take` checks it)."""
+    offset = int(offset)
+    start, size = (offset, CHUNK_BYTES + 1) if offset > 0 else (1, CHUNK_BYTES)  # tail -c +K starts at byte K, counted from 1
+    return _frame(pid, f"tail -c +{start} {path_word(log)} 2>/dev/null | head -c {size}")
 
 
 def container_log_since(pid: str, runtime: str, name: str, since: str) -> str:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from k3launch.models.plan import Host, Plan, Process
+from k3launch.models.plan import Host, Plan, Process, is_container
 
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
 TOKEN_TARGET = "hf_token"  # podman: /run/secrets/hf_token
@@ -124,7 +124,7 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
     env = {**proc.env, **markers(plan, proc)}
     argv = engine_argv(plan, proc, host)
     runtime = host.runtime if proc.role != "router" else "bare"
-    if runtime in ("docker", "podman"):
+    if is_container(runtime):
         cmd = [runtime, "run", "-d", "--name", container_name(plan, proc),
                "--label", f"{LABEL}={plan.name}", "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}"]
         if proc.gpus and plan.engine != "sim":  # the simulated engine needs (and has) no GPUs
@@ -216,7 +216,7 @@ def token_snippet(hf_token_file: str | None, apptainer: bool = False) -> str:
 
 def runs_in_background(proc: Process, host: Host) -> bool:
     """Whether ``proc`` starts through ``k3launch_background`` (all but docker/podman containers)."""
-    return proc.role == "router" or host.runtime not in ("docker", "podman")
+    return proc.role == "router" or not is_container(host.runtime)
 
 
 def runs_in_apptainer(proc: Process, host: Host) -> bool:

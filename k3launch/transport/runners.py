@@ -100,6 +100,12 @@ class CommandRunner(Protocol):
     def close(self) -> None: ...
 
 
+def _text(data: bytes | str | None) -> str:
+    """Output as the remote shells give it: every byte kept (text mode would turn vLLM's ``\\r\\n``
+    into ``\\n``, and log offsets counted from the text would drift), invalid UTF-8 replaced."""
+    return data.decode(errors="replace") if isinstance(data, bytes) else (data or "")
+
+
 class LocalRunner:
     """Runs ``bash -c COMMAND`` on this machine."""
 
@@ -107,12 +113,11 @@ class LocalRunner:
         """``env``: the command's whole environment (default: this process's)."""
         t0 = time.monotonic()
         try:
-            p = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+            p = subprocess.run(["bash", "-c", command], capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL,
                                env=None if env is None else dict(env))
         except subprocess.TimeoutExpired as exc:
-            out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-            return Result(target.name, command, 124, out, f"timed out after {timeout:g}s", time.monotonic() - t0)
-        return Result(target.name, command, p.returncode, p.stdout, p.stderr, time.monotonic() - t0)
+            return Result(target.name, command, 124, _text(exc.stdout), f"timed out after {timeout:g}s", time.monotonic() - t0)
+        return Result(target.name, command, p.returncode, _text(p.stdout), _text(p.stderr), time.monotonic() - t0)
 
     def close(self) -> None:
         return None

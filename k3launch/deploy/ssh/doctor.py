@@ -42,7 +42,7 @@ from k3launch.deploy.ssh import weights as model_weights
 from k3launch.deploy.ssh.gpus import FAIL, PASS, SKIP, WARN
 from k3launch.deploy.ssh.launch import router_install_hint, run_host, tools_dir
 from k3launch.errors import K3Error
-from k3launch.models.plan import Host, Plan
+from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check, DoctorReport
 from k3launch.render import snippets as remote
 from k3launch.render.scripts import Raw, home_path
@@ -99,12 +99,12 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
         parts.append(preflight.section("runtime", "command -v vllm-router >/dev/null 2>&1 && echo ok || echo missing"))
         return "".join(parts)
     rt = host.runtime
-    if rt in ("docker", "podman", "apptainer"):
+    if is_container(rt) or rt == "apptainer":
         q = shlex.quote(rt)
         check = f"command -v {q} >/dev/null 2>&1 && echo ok || echo missing"
         parts.append(preflight.section("runtime", check))
         image = next((p.image for p in plan.processes if p.node == host.name and p.image), None)
-        if image and rt in ("docker", "podman"):
+        if image and is_container(rt):
             parts.append(preflight.section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
             if plan.engine == "vllm":  # only an image that is there: never pull from here
                 run = f"{q} run --rm --entrypoint vllm {shlex.quote(image)} --version"

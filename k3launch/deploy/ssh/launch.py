@@ -42,7 +42,7 @@ from k3launch.deploy.ssh.observe import Poll, poll, tail_logs
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Host, Plan, Process
+from k3launch.models.plan import Host, Plan, Process, is_container
 from k3launch.models.record import ProcessRecord, SshBackendName, SshRecord, Stage, StageFn
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.render import snippets as remote
@@ -136,7 +136,7 @@ def _sections(out: str) -> dict[str, tuple[int | None, str]]:
 def _record_for(plan: Plan, proc: Process, fleet: Fleet, out: str, log_dir: str) -> ProcessRecord:
     host = fleet.host(proc.node)
     runtime = "bare" if proc.role == "router" else host.runtime
-    if runtime in ("docker", "podman"):
+    if is_container(runtime):
         return ProcessRecord(id=proc.id, node=proc.node, runtime=runtime, handle=container_name(plan, proc), started=True)
     pid = next((ln.split()[2] for ln in out.splitlines() if ln.startswith("started pid ")), "")
     log = start_command(plan, proc, host, log_dir)[1]
@@ -310,7 +310,7 @@ class Launch:
 
     def log_tail(self, rec: SshRecord, pid: str, lines: int = 30) -> str:
         pr = rec.processes[pid]
-        cmd = remote.container_log_tail(pr.runtime, pr.handle, lines) if pr.runtime in ("docker", "podman") else remote.log_tail(pr.log, lines)
+        cmd = remote.container_log_tail(pr.runtime, pr.handle, lines) if is_container(pr.runtime) else remote.log_tail(pr.log, lines)
         try:
             return self.fleet.run(pr.node, cmd, timeout=20).stdout
         except K3Error as exc:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from k3launch.deploy.logtail import LogCursor, cut_sections
 from k3launch.errors import K3Error
 from k3launch.models.phases import LogDelta
+from k3launch.models.plan import CONTAINER_RUNTIMES, is_container
 from k3launch.models.record import ProcessRecord, ProcessStatus, SshRecord, Status, observed_state
 from k3launch.models.reports import PEER_LOSS
 from k3launch.render import logread
@@ -40,8 +41,8 @@ class Poll:
 
 def _log_reads(prs: list[ProcessRecord], cursor: LogCursor) -> list[str]:
     """Live progress: what each process's log gained, in the same round trip as the liveness check."""
-    return [logread.container_log_since(p.id, p.runtime, p.handle, cursor.since.get(p.id, "")) if p.runtime in ("docker", "podman")
-            else logread.log_from(p.id, p.log, cursor.offsets.get(p.id, 0)) for p in prs if p.runtime in ("docker", "podman") or p.log]
+    return [logread.container_log_since(p.id, p.runtime, p.handle, cursor.since.get(p.id, "")) if is_container(p.runtime)
+            else logread.log_from(p.id, p.log, cursor.offsets.get(p.id, 0)) for p in prs if is_container(p.runtime) or p.log]
 
 
 def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30, cursor: LogCursor | None = None) -> Poll:
@@ -52,9 +53,9 @@ def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lin
             by_node.setdefault(pr.node, []).append(pr)
     cmds = {}
     for node, prs in by_node.items():
-        bare = [(p.handle, p.log) for p in prs if p.runtime not in ("docker", "podman")]
+        bare = [(p.handle, p.log) for p in prs if not is_container(p.runtime)]
         parts = [remote.process_status(bare, tail_lines)] if bare else []
-        for rt in ("docker", "podman"):
+        for rt in CONTAINER_RUNTIMES:
             names = [p.handle for p in prs if p.runtime == rt]
             if names:
                 parts.append(remote.containers_alive(rt, names))
@@ -77,7 +78,7 @@ def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lin
             stdout, sections = cut_sections(o.stdout)
             for p in by_node[node]:
                 if p.id in sections:
-                    take = cursor.take_container if p.runtime in ("docker", "podman") else cursor.take
+                    take = cursor.take_container if is_container(p.runtime) else cursor.take
                     out.logs[p.id] = take(p.id, sections[p.id])
         status: dict[str, list[str]] = {}
         tails: dict[str, list[str]] = {}
@@ -131,7 +132,7 @@ def _log_cmd(rec: SshRecord, pid: str, lines: int) -> tuple[str, str]:
     pr = rec.processes.get(pid)
     if pr is None:
         return "", "echo '(never started)'"
-    if pr.runtime in ("docker", "podman"):
+    if is_container(pr.runtime):
         return pr.node, remote.container_log_tail(pr.runtime, pr.handle, lines)
     return pr.node, remote.log_tail(pr.log, lines)
 
@@ -169,7 +170,7 @@ def follow_logs(rec: SshRecord, fleet: Fleet, ids: Iterable[str], emit: Callable
                 max_s: float | None = None) -> None:
     """Print new log lines as they appear (bare runtimes: by byte offset; containers: --since)."""
     ids = [i for i in ids if i in rec.processes]
-    bare = [i for i in ids if rec.processes[i].runtime not in ("docker", "podman")]
+    bare = [i for i in ids if not is_container(rec.processes[i].runtime)]
     sizes = _batched(rec, fleet, {i: (rec.processes[i].node, f"wc -c < {remote.path_word(rec.processes[i].log)} 2>/dev/null || echo 0")
                                   for i in bare})
     offsets = {i: _int(sizes.get(i, "")) for i in bare}
@@ -178,7 +179,7 @@ def follow_logs(rec: SshRecord, fleet: Fleet, ids: Iterable[str], emit: Callable
         cmds: dict[str, tuple[str, str]] = {}
         for pid in ids:
             pr = rec.processes[pid]
-            if pr.runtime in ("docker", "podman"):
+            if is_container(pr.runtime):
                 cmds[pid] = (pr.node, f"{shlex.quote(pr.runtime)} logs --since {int(since)} {shlex.quote(pr.handle)} 2>&1 || true")
             else:
                 cmds[pid] = (pr.node, f"tail -c +{offsets[pid] + 1} {remote.path_word(pr.log)} 2>/dev/null || true")

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.plan import is_container
 from k3launch.models.record import SshRecord
 from k3launch.models.reports import TeardownReport
 from k3launch.render import snippets as remote
@@ -67,7 +68,7 @@ def _stop_containers(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: floa
     containers: dict[str, list[tuple[str, str]]] = {}
     for pid in ids:
         pr = rec.processes.get(pid)
-        if pr is not None and pr.runtime in ("docker", "podman"):
+        if pr is not None and is_container(pr.runtime):
             containers.setdefault(pr.node, []).append((pr.runtime, pr.handle))
     if containers:
         cmds = {node: "\n".join(remote.stop_containers(rt, [h], int(grace_s)) for rt, h in items) for node, items in containers.items()}
@@ -137,14 +138,14 @@ def verify(rec: SshRecord, fleet: Fleet, report: TeardownReport) -> None:
     (engines lead their own session, and their children stay in it even when orphaned) — or when
     its holder cannot be seen (another user's process, a container's) while something of ours is
     still on the node. A port held by anything else is a note in ``report.verified``, not a leftover."""
-    runtimes = {h.name: [h.runtime] if h.runtime in ("docker", "podman") else [] for h in rec.plan.hosts}
+    runtimes = {h.name: [h.runtime] if is_container(h.runtime) else [] for h in rec.plan.hosts}
     ports: dict[str, set[int]] = {}
     for use in rec.plan.ports:
         ports.setdefault(use.node, set()).add(use.port)
     cmds = {n: _verify_script(rec, runtimes.get(n, []), ports.get(n, ())) for n in fleet.nodes()}
     listening: dict[str, set[tuple[str, int]]] = {}
     holders: dict[str, list[tuple[str, int, str, str, str]]] = {}
-    ours = {pr.handle for pr in rec.processes.values() if pr.runtime not in ("docker", "podman") and pr.handle}
+    ours = {pr.handle for pr in rec.processes.values() if not is_container(pr.runtime) and pr.handle}
     sessions = set(ours)  # the recorded pids lead their sessions (started with setsid)
     for node, text in _run(fleet, cmds, report).items():
         sec = _sections(text)
@@ -212,7 +213,7 @@ def sweep(name: str, fleet: Fleet, what: str, grace_s: float = DEFAULT_GRACE_S) 
             local_seen = True
         nodes.append(n)
     report = TeardownReport(verified=f"no process or container of {name} left on {what}")
-    runtimes = {n: sorted({h.runtime for h in fleet.hosts if h.name == n and h.runtime in ("docker", "podman")}) for n in nodes}
+    runtimes = {n: sorted({h.runtime for h in fleet.hosts if h.name == n and is_container(h.runtime)}) for n in nodes}
     listed = _run(fleet, {n: "\n".join(remote.labelled_containers(rt, name) for rt in rts) for n, rts in runtimes.items() if rts}, report)
     cmds = {n: "\n".join(remote.stop_containers(rt, text.split(), int(grace_s)) for rt in runtimes[n]) for n, text in listed.items() if text.split()}
     if cmds:

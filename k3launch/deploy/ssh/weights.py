@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import shlex
 
-from k3launch.models.plan import Host, Plan
+from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check
 from k3launch.models.weights import State, Where
 from k3launch.render.scripts import Raw, home_path
@@ -112,7 +112,7 @@ def where(plan: Plan, host: Host) -> Where:
     """Where the engine on ``host`` looks: containers mount the node's ``hf_cache`` as their
     ``HF_HOME``; a bare engine reads ``HF_HUB_CACHE`` or ``HF_HOME`` from its env, else the
     Hugging Face default."""
-    if host.runtime in ("docker", "podman", "apptainer"):
+    if is_container(host.runtime) or host.runtime == "apptainer":
         return Where(plan.model, revision(plan), (host.hf_cache or DEFAULT_HOME).rstrip("/") + "/hub")
     env = engine_env(plan, host.name)
     hub = env.get("HF_HUB_CACHE") or (env.get("HF_HOME") or DEFAULT_HOME).rstrip("/") + "/hub"
