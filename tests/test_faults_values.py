@@ -37,8 +37,8 @@ from k3launch.campaign.file import Campaign, load_campaign
 from k3launch.campaign.matrix import expand, group
 from k3launch.cli import app
 from k3launch.errors import K3Error
-from k3launch.planning.recipes import load_yaml_model
 from k3launch.util import bounds
+from k3launch.util.yamlio import load_yaml_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
