@@ -1,6 +1,6 @@
 """The one YAML loader of k3launch: recipes, inventories and campaign files all go through
 :func:`load_yaml_model`, so each is refused the same way (file and line) when it is not UTF-8,
-not YAML, repeats a key, or breaks its schema.
+not YAML, nested too deep, repeats a key, or breaks its schema.
 
 It is generic over the pydantic model a file is read into: the models themselves live in the
 layers above.
@@ -26,6 +26,17 @@ _MERGE = "tag:yaml.org,2002:merge"
 # before they are built; only files large enough to be that deep are scanned (~1 ms per 20 kB).
 _MAX_DEPTH = 100
 _SCAN_ABOVE_CHARS = 16_384
+# The libyaml bundled with PyYAML 6.0.4 and later refuses nesting past its own limit (1000) while
+# it scans, looking ahead of the events the depth count reads: its refusal is worded as k3launch's.
+_PYYAML_NESTING = "exceeded maximum nesting depth"
+
+
+def _nesting_line(exc: yaml.YAMLError) -> int | None:
+    """The line where PyYAML refused ``exc`` for its own nesting limit, else None."""
+    if _PYYAML_NESTING not in (getattr(exc, "problem", None) or ""):
+        return None
+    mark = getattr(exc, "problem_mark", None)
+    return mark.line + 1 if mark is not None else 1
 
 
 def _too_deep(text: str) -> int | None:
@@ -42,9 +53,13 @@ def _too_deep(text: str) -> int | None:
                     return ev.start_mark.line + 1 if ev.start_mark is not None else 1
             elif isinstance(ev, yaml.CollectionEndEvent):
                 depth -= 1
-    except yaml.YAMLError:
-        return None
+    except yaml.YAMLError as exc:
+        return _nesting_line(exc)
     return None
+
+
+def _deep_error(path: Path, line: int) -> K3Error:
+    return K3Error("bad-yaml", f"{path}:{line}: nested more than {_MAX_DEPTH} levels deep", "is it the file you meant?")
 
 
 class _DuplicateKey(yaml.YAMLError):
@@ -129,7 +144,7 @@ def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("R
         ) from None
     deep = _too_deep(text)
     if deep is not None:
-        raise K3Error("bad-yaml", f"{path}:{deep}: nested more than {_MAX_DEPTH} levels deep", "is it the file you meant?")
+        raise _deep_error(path, deep)
     try:
         data = yaml.load(text, Loader=_UniqueKeysLoader)
     except _DuplicateKey as exc:
@@ -139,6 +154,9 @@ def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("R
             "give each key once (YAML would silently keep the last)",
         ) from None
     except yaml.YAMLError as exc:
+        deep = _nesting_line(exc)  # a file too small to be scanned, past PyYAML's own limit
+        if deep is not None:
+            raise _deep_error(path, deep) from None
         mark = getattr(exc, "problem_mark", None)
         position = getattr(exc, "position", None)  # a reader error: a character YAML does not allow
         where = f":{mark.line + 1}" if mark is not None else f":{text[:position].count(chr(10)) + 1}" if position is not None else ""
