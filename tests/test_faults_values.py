@@ -27,6 +27,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -37,8 +38,8 @@ from k3launch.campaign.file import Campaign, load_campaign
 from k3launch.campaign.matrix import expand, group
 from k3launch.cli import app
 from k3launch.errors import K3Error
-from k3launch.planning.recipes import load_yaml_model
 from k3launch.util import bounds
+from k3launch.util.yamlio import load_yaml_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -330,6 +331,42 @@ def test_a_merge_key_may_be_overridden_but_a_written_key_may_not_repeat(tmp_path
     with pytest.raises(K3Error) as info:
         load_yaml_model(doc, _Doc)
     assert info.value.code == "duplicate-key" and ":2: duplicate key 'seed' (first at line 2)" in info.value.message
+
+
+def _pyyaml_refuses_nesting_past_1000(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What PyYAML 6.0.4 and later do on any machine: their libyaml refuses nesting past 1000
+    levels while it scans, ahead of the events a reader gets, as a ScannerError of its own words."""
+    deep = "[" * 1001
+
+    def refusing(real: Any) -> Any:
+        def call(stream: str, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(stream, str) and deep in stream:
+                mark = yaml.Mark("<unicode string>", 0, stream[: stream.index(deep)].count("\n"), 1003, None, None)
+                raise yaml.scanner.ScannerError("while increasing flow level", mark, "exceeded maximum nesting depth", mark)
+            return real(stream, *args, **kwargs)
+
+        return call
+
+    for name in ("parse", "compose", "load"):
+        monkeypatch.setattr(yaml, name, refusing(getattr(yaml, name)))
+
+
+@pytest.mark.parametrize("pyyaml", ["installed", "6.0.4 and later"])
+def test_deep_yaml_is_refused_in_k3launchs_words_whatever_pyyaml_does(
+    pyyaml: str, where: Where, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if pyyaml != "installed":
+        _pyyaml_refuses_nesting_past_1000(monkeypatch)
+    error, _ = _refused_in_one_line(*_run(where, ["plan", "-i", where.paths["inv_deep"]]))
+    assert f"{where.paths['inv_deep']}:3: nested more than 100 levels deep" in error, error
+    code, out, _ = _run(where, ["plan", "--json", "-i", where.paths["inv_deep"]])
+    assert code == 2 and json.loads(out)["error"]["code"] == "bad-yaml", out
+    if pyyaml != "installed":  # a file too small to be scanned for depth meets PyYAML's limit alone
+        small = tmp_path / "small.yaml"
+        small.write_text("name: n\nbase:\n  x: " + "[" * 1500 + "]" * 1500 + "\n", encoding="utf-8")
+        with pytest.raises(K3Error) as info:
+            load_yaml_model(small, _Doc)
+        assert (info.value.code, info.value.message) == ("bad-yaml", f"{small}:3: nested more than 100 levels deep")
 
 
 def test_an_ssh_config_that_is_not_utf8_is_one_line(where: Where) -> None:

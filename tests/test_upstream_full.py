@@ -25,6 +25,7 @@ from plan_checks import check_plan, engine_processes, flags, lint_errors
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.selection import Selection
+from k3launch.planning import build as planning_build
 from k3launch.planning.build import build_plan
 from k3launch.planning.lint import lint
 from k3launch.planning.recipes import RecipeTree
@@ -384,6 +385,22 @@ def test_a_recipe_sizing_its_own_one_node_layout_is_placed_as_it_asks(tree: Reci
     got = flags(SCHEMA, proc)
     assert got["--data-parallel-size"].value == got["--data-parallel-size-local"].value == dp
     assert proc.gpus == int(dp) and any(n.code == "recipe-layout" for n in plan.notices)
+
+
+def test_a_pool_the_recipe_sizes_is_composed_once(tree: RecipeTree, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe's own size is read from the pool's layers before the pool is composed: one
+    composition per engine process, at the size that runs."""
+    composed: list[str] = []
+    real = planning_build.compose
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        composed.append("one")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(planning_build, "compose", counting)
+    plan = build_plan(tree, Selection(recipe="deepseek-ai/DeepSeek-V4-Flash", hardware="h200", strategy="single_node_dep"))
+    assert any(n.code == "recipe-layout" for n in plan.notices)
+    assert len(composed) == len(engine_processes(plan)) == 1
 
 
 @pytest.mark.parametrize("tree_name", ["latest-full", "seed-era", "bundled"])

@@ -35,9 +35,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model,
 from k3launch.errors import K3Error
 from k3launch.models.selection import Selection
 from k3launch.planning.inventory import NodeSettings
-from k3launch.planning.recipes import load_yaml_model
 from k3launch.util import bounds
 from k3launch.util.bounds import MAX_CELLS, MAX_DEPLOYMENTS
+from k3launch.util.yamlio import load_yaml_model
 
 Scalar = str | int | float | bool | None
 NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,40}$"  # + "-<8 hex>" stays a valid deployment name (≤ 63)

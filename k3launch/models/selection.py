@@ -141,6 +141,12 @@ class Selection(BaseModel):
         return tuple(n for n, f in cls.model_fields.items() if getattr(f.annotation, "__origin__", None) is tuple)
 
 
+def copy_nodes(parallelism: Parallelism, nodes: int) -> int:
+    """The nodes of a pool that hold one copy of the weights: each node of independent replicas
+    holds a whole copy; every other layout splits one copy over all of its nodes."""
+    return 1 if parallelism == "replicas" else nodes
+
+
 @dataclass(frozen=True)
 class Pool:
     """One group of nodes running one engine: the whole deployment, or a P/D role."""
@@ -153,6 +159,10 @@ class Pool:
     @property
     def gpus(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def copy_nodes(self) -> int:
+        return copy_nodes(self.parallelism, self.nodes)
 
 
 @dataclass

@@ -22,9 +22,10 @@ from k3launch.models.backends import spec
 from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry, Role
 from k3launch.models.recipe import KvOffloadOption
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
-from k3launch.planning import rules
+from k3launch.planning import capacity, rules
+from k3launch.planning.capacity import NodeMemory
 from k3launch.planning.compose import Composed, Locked, Source, compose
-from k3launch.planning.layers import RESERVED, locks_for, pool_sources
+from k3launch.planning.layers import RESERVED, PoolSources, locks_for, pool_sources
 from k3launch.planning.layout import load_balanced, placement_flags, pool_strategies, recipe_layout, sizes, strip_nvl4_env
 from k3launch.planning.placement import (
     LOGIN,
@@ -127,16 +128,12 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     pool_caps: list[PoolCapacity] = []
     cursor = 0
     pools: list[Pool] = []
+    mem = NodeMemory(r.node_memory_gb)
     for pool in r.pools:
         pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
-        composed = _compose_pool(tree, r, pool, pool_nodes, schema, ports, locks, reserved, kv, inventory, model_id)
-        adapted = recipe_layout(composed[0].composed, composed[0].placement, pool, r.hardware_id, r.hardware)
-        if adapted is not None:  # the recipe sizes this one-node layout itself: place what it asks for
-            notices.append(Notice("recipe-layout", f"{pool.role} pool: the recipe sets its own size on one node: TP x DP = {adapted.gpus_per_node} "
-                                  f"of {r.hardware_id}'s {r.hardware.gpu_count} GPUs (placement follows it)"))
-            pool = adapted
-            _check_fits(r, pool)
-            composed = _compose_pool(tree, r, pool, pool_nodes, schema, ports, locks, reserved, kv, inventory, model_id)
+        shared = _pool_shared(tree, r, pool, schema, ports, kv)
+        pool = _sized(shared, r, pool, mem, pool_nodes[0], schema, ports, reserved, inventory, notices)
+        composed = _compose_pool(shared, pool, pool_nodes, schema, ports, locks, reserved, inventory, model_id)
         pools.append(pool)
         for i, one in enumerate(composed):
             c, node = one.composed, one.node
@@ -149,8 +146,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         if tp & (tp - 1):
             notices.append(Notice("tp-not-power-of-two", f"{pool.role} pool: TP {tp} must divide the model's attention heads or vLLM refuses it; "
                                   "a power of two (other node count, multi_node_tp_pp or DEP) is the safe choice"))
-        copy = 1 if pool.parallelism == "replicas" else pool.nodes  # the nodes that hold one copy of the weights
-        memory = copy * _pool_node_gb(r, pool)
+        memory = pool.copy_nodes * capacity.pool_node_memory(mem, pool, r.hardware).gb
         pool_caps.append(PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus,
                                       gpu_memory_gb=memory, weights_gb=r.weights_gb,
                                       fits=memory >= r.weights_gb, tp=tp, dp=dp, pp=pp))
@@ -193,58 +189,90 @@ class Placed(NamedTuple):
     node_rank: int | None
     dp_start: int | None
     http: int
+
+
+class PoolShared(NamedTuple):
+    """What every node of one pool shares, whatever its size: its layers' sources and how it serves."""
+
+    src: PoolSources
+    hybrid: bool  # hybrid or external load balancing: every DEP node serves HTTP
+    recipe_port: str | None
+    http: int
+    nixl_env: str | None
+
+
+class NodeSources(NamedTuple):
+    """One node's sources in compose order, its placement flags among them."""
+
+    sources: list[Source]
     placement: list[str]  # the layout flags placement wrote (sizes, ranks, addresses)
+    serves: bool
+    node_rank: int | None
+    dp_start: int | None
 
 
-def _compose_pool(tree: RecipeTree, r: Resolved, pool: Pool, pool_nodes: Sequence[NodeSpec], schema: FlagSchema, ports: Ports,
-                  locks: list[Locked], reserved: dict[str, str], kv: KvOffloadOption | None, inventory: Inventory | None,
-                  model_id: str) -> list[Placed]:
-    """Compose every node's command of one pool."""
+def _pool_shared(tree: RecipeTree, r: Resolved, pool: Pool, schema: FlagSchema, ports: Ports, kv: KvOffloadOption | None) -> PoolShared:
+    # The sources depend on the pool's role, layout and node count, never on its GPUs per node:
+    # they hold for the pool a recipe resizes (_sized) too.
     rf, sf = f"models/{r.recipe_id}.yaml", f"strategies/{r.strategy.name}.yaml"
     src = pool_sources(r, pool, rf, sf, tree.taxonomy.advanced, (kv.args, kv.env) if kv else None, schema, pool_strategies(tree.strategies, pool))
     own = [*src.pre, *src.layout]
-    hybrid = load_balanced(schema, own)
     recipe_port = flag_value([t for s in own for t in s.args], "--port")
     http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
     nixl_env = next((v for s in own for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
+    return PoolShared(src, load_balanced(schema, own), recipe_port, http, nixl_env)
+
+
+def _node_sources(sh: PoolShared, pool: Pool, i: int, node: NodeSpec, head: NodeSpec, ports: Ports, inventory: Inventory | None) -> NodeSources:
+    """Node ``i``'s sources: the pool's, k3launch's placement flags and the node's env, placeholders resolved."""
+    toks, serves, node_rank, dp_start = placement_flags(pool, i, head, sh.hybrid, ports)
+    sized = list(toks)
+    env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
+    if pool.nodes > 1:
+        env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
+    if sh.nixl_env is not None and ports.compact:
+        env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(ports.nixl_for(pool.role))))
+    if serves and (sh.recipe_port is None or ports.compact):
+        toks += ["--port", str(sh.http)]
+    if serves:
+        # Bind the planned address, not every interface: ports are planned per address.
+        toks += ["--host", node.address]
+    placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
+    extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
+    values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
+    src = sh.src
+    sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra,
+               *[_resolve_source(s, values) for s in (*src.post, *src.tail)]]
+    return NodeSources(sources, sized, serves, node_rank, dp_start)
+
+
+def _sized(sh: PoolShared, r: Resolved, pool: Pool, mem: NodeMemory, head: NodeSpec, schema: FlagSchema, ports: Ports,
+           reserved: dict[str, str], inventory: Inventory | None, notices: list[Notice]) -> Pool:
+    """The pool at the size it runs, decided before it is composed: a recipe that sizes its one-node
+    layout itself (after the placement flags, as upstream's order has it) is placed as it asks."""
+    ns = _node_sources(sh, pool, 0, head, head, ports, inventory)
+    adapted = recipe_layout(schema, ns.sources, ns.placement, reserved, pool, r.hardware_id, r.hardware)
+    if adapted is None:
+        return pool
+    notices.append(Notice("recipe-layout", f"{pool.role} pool: the recipe sets its own size on one node: TP x DP = {adapted.gpus_per_node} "
+                          f"of {r.hardware_id}'s {r.hardware.gpu_count} GPUs (placement follows it)"))
+    have = capacity.pool_node_memory(mem, adapted, r.hardware)
+    if not capacity.fits(r.weights_gb, have, adapted.copy_nodes):
+        raise K3Error("does-not-fit", f"{adapted.gpus_per_node} {r.hardware_id} GPUs = {have.gb:g} GB cannot hold the {r.weights_gb:g} GB of weights "
+                      "(the recipe sizes this one-node layout itself)", "choose hardware with larger GPUs")
+    return adapted
+
+
+def _compose_pool(sh: PoolShared, pool: Pool, pool_nodes: Sequence[NodeSpec], schema: FlagSchema, ports: Ports, locks: list[Locked],
+                  reserved: dict[str, str], inventory: Inventory | None, model_id: str) -> list[Placed]:
+    """Compose every node's command of one pool, at its final size."""
     head = pool_nodes[0]
     out: list[Placed] = []
     for i, node in enumerate(pool_nodes):
-        toks, serves, node_rank, dp_start = placement_flags(pool, i, head, hybrid, ports)
-        sized = list(toks)
-        env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
-        if pool.nodes > 1:
-            env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
-        if nixl_env is not None and ports.compact:
-            env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(ports.nixl_for(pool.role))))
-        if serves and (recipe_port is None or ports.compact):
-            toks += ["--port", str(http)]
-        if serves:
-            # Bind the planned address, not every interface: ports are planned per address.
-            toks += ["--host", node.address]
-        placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
-        extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
-        values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
-        sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra,
-                   *[_resolve_source(s, values) for s in (*src.post, *src.tail)]]
-        c = compose(schema, ["vllm", "serve", model_id], sources, locks, reserved)
-        out.append(Placed(node, c, serves, node_rank, dp_start, http, sized))
+        ns = _node_sources(sh, pool, i, node, head, ports, inventory)
+        c = compose(schema, ["vllm", "serve", model_id], ns.sources, locks, reserved)
+        out.append(Placed(node, c, ns.serves, ns.node_rank, ns.dp_start, sh.http))
     return out
-
-
-def _pool_node_gb(r: Resolved, pool: Pool) -> float:
-    """Memory one node of the pool holds weights in: the GPUs its engine uses (a CPU profile's
-    ranks share the node's host memory)."""
-    if r.hardware.is_cpu or pool.gpus_per_node >= r.hardware.gpu_count:
-        return r.node_memory_gb
-    return r.node_memory_gb * pool.gpus_per_node / r.hardware.gpu_count
-
-
-def _check_fits(r: Resolved, pool: Pool) -> None:
-    have = _pool_node_gb(r, pool)
-    if have + 1e-9 < r.weights_gb:
-        raise K3Error("does-not-fit", f"{pool.gpus_per_node} {r.hardware_id} GPUs = {have:g} GB cannot hold the {r.weights_gb:g} GB of weights "
-                      "(the recipe sizes this one-node layout itself)", "choose hardware with larger GPUs")
 
 
 def _host(node: NodeSpec, role: Role, gpus: int) -> Host:

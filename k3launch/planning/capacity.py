@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
 from k3launch.models.recipe import HardwareProfile, Recipe, Variant
+from k3launch.models.selection import Pool
 
 HEADROOM = 1.2
 GIB = 1024**3
@@ -139,3 +140,12 @@ def nodes_to_fit(weights_gb: float, mem: NodeMemory) -> int:
 
 def fits(weights_gb: float, mem: NodeMemory, nodes: int) -> bool:
     return nodes * mem.gb + 1e-9 >= weights_gb
+
+
+def pool_node_memory(mem: NodeMemory, pool: Pool, hw: HardwareProfile) -> NodeMemory:
+    """What one node of ``pool`` holds weights in: the memory of the GPUs its engine uses -- all of
+    them, unless a one-node TP (declared by the recipe or sized by it) leaves GPUs idle; a CPU
+    profile's ranks share the node's host memory whatever their count."""
+    if hw.is_cpu or pool.gpus_per_node >= hw.gpu_count:
+        return mem
+    return NodeMemory(mem.gb * pool.gpus_per_node / hw.gpu_count, mem.host, mem.source)

@@ -18,7 +18,7 @@ file, then the recipe's ``strategy_overrides``, then k3launch's placement flags,
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -132,6 +132,40 @@ def _locked_value(state: Mapping[str, Arg], env: Mapping[str, str], key: str) ->
     return None
 
 
+def _checked(schema: FlagSchema, src: Source, reserved: Mapping[str, str]) -> tuple[Arg, ...]:
+    """One source's args, refused as :func:`compose` refuses them: a flag vLLM does not have, one
+    source writing a key twice with different values, a user's ``--set`` of a reserved flag."""
+    parsed = _parse_source(schema, src)
+    seen: dict[str, Arg] = {}
+    for arg in parsed:
+        prior = seen.get(arg.key)
+        if prior is not None and not _same(prior, arg):
+            raise K3Error(
+                "contradictory-flags",
+                f"{src.origin}: {' '.join(prior.tokens())} and {' '.join(arg.tokens())} in one layer",
+                "keep one of them; a later layer may override an earlier one, never itself",
+            )
+        seen[arg.key] = arg
+    if src.user:
+        for arg in parsed:
+            _check_user_arg(arg, reserved)
+    return parsed
+
+
+def last_writes(schema: FlagSchema, sources: Sequence[Source], keys: Collection[str],
+                reserved: Mapping[str, str] | None = None) -> dict[str, ProvEntry]:
+    """The provenance entry :func:`compose` would end with for each of ``keys`` that ``sources``
+    write (the value that runs, and who wrote it), without composing: placement reads a recipe's
+    own sizes before it places. Sources are checked as compose checks them, so a broken one is
+    refused with compose's words."""
+    out: dict[str, ProvEntry] = {}
+    for src in sources:
+        for arg in _checked(schema, src, reserved or {}):
+            if arg.key in keys:
+                out[arg.key] = ProvEntry(src.layer, arg.shown, src.origin)
+    return out
+
+
 def compose(
     schema: FlagSchema,
     program: Sequence[str],
@@ -157,20 +191,7 @@ def compose(
             raise ValueError(f"unknown layer {src.layer}")
         if locked_snapshot is None and LAYERS.index(src.layer) > LAYERS.index("hardware"):
             locked_snapshot = {lk.key: _locked_value(state, env, lk.key) for lk in locks}
-        parsed = _parse_source(schema, src)
-        seen: dict[str, Arg] = {}
-        for arg in parsed:
-            prior = seen.get(arg.key)
-            if prior is not None and not _same(prior, arg):
-                raise K3Error(
-                    "contradictory-flags",
-                    f"{src.origin}: {' '.join(prior.tokens())} and {' '.join(arg.tokens())} in one layer",
-                    "keep one of them; a later layer may override an earlier one, never itself",
-                )
-            seen[arg.key] = arg
-        for arg in parsed:
-            if src.user:
-                _check_user_arg(arg, reserved)
+        for arg in _checked(schema, src, reserved):
             if arg.legacy:
                 notices.append(
                     Notice(

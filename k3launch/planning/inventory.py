@@ -22,9 +22,9 @@ from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
 from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
-from k3launch.planning.recipes import load_yaml_model
 from k3launch.util.bounds import MEMORY_GB
 from k3launch.util.hosts import check_host, expand_hostlist
+from k3launch.util.yamlio import load_yaml_model
 
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 GPU_HOUR_PRICE_MAX = 100_000.0  # per GPU and hour, in any currency (yen included): a typo like 1e9 is caught

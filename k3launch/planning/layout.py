@@ -18,7 +18,7 @@ from dataclasses import replace
 from k3launch.errors import K3Error
 from k3launch.models.recipe import HardwareProfile, Strategy
 from k3launch.models.selection import Notice, Pool, Resolved
-from k3launch.planning.compose import Composed, ProvEntry, Source
+from k3launch.planning.compose import Composed, ProvEntry, Source, last_writes
 from k3launch.planning.placement import NodeSpec, Ports
 from k3launch.planning.rules import NVL4_HARDWARE, NVL4_ONLY_ENV
 from k3launch.planning.schema import FlagSchema
@@ -88,16 +88,19 @@ def pool_strategies(strategies: Mapping[str, Strategy], pool: Pool) -> dict[str,
     return out
 
 
-def recipe_layout(c: Composed, placement: Sequence[str], pool: Pool, hw_id: str, hw: HardwareProfile) -> Pool | None:
-    """The pool a recipe's own size flags describe, when the composed command's sizes differ from
-    the ``placement`` flags' (``None``: they agree). Only a one-node pool can follow a recipe: a
-    multi-node layout is k3launch's."""
+def recipe_layout(schema: FlagSchema, sources: Sequence[Source], placement: Sequence[str], reserved: Mapping[str, str],
+                  pool: Pool, hw_id: str, hw: HardwareProfile) -> Pool | None:
+    """The pool a recipe's own size flags describe, when the sizes the head node's ``sources`` (the
+    ``placement`` flags' source among them) would compose to differ from the ``placement`` flags'
+    (``None``: they agree). Read before composing, so each pool is composed once, at its final size.
+    Only a one-node pool can follow a recipe: a multi-node layout is k3launch's."""
+    last = last_writes(schema, sources, _SIZES, reserved)
     want = tuple(int(placement[placement.index(k) + 1]) if k in placement else 1 for k in _SIZES)
-    got = tuple(int(c.value(k) or 1) for k in _SIZES)
+    got = tuple(int(last[k].value or 1) if k in last else 1 for k in _SIZES)
     if got == want:
         return None
     tp, dp, pp = got
-    who = ", ".join(f"{k} {c.value(k)} ({c.provenance[k][-1].origin})" for k in _SIZES if c.value(k) is not None and k in c.provenance)
+    who = ", ".join(f"{k} {last[k].value} ({last[k].origin})" for k in _SIZES if k in last)
     if pool.nodes > 1:
         raise K3Error("recipe-layout", f"the recipe sets {who}, which contradicts the {pool.nodes}-node {pool.parallelism} layout "
                       f"(TP {want[0]} x DP {want[1]} x PP {want[2]})", "choose another strategy or hardware for this recipe")

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from k3launch.errors import K3Error
+from k3launch.util.yamlio import compose_file, line_of, load_yaml_model
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -42,11 +43,11 @@ class IgnoredKey:
 
 def ignored_entry(path: Path, rel: str, parts: list[str | int], value: Any, why: str) -> IgnoredKey:
     """An :class:`IgnoredKey` for a key found valid in shape but naming nothing k3launch can use."""
-    return IgnoredKey(rel, line_of(_compose(path), parts), ".".join(str(p) for p in parts), value, why)
+    return IgnoredKey(rel, line_of(compose_file(path), parts), ".".join(str(p) for p in parts), value, why)
 
 
 class _Raw(BaseModel):
-    """Any mapping: used to read a file through :func:`~k3launch.planning.recipes.load_yaml_model`'s
+    """Any mapping: used to read a file through :func:`~k3launch.util.yamlio.load_yaml_model`'s
     checks (encoding, YAML, repeated keys, a mapping at the top) without its schema."""
 
     model_config = ConfigDict(extra="allow")
@@ -71,28 +72,6 @@ def _walk(data: Any, loc: tuple[int | str, ...]) -> tuple[list[str | int], Any, 
     return None
 
 
-def line_of(node: yaml.Node | None, loc: tuple[int | str, ...] | list[str | int]) -> int | None:
-    """Best line (1-based) for a pydantic error location inside a composed YAML node."""
-    line = node.start_mark.line + 1 if node is not None else None
-    for part in loc:
-        if isinstance(node, yaml.MappingNode):
-            nxt = None
-            for k, v in node.value:
-                if k.value == str(part):
-                    nxt = v
-                    line = k.start_mark.line + 1
-                    break
-            if nxt is None:
-                return line
-            node = nxt
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            node = node.value[part]
-            line = node.start_mark.line + 1
-        else:
-            return line
-    return line
-
-
 def _drop_unknown(model: type[M], data: dict[str, Any], exc: ValidationError, path: Path, rel: str, out: list[IgnoredKey]) -> M:
     """``data`` as ``model`` without the keys it forbids; each dropped key is appended to ``out``."""
     root: yaml.Node | None = None
@@ -104,7 +83,7 @@ def _drop_unknown(model: type[M], data: dict[str, Any], exc: ValidationError, pa
                 continue
             parents, parent, key = found
             if root is None:
-                root = _compose(path)
+                root = compose_file(path)
             full = [*parents, key]
             out.append(IgnoredKey(rel, line_of(root, full), ".".join(str(p) for p in full), parent.pop(key)))
             dropped += 1
@@ -119,8 +98,6 @@ def _drop_unknown(model: type[M], data: dict[str, Any], exc: ValidationError, pa
 
 def load_lenient(path: Path, model: type[M], rel: str, out: list[IgnoredKey]) -> M:
     """Load ``path`` as ``model``, keeping unknown keys in ``out`` instead of refusing them."""
-    from k3launch.planning.recipes import load_yaml_model
-
     data = dict(load_yaml_model(path, _Raw).model_extra or {})
     try:
         return model.model_validate(data)  # the common case: nothing unknown, one validation
@@ -128,18 +105,12 @@ def load_lenient(path: Path, model: type[M], rel: str, out: list[IgnoredKey]) ->
         return _drop_unknown(model, data, exc, path, rel, out)
 
 
-def _compose(path: Path) -> yaml.Node | None:
-    from k3launch.planning.recipes import _Loader
-
-    return yaml.compose(path.read_text(encoding="utf-8"), Loader=_Loader)
-
-
 def _error(path: Path, exc: ValidationError) -> K3Error:
-    """The one-line refusal :func:`~k3launch.planning.recipes.load_yaml_model` gives, for data left
+    """The one-line refusal :func:`~k3launch.util.yamlio.load_yaml_model` gives, for data left
     after unknown keys were dropped."""
     err = exc.errors()[0]
     loc = tuple(err["loc"])
-    line = line_of(_compose(path), list(loc)) or 1
+    line = line_of(compose_file(path), list(loc)) or 1
     more = len(exc.errors()) - 1
     msg = f"{path}:{line}: {'.'.join(str(p) for p in loc)}: {err['msg']}" + (f" (and {more} more)" if more else "")
     return K3Error("bad-recipe", msg, 'see docs/planning.md ("Recipe format") for the expected shape')

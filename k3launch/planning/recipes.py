@@ -4,10 +4,7 @@ A tree is ``taxonomy.yaml``, ``strategies/*.yaml``, optional ``kv_store/*.yaml``
 ``models/<org>/<Model>.yaml``. Files are read lazily: ``plan`` reads the taxonomy, the
 strategies and the one model it needs, so one broken model file elsewhere in a tree does not
 block another model's plan (``k3launch recipes`` lists every file and reports broken ones).
-
-:func:`load_yaml_model` is the one YAML loader of k3launch: recipes, inventories and campaign
-files all go through it, so each is refused the same way (file and line) when it is not UTF-8,
-not YAML, repeats a key, or breaks its schema.
+Each file is read by k3launch's one YAML loader (:mod:`k3launch.util.yamlio`).
 """
 
 from __future__ import annotations
@@ -17,78 +14,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import TypeVar
 
-import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from k3launch.errors import K3Error
 from k3launch.models.recipe import KvStore, Recipe, Strategy, Taxonomy
-from k3launch.planning.recipe_keys import IgnoredKey, ignored_entry, line_of, load_lenient, unknown_key_error
+from k3launch.planning.recipe_keys import IgnoredKey, ignored_entry, load_lenient, unknown_key_error
+from k3launch.util.yamlio import load_yaml_model
 
 M = TypeVar("M", bound=BaseModel)
-
-# libyaml's loader is ~10x faster than the pure-Python one; same safe subset of YAML.
-_Loader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_MERGE = "tag:yaml.org,2002:merge"
-# libyaml builds nodes recursively in C: a document nested ~100,000 deep overflows the stack and
-# kills the process. No k3launch file is nested more than a few levels, so deeper ones are refused
-# before they are built; only files large enough to be that deep are scanned (~1 ms per 20 kB).
-_MAX_DEPTH = 100
-_SCAN_ABOVE_CHARS = 16_384
-
-
-def _too_deep(text: str) -> int | None:
-    """The line where ``text`` nests past ``_MAX_DEPTH`` collections, else None (malformed YAML is
-    left to the loader, which says where)."""
-    if len(text) <= _SCAN_ABOVE_CHARS:
-        return None
-    depth = 0
-    try:
-        for ev in yaml.parse(text, Loader=_Loader):
-            if isinstance(ev, yaml.CollectionStartEvent):
-                depth += 1
-                if depth > _MAX_DEPTH:
-                    return ev.start_mark.line + 1 if ev.start_mark is not None else 1
-            elif isinstance(ev, yaml.CollectionEndEvent):
-                depth -= 1
-    except yaml.YAMLError:
-        return None
-    return None
-
-
-class _DuplicateKey(yaml.YAMLError):
-    def __init__(self, key: object, line: int, first: int) -> None:
-        super().__init__(f"duplicate key {key!r}")
-        self.key, self.line, self.first = key, line, first
-
-
-class _UniqueKeysLoader(_Loader):  # type: ignore[valid-type,misc]  # libyaml's loader when there is one
-    """YAML says a mapping's keys are unique; PyYAML silently keeps the last of two. A repeated key
-    in a recipe, an inventory or a campaign file is a mistake (two `nodes:` lists, a setting given
-    twice with different values), so it is refused with both lines."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._checked: set[int] = set()
-
-    def flatten_mapping(self, node: yaml.MappingNode) -> None:
-        # Every mapping passes here before it is built (merged ones too) with its keys as written;
-        # the merge (`<<: *base`) then adds keys, which the node's own keys may override.
-        if id(node) not in self._checked:
-            self._checked.add(id(node))
-            seen: dict[object, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == _MERGE:
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                line = key_node.start_mark.line + 1
-                try:
-                    if key in seen:
-                        raise _DuplicateKey(key, line, seen[key])
-                    seen[key] = line
-                except TypeError:  # an unhashable key: PyYAML refuses it with its own message
-                    continue
-        super().flatten_mapping(node)
-
 
 ENV_RECIPES_DIR = "K3LAUNCH_RECIPES_DIR"
 
@@ -108,64 +41,6 @@ def default_recipes_dir() -> Path:
         "the bundled recipes tree is missing from this installation",
         f"reinstall k3launch or pass --recipes-dir DIR (or set {ENV_RECIPES_DIR})",
     )
-
-
-def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("Recipe format")', code: str = "bad-recipe") -> M:
-    """Parse ``path`` into ``model``; every failure is a one-line :class:`K3Error`."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise K3Error("missing-file", f"{path}: no such file", "check the path") from None
-    except IsADirectoryError:
-        raise K3Error("unreadable-file", f"{path}: is a directory", "pass the YAML file itself") from None
-    except OSError as exc:
-        raise K3Error("unreadable-file", f"{path}: {exc.strerror}", "check permissions") from None
-    except UnicodeDecodeError as exc:
-        at = exc.object[: exc.start].count(b"\n") + 1
-        raise K3Error(
-            "bad-encoding",
-            f"{path}:{at}: not UTF-8 text (byte {exc.object[exc.start]:#04x})",
-            "is it the file you meant? YAML files are UTF-8 text",
-        ) from None
-    deep = _too_deep(text)
-    if deep is not None:
-        raise K3Error("bad-yaml", f"{path}:{deep}: nested more than {_MAX_DEPTH} levels deep", "is it the file you meant?")
-    try:
-        data = yaml.load(text, Loader=_UniqueKeysLoader)
-    except _DuplicateKey as exc:
-        raise K3Error(
-            "duplicate-key",
-            f"{path}:{exc.line}: duplicate key {exc.key!r} (first at line {exc.first})",
-            "give each key once (YAML would silently keep the last)",
-        ) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        position = getattr(exc, "position", None)  # a reader error: a character YAML does not allow
-        where = f":{mark.line + 1}" if mark is not None else f":{text[:position].count(chr(10)) + 1}" if position is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise K3Error("bad-yaml", f"{path}{where}: malformed YAML: {problem}", "fix the YAML syntax") from None
-    except RecursionError:  # nesting deeper than Python's stack: no recipe, inventory or campaign is like that
-        raise K3Error("bad-yaml", f"{path}: malformed YAML: nested too deeply", "fix the YAML structure") from None
-    if not isinstance(data, dict):
-        raise K3Error(code, f"{path}: expected a mapping at the top level", "")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = tuple(err["loc"])
-        # The node tree (for the line number) is composed only now: the text parsed, so it composes.
-        line = line_of(yaml.compose(text, Loader=_Loader), loc)
-        dotted = ".".join(str(p) for p in loc)
-        if err["type"] == "extra_forbidden":
-            msg = f"{path}:{line}: unknown key {dotted!r}"
-            hint = "remove it or fix its spelling (unknown keys are errors, never ignored)"
-        else:
-            msg = f"{path}:{line}: {dotted}: {err['msg']}"
-            hint = f"see {doc} for the expected shape"
-        more = len(exc.errors()) - 1
-        if more:
-            msg += f" (and {more} more)"
-        raise K3Error(code, msg, hint) from None
 
 
 class RecipeTree:

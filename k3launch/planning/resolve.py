@@ -181,10 +181,10 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
         pools = [_serve_pool(tree, recipe, variant, vname, strategy, hw_id, hw, sel, fit, mem, w.gb, notices)]
 
     for pool in pools:
-        copy = 1 if pool.parallelism == "replicas" else pool.nodes
-        if not capacity.fits(w.gb, _used(mem, pool, hw), copy):
+        held = capacity.pool_node_memory(mem, pool, hw)
+        if not capacity.fits(w.gb, held, pool.copy_nodes):
             if pool.nodes == 1 and pool.gpus_per_node < hw.gpu_count:
-                raise K3Error("does-not-fit", f"TP {pool.gpus_per_node} x {hw_id} = {_used(mem, pool, hw).text()} cannot hold the {w.gb:g} GB of weights "
+                raise K3Error("does-not-fit", f"TP {pool.gpus_per_node} x {hw_id} = {held.text()} cannot hold the {w.gb:g} GB of weights "
                               f"({sname} on {pool.gpus_per_node} of the node's {hw.gpu_count} GPUs, as the recipe declares)",
                               "choose hardware with larger GPUs, or a strategy that uses the whole node")
             need = max(fit, pool.nodes + 1)
@@ -205,14 +205,6 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
         weights_gb=w.gb, weights_formula=w.formula, verified=verified, selection=sel, notices=notices, node_memory_gb=mem.gb,
         feature_modes=modes,
     )
-
-
-def _used(mem: NodeMemory, pool: Pool, hw: HardwareProfile) -> NodeMemory:
-    """The memory of the GPUs a pool's engine uses on one node: all of it, unless a single-node TP
-    leaves GPUs idle (a CPU profile's ranks share the node's host memory whatever their count)."""
-    if hw.is_cpu or pool.gpus_per_node >= hw.gpu_count:
-        return mem
-    return NodeMemory(mem.gb * pool.gpus_per_node / hw.gpu_count, mem.host, mem.source)
 
 
 def _default_strategy(tree: RecipeTree, recipe: Recipe, hw_id: str, hw: HardwareProfile, sel: Selection, fit: int,

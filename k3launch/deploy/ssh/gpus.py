@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from k3launch.deploy.ssh import fabric
 from k3launch.models.plan import Plan
 from k3launch.models.reports import Check
+from k3launch.models.selection import copy_nodes
 
 PASS, FAIL, WARN, SKIP = "pass", "fail", "warn", "skip"  # a check's status (doctor, preflight)
 GPU_MEMORY_SLACK = 0.9  # tools report usable memory, a little under the marketing figure
@@ -22,7 +23,7 @@ QUERY_APPS = "nvidia-smi --query-compute-apps=gpu_uuid,pid,process_name,used_mem
 
 def gpu_memory_gb(plan: Plan) -> float:
     """The memory of one GPU of the plan's hardware (a pool's figure is that of the nodes holding one copy)."""
-    return min(p.gpu_memory_gb / ((1 if p.parallelism == "replicas" else p.nodes) * max(1, p.gpus // p.nodes)) for p in plan.capacity.pools)
+    return min(p.gpu_memory_gb / (copy_nodes(p.parallelism, p.nodes) * max(1, p.gpus // p.nodes)) for p in plan.capacity.pools)
 
 
 def gpu_checks(plan: Plan, n: str, sec: Mapping[str, list[str]], expected: int) -> list[Check]:
