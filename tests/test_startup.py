@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import typer.main
 
@@ -157,3 +158,18 @@ def test_models_are_built_on_first_use() -> None:
         result = {{"built": built({names})}}
     """)
     assert res["built"] == []
+
+
+def test_quick_commands_run_without_the_cycle_collector(tmp_path: Path) -> None:
+    """`plan` and the group's help run with Python's cyclic garbage collector off and leave it
+    nothing to do at exit (k3launch.cli.main); any other command (here `list`) runs with it on."""
+    code = ("import atexit, gc, sys\n"
+            "atexit.register(lambda: print('collector', gc.isenabled(), gc.get_freeze_count() > 0, file=sys.stderr))\n"
+            "sys.argv = ['k3launch', *sys.argv[1:]]\n"
+            "from k3launch.__main__ import main\n"
+            "main()\n")
+    for args, expected in ((["plan", "--json"], "collector False True"), (["--help"], "collector False True"),
+                           (["list", "--state-dir", str(tmp_path)], "collector True False")):
+        proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stderr.splitlines()[-1] == expected, args
