@@ -16,8 +16,8 @@ from types import FrameType
 
 
 def _interrupted_while_starting(signum: int, frame: FrameType | None) -> None:
-    """Ctrl-C while the command tree is imported and built (0.1-0.3 s, more on a loaded login node)
-    ends as it does later on: one line and exit 130, not a traceback from inside an import."""
+    """Ctrl-C while the CLI is imported (about 0.1 s, more on a loaded login node; a command's own
+    module is imported later, where Ctrl-C is handled as in the command) ends as it does later on: one line and exit 130, not a traceback from inside an import."""
     sys.stderr.write("interrupted\n")
     raise SystemExit(130)
 
@@ -28,27 +28,31 @@ _GUARDED = threading.current_thread() is threading.main_thread() and signal.gets
 if _GUARDED:
     signal.signal(signal.SIGINT, _interrupted_while_starting)
 
+import functools
+import gc
+import importlib
 import json
-import logging
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+import typer.core
+import typer.main
 
 from k3launch import __version__
-from k3launch.cli import campaign as _cli_campaign  # registers `bench` and `campaign run/report`
-from k3launch.cli import deploy as _cli_deploy  # registers up/status/logs/down/list
-from k3launch.cli import recipes as _cli_recipes  # registers `recipes` and `lint`
-from k3launch.cli import schema as _cli_schema  # registers `schema dump`
-from k3launch.cli import weights as _cli_weights  # registers `doctor` and `weights check/fetch`
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, io_error, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, fail, io_error, refusals, with_selection
 from k3launch.errors import K3Error
 
+if TYPE_CHECKING:
+    import logging
+
 __all__ = ["app", "main"]
-_QUIET = logging.NullHandler()
-_ = (_cli_recipes, _cli_deploy, _cli_campaign, _cli_schema, _cli_weights)
+# plan, explain and render: registered here rather than on `app`, so that, like the commands of
+# the other modules, they are built only when they run (see _Root)
+_here = typer.Typer()
 
 
 def _version(value: bool) -> None:
@@ -57,23 +61,50 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+# Commands that only read files and print: they never connect over SSH (so they leave paramiko's
+# logger alone, and do not import logging for it) and end in a fraction of a second (see main).
+_QUICK = frozenset({"plan", "explain", "render", "lint", "recipes", "schema"})
+
+
+def _before_dashes(args: list[str]) -> list[str]:
+    return args[: args.index("--")] if "--" in args else args
+
+
+def _command_word(args: list[str]) -> str | None:
+    """The word of ARGS that names the command: the first that is not an option (the group's own
+    options are flags and take no value), before any ``--``."""
+    return next((w for w in _before_dashes(args) if not w.startswith("-")), None)
+
+
+@functools.cache
+def _quiet() -> logging.Handler:
+    import logging
+
+    return logging.NullHandler()
+
+
 @app.callback()
 def _main(
+    ctx: typer.Context,
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")] = False,
 ) -> None:
     STATE.debug = debug
+    if ctx.invoked_subcommand in _QUICK:
+        return
+    import logging
+
     # paramiko logs each failed connection with its traceback (through logging's last-resort
     # handler: ~50 lines per unreachable host) before k3launch's own one-line error says it all
     paramiko_log = logging.getLogger("paramiko")
     if debug:
-        paramiko_log.removeHandler(_QUIET)
+        paramiko_log.removeHandler(_quiet())
     else:
-        paramiko_log.addHandler(_QUIET)  # once: addHandler skips a handler already there
+        paramiko_log.addHandler(_quiet())  # once: addHandler skips a handler already there
     paramiko_log.propagate = debug
 
 
-@app.command()
+@_here.command()
 @with_selection
 def plan(json_out: JsonOut = False, *, args: PlanArgs) -> None:
     """Compose every process of a deployment: argv, env, ranks, ports, provenance."""
@@ -90,7 +121,7 @@ def plan(json_out: JsonOut = False, *, args: PlanArgs) -> None:
         show.plan(console(), p)
 
 
-@app.command()
+@_here.command()
 @with_selection
 def explain(
     flag: Annotated[str, typer.Argument(help="A vllm serve flag (max-num-seqs, --max-num-seqs, -tp) or an env name.")],
@@ -119,7 +150,7 @@ def explain(
         show.history(console(), items, key)
 
 
-@app.command()
+@_here.command()
 @with_selection
 def render(
     out: Annotated[
@@ -149,27 +180,134 @@ def render(
             typer.echo(f"  {f}")
 
 
-def _evaluate_annotations(group: typer.Typer) -> None:
-    """Replace the string annotations of every command callback by their values, once.
+def _evaluate_annotations(fn: object) -> None:
+    """Replace the string annotations of a command callback by their values, once.
 
     ``from __future__ import annotations`` leaves them as strings, and Typer evaluates each one
     four times (``inspect.signature(eval_str=True)`` and ``get_type_hints``, twice per command)
-    every time it builds the command tree, that is at every start, for every command, whichever
-    runs. Evaluated here once, Typer reads the same objects back.
+    when it builds the command. Evaluated here once, Typer reads the same objects back.
     """
+    if isinstance(fn, types.FunctionType) and any(isinstance(a, str) for a in fn.__annotations__.values()):
+        fn.__annotations__ = typing.get_type_hints(fn, include_extras=True)
+
+
+def _evaluate_group(group: typer.Typer) -> None:
     fns = [c.callback for c in group.registered_commands]
     if group.registered_callback is not None:
         fns.append(group.registered_callback.callback)
     for fn in fns:
-        if isinstance(fn, types.FunctionType) and any(isinstance(a, str) for a in fn.__annotations__.values()):
-            fn.__annotations__ = typing.get_type_hints(fn, include_extras=True)
+        _evaluate_annotations(fn)
     for sub in group.registered_groups:
         if sub.typer_instance is not None:
-            _evaluate_annotations(sub.typer_instance)
+            _evaluate_group(sub.typer_instance)
 
 
-_evaluate_annotations(app)
-if _GUARDED:  # the command tree is built: from here Ctrl-C is a KeyboardInterrupt the commands handle
+@dataclass(frozen=True)
+class Lazy:
+    """A command of ``k3launch`` as its listing shows it, before its module is imported."""
+
+    module: str  # importing it registers the command (or command group)
+    help: str  # the listing's line: the command's help up to its first blank line (tests keep the two equal)
+
+
+# Every command, in the order of `k3launch --help`. A command's module, and the models and
+# libraries it needs, are imported only when that command runs or shows its own help.
+COMMANDS: dict[str, Lazy] = {
+    "bench": Lazy("k3launch.cli.campaign", "Run one `vllm bench serve` load point against a live deployment's public endpoint."),
+    "up": Lazy("k3launch.cli.deploy", "Launch a deployment and wait until it serves (default: the simulated K3 on this machine)."),
+    "status": Lazy("k3launch.cli.deploy", "Per process: alive, healthy; the deployment's state and endpoint."),
+    "logs": Lazy("k3launch.cli.deploy", "Print the last log lines of a deployment's processes."),
+    "down": Lazy("k3launch.cli.deploy", "Stop every process (router, heads, headless), then verify nothing is left and ports are free."),
+    "timeline": Lazy(
+        "k3launch.cli.deploy", "The bring-up's timeline: per process, each phase's start and end; the slowest rank and what it waited for."
+    ),
+    "list": Lazy("k3launch.cli.deploy", "Deployments in the state directory."),
+    "chat": Lazy("k3launch.cli.deploy", "Send one chat completion to a deployment's public endpoint and print the reply."),
+    "lint": Lazy("k3launch.cli.recipes", "Check a pasted command: k3launch lint -- vllm serve MODEL --flag ... (exit 1 on findings)."),
+    "doctor": Lazy(
+        "k3launch.cli.weights",
+        "Check every planned node as `up` would (GPUs, fabric, /dev/shm, memlock, clocks, weights, ports), starting nothing.",
+    ),
+    "plan": Lazy(__name__, "Compose every process of a deployment: argv, env, ranks, ports, provenance."),
+    "explain": Lazy(__name__, "Show which layers wrote FLAG, in order, and which value runs."),
+    "render": Lazy(__name__, "Write plan.json and one runnable launch script per node (and the router) into --out."),
+    "campaign": Lazy("k3launch.cli.campaign", "Benchmark campaigns: deployments × load points, results, plots."),
+    "recipes": Lazy("k3launch.cli.recipes", "List the recipes tree, or show one recipe."),
+    "schema": Lazy("k3launch.cli.schema", "vLLM flag schemas: plans are checked against the schema of the vLLM that runs."),
+    "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them."),
+}
+
+
+class _Listed(typer.core.TyperCommand):
+    """A command's name and one-line help, standing in for it until it is built."""
+
+
+class _Root(K3Group):
+    """The ``k3launch`` group, with its commands built when used.
+
+    Typer builds every command of a group up front: each command's options from its signature,
+    which for the planning commands means importing the Selection model. Here ``commands`` holds
+    a :class:`_Listed` stand-in for each command no module has registered yet; getting a command
+    (to run it, or for its own ``--help``) imports its module and builds that command alone, and
+    the group's own help lists the stand-ins.
+    """
+
+    _listing = False
+
+    def __init__(self, *, commands: dict[str, Any] | None = None, **attrs: Any) -> None:
+        built = dict(commands or {})  # those whose module was imported already (a test, a script)
+        ordered = {n: built.pop(n) if n in built else _Listed(name=n, help=lazy.help) for n, lazy in COMMANDS.items()}
+        super().__init__(commands={**ordered, **built}, **attrs)
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        cmd = self.commands.get(cmd_name)
+        if isinstance(cmd, _Listed) and not self._listing:
+            cmd = self.commands[cmd_name] = _build(cmd_name)
+        return cmd
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        self._listing = True  # the listing needs names and one-line helps only
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
+    def make_context(self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any) -> Any:
+        # Build the command named first, so that error messages can name the command's path.
+        name = _command_word(args)
+        if name is not None and isinstance(self.commands.get(name), _Listed):
+            with refusals("--json" in _before_dashes(args)):
+                self.get_command(None, name)
+        return super().make_context(info_name, args, parent=parent, **extra)
+
+
+def _build(name: str) -> typer.core.TyperCommand | typer.core.TyperGroup:
+    """Import the module of command NAME and build that command (or command group) alone."""
+    importlib.import_module(COMMANDS[name].module)
+    for source in (_here, app):
+        for info in source.registered_commands:
+            if info.callback is not None and (info.name or typer.main.get_command_name(info.callback.__name__)) == name:
+                _evaluate_annotations(info.callback)
+                cmd = typer.main.get_command_from_info(
+                    info, pretty_exceptions_short=app.pretty_exceptions_short, rich_markup_mode=app.rich_markup_mode
+                )
+                assert isinstance(cmd, typer.core.TyperCommand)
+                return cmd
+        for group in source.registered_groups:
+            if group.name == name and group.typer_instance is not None:
+                _evaluate_group(group.typer_instance)
+                return typer.main.get_group_from_info(
+                    group,
+                    pretty_exceptions_short=app.pretty_exceptions_short,
+                    rich_markup_mode=app.rich_markup_mode,
+                    suggest_commands=app.suggest_commands,
+                )
+    raise LookupError(f"{COMMANDS[name].module} registers no command {name!r}")
+
+
+app.info.cls = _Root  # common.app is made with K3Group; the root builds its commands lazily
+_evaluate_group(app)
+if _GUARDED:  # the command tree is set up: from here Ctrl-C is a KeyboardInterrupt the commands handle
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
@@ -184,8 +322,27 @@ def main() -> None:
     """Console entry point: K3Error → exit 2; unexpected errors → one line unless --debug.
 
     Commands and option parsing already end this way (:class:`~k3launch.cli.common.K3Group`);
-    this catches what happens around them (building the command tree, Typer's own steps)."""
-    debug = "--debug" in sys.argv[1:]
+    this catches what happens around them (building the command tree, Typer's own steps).
+
+    A quick command (:data:`_QUICK`, or none: the group's help, ``--version``) runs with Python's
+    cyclic garbage collector off and leaves it no work at exit (``gc.freeze``): its passes over the
+    objects that Typer's commands and pydantic's models create cost about 40 ms of such a command's
+    0.2 s, for garbage a command that ends in a fraction of a second makes too little of to
+    matter. Every other command, which may run for hours, runs with the collector on.
+    """
+    quick = _command_word(sys.argv[1:]) in _QUICK | {None}
+    if quick:
+        gc.disable()
+    else:
+        gc.enable()  # k3launch.__main__ turns it off while the command line is imported
+    try:
+        _run("--debug" in sys.argv[1:])
+    finally:
+        if quick:
+            gc.freeze()
+
+
+def _run(debug: bool) -> None:
     try:
         app()
     except K3Error as err:  # raised outside a command's own handler

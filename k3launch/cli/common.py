@@ -323,21 +323,43 @@ class PlanArgs:
         return PlanArgs({**self.values, "inventory": api.bundled_inventory("local")})
 
 
+class _WithSelection:
+    """A command callback that takes the selection options instead of twenty parameters.
+
+    Typer reads the options from ``__signature__`` and ``__annotations__`` when it builds the
+    command, which it does only when the command runs or shows its own help. They are computed
+    then, not at decoration: they come from the Selection model, and importing it (which builds
+    its validator) is a cost that ``k3launch --help``, which only lists the command, must not pay."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self._fn = fn
+        # what Typer names the command and shows as its help
+        self.__name__ = fn.__name__
+        self.__qualname__ = fn.__qualname__
+        self.__module__ = fn.__module__
+        self.__doc__ = fn.__doc__
+
+    @functools.cached_property
+    def _added(self) -> list[inspect.Parameter]:
+        return _selection_params() + PLACEMENT_PARAMS
+
+    @functools.cached_property
+    def __signature__(self) -> inspect.Signature:
+        sig = inspect.signature(self._fn)
+        # `from __future__ import annotations` leaves strings; Typer needs the evaluated Annotated types.
+        hints = typing.get_type_hints(self._fn, include_extras=True)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "args"]
+        return sig.replace(parameters=own + self._added)
+
+    @functools.cached_property
+    def __annotations__(self) -> dict[str, Any]:  # type: ignore[override]
+        return {p.name: p.annotation for p in self.__signature__.parameters.values()}
+
+    def __call__(self, **kw: Any) -> None:
+        values = {p.name: kw.pop(p.name) for p in self._added}
+        self._fn(args=PlanArgs(values), **kw)
+
+
 def with_selection(fn: Callable[..., None]) -> Callable[..., None]:
     """Add the selection options to a command; the command receives ``args: PlanArgs``."""
-    sig = inspect.signature(fn)
-    # `from __future__ import annotations` leaves strings; Typer needs the evaluated Annotated types.
-    hints = typing.get_type_hints(fn, include_extras=True)
-    own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "args"]
-    added = _selection_params() + PLACEMENT_PARAMS
-    names = [p.name for p in added]
-
-    @functools.wraps(fn)
-    def wrapper(**kw: Any) -> None:
-        values = {n: kw.pop(n) for n in names}
-        fn(args=PlanArgs(values), **kw)
-
-    params = own + added
-    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
-    wrapper.__annotations__ = {p.name: p.annotation for p in params}
-    return wrapper
+    return _WithSelection(fn)
