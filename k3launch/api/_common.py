@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from k3launch.planning.inventory import Inventory
 
 
-
 class Loaded(NamedTuple):
     """An inventory as read (and, for ssh, resolved through ``~/.ssh/config``) once, and its path:
     :func:`load` returns it and every function taking an inventory accepts it."""

@@ -14,25 +14,34 @@ from k3launch.errors import K3Error
 from k3launch.models.backends import Feature
 
 if TYPE_CHECKING:
+    from k3launch.deploy.base import NodeOps
     from k3launch.models.plan import Plan
     from k3launch.models.power import Sampler
     from k3launch.models.record import DeploymentRecord
     from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport
     from k3launch.models.weights import FetchProgress, NodeWeights
+    from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
+
+
+def _node_ops(inventory: InventoryArg, feature: Feature, what: str, accept_unknown_hosts: bool,
+              connect_timeout: float) -> tuple[Inventory, NodeOps]:
+    """The inventory and its backend's node operations (``not-supported`` without ``feature``)."""
+    from k3launch.deploy.registry import node_ops
+
+    inv = load(inventory).inventory
+    return inv, node_ops(inv.backend, feature, what, [access(accept_unknown_hosts, connect_timeout)])
 
 
 def doctor(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None, bandwidth: bool = False,
            min_busbw: float | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> DoctorReport:
     """The pre-flight checks ``up`` runs, on the plan's nodes, without starting anything; with
     ``bandwidth``, a short all-reduce per node and across nodes (``min_busbw`` GB/s to pass)."""
-    from k3launch.deploy.registry import node_ops
     from k3launch.util import bounds
 
     if min_busbw is not None:
         min_busbw = bounds.BUSBW.parse("min_busbw", min_busbw)
-    inv = load(inventory).inventory
-    ops = node_ops(inv.backend, Feature.DOCTOR, "doctor", [access(accept_unknown_hosts, connect_timeout)])
+    inv, ops = _node_ops(inventory, Feature.DOCTOR, "doctor", accept_unknown_hosts, connect_timeout)
     return ops.doctor(plan, inv, [r.name for r in store(state_dir).list()], bandwidth, min_busbw)
 
 
@@ -40,10 +49,8 @@ def weights_check(plan: Plan, inventory: InventoryArg = None, *, accept_unknown_
                   connect_timeout: float = 10.0) -> list[NodeWeights]:
     """Per engine node: is ``plan.model`` (at its ``--revision``) complete in the node's Hugging
     Face cache, and how much disk is free there."""
-    from k3launch.deploy.registry import node_ops
-
-    inv = load(inventory).inventory
-    return node_ops(inv.backend, Feature.WEIGHTS, "weights check", [access(accept_unknown_hosts, connect_timeout)]).weights_check(plan, inv)
+    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights check", accept_unknown_hosts, connect_timeout)
+    return ops.weights_check(plan, inv)
 
 
 def weights_fetch(plan: Plan, inventory: InventoryArg = None, *, from_path: str | None = None,
@@ -52,15 +59,13 @@ def weights_fetch(plan: Plan, inventory: InventoryArg = None, *, from_path: str 
     """Bring ``plan.model`` to every engine node that lacks it, in parallel: from the hub on each
     node (the inventory's ``hf_token_file`` as the token), or copied from ``from_path`` (a
     directory the nodes share) or ``from_node`` (over the same SSH); ``on_progress`` every ``interval`` s."""
-    from k3launch.deploy.registry import node_ops
     from k3launch.models.weights import Source
     from k3launch.util import bounds
 
     interval = bounds.PROGRESS_INTERVAL.parse("interval", interval)
     if from_path and from_node:
         raise K3Error("bad-source", "--from-path and --from-node both given", "pick one source (neither: the hub)")
-    inv = load(inventory).inventory
-    ops = node_ops(inv.backend, Feature.WEIGHTS, "weights fetch", [access(accept_unknown_hosts, connect_timeout)])
+    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights fetch", accept_unknown_hosts, connect_timeout)
     src = (Source("path", path=from_path) if from_path else Source("node", node=from_node) if from_node
            else Source("hub", token_file=inv.hf_token_file))
     return ops.weights_fetch(plan, inv, src, on_progress, interval)
