@@ -116,7 +116,7 @@ def test_plan_json_loads_only_planning() -> None:
     """)
     assert res["name"][0].startswith("kimi-k3-")
     assert _loaded(res["modules"], (*NOT_AT_START, *COMMAND_MODULES, "rich", "logging", "k3launch.planning.lint",
-                                    "k3launch.planning.explain")) == []
+                                    "k3launch.planning.explain", "k3launch.api.lifecycle", "k3launch.api.nodes")) == []
     built = set(res["built"])
     assert {"k3launch.models.recipe.Recipe", "k3launch.models.recipe.Taxonomy", "k3launch.models.recipe.Strategy"} <= built
     # no --inventory: no inventory model is built; the KV store files are not read without Mooncake

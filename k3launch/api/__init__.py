@@ -18,45 +18,106 @@ from the registry (:mod:`k3launch.deploy.registry`) by the inventory's or the re
 job per deployment), and an operation a backend does not support is refused there, in one place.
 """
 
-from k3launch.api._common import InventoryArg, Loaded, bundled_inventory, load
-from k3launch.api.lifecycle import (
-    bench_dir,
-    chat,
-    deployed,
-    deployments,
-    down,
-    logs,
-    nodes_in_use,
-    ready_timeout,
-    record,
-    state_root,
-    status,
-    up,
-)
-from k3launch.api.nodes import (
-    active_array_tasks,
-    attached_record,
-    doctor,
-    fleet,
-    power_sampler,
-    submit_array,
-    wait_array,
-    weights_check,
-    weights_fetch,
-)
-from k3launch.api.planning import (
-    RecipeDetail,
-    RecipeListing,
-    SchemaDumped,
-    check_port_base,
-    dry_run,
-    explain,
-    lint,
-    plan,
-    recipe,
-    recipes,
-    schema_dump,
-)
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from k3launch.api._common import InventoryArg, Loaded, bundled_inventory, load
+    from k3launch.api.lifecycle import (
+        bench_dir,
+        chat,
+        deployed,
+        deployments,
+        down,
+        logs,
+        nodes_in_use,
+        ready_timeout,
+        record,
+        state_root,
+        status,
+        up,
+    )
+    from k3launch.api.nodes import (
+        active_array_tasks,
+        attached_record,
+        doctor,
+        fleet,
+        power_sampler,
+        submit_array,
+        wait_array,
+        weights_check,
+        weights_fetch,
+    )
+    from k3launch.api.planning import (
+        RecipeDetail,
+        RecipeListing,
+        SchemaDumped,
+        check_port_base,
+        dry_run,
+        explain,
+        lint,
+        plan,
+        recipe,
+        recipes,
+        schema_dump,
+    )
+
+# Each name's module, imported on first use: `plan` then loads only the planning part of the API
+# (not the lifecycle, node operations or the backend table) on its way to start-up.
+_HOMES: dict[str, str] = {
+    "InventoryArg": "_common",
+    "Loaded": "_common",
+    "RecipeDetail": "planning",
+    "RecipeListing": "planning",
+    "SchemaDumped": "planning",
+    "active_array_tasks": "nodes",
+    "attached_record": "nodes",
+    "bench_dir": "lifecycle",
+    "bundled_inventory": "_common",
+    "chat": "lifecycle",
+    "check_port_base": "planning",
+    "deployed": "lifecycle",
+    "deployments": "lifecycle",
+    "doctor": "nodes",
+    "down": "lifecycle",
+    "dry_run": "planning",
+    "explain": "planning",
+    "fleet": "nodes",
+    "lint": "planning",
+    "load": "_common",
+    "logs": "lifecycle",
+    "nodes_in_use": "lifecycle",
+    "plan": "planning",
+    "power_sampler": "nodes",
+    "ready_timeout": "lifecycle",
+    "recipe": "planning",
+    "recipes": "planning",
+    "record": "lifecycle",
+    "schema_dump": "planning",
+    "state_root": "lifecycle",
+    "status": "lifecycle",
+    "submit_array": "nodes",
+    "up": "lifecycle",
+    "wait_array": "nodes",
+    "weights_check": "nodes",
+    "weights_fetch": "nodes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value  # once found, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "InventoryArg", "Loaded", "RecipeDetail", "RecipeListing", "SchemaDumped", "active_array_tasks", "attached_record", "bench_dir",
