@@ -47,9 +47,11 @@ def _vendored_schemas_only(tmp_path_factory: pytest.TempPathFactory) -> Iterator
 def _own_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """A test that names no state dir (or a subprocess that inherits this environment) uses the
     session's own, never the user's ~/.k3launch or $K3LAUNCH_STATE_DIR: their deployments are
-    neither listed, nor refused as holding nodes, nor taken down by a test."""
+    neither listed, nor refused as holding nodes, nor taken down by a test. The YAML parse cache
+    is the session's own too (never the user's ~/.cache/k3launch)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("K3LAUNCH_STATE_DIR", str(tmp_path_factory.mktemp("k3launch-state")))
+        mp.setenv("K3LAUNCH_CACHE_DIR", str(tmp_path_factory.mktemp("k3launch-cache")))
         yield
 
 

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from k3launch.errors import K3Error
 from k3launch.util.yamlio import compose_file, line_of, load_yaml_model
+
+if TYPE_CHECKING:
+    import yaml
 
 M = TypeVar("M", bound=BaseModel)
 
