@@ -95,3 +95,20 @@ def test_a_second_plan_imports_no_yaml(tmp_path: Path) -> None:
             for _ in range(2)]
     assert [r["yaml"] for r in runs] == [True, False]
     assert runs[0]["plan"] == runs[1]["plan"]  # the same plan, byte for byte
+
+
+def test_a_file_its_model_refuses_is_not_copied_into_the_cache(cache: Path, tmp_path: Path) -> None:
+    """An inventory with a token in an env is refused; its text must not land in the cache either."""
+    from k3launch.planning.inventory import Inventory
+
+    f = tmp_path / "inv.yaml"
+    f.write_text("name: x\nbackend: ssh\ndefaults: {env: {HF_TOKEN: hf_secret_value}}\nnodes: [{name: a}]\n")
+    with pytest.raises(K3Error) as info:
+        yamlio.load_yaml_model(f, Inventory, code="bad-inventory")
+    assert "looks like a secret" in info.value.message
+    assert entries(cache) == []
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("name: a\n")
+    yamlio.load_yaml_model(ok, Doc)
+    (entry,) = entries(cache)
+    assert entry.stat().st_mode & 0o777 == 0o600 and cache.stat().st_mode & 0o777 == 0o700

@@ -8,9 +8,10 @@ layers above.
 **The parse cache.** What a file parsed to is kept, marshalled, under ``$K3LAUNCH_CACHE_DIR``
 (default ``$XDG_CACHE_HOME/k3launch``, else ``~/.cache/k3launch``; ``off`` disables it), in
 ``yaml/<sha256 of the file's bytes and the interpreter's version>``. Keyed by the content, an
-entry can never be stale: an edited file is another key. Only a file that parsed cleanly is
-kept (every refusal above is made by the parser, every time), and validation against the model
-runs on every load. A hit skips importing PyYAML and parsing: the recipe tree's three or four
+entry can never be stale: an edited file is another key. Only a file that parsed cleanly and
+that its model accepted is kept (every refusal is made anew, every time: a file refused for a
+secret in an env is never copied), and validation against the model runs on every load.
+Entries are the user's own (``0600`` in a ``0700`` directory). A hit skips importing PyYAML and parsing: the recipe tree's three or four
 files are most of what ``k3launch plan`` reads, and PyYAML's import alone is ~10 ms of its
 start-up. The cache is best effort: an unwritable directory or a damaged entry is a miss. Like
 Python's own ``__pycache__``, it trusts the user's own cache directory (marshal is not meant for
@@ -168,8 +169,10 @@ def _keep(entry: Path | None, data: dict[str, Any]) -> None:
         return  # a value marshal cannot hold (a YAML timestamp): not cached
     tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_bytes(blob)
+        entry.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the user's own, like the files it copies
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
         os.replace(tmp, entry)  # readers see the whole entry or none
     except OSError:
         try:
@@ -222,13 +225,16 @@ def load_yaml_model(path: Path, model: type[M], doc: str = 'docs/planning.md ("R
         raise K3Error("unreadable-file", f"{path}: {exc.strerror}", "check permissions") from None
     entry = _entry(raw)
     data = _cached(entry)
+    hit = data is not None
     if data is None:
         data = _parse(path, raw, code)
-        _keep(entry, data)
     try:
-        return model.model_validate(data)
+        loaded = model.model_validate(data)
     except ValidationError as exc:
         raise _schema_error(path, raw.decode("utf-8"), exc, doc, code) from None
+    if not hit:
+        _keep(entry, data)  # only what a model accepted: a refused file (a secret in an env, say) is never copied
+    return loaded
 
 
 def _parse(path: Path, raw: bytes, code: str) -> dict[str, Any]:
