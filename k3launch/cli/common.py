@@ -21,7 +21,7 @@ import inspect
 import json
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -285,25 +285,23 @@ class PlanArgs:
     (one validation, one error code, whoever plans)."""
 
     values: dict[str, Any]
-    _loaded: dict[str, Loaded] = field(default_factory=dict, compare=False, repr=False)
 
+    @functools.cached_property
     def inventory(self) -> Loaded | None:
         """The inventory, read once (and, for ssh, resolved through ``~/.ssh/config`` once) for
         every use of this command: planning, the doctor, ``up``."""
         if self.inventory_path is None:
             return None
-        if "inv" not in self._loaded:
-            from k3launch import api
+        from k3launch import api
 
-            self._loaded["inv"] = api.load(self.inventory_path)
-        return self._loaded["inv"]
+        return api.load(self.inventory_path)
 
     def build(self) -> Plan:
         """The plan these options describe; raises K3Error."""
         from k3launch import api
 
         v = self.values
-        inv = self.inventory()  # None: placeholder nodes
+        inv = self.inventory  # None: placeholder nodes
         fields = {n: v[n] for n in _selection_names()}
         return api.plan(inv, selection=fields, placeholders=inv is None, exclude=tuple(v["exclude"] or ()), port_base=v["port_base"],
                         name=v["name"], recipes_dir=v["recipes_dir"])

@@ -56,11 +56,11 @@ def up(
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
         plan = args.build()
         if dry_run:
-            _dry_run(con, plan, api.dry_run(plan, args.inventory(), state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
+            _dry_run(con, plan, api.dry_run(plan, args.inventory, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
             return
         t0 = time.monotonic()
         with show_progress.UpView(con, quiet=json_out) as view:  # stages, and each process's phase while it waits
-            rec = api.up(plan, args.inventory(), state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
+            rec = api.up(plan, args.inventory, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
                          force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
                          extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, on_stage=view.stage, on_progress=view.progress,
                          on_doctor=lambda report: None if json_out else show_deploy.doctor(con, report.checks),

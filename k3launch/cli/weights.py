@@ -53,7 +53,7 @@ def doctor(
         plan = args.build()
         report = api.doctor(
             plan,
-            args.inventory(),
+            args.inventory,
             state_dir=state_dir,
             bandwidth=bandwidth,
             min_busbw=min_busbw,
@@ -141,7 +141,7 @@ def check(
     try:
         args = args.or_local()
         rows = api.weights_check(
-            args.build(), args.inventory(), accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
+            args.build(), args.inventory, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
         )
     except K3Error as err:
         fail(err)
@@ -186,7 +186,7 @@ def fetch(
         args = args.or_local()
         rows = api.weights_fetch(
             args.build(),
-            args.inventory(),
+            args.inventory,
             from_path=from_path,
             from_node=from_node,
             on_progress=_progress_printer(json_out),
