@@ -56,6 +56,9 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
     b = backend(inv.backend, [access(accept_unknown_hosts, connect_timeout), slurm])
     events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op, on_progress or no_op)
     with st.lock(plan.name):
+        from k3launch.deploy import eventlog
+
+        eventlog.rotate(st, plan.name)  # a new life: the previous deployment of the name keeps its events as NAME.jsonl.1
         return b.up(plan, inv, inv_path, st, opts, events)
 
 
@@ -109,9 +112,15 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
            connect_timeout: float = 10.0) -> Status:
     """The deployment now: per process alive and healthy, its state and endpoint (``status --json``)."""
     from k3launch.deploy.registry import backend
+    from k3launch.deploy.supervisor import alive
+    from k3launch.models.record import SupervisorStatus
 
     rec = store(state_dir).load(name)
-    return backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec)
+    snap = backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec)
+    sv = rec.supervisor
+    if sv is not None and alive(sv):
+        snap.supervisor = SupervisorStatus(host=sv.host, pid=sv.pid, since=sv.since, restarts=sv.restarts, detached=sv.detached)
+    return snap
 
 
 def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, node: str | None = None, lines: int = 40,
@@ -133,7 +142,8 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
          connect_timeout: float = 10.0, inventory: InventoryArg = None) -> TeardownReport:
     """Stop everything of ``name`` and verify; the record is deleted only when nothing is left.
 
-    Works from any state. With a readable record: its processes, in order. Without one — no
+    A supervisor watching it is stopped first (it never revives what ``down`` stops; one
+    in the middle of a restart gives way). Works from any state. With a readable record: its processes, in order. Without one — no
     record, or one that cannot be read (garbage, empty, the wrong shape: the file is kept aside as
     ``NAME.json.corrupt-<time>``, never deleted) — the deployment's processes, containers or Slurm
     jobs are searched for by name on ``inventory``'s machines, else on those of the inventory an
@@ -141,15 +151,18 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
     ``inventory`` if it ran elsewhere). Idempotent: a clean report when nothing of ``name`` is
     left (``report.verified`` says where that was checked)."""
     from k3launch.deploy.registry import backend
+    from k3launch.deploy.supervisor import stop as stop_supervisor
     from k3launch.util import bounds
 
     st = store(state_dir)
     grace = bounds.GRACE.parse("grace", grace)
     conn = access(accept_unknown_hosts, connect_timeout)
+    stopped = stop_supervisor(st, name)  # first: a supervisor must never revive what `down` stops
     with st.lock(name):
         rec = st.try_load(name)
         if rec is not None:
             report = backend(rec.backend, [conn]).down(rec, st, grace)
+            report.supervisor = stopped
             if report.clean:
                 st.delete(name)
             return report

@@ -221,6 +221,11 @@ COMMANDS: dict[str, Lazy] = {
     "timeline": Lazy(
         "k3launch.cli.deploy", "The bring-up's timeline: per process, each phase's start and end; the slowest rank and what it waited for."
     ),
+    "supervise": Lazy("k3launch.cli.supervise", "Keep a deployment serving until it is taken down: restart what died or hung, give up cleanly."),
+    "events": Lazy(
+        "k3launch.cli.supervise",
+        "What supervisors saw and did: detections, restarts, backoffs, cordons, give-ups (time, unit, process, node, reason).",
+    ),
     "list": Lazy("k3launch.cli.deploy", "Deployments in the state directory."),
     "chat": Lazy("k3launch.cli.deploy", "Send one chat completion to a deployment's public endpoint and print the reply."),
     "lint": Lazy("k3launch.cli.recipes", "Check a pasted command: k3launch lint -- vllm serve MODEL --flag ... (exit 1 on findings)."),

@@ -35,6 +35,7 @@ def up(
     keep_on_failure: Annotated[bool, typer.Option("--keep-on-failure", help="Leave processes running when up fails (for debugging).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Use nodes another live deployment holds.")] = False,
     skip_doctor: Annotated[bool, typer.Option("--skip-doctor", help="Do not run the pre-flight checks.")] = False,
+    supervise: Annotated[bool, typer.Option("--supervise", help="Once it serves, keep it serving: a detached `k3launch supervise` (policy: the inventory's restart:).")] = False,
     extra_sbatch: Annotated[list[str] | None, typer.Option("--extra-sbatch", help="Slurm: one more #SBATCH directive, verbatim (repeatable), e.g. --extra-sbatch=--mail-type=END.")] = None,
     queue_timeout: Annotated[float | None, number_option("--queue-timeout", bounds.QUEUE_TIMEOUT,
                                                          "Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
@@ -71,13 +72,27 @@ def up(
         # api.up has torn down what it started (the record stays if something was left)
         typer.echo("interrupted: what was started has been torn down", err=True)
         raise typer.Exit(INTERRUPTED) from None
+    seconds = round(time.monotonic() - t0, 2)
+    sv = None
+    if supervise:
+        try:
+            sv = api.supervise_detached(rec.name, ["--accept-unknown-hosts"] * accept_unknown_hosts + ["--connect-timeout", str(connect_timeout)],
+                                        state_dir=state_dir)
+        except K3Error as err:  # it serves: say so, then why it is not supervised
+            if not json_out:
+                show_deploy.ready(con, rec)
+            fail(err)
     if json_out:
-        out: dict[str, object] = {"name": rec.name, "state": rec.state, "endpoint": rec.endpoint, "seconds": round(time.monotonic() - t0, 2)}
+        out: dict[str, object] = {"name": rec.name, "state": rec.state, "endpoint": rec.endpoint, "seconds": seconds}
         if rec.job is not None:
             out["job"] = {"id": rec.job.job_id, "hosts": rec.job.hosts, "log_dir": rec.job.log_dir, "attempts": rec.job.attempts}
+        if sv is not None:
+            out["supervisor"] = {"host": sv.host, "pid": sv.pid}
         typer.echo(json.dumps(out))
     else:
         show_deploy.ready(con, rec)
+        if sv is not None:
+            con.print(f"supervised in the background: pid {sv.pid} on {sv.host}; `k3launch events {rec.name} -f` follows it")
 
 
 def _dry_run(con: Console, plan: Plan, dry: DryRun, json_out: bool) -> None:
@@ -159,7 +174,7 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
     if json_out:
         typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "leftovers": report.leftovers,
                                "unreachable": report.unreachable, "busy_ports": report.busy_ports, "verified": report.verified,
-                               "set_aside": report.set_aside, "hint": report.hint}, indent=2))
+                               "set_aside": report.set_aside, "hint": report.hint, "supervisor": report.supervisor}, indent=2))
     else:
         show_deploy.down(console(), name, report)
     if not report.clean:

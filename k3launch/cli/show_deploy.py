@@ -96,9 +96,18 @@ def status(con: Console, snap: Status) -> None:
     con.print(t)
     for u in snap.unreachable:
         con.print(f"[red]unreachable[/]: {u}")
+    sv = snap.supervisor
+    if sv is not None:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sv.since))
+        con.print(f"supervised by pid {sv.pid} on {sv.host}{' (detached)' if sv.detached else ''} since {since}; "
+                  f"{sv.restarts} restart(s); `k3launch events {snap.name}`", markup=False)
+    else:
+        con.print(f"[dim]not supervised: `k3launch supervise {snap.name} --detach` keeps it serving[/]")
 
 
 def down(con: Console, name: str, report: TeardownReport) -> None:
+    if report.supervisor:
+        con.print(report.supervisor, markup=False)
     if report.set_aside:
         con.print(f"unreadable record kept aside as {report.set_aside}")
     if report.clean:

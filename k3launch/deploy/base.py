@@ -38,8 +38,11 @@ from k3launch.models.weights import FetchProgress, NodeWeights, Source
 from k3launch.transport import http
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from k3launch.deploy.state import StateStore
     from k3launch.models.power import Sampler
+    from k3launch.models.supervise import Observation, Unit
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
 
@@ -141,6 +144,37 @@ class ArrayOps(Protocol):
     def attached_record(self, plan: Plan, env: Mapping[str, str], inventory: str | None) -> DeploymentRecord:
         """Inside an array task's allocation: the record of the deployment the task's job brought up."""
         ...
+
+
+class Watcher(Protocol):
+    """A supervisor's hands on one live deployment (feature ``supervise``), open for its whole watch."""
+
+    def observe(self, now: float) -> Observation:
+        """One look: exited processes, silent nodes, ``/health`` of every HTTP process."""
+        ...
+
+    def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
+        """Stop the unit's processes and, if ``proceed()`` still says so, start them again as ``up``
+        did (the record saved); what failed to start."""
+        ...
+
+    def stop(self, processes: Sequence[str], grace_s: float) -> TeardownReport: ...
+
+    def stop_all(self, grace_s: float) -> TeardownReport:
+        """Everything stopped and verified, as ``down`` does (the record stays)."""
+        ...
+
+    def keep_logs(self, ids: Sequence[str]) -> list[Path]:
+        """The last log lines of ``ids``, kept in the state directory (as a failed ``up`` keeps them)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SuperviseOps(Protocol):
+    """Feature ``supervise``: keep a deployment serving (:mod:`k3launch.deploy.supervisor` drives it)."""
+
+    def watcher(self, rec: DeploymentRecord, store: StateStore) -> Watcher: ...
 
 
 @dataclass(frozen=True)

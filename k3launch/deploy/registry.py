@@ -21,7 +21,7 @@ from k3launch.errors import K3Error
 from k3launch.models.backends import Feature, require, spec
 
 if TYPE_CHECKING:
-    from k3launch.deploy.base import ArrayOps, Backend, NodeOps, PowerOps
+    from k3launch.deploy.base import ArrayOps, Backend, NodeOps, PowerOps, SuperviseOps
     from k3launch.deploy.options import BackendOptions
 
 
@@ -57,3 +57,7 @@ def power_ops(name: str, options: Sequence[BackendOptions] = ()) -> PowerOps:
 
 def array_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> ArrayOps:
     return cast("ArrayOps", _build(name, Feature.ARRAYS, what, options))
+
+
+def supervise_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> SuperviseOps:
+    return cast("SuperviseOps", _build(name, Feature.SUPERVISE, what, options))

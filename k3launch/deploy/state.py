@@ -74,7 +74,8 @@ class StateStore:
     ``deployments/NAME.json`` (the records), ``logs/NAME/`` (a failed ``up``'s last log lines),
     ``bench/NAME/`` (``bench`` results), ``slurm/NAME/`` (a Slurm job's shared logs, unless the
     inventory's ``slurm.log_dir`` says otherwise), ``slurm/arrays/`` (job arrays),
-    ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused).
+    ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused), ``events/NAME.jsonl`` (what
+    supervisors saw and did), ``supervise/`` (their locks, stop requests and output).
     """
 
     def __init__(self, root: Path | None = None) -> None:
@@ -95,6 +96,15 @@ class StateStore:
 
     def bad_nodes_path(self) -> Path:
         return self.root / "slurm-bad-nodes.json"
+
+    def events_path(self, name: str) -> Path:
+        """A deployment's event log (JSON lines, appended): kept after ``down``; the next ``up`` of
+        the name moves it to ``NAME.jsonl.1``."""
+        return self.root / "events" / f"{check_name(name)}.jsonl"
+
+    def supervise_dir(self) -> Path:
+        """Supervisors' lock files (held while one runs), stop requests and detached ones' output."""
+        return self.root / "supervise"
 
     def _ensure(self) -> None:
         try:

@@ -60,7 +60,7 @@ class BackendSpec:
         return feature in self.features
 
 
-_SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER})
+_SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER, Feature.SUPERVISE})
 
 _BACKENDS: dict[str, BackendSpec] = {
     "ssh": BackendSpec("ssh", "k3launch.deploy.ssh.backend:SshBackend", _SSH_FEATURES, "processes or containers over SSH",
@@ -72,7 +72,8 @@ _BACKENDS: dict[str, BackendSpec] = {
                          holds_nodes=False,
                          instead=((Feature.DOCTOR, "on Slurm the job's own doctor step checks each node when `up` submits it"),
                                   (Feature.WEIGHTS, "on Slurm check weights inside an allocation (srun), or from an ssh inventory of the same nodes"),
-                                  (Feature.FLEET, "use --client local (the benchmark client on the login node)"))),
+                                  (Feature.FLEET, "use --client local (the benchmark client on the login node)"),
+                                  (Feature.SUPERVISE, "watch it with `k3launch status`; a failed job is `down` and `up` again"))),
 }
 
 

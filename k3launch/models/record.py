@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, mod
 
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import Plan
+from k3launch.models.supervise import RestartPolicy
 
 
 class Stage(StrEnum):
@@ -91,6 +92,18 @@ class SlurmJob(Record):
     addresses: dict[str, str] = {}  # plan node -> that host's NodeAddr
 
 
+class Supervisor(Record):
+    """Who keeps a deployment serving (``k3launch supervise``): a process on a login node."""
+
+    host: str
+    pid: int
+    started: str  # the process's start time (``/proc/PID/stat`` field 22): a reused pid is another process
+    since: float
+    detached: bool  # --detach (a background process) rather than a foreground command
+    restarts: int = 0  # restarts it made
+    policy: RestartPolicy = RestartPolicy()
+
+
 class RecordBase(Record):
     """What every deployment record holds, whatever its backend."""
 
@@ -106,6 +119,7 @@ class RecordBase(Record):
     error: str | None = None
     owner: Owner | None = None  # set while the state is transient (TRANSIENT_STATES)
     timeline: Timeline | None = None  # the bring-up, per process and phase (`k3launch timeline`); None before it ran
+    supervisor: Supervisor | None = None  # set while a supervisor watches it
 
     @property
     def job(self) -> SlurmJob | None:
@@ -142,6 +156,7 @@ class SshRecord(RecordBase):
     # the SSH client settings of the `up`: a later `down` must check the same host keys
     ssh_config: str | None = None
     known_hosts: str | None = None
+    hf_token_file: str | None = None  # the inventory's token *path* on the nodes (a restart reads it there too); never the token
 
     @model_validator(mode="before")
     @classmethod
@@ -225,6 +240,16 @@ class JobStatus(Record):
     log_dir: str
 
 
+class SupervisorStatus(Record):
+    """``status``: the supervisor watching the deployment."""
+
+    host: str
+    pid: int
+    since: float
+    restarts: int
+    detached: bool
+
+
 class Status(Record):
     """A deployment now: exactly what ``k3launch status --json`` prints."""
 
@@ -234,6 +259,7 @@ class Status(Record):
     processes: list[ProcessStatus]
     unreachable: list[str] = []  # nodes that did not answer, with the reason
     job: JobStatus | None = None  # Slurm deployments only
+    supervisor: SupervisorStatus | None = None  # who keeps it serving (None: nobody)
 
     def as_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")

@@ -41,6 +41,7 @@ class TeardownReport:
     verified: str = "no process or container left; planned ports free"  # what a clean report checked
     set_aside: str | None = None  # an unreadable record, renamed NAME.json.corrupt-<time> before the search
     hint: str = ""  # what the user may still have to do (e.g. search another inventory)
+    supervisor: str | None = None  # the supervisor `down` stopped first, if one watched
 
     @property
     def clean(self) -> bool:

@@ -161,6 +161,7 @@ class Restart:
     unit: Unit
     attempt: int
     reason: str
+    hung: bool = False  # it stopped answering: it will not stop gracefully either
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ class Supervision:
         return self.memory[name].state
 
     def _event(self, now: float, kind: EventKind, unit: Unit | None = None, **kw: object) -> Event:
-        return Event(time=now, kind=kind, deployment=self.name, unit=unit.name if unit else None, **kw)  # type: ignore[arg-type]
+        return Event(time=now, kind=kind, deployment=self.name, unit=unit.name if unit else None, **kw)
 
     # ------------------------------------------------------------------ one look
     def step(self, obs: Observation) -> tuple[list[Event], list[Action]]:
@@ -233,7 +234,7 @@ class Supervision:
                 continue
             if m.state is UnitState.WAITING_NODE:
                 if not down:  # the node answers again: restart what it ran (its processes may be gone or orphaned)
-                    actions += self._fail(u, m, now, m.reason, events, counted=False, announce=False)
+                    actions += self._fail(u, m, now, m.reason, events, counted=False)
                 continue
             failure = self._failure(u, m, obs)
             if failure is not None:
@@ -241,11 +242,11 @@ class Supervision:
                 if m.state is UnitState.STARTING:
                     events.append(self._event(now, "restart-failed", u, process=proc, node=self._node(proc), reason=why,
                                               attempt=len(m.restarts), log_tail=tail))
-                    actions += self._fail(u, m, now, why, events, proc=proc, announce=False)
+                    actions += self._fail(u, m, now, why, events, proc=proc)
                 else:
                     m.detected = now
                     events.append(self._event(now, "detected", u, process=proc, node=self._node(proc), reason=why, log_tail=tail))
-                    actions += self._fail(u, m, now, why, events, proc=proc, announce=False)
+                    actions += self._fail(u, m, now, why, events, proc=proc)
                 continue
             if m.state is UnitState.BACKOFF and now >= m.until:
                 actions.append(self._restart(u, m, now, events))
@@ -312,7 +313,7 @@ class Supervision:
         return all(obs.healthy.get(pid) is True for pid in u.http)
 
     def _fail(self, u: Unit, m: _Memory, now: float, why: str, events: list[Event], proc: str | None = None,
-              counted: bool = True, announce: bool = True) -> list[Action]:
+              counted: bool = True) -> list[Action]:
         p = self.policy
         while m.restarts and now - m.restarts[0] > p.window:
             m.restarts.popleft()
@@ -321,8 +322,9 @@ class Supervision:
         if p.policy == "never" or (counted and len(m.restarts) >= p.max_restarts):
             m.state = UnitState.GAVE_UP
             said = "restart policy never" if p.policy == "never" else f"{len(m.restarts)} restarts within {p.window:g}s"
-            events.append(self._event(now, "gave-up", u, process=proc, reason=f"{said}; last failure: {why}"))
-            return [GiveUp(u, f"{said}; last failure: {why}", m.failing)]
+            m.reason = f"{said}; last failure: {why}"
+            events.append(self._event(now, "gave-up", u, process=proc, reason=m.reason))
+            return [GiveUp(u, m.reason, m.failing)]
         wait = p.delay(len(m.restarts)) if counted else 0.0
         m.state, m.until = UnitState.BACKOFF, now + wait
         if wait > 0:
@@ -339,7 +341,7 @@ class Supervision:
         self.restarts += 1
         attempt = len(m.restarts)
         events.append(self._event(now, "restarting", u, reason=m.reason, attempt=attempt))
-        return Restart(u, attempt, m.reason)
+        return Restart(u, attempt, m.reason, hung=" hung: " in m.reason)
 
     # ------------------------------------------------------------------ what the executor reports
     def started(self, unit: Unit, now: float) -> None:

@@ -22,6 +22,7 @@ from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
 from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
+from k3launch.models.supervise import RestartPolicy
 from k3launch.util.bounds import MEMORY_GB
 from k3launch.util.hosts import check_host, expand_hostlist
 from k3launch.util.yamlio import load_yaml_model
@@ -217,6 +218,7 @@ class Inventory(Strict):
     ssh_config: str | None = None
     known_hosts: str | None = None
     gpu_hour_price: GpuHourPrice | None = None  # {amount: 2.5, currency: USD}: for the cost per million tokens
+    restart: RestartPolicy | None = None  # how `k3launch supervise` restarts (docs/supervise.md); flags override it
 
     @field_validator("backend")
     @classmethod

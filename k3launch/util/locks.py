@@ -59,3 +59,25 @@ def locked(path: Path, *, wait: bool = True, flags: int = CREATE, mode: int = 0o
         if remove:
             Path(path).unlink(missing_ok=True)  # while still holding it: nobody can be mid-check on this inode
         os.close(fd)  # releases the lock
+
+
+def held(path: Path) -> bool:
+    """Whether a process holds ``path``'s lock now. A lock file nobody holds is removed (its
+    holder was killed before it could), so asking leaves nothing behind."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                Path(path).unlink()
+        except FileNotFoundError:
+            pass
+        return False
+    finally:
+        os.close(fd)

@@ -23,6 +23,7 @@ from k3launch.deploy.ssh.fetch import check, fetch
 from k3launch.deploy.ssh.launch import Launch, node_script, start_steps
 from k3launch.deploy.ssh.observe import follow_logs, observe, tail_logs
 from k3launch.deploy.ssh.teardown import sweep, teardown
+from k3launch.deploy.ssh.watch import SshWatcher
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec
@@ -146,3 +147,8 @@ class SshBackend:
 
     def power_sampler(self, rec: DeploymentRecord) -> Sampler:
         return FleetSampler(self.fleet(rec), engine_nodes(rec))
+
+    # ------------------------------------------------------------------ supervision
+    def watcher(self, rec: DeploymentRecord, store: StateStore) -> SshWatcher:
+        r = own(rec, SshRecord)
+        return SshWatcher(r, self._connect(r.plan, r), store)

@@ -143,6 +143,37 @@ def _record_for(plan: Plan, proc: Process, fleet: Fleet, out: str, log_dir: str)
     return ProcessRecord(id=proc.id, node=proc.node, runtime=runtime, handle=pid, log=str(log), started=bool(pid))
 
 
+def start_group(plan: Plan, fleet: Fleet, group: Sequence[Process], hf_token_file: str | None,
+                log_dir: str = "") -> tuple[dict[str, ProcessRecord], list[LaunchFailed]]:
+    """Start ``group`` (one step of ``up``, or a unit a supervisor restarts): one script per node,
+    all nodes at once. The processes that started, and a failure per process that did not."""
+    by_node: dict[str, list[Process]] = {}
+    for p in group:
+        by_node.setdefault(p.node, []).append(p)
+    scripts = {n: "bash -c " + shlex.quote(node_script(plan, fleet, ps, hf_token_file, log_dir)) for n, ps in by_node.items()}
+    started: dict[str, ProcessRecord] = {}
+    failed: list[LaunchFailed] = []
+    for node, o in fleet.run_many(scripts, timeout=START_TIMEOUT_S).items():
+        if isinstance(o, K3Error):
+            failed.append(LaunchFailed(f"could not start {', '.join(p.id for p in by_node[node])} on {node}: {o.message}", o.hint,
+                                       by_node[node][0].id, code=o.code, node=node))
+            continue
+        got = _sections(o.stdout)
+        for p in by_node[node]:
+            rc, text = got.get(p.id, (None, ""))
+            pr = _record_for(plan, p, fleet, text, log_dir)
+            if rc == 0 and not pr.started:
+                rc = -1  # a bare process without a pid: it did not start
+            if rc == 0:
+                started[p.id] = pr
+            else:
+                why = {None: f"did not finish (script exit {o.exit_code})", -1: "reported no pid"}.get(rc, f"exited {rc}")
+                failed.append(LaunchFailed(f"could not start {p.id} on {node}: start command {why}",
+                                           "run the node's script from `k3launch up --dry-run` by hand to see why", p.id,
+                                           (text or o.stderr)[-2000:], node=node))
+    return started, failed
+
+
 @dataclass
 class Launch:
     """One ``up`` over SSH (or on this machine): start every process, then watch them per node."""
@@ -168,43 +199,21 @@ class Launch:
         # ssh settings from the start: a `down` after a failed `up` must check the same host keys
         self.record = SshRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
                                 backend=backend, ssh_config=self.ssh_config, known_hosts=self.known_hosts, endpoint=self.plan.endpoint,
-                                plan=self.plan)
+                                plan=self.plan, hf_token_file=self.hf_token_file)
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         rec = self.record
         self.store.save(rec)
         for group in start_steps(self.plan):
-            by_node: dict[str, list[Process]] = {}
-            for p in group:
-                by_node.setdefault(p.node, []).append(p)
-            scripts = {n: "bash -c " + shlex.quote(node_script(self.plan, self.fleet, ps, self.hf_token_file, self.log_dir))
-                       for n, ps in by_node.items()}
-            failed: list[LaunchFailed] = []
-            for node, o in self.fleet.run_many(scripts, timeout=START_TIMEOUT_S).items():
-                if isinstance(o, K3Error):
-                    failed.append(LaunchFailed(f"could not start {', '.join(p.id for p in by_node[node])} on {node}: {o.message}", o.hint,
-                                               by_node[node][0].id, code=o.code, node=node))
-                    continue
-                got = _sections(o.stdout)
-                for p in by_node[node]:
-                    rc, text = got.get(p.id, (None, ""))
-                    pr = _record_for(self.plan, p, self.fleet, text, self.log_dir)
-                    if rc == 0 and not pr.started:
-                        rc = -1  # a bare process without a pid: it did not start
-                    if rc == 0:
-                        # Record every process that did start before reporting any failure, so
-                        # teardown knows about all of them.
-                        rec.processes[p.id] = pr
-                    else:
-                        why = {None: f"did not finish (script exit {o.exit_code})", -1: "reported no pid"}.get(rc, f"exited {rc}")
-                        failed.append(LaunchFailed(f"could not start {p.id} on {node}: start command {why}",
-                                                   "run the node's script from `k3launch up --dry-run` by hand to see why", p.id,
-                                                   (text or o.stderr)[-2000:], node=node))
+            started, failed = start_group(self.plan, self.fleet, group, self.hf_token_file, self.log_dir)
+            # Record every process that did start before reporting any failure, so teardown knows about all of them.
+            rec.processes.update(started)
             self.store.save(rec)
             if failed:
                 raise failed[0]
-            self.on_stage(Stage.START, f"started {len(group)} {'router' if group[0].role == 'router' else 'engine'} process(es) on {len(by_node)} node(s)")
+            nodes = len({p.node for p in group})
+            self.on_stage(Stage.START, f"started {len(group)} {'router' if group[0].role == 'router' else 'engine'} process(es) on {nodes} node(s)")
 
     # ------------------------------------------------------------------ hooks of run_up
     def poll(self, stage: Stage | None) -> Progress:

@@ -83,6 +83,15 @@ def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, re
     report.stopped += ids
 
 
+def stop_processes(rec: SshRecord, fleet: Fleet, ids: Iterable[str], grace_s: float, report: TeardownReport) -> None:
+    """Stop some of a deployment's processes (a unit a supervisor restarts), in ``down``'s order."""
+    want = set(ids)
+    for phase in _phases(rec):
+        mine = [i for i in phase if i in want]
+        if mine:
+            _stop_phase(rec, fleet, mine, grace_s, report)
+
+
 def _signal_until_gone(fleet: Fleet, name: str, ids: list[str] | None, nodes: list[str], grace_s: float,
                        report: TeardownReport) -> dict[str, dict[str, str]]:
     """SIGTERM to each process group of ``name`` found on ``nodes`` (only process ids ``ids``;

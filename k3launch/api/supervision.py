@@ -1,0 +1,125 @@
+"""Keeping a deployment serving: ``supervise`` (in the foreground, or detached), its events.
+
+The restart policy is the inventory's ``restart:`` section (the inventory the deployment was
+brought up from), each field overridable by the caller (``supervise``'s flags).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from k3launch.api._common import access, load, store
+from k3launch.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3launch.models.record import DeploymentRecord, Supervisor
+    from k3launch.models.supervise import Event, RestartPolicy
+
+
+def restart_policy(name: str, overrides: Mapping[str, Any] | None = None, *, state_dir: str | Path | None = None) -> RestartPolicy:
+    """The policy a supervisor of ``name`` follows: the inventory's ``restart:``, then ``overrides``."""
+    from pydantic import ValidationError
+
+    from k3launch.models.supervise import RestartPolicy
+
+    rec = store(state_dir).load(name)
+    base = _inventory_policy(rec)
+    try:
+        return RestartPolicy.model_validate({**base.model_dump(), **{k: v for k, v in (overrides or {}).items() if v is not None}})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(x) for x in err["loc"])
+        raise K3Error("bad-policy", f"restart policy: {field}: {err['msg']}", "see `k3launch supervise --help` for each setting's range") from None
+
+
+def _inventory_policy(rec: DeploymentRecord) -> RestartPolicy:
+    from k3launch.models.supervise import RestartPolicy
+
+    if rec.inventory and Path(rec.inventory).is_file():
+        inv = load(rec.inventory).inventory
+        if inv.restart is not None:
+            return inv.restart
+    return RestartPolicy()
+
+
+def supervise(name: str, *, state_dir: str | Path | None = None, policy: RestartPolicy | Mapping[str, Any] | None = None,
+              on_event: Callable[[Event], None] | None = None, on_event_command: str | None = None, stop: threading.Event | None = None,
+              accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, detached: bool = False) -> str:
+    """Watch deployment ``name`` and keep it serving until stopped (``stop`` set, SIGINT or
+    SIGTERM, a ``down``); the deployment itself is never stopped by stopping this.
+
+    Returns why it ended: ``"stopped"``, ``"gone"`` (taken down), ``"failed"`` (gave up: nothing
+    left running; the record says why). ``on_event`` gets every event (also appended to the
+    event log: :func:`events`); ``on_event_command`` runs with each event as JSON on stdin."""
+    from k3launch.deploy import supervisor
+    from k3launch.deploy.registry import supervise_ops
+    from k3launch.models.supervise import RestartPolicy
+
+    st = store(state_dir)
+    rec = st.load(name)
+    pol = policy if isinstance(policy, RestartPolicy) else restart_policy(name, policy, state_dir=state_dir)
+    ops = supervise_ops(rec.backend, "supervise", [access(accept_unknown_hosts, connect_timeout)])
+    stop = stop or threading.Event()
+    restore = _on_signals(stop)
+    try:
+        return supervisor.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
+                                    detached=detached, stop=stop)
+    finally:
+        restore()
+
+
+def _on_signals(stop: threading.Event) -> Callable[[], None]:
+    """SIGINT and SIGTERM set ``stop`` (a clean end between two looks), when called on the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    for s in old:
+        signal.signal(s, handler)
+
+    def restore() -> None:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+    return restore
+
+
+def supervise_detached(name: str, args: list[str] | None = None, *, state_dir: str | Path | None = None) -> Supervisor:
+    """Start a supervisor of ``name`` in the background (``k3launch supervise NAME ARGS``: its
+    flags) and return it once it runs (its host and pid are in the record)."""
+    from k3launch.deploy import supervisor
+
+    st = store(state_dir)
+    rec = st.load(name)
+    from k3launch.models.backends import Feature, require
+
+    require(rec.backend, Feature.SUPERVISE, "supervise")
+    return supervisor.detach(st, name, list(args or []))
+
+
+def stop_supervisor(name: str, *, state_dir: str | Path | None = None) -> str | None:
+    """Stop ``name``'s supervisor if one runs (the deployment keeps running); a note, or None."""
+    from k3launch.deploy import supervisor
+
+    return supervisor.stop(store(state_dir), name)
+
+
+def events(name: str, *, state_dir: str | Path | None = None) -> list[Event]:
+    """Every event of ``name``'s event log (kept after ``down``), oldest first."""
+    from k3launch.deploy import eventlog
+
+    return eventlog.read(store(state_dir), name)
+
+
+def follow_events(name: str, stop: Callable[[], bool], *, state_dir: str | Path | None = None) -> Iterator[Event]:
+    """The events of ``name``, then each new one as it comes, until ``stop()``."""
+    from k3launch.deploy import eventlog
+
+    return eventlog.follow(store(state_dir), name, stop)

@@ -1,0 +1,120 @@
+"""``k3launch supervise / events``: keep a deployment serving, and what its supervisors did."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, app, console, fail
+from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
+from k3launch.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3launch.models.supervise import Event
+
+Seconds = float | None
+
+
+def _opt(flag: str, what: str) -> Any:
+    return typer.Option(flag, help=what, show_default=False)
+
+
+def policy_args(restart: str | None, max_restarts: int | None, window: Seconds, backoff: Seconds, backoff_max: Seconds,
+                unhealthy_after: Seconds, node_lost_after: Seconds, poll: Seconds) -> list[str]:
+    """The flags given, as ``supervise`` takes them (handed to a detached supervisor)."""
+    pairs = (("--restart", restart), ("--max-restarts", max_restarts), ("--window", window), ("--backoff", backoff),
+             ("--backoff-max", backoff_max), ("--unhealthy-after", unhealthy_after), ("--node-lost-after", node_lost_after), ("--poll", poll))
+    return [x for flag, v in pairs if v is not None for x in (flag, str(v))]
+
+
+def line(e: Event) -> str:
+    """One event as one line: time, kind, where, why."""
+    where = " ".join(x for x in (e.unit and f"unit {e.unit}", e.process and f"process {e.process}", e.node and f"node {e.node}") if x)
+    t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
+    return f"{t}  {e.kind:<16} {where + '  ' if where else ''}{e.reason}"
+
+
+@app.command()
+def supervise(
+    name: Annotated[str, typer.Argument(help="Deployment name.")],
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background on this machine (its host and pid go into the record).")] = False,
+    restart: Annotated[str | None, _opt("--restart", "on-failure (default) or never.")] = None,
+    max_restarts: Annotated[int | None, _opt("--max-restarts", "Restarts of one unit within --window before giving it up (default 3).")] = None,
+    window: Annotated[Seconds, _opt("--window", "Seconds over which restarts are counted (default 3600).")] = None,
+    backoff: Annotated[Seconds, _opt("--backoff", "Seconds before the second restart in the window; doubles each time (default 10).")] = None,
+    backoff_max: Annotated[Seconds, _opt("--backoff-max", "Cap of the backoff, seconds (default 300).")] = None,
+    unhealthy_after: Annotated[Seconds, _opt("--unhealthy-after", "Seconds of failing or silent /health before an engine counts as hung (default 60).")] = None,
+    node_lost_after: Annotated[Seconds, _opt("--node-lost-after", "Seconds without an answer before a node counts as lost (default 300).")] = None,
+    poll: Annotated[Seconds, _opt("--poll", "Seconds between looks (default 2).")] = None,
+    on_event: Annotated[str | None, _opt("--on-event", "A command run (bash -c, on this machine) with each event as JSON on stdin, e.g. to page someone.")] = None,
+    as_detached: Annotated[bool, typer.Option("--as-detached", hidden=True)] = False,
+    state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
+) -> None:
+    """Keep a deployment serving until it is taken down: restart what died or hung, give up cleanly.
+
+    The restart policy is the inventory's `restart:` section; these flags override it. Ctrl-C
+    stops watching, never the deployment; `down` stops the supervisor first. Every event goes to
+    the deployment's event log (`k3launch events NAME`)."""
+    STATE.json = json_out
+    from k3launch import api
+
+    overrides = {"policy": restart, "max_restarts": max_restarts, "window": window, "backoff": backoff, "backoff_max": backoff_max,
+                 "unhealthy_after": unhealthy_after, "node_lost_after": node_lost_after, "poll": poll}
+    con = console()
+    try:
+        policy = api.restart_policy(name, overrides, state_dir=state_dir)
+        if detach:
+            args = policy_args(restart, max_restarts, window, backoff, backoff_max, unhealthy_after, node_lost_after, poll)
+            args += ["--on-event", on_event] if on_event else []
+            args += ["--accept-unknown-hosts"] if accept_unknown_hosts else []
+            args += ["--connect-timeout", str(connect_timeout)]
+            sv = api.supervise_detached(name, args, state_dir=state_dir)
+            if json_out:
+                typer.echo(json.dumps({"name": name, "supervisor": sv.model_dump(mode="json")}))
+            else:
+                con.print(f"supervising {name} in the background: pid {sv.pid} on {sv.host}; `k3launch events {name} -f` follows it")
+            return
+
+        def show(e: Event) -> None:
+            typer.echo(e.model_dump_json(exclude_defaults=True) if json_out else line(e))
+
+        outcome = api.supervise(name, state_dir=state_dir, policy=policy, on_event=show, on_event_command=on_event,
+                                accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, detached=as_detached)
+    except K3Error as err:
+        fail(err)
+    except KeyboardInterrupt:
+        raise typer.Exit(INTERRUPTED) from None
+    if outcome == "failed":
+        raise typer.Exit(1)
+
+
+@app.command()
+def events(
+    name: Annotated[str, typer.Argument(help="Deployment name (its events are kept after `down`).")],
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events (Ctrl-C stops).")] = False,
+    state_dir: StateDir = None, json_out: JsonOut = False,
+) -> None:
+    """What supervisors saw and did: detections, restarts, backoffs, cordons, give-ups (time, unit, process, node, reason)."""
+    STATE.json = json_out
+    from k3launch import api
+
+    def show(e: Event) -> None:
+        typer.echo(e.model_dump_json(exclude_defaults=True) if json_out else line(e))
+
+    try:
+        if not follow:
+            got = api.events(name, state_dir=state_dir)
+            if not got and api.record(name, state_dir) is None:
+                raise K3Error("unknown-deployment", f"no deployment and no events named {name!r}", "see `k3launch list`")
+            for e in got:
+                show(e)
+            return
+        for e in api.follow_events(name, lambda: False, state_dir=state_dir):
+            show(e)
+    except K3Error as err:
+        fail(err)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None

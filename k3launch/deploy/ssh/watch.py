@@ -1,0 +1,143 @@
+"""A supervisor's hands on an SSH (or local) deployment: look, restart a unit, stop.
+
+One look is the poll ``up`` uses (one round trip per node: which processes exited, with their
+exit codes and last lines; which nodes do not answer — the SSH heartbeat notices a silent host
+within its connect timeout) plus one ``/health`` probe per HTTP process, all at once: a probe that
+fails or does not answer within ``probe_timeout`` counts toward a hung engine.
+
+A restart stops the unit's processes as ``down`` would (SIGTERM to each process group, SIGKILL
+after the grace period: a stopped or hung process dies too), keeps each bare process's previous
+log as ``<process>.log.1`` beside the new one, waits for the unit's ports to close, and starts the
+processes with the script ``up`` used (:func:`~k3launch.deploy.ssh.launch.start_group`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from k3launch.deploy.ssh.launch import start_group, start_steps
+from k3launch.deploy.ssh.observe import poll, tail_logs
+from k3launch.deploy.ssh.teardown import stop_processes, teardown
+from k3launch.deploy.state import StateStore
+from k3launch.errors import K3Error
+from k3launch.models.plan import is_container
+from k3launch.models.record import SshRecord
+from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
+from k3launch.models.supervise import Observation, Unit
+from k3launch.render import snippets as remote
+from k3launch.transport.fleet import Fleet
+from k3launch.transport.http import probe_all
+from k3launch.util.polling import poll_until
+
+PORTS_FREE_S = 15.0  # after the stop: a port still held then makes the start fail with the engine's own words
+KEPT_LOG_LINES = 500
+
+
+class SshWatcher:
+    """Observe and act on one deployment through one open :class:`Fleet` (kept for the supervisor's life)."""
+
+    def __init__(self, rec: SshRecord, fleet: Fleet, store: StateStore, probe_timeout: float = 3.0) -> None:
+        self.rec = rec
+        self.fleet = fleet
+        self.store = store
+        self.probe_timeout = probe_timeout
+
+    def observe(self, now: float) -> Observation:
+        rec = self.rec
+        pl = poll(rec, self.fleet)
+        dead: dict[str, str] = {}
+        for pid in pl.dead:
+            code = pl.codes.get(pid, "?")
+            said = error_line(pl.tails.get(pid, ""))
+            dead[pid] = ("exited" if code == "?" else f"exited with code {code}") + (f": {said}" if said else "")
+        for p in rec.plan.processes:
+            if p.id not in rec.processes and p.node not in pl.unreachable:
+                dead.setdefault(p.id, "is not running (its last start failed)")
+        urls = {p.id: f"http://{p.address}:{p.http_port}" for p in rec.plan.processes
+                if p.http_port is not None and p.id not in dead and p.node not in pl.unreachable}
+        healthy = probe_all(urls, timeout=self.probe_timeout)
+        return Observation(now=now, dead=dead, unreachable=dict(pl.unreachable), healthy=healthy, tails=dict(pl.tails))
+
+    def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
+        """Stop the unit, then — if ``proceed()`` still says so — start it as ``up`` did (engines,
+        then a router); the record is saved."""
+        rec = self.rec
+        report = TeardownReport()
+        stop_processes(rec, self.fleet, unit.processes, grace_s, report)
+        if report.unreachable:
+            node, why = next(iter(sorted(report.unreachable.items())))
+            return [LaunchFailed(f"could not stop {unit.name}: {why}", "the node must answer before its processes can restart",
+                                 code="node-unreachable", node=node)]
+        self._keep_previous_logs(unit)
+        for pid in unit.processes:
+            rec.processes.pop(pid, None)
+        self.store.save(rec)
+        if not proceed():
+            return []  # `down` arrived meanwhile: it wins
+        self._wait_ports(unit)
+        procs = [p for p in rec.plan.processes if p.id in unit.processes]
+        failed: list[LaunchFailed] = []
+        for group in start_steps(rec.plan):
+            mine = [p for p in group if p in procs]
+            if mine:
+                started, bad = start_group(rec.plan, self.fleet, mine, rec.hf_token_file)
+                rec.processes.update(started)
+                failed += bad
+        self.store.save(rec)
+        return failed
+
+    def _keep_previous_logs(self, unit: Unit) -> None:
+        """The log of the run that failed, kept beside the new one (the start truncates ``<process>.log``)."""
+        cmds: dict[str, list[str]] = {}
+        for p in self.rec.plan.processes:
+            pr = self.rec.processes.get(p.id)
+            log = pr.log if pr is not None else ""
+            if p.id in unit.processes and log and not is_container(pr.runtime if pr else ""):
+                cmds.setdefault(p.node, []).append(f"mv -f {remote.path_word(log)} {remote.path_word(log + '.1')} 2>/dev/null || true")
+        if cmds:
+            self.fleet.run_many({n: "\n".join(c) for n, c in cmds.items()}, timeout=20)
+
+    def _wait_ports(self, unit: Unit) -> None:
+        uses = [u for u in self.rec.plan.ports if u.process in unit.processes]
+        nodes = sorted({u.node for u in uses})
+        if not nodes:
+            return
+
+        def busy() -> list[str]:
+            got = self.fleet.run_many({n: remote.LISTENING for n in nodes}, timeout=10)
+            out = []
+            for u in uses:
+                o = got.get(u.node)
+                if o is not None and not isinstance(o, K3Error) and remote.port_busy(remote.parse_listening(o.stdout), u.address, u.port):
+                    out.append(f"{u.address}:{u.port}")
+            return out
+
+        poll_until(busy, lambda b: not b, timeout=PORTS_FREE_S, interval=0.25)
+
+    def stop(self, processes: Sequence[str], grace_s: float) -> TeardownReport:
+        report = TeardownReport()
+        stop_processes(self.rec, self.fleet, processes, grace_s, report)
+        return report
+
+    def stop_all(self, grace_s: float) -> TeardownReport:
+        """Everything stopped and verified, as ``down`` does; the record stays (state set by the caller)."""
+        return teardown(self.rec, self.fleet, self.store, grace_s=grace_s)
+
+    def keep_logs(self, ids: Sequence[str]) -> list[Path]:
+        """``<state-dir>/logs/<deployment>/<process>.log``: the last lines of each of ``ids``."""
+        started = [i for i in ids if i in self.rec.processes]
+        texts = tail_logs(self.rec, self.fleet, started, KEPT_LOG_LINES) if started else {}
+        dest = self.store.logs_dir(self.rec.name)
+        out = []
+        try:
+            dest.mkdir(parents=True, exist_ok=True)
+            for pid, text in texts.items():
+                (dest / f"{pid}.log").write_text(text, encoding="utf-8")
+                out.append(dest / f"{pid}.log")
+        except OSError:
+            pass  # a full disk: the logs stay on the nodes
+        return out
+
+    def close(self) -> None:
+        self.fleet.close()

@@ -1,0 +1,256 @@
+"""``k3launch supervise`` against real processes: the simulated engine on this machine (``local``
+backend), the real ``vllm-router`` in front of replicas. Failures are caused for real (``kill -9``,
+``SIGSTOP``, an engine that crashes after every start) under a bounded client load, and what the
+client saw is counted.
+
+Each scenario is one deployment checked for several things; the figures (seconds from the kill to
+detected, to restarted; failed requests) are printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_helpers import Cli, cleanup, local_leftovers
+
+pytestmark = [pytest.mark.e2e]
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "k3launch/tiny-llama"
+POLL_S = 0.5
+
+
+@pytest.fixture
+def cli(tmp_path: Path) -> Iterator[Cli]:
+    c = Cli(tmp_path / "state")
+    try:
+        yield c
+    finally:
+        recs = c.state_dir / "deployments"
+        cleanup(c, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])
+
+
+def _inventory(tmp_path: Path, env: dict[str, str], restart: dict[str, Any] | None = None) -> Path:
+    inv = yaml.safe_load((ROOT / "inventories" / "local.yaml").read_text())
+    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "1", **env}
+    if restart is not None:
+        inv["restart"] = restart
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    return path
+
+
+def _up(cli: Cli, inv: Path, name: str, port_base: int, *args: str) -> dict[str, Any]:
+    r = cli.run("up", "-i", str(inv), "--recipe", RECIPE, "--name", name, "--port-base", str(port_base), *args, "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out: dict[str, Any] = json.loads(r.stdout)
+    return out
+
+
+def _events(cli: Cli, name: str) -> list[dict[str, Any]]:
+    path = cli.state_dir / "events" / f"{name}.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def _wait_event(cli: Cli, name: str, kind: str, unit: str | None = None, after: float = 0.0, within: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for e in _events(cli, name):
+            if e["kind"] == kind and (unit is None or e.get("unit") == unit) and e["time"] >= after:
+                return e
+        time.sleep(0.1)
+    raise AssertionError(f"no {kind} event for {unit or name} within {within:g}s: {_events(cli, name)}")
+
+
+def _pid(cli: Cli, name: str, process: str) -> int:
+    return int(cli.record(name)["processes"][process]["handle"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _complete(endpoint: str, model: str, timeout: float = 30.0) -> bool:
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 4}).encode()
+    req = urllib.request.Request(endpoint + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return bool(json.loads(r.read())["choices"])
+    except (urllib.error.URLError, OSError, ValueError, KeyError):
+        return False
+
+
+@dataclass
+class Load:
+    """A steady, bounded client load: ``workers`` clients one request after another, at most ``limit`` requests."""
+
+    endpoint: str
+    model: str
+    workers: int = 4
+    limit: int = 3000
+    ok: int = 0
+    failed: int = 0
+    stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _work(self) -> None:
+        while not self.stop.is_set():
+            with self._lock:
+                if self.ok + self.failed >= self.limit:
+                    return
+            good = _complete(self.endpoint, self.model)
+            with self._lock:
+                self.ok += good
+                self.failed += not good
+            time.sleep(0.02)
+
+    def __enter__(self) -> Load:
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(self.workers)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+
+def _gone(cli: Cli, name: str, rec: dict[str, Any], supervisor_pid: int) -> None:
+    """`down` left nothing: no process, port, lock, record or supervisor."""
+    d = cli.json("down", name, timeout=120)
+    assert d["clean"] is True, d
+    assert d["supervisor"] and str(supervisor_pid) in d["supervisor"], d
+    procs, ports = local_leftovers(rec)
+    assert procs == {} and ports == [], (procs, ports)
+    assert not _alive(supervisor_pid)
+    assert list((cli.state_dir / "supervise").glob("*.lock")) == []
+    assert cli.records() == {}
+
+
+# ------------------------------------------------------------------ replicas behind the real router
+def test_replicas_a_killed_and_a_hung_engine_are_restarted_under_load_and_down_stops_the_supervisor(cli: Cli, tmp_path: Path) -> None:
+    inv = _inventory(tmp_path, {}, restart={"poll": POLL_S, "unhealthy_after": 3, "backoff": 1})
+    name = "sv-replicas"
+    out = _up(cli, inv, name, 23400, "--strategy", "multi_node_replicas", "--supervise")
+    sv_pid = out["supervisor"]["pid"]
+    rec = cli.record(name)
+    assert rec["supervisor"]["pid"] == sv_pid and rec["supervisor"]["detached"] is True
+    assert rec["supervisor"]["policy"]["unhealthy_after"] == 3  # the inventory's restart: section
+
+    second = cli.run("supervise", name, "--poll", "1")
+    assert second.returncode == 2 and f"already watched by the supervisor (pid {sv_pid}" in second.stderr, second.stderr
+
+    with Load(out["endpoint"], rec["plan"]["model"]) as load:
+        time.sleep(2)
+        before = _pid(cli, name, "serve-1")
+        t_kill = time.time()
+        os.kill(before, signal.SIGKILL)
+        detected = _wait_event(cli, name, "detected", "serve-1", after=t_kill - 1)
+        restarted = _wait_event(cli, name, "restarted", "serve-1", after=t_kill)
+        time.sleep(2)
+        hung = _pid(cli, name, "serve-0")
+        t_stop = time.time()
+        os.kill(hung, signal.SIGSTOP)
+        stuck = _wait_event(cli, name, "detected", "serve-0", after=t_stop)
+        back = _wait_event(cli, name, "restarted", "serve-0", after=t_stop)
+        time.sleep(2)
+    assert _pid(cli, name, "serve-1") != before and _pid(cli, name, "serve-0") != hung
+    assert not _alive(before) and not _alive(hung)  # the stopped engine was killed, not left behind
+    assert "exited with code 137" in detected["reason"] and detected["node"] == "local-2"
+    assert "hung" in stuck["reason"]
+    detect_s = detected["time"] - t_kill
+    assert detect_s <= 2 * POLL_S + 1.0, detect_s  # within two polls (plus a poll's own cost)
+
+    snap = cli.json("status", name)
+    assert snap["state"] == "ready" and snap["supervisor"]["pid"] == sv_pid and snap["supervisor"]["restarts"] == 2, snap
+    print(f"\n[replicas: kill -9 -> detected {detect_s:.2f}s, serving {restarted['time'] - t_kill:.2f}s; "
+          f"SIGSTOP -> detected {stuck['time'] - t_stop:.2f}s, serving {back['time'] - t_stop:.2f}s; "
+          f"client: {load.ok} ok, {load.failed} failed]")
+    assert load.ok > 50
+    _gone(cli, name, rec, sv_pid)
+    kinds = [e["kind"] for e in _events(cli, name)]  # kept after down
+    assert kinds[0] == "watching" and kinds[-1] == "stopped-watching" and kinds.count("restarted") == 2, kinds
+
+
+# ------------------------------------------------------------------ a coupled group
+def test_one_dead_rank_of_multi_node_tp_restarts_the_group_and_ctrl_c_leaves_it_serving(cli: Cli, tmp_path: Path) -> None:
+    inv = _inventory(tmp_path, {})
+    name = "sv-group"
+    out = _up(cli, inv, name, 23420, "--strategy", "multi_node_tp", "--nodes", "2")
+    rec = cli.record(name)
+    head, rank = _pid(cli, name, "serve-0"), _pid(cli, name, "serve-1")
+    sup = cli.start("supervise", name, "--poll", str(POLL_S))
+    _wait_event(cli, name, "watching")
+    t_kill = time.time()
+    os.kill(rank, signal.SIGKILL)
+    ev = _wait_event(cli, name, "restarting", "serve", after=t_kill)
+    done = _wait_event(cli, name, "restarted", "serve", after=t_kill)
+    assert "serve-1" in ev["reason"]
+    assert _pid(cli, name, "serve-0") != head and _pid(cli, name, "serve-1") != rank  # every rank, not the dead one only
+    assert not _alive(head)
+    assert _complete(out["endpoint"], rec["plan"]["model"])
+    os.killpg(sup.pid, signal.SIGINT)  # Ctrl-C: stop watching
+    r = Cli.wait(sup, 30)
+    assert r.returncode == 0, r.stdout + r.stderr
+    snap = cli.json("status", name)
+    assert snap["state"] == "ready" and snap["supervisor"] is None and all(p["alive"] for p in snap["processes"]), snap
+    print(f"\n[multi-node TP: rank killed -> group serving again in {done['time'] - t_kill:.2f}s]")
+    d = cli.json("down", name, timeout=120)
+    assert d["clean"] is True and d["supervisor"] is None, d
+    assert local_leftovers(rec) == ({}, [])
+
+
+# ------------------------------------------------------------------ a crash loop
+def test_an_engine_that_crashes_after_every_start_is_given_up_with_nothing_left(cli: Cli, tmp_path: Path) -> None:
+    inv = _inventory(tmp_path, {"K3LAUNCH_SIM_FAIL": "crash-after-ready", "K3LAUNCH_SIM_FAIL_AFTER_S": "3"})
+    name = "sv-loop"
+    _up(cli, inv, name, 23440, "--strategy", "single_node_tp")
+    rec = cli.record(name)
+    r = cli.run("supervise", name, "--poll", str(POLL_S), "--max-restarts", "2", "--backoff", "0.5", "--on-event",
+                f"cat >> {tmp_path / 'hook.jsonl'}; echo >> {tmp_path / 'hook.jsonl'}", timeout=120)
+    assert r.returncode == 1, r.stdout + r.stderr
+    kinds = [e["kind"] for e in _events(cli, name)]
+    assert kinds.count("restarting") == 2 and kinds[-3:] == ["gave-up", "failed", "stopped-watching"], kinds
+    after = cli.record(name)
+    assert after["state"] == "failed" and "supervisor gave up" in after["error"] and "2 restarts within" in after["error"], after["error"]
+    kept = cli.state_dir / "logs" / name / "serve-0.log"
+    assert "EngineDeadError" in kept.read_text()
+    assert local_leftovers(rec) == ({}, [])  # nothing left running
+    hooked = [json.loads(ln) for ln in (tmp_path / "hook.jsonl").read_text().splitlines() if ln.strip()]
+    assert [e["kind"] for e in hooked] == kinds[: len(hooked)] and "gave-up" in [e["kind"] for e in hooked]
+    d = cli.json("down", name, timeout=60)
+    assert d["clean"] is True and cli.records() == {}, d
+
+
+# ------------------------------------------------------------------ down wins over a restart
+def test_down_during_a_restart_wins(cli: Cli, tmp_path: Path) -> None:
+    """A restart takes as long as a bring-up (here the engines load for 6 s): a `down` meanwhile
+    stops the supervisor first, then everything, the restarted engine included."""
+    inv = _inventory(tmp_path, {"K3LAUNCH_SIM_LOAD_S": "6"})
+    name = "sv-race"
+    _up(cli, inv, name, 23460, "--strategy", "multi_node_replicas")
+    rec = cli.record(name)
+    sv = cli.json("supervise", name, "--detach", "--poll", str(POLL_S))
+    sv_pid = sv["supervisor"]["pid"]
+    t_kill = time.time()
+    os.kill(_pid(cli, name, "serve-0"), signal.SIGKILL)
+    _wait_event(cli, name, "restarting", "serve-0", after=t_kill)
+    _gone(cli, name, rec, sv_pid)
+    assert "restarted" not in [e["kind"] for e in _events(cli, name) if e["time"] >= t_kill]
