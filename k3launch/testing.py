@@ -1,7 +1,8 @@
-"""Test doubles of k3launch's two seams, shipped so that the project's tests (and a library user's)
+"""Test doubles of k3launch's seams, shipped so that the project's tests (and a library user's)
 share one copy: :class:`FakeRunner` for :class:`~k3launch.transport.runners.CommandRunner` (every command
-k3launch runs on a node or the login node) and :class:`FakeSlurm` for
-:class:`~k3launch.deploy.slurm.client.SlurmClient` (every Slurm command).
+k3launch runs on a node or the login node), :class:`FakeSlurm` for
+:class:`~k3launch.deploy.slurm.client.SlurmClient` (every Slurm command) and :class:`FakeWatcher` for
+:class:`~k3launch.deploy.base.Watcher` (a supervisor's looks and actions).
 
 Neither does any I/O of its own beyond what a test asks for (FakeSlurm writes a job's output file
 when told to). ``FakeRunner`` answers from scripted rules and records every call::
@@ -26,11 +27,13 @@ import re
 import shlex
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
+from k3launch.models.reports import LaunchFailed, TeardownReport
+from k3launch.models.supervise import Observation, Unit
 from k3launch.transport.runners import DEFAULT_TIMEOUT_S, Result, Target, Unreachable
 
 Answer = tuple[int, str, str]  # (exit code, stdout, stderr)
@@ -295,3 +298,68 @@ def _hostlist(nodes: Sequence[str]) -> str:
 
 
 __all__ = ["BUSY", "INVALID_JOB_ID", "Answer", "Call", "Fails", "FakeRunner", "FakeSlurm", "Handler", "JobPoll", "Reply", "TaskPoll"]
+
+
+class FakeWatcher:
+    """A :class:`~k3launch.deploy.base.Watcher` (the supervise seam) that reports scripted looks
+    and records what the supervisor asked of it::
+
+        w = FakeWatcher([Observation(0, dead={"serve-0": "exited with code 1"})], stop=stop)
+        supervisor.supervise(name, store, FakeOps(w), policy, on_event=events.append, stop=stop)
+        assert w.calls == [("observe",), ("restart", "serve-0"), ("observe",)]
+
+    Each look is an :class:`~k3launch.models.supervise.Observation` (its time replaced by the
+    supervisor's clock) or a callable ``now -> Observation``. When the script is over, ``stop`` is
+    set and the last look repeats. ``start_fails``: unit name -> how many restarts of it fail to
+    start (a start command that exits 1).
+    """
+
+    def __init__(self, looks: Iterable[Observation | Callable[[float], Observation]], *, stop: threading.Event | None = None,
+                 start_fails: Mapping[str, int] | None = None) -> None:
+        self.looks = list(looks)
+        self.stop_event = stop
+        self.start_fails = dict(start_fails or {})
+        self.calls: list[tuple[str, ...]] = []
+        self.closed = False
+        self._last: Observation | None = None
+
+    def observe(self, now: float) -> Observation:
+        self.calls.append(("observe",))
+        if self.looks:
+            look = self.looks.pop(0)
+            self._last = look(now) if callable(look) else replace(look, now=now)
+        elif self.stop_event is not None:
+            self.stop_event.set()
+        return replace(self._last, now=now) if self._last is not None else Observation(now)
+
+    def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
+        self.calls.append(("restart", unit.name))
+        if self.start_fails.get(unit.name, 0) > 0:
+            self.start_fails[unit.name] -= 1
+            return [LaunchFailed(f"could not start {unit.processes[0]}: start command exited 1", "", unit.processes[0], "no such file\n")]
+        return []
+
+    def stop(self, processes: Sequence[str], grace_s: float) -> TeardownReport:
+        self.calls.append(("stop", *processes))
+        return TeardownReport(stopped=list(processes))
+
+    def stop_all(self, grace_s: float) -> TeardownReport:
+        self.calls.append(("stop_all",))
+        return TeardownReport()
+
+    def keep_logs(self, ids: Sequence[str]) -> list[Path]:
+        self.calls.append(("keep_logs", *ids))
+        return []
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeOps:
+    """:class:`~k3launch.deploy.base.SuperviseOps` handing out one :class:`FakeWatcher`."""
+
+    watcher_: FakeWatcher
+
+    def watcher(self, rec: object, store: object) -> FakeWatcher:
+        return self.watcher_

@@ -85,6 +85,7 @@ class _Run:
         self.stop = stop
         self.sup = Supervision(rec.plan, policy, ready_timeout(rec.plan, None))
         self.hooks = ThreadPoolExecutor(max_workers=1) if hook else None
+        self.kept: set[str] = set()  # processes whose last log lines are kept already
 
     def stopping(self) -> bool:
         if self.stop.is_set() or stop_path(self.store, self.rec.name).exists():
@@ -135,7 +136,7 @@ class _Run:
         if isinstance(a, Restart):
             return self._restart(a)
         if isinstance(a, GiveUp):
-            self.watcher.keep_logs(a.failing)
+            self._keep(a.failing)
             self.watcher.stop(a.unit.processes, GRACE_S)
             return "ok"
         return self._stop_all(a)
@@ -181,11 +182,17 @@ class _Run:
             return self._stop_all(StopAll(why))
         return "ok"
 
+    def _keep(self, ids: Sequence[str]) -> None:
+        todo = [i for i in ids if i not in self.kept]
+        if todo:
+            self.watcher.keep_logs(todo)
+            self.kept.update(todo)
+
     def _stop_all(self, a: StopAll) -> str:
-        kept = self.watcher.keep_logs(self.sup.failing())
+        self._keep(self.sup.failing())
         self.watcher.stop_all(GRACE_S)
         self.rec.state = "failed"
-        self.rec.error = f"supervisor gave up: {a.reason}" + (f"; last log lines kept in {kept[0].parent}/" if kept else "")
+        self.rec.error = f"supervisor gave up: {a.reason}; last log lines kept in {self.store.logs_dir(self.rec.name)}/"
         self.store.save(self.rec)  # the teardown above wrote "stopping" itself: not a `down` taking over
         return "failed"
 
@@ -254,7 +261,9 @@ def stop(store: StateStore, name: str, wait_s: float = STOP_WAIT_S) -> str | Non
     path = stop_path(store, name)
     with contextlib.suppress(OSError):
         path.touch()
-    here = info is not None and info.host == socket.gethostname() and alive(info)
+    # a supervisor on this host gets SIGTERM too; one in this very process (a library caller's
+    # thread) sees the stop request at its next look
+    here = info is not None and info.host == socket.gethostname() and info.pid != os.getpid() and alive(info)
     if here and info is not None:
         with contextlib.suppress(OSError):
             os.kill(info.pid, signal.SIGTERM)

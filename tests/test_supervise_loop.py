@@ -1,0 +1,171 @@
+"""The supervisor's loop (k3launch.deploy.supervisor) over the shipped FakeWatcher: what it does
+with the decisions (restart, give up, stop everything), the record, the lock, the event log, the
+hook, and ``down``'s stop request. No process is started: this is the fast tier."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from k3launch import api
+from k3launch.deploy import eventlog, supervisor
+from k3launch.deploy.state import StateStore
+from k3launch.errors import K3Error
+from k3launch.models.plan import Plan
+from k3launch.models.record import ProcessRecord, SshRecord
+from k3launch.models.supervise import Event, Observation, RestartPolicy
+from k3launch.testing import FakeOps, FakeWatcher
+
+FAST = RestartPolicy(poll=0.1, backoff=0, max_restarts=2)
+OK = {"serve-0": True, "serve-1": True, "router": True}
+
+
+@cache
+def _plan(strategy: str) -> Plan:
+    return api.plan(None, recipe="k3launch/tiny-llama", strategy=strategy, name="loop-" + strategy.replace("_", "-"))
+
+
+def _record(store: StateStore, strategy: str = "multi_node_replicas", state: str = "ready") -> SshRecord:
+    plan = _plan(strategy)
+    rec = SshRecord(name=plan.name, state=state, created=time.time(), updated=time.time(), backend="local", endpoint=plan.endpoint,
+                    plan=plan, processes={p.id: ProcessRecord(id=p.id, node=p.node, runtime="bare", handle="1", started=True)
+                                          for p in plan.processes})
+    store.save(rec)
+    return rec
+
+
+def _run(store: StateStore, name: str, watcher: FakeWatcher, stop: threading.Event, policy: RestartPolicy = FAST,
+         hook: str | None = None) -> tuple[str, list[Event]]:
+    seen: list[Event] = []
+    out = supervisor.supervise(name, store, FakeOps(watcher), policy, on_event=seen.append, hook=hook, stop=stop)
+    return out, seen
+
+
+def test_a_restart_is_made_counted_in_the_record_and_logged(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    stop = threading.Event()
+    w = FakeWatcher([Observation(0, healthy=OK), Observation(0, dead={"serve-1": "exited with code 137"}, healthy=OK),
+                     Observation(0, healthy=OK)], stop=stop)
+    out, seen = _run(store, rec.name, w, stop)
+    assert out == "stopped"
+    assert ("restart", "serve-1") in w.calls and w.closed
+    kinds = [e.kind for e in seen]
+    assert kinds == ["watching", "detected", "restarting", "restarted", "stopped-watching"], kinds
+    assert [e.kind for e in eventlog.read(store, rec.name)] == kinds  # the same events, in the log
+    after = store.load(rec.name)
+    assert after.supervisor is None and after.state == "ready"  # it let go: the deployment is as it was
+    assert not supervisor.lock_path(store, rec.name).exists()
+
+
+def test_a_unit_that_keeps_failing_to_start_is_given_up_and_the_deployment_stopped(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    rec = _record(store, "single_node_tp")
+    stop = threading.Event()
+    w = FakeWatcher([Observation(0, dead={"serve-0": "exited with code 1"})], stop=stop, start_fails={"serve-0": 5})
+    out, seen = _run(store, rec.name, w, stop)
+    assert out == "failed"
+    assert [c for c in w.calls if c[0] != "observe"] == [("restart", "serve-0"), ("restart", "serve-0"), ("keep_logs", "serve-0"),
+                                                        ("stop", "serve-0"), ("stop_all",)]
+    kinds = [e.kind for e in seen]
+    assert kinds.count("restart-failed") == 2 and kinds[-3:] == ["gave-up", "failed", "stopped-watching"], kinds
+    failed = next(e for e in seen if e.kind == "restart-failed")
+    assert failed.log_tail == "no such file\n" and "start command exited 1" in failed.reason
+    gave = next(e for e in seen if e.kind == "gave-up")
+    assert f"last log lines kept in {store.logs_dir(rec.name)}" in gave.reason
+    after = store.load(rec.name)
+    assert after.state == "failed" and after.error is not None and "2 restarts within 3600s" in after.error
+    assert after.supervisor is None  # it let go of a deployment it stopped
+
+
+def test_one_supervisor_per_deployment_and_a_stop_request_ends_it(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    stop = threading.Event()
+    w = FakeWatcher([lambda now: Observation(now, healthy=OK)] * 10_000)  # healthy for ever
+    result: list[str] = []
+    t = threading.Thread(target=lambda: result.append(_run(store, rec.name, w, stop)[0]))
+    t.start()
+    deadline = time.monotonic() + 10
+    while (store.load(rec.name).supervisor is None) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sv = store.load(rec.name).supervisor
+    assert sv is not None and sv.pid > 0 and sv.policy == FAST
+    with pytest.raises(K3Error) as exc:
+        _run(store, rec.name, FakeWatcher([]), threading.Event())
+    assert exc.value.code == "already-supervised" and f"pid {sv.pid}" in exc.value.message
+    note = supervisor.stop(store, rec.name, wait_s=10)  # what `down` does first (same process here: the stop file)
+    t.join(timeout=10)
+    assert result == ["stopped"] and note is not None and f"pid {sv.pid}" in note
+    assert not supervisor.lock_path(store, rec.name).exists() and not supervisor.stop_path(store, rec.name).exists()
+    assert supervisor.stop(store, rec.name) is None  # nobody to stop now
+
+
+def test_only_a_ready_deployment_is_supervised(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    rec = _record(store, state="failed")
+    with pytest.raises(K3Error) as exc:
+        _run(store, rec.name, FakeWatcher([]), threading.Event())
+    assert exc.value.code == "not-ready" and "failed" in exc.value.message and "down" in exc.value.hint
+    assert not supervisor.lock_path(store, rec.name).exists()
+
+
+def test_the_hook_gets_each_event_as_json_and_a_failing_hook_is_an_event(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    stop = threading.Event()
+    got = tmp_path / "got.jsonl"
+    hook = f"cat >> {got}; echo >> {got}; exit 3"
+    w = FakeWatcher([Observation(0, healthy=OK)], stop=stop)
+    _, seen = _run(store, rec.name, w, stop, hook=hook)
+    lines = [json.loads(ln) for ln in got.read_text().splitlines() if ln.strip()]
+    assert [x["kind"] for x in lines] == ["watching", "stopped-watching"] and lines[0]["deployment"] == rec.name
+    failed = [e for e in seen if e.kind == "hook-failed"]
+    assert len(failed) == 2 and "--on-event command exited 3" in failed[0].reason
+
+
+def test_a_hook_that_hangs_is_cut_after_its_timeout() -> None:
+    e = Event(time=1.0, kind="watching", deployment="x")
+    t0 = time.monotonic()
+    why = eventlog.run_hook("sleep 30 & sleep 30", e, timeout=0.5)
+    assert why is not None and "did not finish within 0.5s" in why and time.monotonic() - t0 < 5
+
+
+def test_supervise_is_refused_where_the_backend_lacks_it(tmp_path: Path) -> None:
+    from k3launch.models.record import SlurmJob, SlurmRecord
+
+    store = StateStore(tmp_path)
+    plan = _plan("multi_node_replicas")
+    store.save(SlurmRecord(name="on-slurm", state="ready", created=1.0, updated=1.0, endpoint="http://x:1", plan=plan,
+                           slurm=SlurmJob(job_id="1", log_dir="/tmp", script="/tmp/s")))
+    with pytest.raises(K3Error) as exc:
+        api.supervise("on-slurm", state_dir=tmp_path)
+    assert exc.value.code == "not-supported" and "k3launch status" in exc.value.hint
+
+
+def test_the_policy_is_the_inventorys_with_flags_over_it(tmp_path: Path) -> None:
+    import yaml
+
+    inv = yaml.safe_load((Path(__file__).resolve().parents[1] / "inventories" / "local.yaml").read_text())
+    inv["restart"] = {"max_restarts": 7, "backoff": 3}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    store = StateStore(tmp_path / "state")
+    rec = _record(store)
+    rec.inventory = str(path)
+    store.save(rec)
+    pol = api.restart_policy(rec.name, {"backoff": 1.5, "poll": None}, state_dir=store.root)
+    assert (pol.max_restarts, pol.backoff, pol.poll) == (7, 1.5, 2.0)
+    with pytest.raises(K3Error) as exc:
+        api.restart_policy(rec.name, {"max_restarts": -1}, state_dir=store.root)
+    assert exc.value.code == "bad-policy" and "max_restarts" in exc.value.message
+    inv["restart"] = {"max_restart": 7}
+    path.write_text(yaml.safe_dump(inv))
+    with pytest.raises(K3Error) as bad:
+        api.restart_policy(rec.name, state_dir=store.root)
+    assert "max_restart" in bad.value.message
