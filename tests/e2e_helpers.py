@@ -24,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -432,3 +433,73 @@ def wait_for_record(cli: Cli, name: str, pred: Callable[[dict[str, Any]], bool],
             raise AssertionError(f"exited {proc.returncode} before the record changed as expected:\n{out}\n{err}")
         time.sleep(0.02)
     raise AssertionError(f"{name}: the record did not change as expected within {within:g}s")
+
+
+# ---- supervision: events, and a steady bounded client load ----------------------------------
+def events(cli: Cli, name: str) -> list[dict[str, Any]]:
+    """The deployment's event log (k3launch events --json), read from the state directory."""
+    path = cli.state_dir / "events" / f"{name}.jsonl"
+    return [json.loads(ln) for ln in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_event(cli: Cli, name: str, kind: str, unit: str | None = None, after: float = 0.0, within: float = 60.0) -> dict[str, Any]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        for e in events(cli, name):
+            if e["kind"] == kind and (unit is None or e.get("unit") == unit) and e["time"] >= after:
+                return e
+        time.sleep(0.1)
+    raise AssertionError(f"no {kind} event for {unit or name} within {within:g}s: {events(cli, name)}")
+
+
+def try_complete(endpoint: str, model: str, timeout: float = 60.0) -> str | None:
+    """One small completion: None when it came back with a choice, else what went wrong."""
+    body = json.dumps({"model": model, "prompt": "hello", "max_tokens": 4}).encode()
+    req = urllib.request.Request(endpoint + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return None if json.loads(r.read())["choices"] else "no choices"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.read()[:200]!r}"
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+@dataclass
+class Load:
+    """A steady, bounded client load: ``workers`` clients one request after another, at most ``limit`` requests."""
+
+    endpoint: str
+    model: str
+    workers: int = 4
+    limit: int = 3000
+    ok: int = 0
+    failed: int = 0
+    failures: list[tuple[float, str]] = field(default_factory=list)  # (time, what went wrong) of each failed request
+    stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _work(self) -> None:
+        while not self.stop.is_set():
+            with self._lock:
+                if self.ok + self.failed >= self.limit:
+                    return
+            why = try_complete(self.endpoint, self.model)
+            with self._lock:
+                self.ok += why is None
+                self.failed += why is not None
+                if why is not None:
+                    self.failures.append((time.time(), why))
+            time.sleep(0.02)
+
+    def __enter__(self) -> Load:
+        self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(self.workers)]
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(timeout=60)

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -32,7 +33,20 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
-from e2e_helpers import Cli, cleanup, host_netns, leftovers, log_sections, netns, no_engine_left, processes, session
+from e2e_helpers import (
+    Cli,
+    Load,
+    cleanup,
+    events,
+    host_netns,
+    leftovers,
+    log_sections,
+    netns,
+    no_engine_left,
+    processes,
+    session,
+    wait_event,
+)
 
 from k3launch.models.record import Status
 
@@ -128,9 +142,12 @@ def _up(pair: Pair, name: str, port_base: int, *args: str, json_out: bool = Fals
     return r
 
 
-def _down_leaves_nothing(pair: Pair, name: str, rec: dict[str, Any], shm_before: set[str], tree: set[int]) -> None:
+def _down_leaves_nothing(pair: Pair, name: str, rec: dict[str, Any], shm_before: set[str], tree: set[int], supervisor: int | None = None) -> None:
     d = pair.cli.json("down", name, timeout=180)
     assert d["clean"] is True and d["unreachable"] == {} and d["leftovers"] == {} and d["busy_ports"] == [], d
+    if supervisor is not None:  # stopped first, and gone with its lock
+        assert d["supervisor"] and f"pid {supervisor}" in d["supervisor"], d
+        assert not _live(supervisor) and list((pair.cli.state_dir / "supervise").glob("*.lock")) == []
     assert sorted(d["stopped"]) == sorted(p["id"] for p in rec["plan"]["processes"]), d
     # the machine's view: nothing of vLLM in either host's namespace, no planned port listening
     assert no_engine_left([pair.ns(h) for h in pair.names]) == {}
@@ -228,9 +245,30 @@ def test_tp_over_two_hosts_serves_from_the_head_with_a_headless_rank(pair: Pair)
     sections = log_sections(pair.cli.run("logs", name, "-n", "400").stdout)
     assert any("rank 1 in world size 2" in ln and "TP rank 1" in ln for ln in sections["serve-1"]), sections["serve-1"][-20:]
 
+    # supervision: the headless rank killed -> the whole TP group restarts (never one rank into a running group)
+    sv = pair.cli.json("supervise", name, "--detach", "--poll", "1")
+    head_pid = int(rec["processes"]["serve-0"]["handle"])
+    rank_pid = int(rec["processes"]["serve-1"]["handle"])
+    t_kill = time.time()
+    os.kill(rank_pid, signal.SIGKILL)
+    restarting = wait_event(pair.cli, name, "restarting", "serve", after=t_kill - 1, within=60)
+    back = wait_event(pair.cli, name, "restarted", "serve", after=t_kill, within=UP_TIMEOUT_S)
+    assert "serve-1" in restarting["reason"], restarting
+    now = pair.cli.record(name)["processes"]
+    assert int(now["serve-0"]["handle"]) != head_pid and int(now["serve-1"]["handle"]) != rank_pid, now
+    assert not _live(head_pid)  # the surviving head was stopped too
+    data = _complete(rec["endpoint"], pair.model, "Hello again over two hosts")
+    assert data["usage"]["completion_tokens"] > 0, data
+    on = {h: " ".join(no_engine_left([pair.ns(h)], wait_s=0).values()) for h in pair.names}
+    assert "VLLM::Worker_TP0" in on[pair.names[0]] and "VLLM::Worker_TP1" in on[pair.names[1]], on
+    kinds = [e["kind"] for e in events(pair.cli, name)]
+    assert kinds.count("restarting") == 1 and kinds.count("restarted") == 1, kinds
+    tree = set(processes(name))
+
     t1 = time.monotonic()
-    _down_leaves_nothing(pair, name, rec, shm_before, tree)
-    print(f"\n[tp over 2 hosts: up {took:.1f}s, down+checks {time.monotonic() - t1:.1f}s]")
+    _down_leaves_nothing(pair, name, rec, shm_before, tree, supervisor=sv["supervisor"]["pid"])
+    print(f"\n[tp over 2 hosts: up {took:.1f}s, rank killed -> group serving again {back['time'] - t_kill:.1f}s, "
+          f"down+checks {time.monotonic() - t1:.1f}s]")
 
 
 # ------------------------------------------------------------------ vLLM's own refusal, reported cleanly
@@ -292,6 +330,36 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     done = [sum(_successes(u).values()) for u in urls]
     assert all(n > 0 for n in done) and sum(done) >= 8, done
 
+    # supervision under a steady load through the real router: one engine killed, then the other hung
+    sv = pair.cli.json("supervise", name, "--detach", "--poll", "1", "--unhealthy-after", "10")
+    sv_pid = sv["supervisor"]["pid"]
+    with Load(rec["endpoint"], pair.model, workers=2, limit=3000) as load:
+        time.sleep(3)
+        killed = int(pair.cli.record(name)["processes"]["serve-1"]["handle"])
+        t_kill = time.time()
+        os.kill(killed, signal.SIGKILL)
+        detected = wait_event(pair.cli, name, "detected", "serve-1", after=t_kill - 1, within=30)
+        back = wait_event(pair.cli, name, "restarted", "serve-1", after=t_kill, within=UP_TIMEOUT_S)
+        time.sleep(3)
+        hung = int(pair.cli.record(name)["processes"]["serve-0"]["handle"])
+        t_stop = time.time()
+        os.kill(hung, signal.SIGSTOP)
+        stuck = wait_event(pair.cli, name, "detected", "serve-0", after=t_stop, within=60)
+        back2 = wait_event(pair.cli, name, "restarted", "serve-0", after=t_stop, within=UP_TIMEOUT_S)
+        time.sleep(3)
+    assert "exited with code 137" in detected["reason"] and detected["node"] == pair.names[1], detected
+    assert "hung" in stuck["reason"], stuck
+    assert not _live(killed) and not _live(hung)
+    snap = pair.cli.json("status", name)
+    assert snap["state"] == "ready" and snap["supervisor"]["restarts"] == 2, snap
+    assert all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+    print(f"\n[supervised replicas (real vLLM): kill -9 -> detected {detected['time'] - t_kill:.1f}s, serving {back['time'] - t_kill:.1f}s; "
+          f"SIGSTOP -> detected {stuck['time'] - t_stop:.1f}s, serving {back2['time'] - t_stop:.1f}s; "
+          f"client: {load.ok} ok, {load.failed} failed]")
+    for t, why in load.failures[:5]:
+        print(f"  failed {t - t_kill:+.1f}s after the kill: {why}")
+    tree = set(processes(name))  # the engines as they run now
+
     t1 = time.monotonic()
-    _down_leaves_nothing(pair, name, rec, shm_before, tree)
+    _down_leaves_nothing(pair, name, rec, shm_before, tree, supervisor=sv_pid)
     print(f"\n[2 replicas behind vllm-router: up {took:.1f}s, requests per engine {done}, down+checks {time.monotonic() - t1:.1f}s]")

@@ -149,3 +149,45 @@ def test_parse_listening_ipv4_and_wildcard() -> None:
     got = remote.parse_listening("0B00007F:1F40 00000000:0050 00000000000000000000000000000000:1F90")
     assert ("127.0.0.11", 8000) in got and ("0.0.0.0", 80) in got and ("0.0.0.0", 8080) in got
     assert remote.port_busy(got, "10.0.0.1", 80) and not remote.port_busy(got, "127.0.0.12", 8000)
+
+
+def test_an_orphan_of_a_killed_engine_is_found_by_its_session_and_stopped(tmp_path: Path) -> None:
+    """A worker whose engine was SIGKILLed leaves the engine's process group alive without its
+    leader; when setproctitle left pieces of its environment (no marker, but '=' in it) neither
+    the marker nor the run directory finds it: the recorded engine pid, its session id, does."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from k3launch.render.snippets import find_and_signal
+
+    run = tmp_path / "k3launch" / "orph" / "serve-1"
+    run.mkdir(parents=True)
+    leader = subprocess.Popen(["setsid", "bash", "-c", f"cd {run} && env -i LEFT=over sleep 300 & echo $! > {run}/child; wait"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child_file = run / "child"
+    deadline = time.monotonic() + 10
+    while not (child_file.exists() and child_file.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    child = int(child_file.read_text())
+    # setsid forks when it is a group leader already: the session id is the one bash got
+    sid = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[3]
+    try:
+        os.killpg(int(sid), 0)
+        os.kill(int(sid), signal.SIGKILL)  # the engine dies; its worker stays, orphaned
+        leader.wait(timeout=10)
+        blind = subprocess.run(["bash", "-c", find_and_signal("orph", ["serve-1"], None)], capture_output=True, text=True, check=True)
+        assert str(child) not in blind.stdout  # the marker scan alone misses it
+        got = subprocess.run(["bash", "-c", find_and_signal("orph", ["serve-1"], "KILL", (), {sid: "serve-1"})],
+                             capture_output=True, text=True, check=True)
+        assert f"{child} serve-1" in got.stdout.splitlines()
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{child}").exists() and Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline, "the orphan was not killed"
+            time.sleep(0.05)
+    finally:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except OSError:
+            pass

@@ -10,7 +10,7 @@ process groups (vLLM forks engine cores and workers), log tails, and listening p
 from __future__ import annotations
 
 import shlex
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 # Finding a deployment's processes on a node. Lines "PID DEPLOYMENT PROCESS_ID", by the
 # environment marker, or -- when setproctitle (vLLM, vllm-router) clobbered the environment --
@@ -77,18 +77,34 @@ def find_any_deployment() -> str:
     return _scan("") + "k3_scan"
 
 
-def find_and_signal(name: str, ids: Iterable[str] | None, sig: str | None, skip: Iterable[str] = ()) -> str:
+def find_and_signal(name: str, ids: Iterable[str] | None, sig: str | None, skip: Iterable[str] = (),
+                    sessions: Mapping[str, str] | None = None) -> str:
     """One round trip of teardown: print ``PID PROCESS_ID`` of every live process of deployment
     ``name`` whose process id is in ``ids`` (None: every process of ``name``), and send ``sig``
     (if any) to its process group (engines are started with setsid, so the pid leads its group)
     -- except to pids in ``skip``, which were signalled before (a second SIGTERM makes vLLM skip
-    its graceful shutdown)."""
+    its graceful shutdown). ``sessions``: recorded engine pid (a session leader) -> process id:
+    every live member of those sessions too, each signalled alone."""
     skipped = " ".join(shlex.quote(p) for p in skip)
     kill = "" if not sig else (
         f'case " {skipped} " in *" $pid "*) continue ;; esac\n'
         f"  kill -s {shlex.quote(sig)} -- -$pid 2>/dev/null || kill -s {shlex.quote(sig)} $pid 2>/dev/null || true")
     want = "" if ids is None else f"  case \" {' '.join(shlex.quote(i) for i in ids)} \" in *\" $p \"*) ;; *) continue ;; esac\n"
-    return _scan(name) + f"k3_scan | while read -r pid n p; do\n{want}  echo \"$pid $p\"\n  {kill or 'true'}\ndone"
+    out = _scan(name) + f"k3_scan | while read -r pid n p; do\n{want}  echo \"$pid $p\"\n  {kill or 'true'}\ndone"
+    if sessions:
+        # The members of each recorded engine's session, found by session id: a worker whose
+        # leader was killed (SIGKILL, a crash) is orphaned out of its process group, and when
+        # setproctitle left pieces of its environment it is not found by marker or run directory.
+        sids = " ".join(shlex.quote(s) for s in sessions if s.isdigit())
+        names = " ".join(f"{shlex.quote(s)}) p={shlex.quote(i)} ;;" for s, i in sessions.items() if s.isdigit())
+        one = kill.replace(" -- -$pid 2>/dev/null || kill -s " + shlex.quote(sig or "") + " $pid", " $pid") if sig else "true"
+        out += (f"\nfor d in /proc/[0-9]*; do\n  s=; {{ read -r s < \"$d/stat\"; }} 2>/dev/null || continue\n  set -- ${{s##*) }}\n"
+                f"  case \"$1\" in Z|X) continue ;; esac\n  case \" {sids} \" in *\" $4 \"*) ;; *) continue ;; esac\n"
+                f"  pid=${{d#/proc/}}; p=?; case $4 in {names} esac\n  echo \"$pid $p\"\n"
+                # a member whose group leader lives got the group's signal already: once is enough
+                f"  l=; {{ read -r l < \"/proc/$3/stat\"; }} 2>/dev/null; l=${{l##*) }}\n"
+                f"  case \"${{l%% *}}\" in ''|Z|X) ;; *) continue ;; esac\n  {one}\ndone")
+    return out
 
 
 def process_status(items: Iterable[tuple[str, str]], tail_lines: int = 0) -> str:

@@ -79,7 +79,12 @@ def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, re
     node_of = {p.id: p.node for p in rec.plan.processes}
     _stop_containers(rec, fleet, ids, grace_s, report)
     # On a shared machine (local backend) every "node" sees every process: act only on this phase's process ids.
-    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report)
+    sessions: dict[str, dict[str, str]] = {}
+    for i in ids:
+        pr = rec.processes.get(i)
+        if pr is not None and not is_container(pr.runtime) and pr.handle.isdigit():
+            sessions.setdefault(pr.node, {})[pr.handle] = i  # the engine leads its session (setsid)
+    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report, sessions)
     report.stopped += ids
 
 
@@ -93,17 +98,18 @@ def stop_processes(rec: SshRecord, fleet: Fleet, ids: Iterable[str], grace_s: fl
 
 
 def _signal_until_gone(fleet: Fleet, name: str, ids: list[str] | None, nodes: list[str], grace_s: float,
-                       report: TeardownReport) -> dict[str, dict[str, str]]:
+                       report: TeardownReport, sessions: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, dict[str, str]]:
     """SIGTERM to each process group of ``name`` found on ``nodes`` (only process ids ``ids``;
-    None: all), once per pid; SIGKILL every round after ``grace_s``, until none is found or the
-    kill wait is over (what is left is reported by the verification). Node -> {pid: process id}
-    of everything found, in the order first seen."""
+    None: all), and to the orphans of each recorded engine's session (``sessions``: node ->
+    {leader pid: process id}), once per pid; SIGKILL every round after ``grace_s``, until none is
+    found or the kill wait is over (what is left is reported by the verification). Node -> {pid:
+    process id} of everything found, in the order first seen."""
     found_all: dict[str, dict[str, str]] = {n: {} for n in nodes}
     t_term = time.monotonic() + grace_s
     while nodes:
         now = time.monotonic()
         sig = "KILL" if now > t_term else "TERM"
-        cmds = {n: remote.find_and_signal(name, ids, sig, found_all[n] if sig == "TERM" else ()) for n in nodes}
+        cmds = {n: remote.find_and_signal(name, ids, sig, found_all[n] if sig == "TERM" else (), (sessions or {}).get(n)) for n in nodes}
         found = {n: _pairs(text) for n, text in _run(fleet, cmds, report).items()}
         for n, items in found.items():
             for pid, proc in items:
