@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from k3launch.api._common import InventoryArg, Loaded, bundled_inventory, load
+    from k3launch.api.cordons import cordon, cordoned, uncordon
     from k3launch.api.lifecycle import (
         bench_dir,
         chat,
@@ -78,6 +79,8 @@ _HOMES: dict[str, str] = {
     "bundled_inventory": "_common",
     "chat": "lifecycle",
     "check_port_base": "planning",
+    "cordon": "cordons",
+    "cordoned": "cordons",
     "deployed": "lifecycle",
     "deployments": "lifecycle",
     "doctor": "nodes",
@@ -99,6 +102,7 @@ _HOMES: dict[str, str] = {
     "state_root": "lifecycle",
     "status": "lifecycle",
     "submit_array": "nodes",
+    "uncordon": "cordons",
     "up": "lifecycle",
     "wait_array": "nodes",
     "weights_check": "nodes",
@@ -121,7 +125,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "InventoryArg", "Loaded", "RecipeDetail", "RecipeListing", "SchemaDumped", "active_array_tasks", "attached_record", "bench_dir",
-    "bundled_inventory", "chat", "check_port_base", "deployed", "deployments", "doctor", "down", "dry_run", "explain", "fleet", "lint",
-    "load", "logs", "nodes_in_use", "plan", "power_sampler", "ready_timeout", "recipe", "recipes", "record", "schema_dump", "state_root", "status", "submit_array", "up", "wait_array",
+    "bundled_inventory", "chat", "check_port_base", "cordon", "cordoned", "deployed", "deployments", "doctor", "down", "dry_run", "explain", "fleet", "lint",
+    "load", "logs", "nodes_in_use", "plan", "power_sampler", "ready_timeout", "recipe", "recipes", "record", "schema_dump", "state_root", "status", "submit_array", "uncordon", "up", "wait_array",
     "weights_check", "weights_fetch",
 ]
