@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from k3launch.api._common import InventoryArg, Loaded, bundled_inventory, load
+    from k3launch.api.cordons import cordon, cordoned, uncordon
     from k3launch.api.lifecycle import (
         bench_dir,
         chat,
@@ -79,6 +80,8 @@ _HOMES: dict[str, str] = {
     "bundled_inventory": "_common",
     "chat": "lifecycle",
     "check_port_base": "planning",
+    "cordon": "cordons",
+    "cordoned": "cordons",
     "deployed": "lifecycle",
     "deployments": "lifecycle",
     "doctor": "nodes",
@@ -106,6 +109,7 @@ _HOMES: dict[str, str] = {
     "submit_array": "nodes",
     "supervise": "supervision",
     "supervise_detached": "supervision",
+    "uncordon": "cordons",
     "up": "lifecycle",
     "wait_array": "nodes",
     "weights_check": "nodes",
@@ -138,6 +142,8 @@ __all__ = [
     "bundled_inventory",
     "chat",
     "check_port_base",
+    "cordon",
+    "cordoned",
     "deployed",
     "deployments",
     "doctor",
@@ -165,6 +171,7 @@ __all__ = [
     "submit_array",
     "supervise",
     "supervise_detached",
+    "uncordon",
     "up",
     "wait_array",
     "weights_check",

@@ -38,15 +38,18 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
     Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
     bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
     step and the automatic exclusion of nodes it refused in the last day."""
+    from k3launch.api.cordons import refuse_cordoned
     from k3launch.deploy.base import Events, no_op
     from k3launch.deploy.options import SlurmOptions, UpOptions
     from k3launch.deploy.registry import backend
     from k3launch.util import bounds
 
-    inv, inv_path = load(inventory)
+    loaded = load(inventory)
+    inv, inv_path = loaded
     if plan.backend != inv.backend and plan.backend != "none":
         raise K3Error("inventory-mismatch", f"the plan was built for backend {plan.backend}, the inventory is {inv.backend}",
                       "build the plan from the same inventory")
+    refuse_cordoned(plan, loaded, state_dir)  # a plan made before a cordon (a script's, a campaign's) would use the node
     st = store(state_dir)
     if st.exists(plan.name):
         raise K3Error("deployment-exists", f"a deployment named {plan.name!r} already exists", f"`k3launch down {plan.name}` first, or pass --name")

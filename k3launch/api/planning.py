@@ -12,6 +12,7 @@ from k3launch.api._common import InventoryArg, load, store
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
+    from k3launch.models.cordon import Cordon
     from k3launch.models.findings import Finding, FlagHistory
     from k3launch.models.plan import Plan
     from k3launch.models.recipe import Recipe, Taxonomy
@@ -40,18 +41,25 @@ def _selection(selection: Selection | Mapping[str, Any] | None, fields: Mapping[
 
 def plan(inventory: InventoryArg = None, *, selection: Selection | Mapping[str, Any] | None = None,
          name: str | None = None, exclude: Sequence[str] = (), port_base: int | None = None, recipes_dir: str | Path | None = None,
-         placeholders: bool = False, **fields: Any) -> Plan:
+         placeholders: bool = False, state_dir: str | Path | None = None, cordons: Mapping[str, Cordon] | None = None,
+         **fields: Any) -> Plan:
     """Build a plan from a :class:`~k3launch.models.selection.Selection` (or its fields as a mapping),
     and/or its fields as keywords (``strategy``, ``nodes``, ``hardware``, ``features``, ``sets``, ...;
     keywords win). ``placeholders``: on placeholder nodes, without an inventory (``k3launch plan``
-    without ``--inventory``); else on ``inventory``'s nodes (``None``: the bundled local inventory)."""
+    without ``--inventory``); else on ``inventory``'s nodes (``None``: the bundled local inventory),
+    skipping those cordoned in ``state_dir`` (``cordons``: these cordons instead, node → Cordon)."""
     from k3launch.planning.build import build_plan
     from k3launch.planning.recipes import RecipeTree
 
     sel = _selection(selection, fields)
-    inv = None if placeholders else load(inventory).inventory
-    return build_plan(RecipeTree(Path(recipes_dir) if recipes_dir else None), sel, inventory=inv, exclude=tuple(exclude),
-                      port_base=port_base, name=name)
+    tree = RecipeTree(Path(recipes_dir) if recipes_dir else None)
+    if placeholders:
+        return build_plan(tree, sel, exclude=tuple(exclude), port_base=port_base, name=name)
+    from k3launch.api.cordons import for_planning
+
+    loaded = load(inventory)
+    return build_plan(tree, sel, inventory=loaded.inventory, exclude=tuple(exclude), port_base=port_base, name=name,
+                      cordoned=for_planning(loaded, state_dir, cordons))
 
 
 def check_port_base(base: int) -> int:
@@ -71,7 +79,12 @@ def dry_run(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path
     from k3launch.deploy.options import SlurmOptions, UpOptions
     from k3launch.deploy.registry import backend
 
-    inv = load(inventory).inventory if inventory is not None else None
+    loaded = load(inventory) if inventory is not None else None
+    inv = loaded.inventory if loaded is not None else None
+    if loaded is not None:
+        from k3launch.api.cordons import refuse_cordoned
+
+        refuse_cordoned(plan, loaded, state_dir)  # `up` would refuse it: its dry run shows nothing that would run
     name = inv.backend if inv is not None else plan.backend if plan.backend != "none" else "ssh"
     b = backend(name, [SlurmOptions(extra_sbatch=tuple(extra_sbatch))])
     return b.dry_run(plan, inv, store(state_dir), UpOptions())

@@ -10,8 +10,8 @@ without a valid row; with ``repeats: N``, the runs of a point that have no valid
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from k3launch.errors import K3Error
 from k3launch.models.bench import LoadPoint
 
 if TYPE_CHECKING:
+    from k3launch.models.cordon import Cordon
     from k3launch.models.plan import Plan
     from k3launch.planning.inventory import Inventory
 
@@ -90,6 +91,12 @@ class Prepared:
     port_base: int | None  # what this run's deployments use (--port-base, else the file's)
     excluded: int = 0  # cells of the full product that `exclude` dropped
     workload: str = ""  # the dataset settings' part of every cell id (campaign.workload_key)
+    state_dir: Path | None = None  # where the run's deployments are recorded, and cordons read
+    # The inventory's cordoned nodes when the campaign was planned: every plan of the run is made
+    # with these, so a group's plan keeps its hash; a node cordoned later makes `up` refuse the
+    # plans that would use it (the group's cells stay to run) instead of changing them under the run.
+    cordons: dict[str, Cordon] = field(default_factory=dict)
+    inventory_path: str | None = None  # the inventory's file: what `k3launch uncordon -i` takes
 
     def cell_ids(self) -> set[str]:
         """The cells of this expansion (a changed file's older rows are not among them; an SLA
@@ -202,8 +209,11 @@ def _inventory(c: Campaign, path: Path) -> Inventory:
     return Inventory.model_validate(data)
 
 
-def build_plan(inv: Inventory, spec: DeploymentSpec, port_base: int | None, name: str | None = None) -> Plan:
-    return api.plan(inv, selection=spec.fields(), name=name, port_base=port_base)  # Selection owns the defaults and "all"
+def build_plan(inv: Inventory, spec: DeploymentSpec, port_base: int | None, name: str | None = None, *,
+               cordons: Mapping[str, Cordon] | None = None, inventory_path: str | None = None) -> Plan:
+    """``cordons``: the inventory's cordoned nodes to skip (None: those of the default state directory)."""
+    loaded = api.Loaded(inv, inventory_path or inv.name)
+    return api.plan(loaded, selection=spec.fields(), name=name, port_base=port_base, cordons=cordons)  # Selection owns the defaults and "all"
 
 
 def campaign_path(ref: Path) -> Path:
@@ -215,10 +225,13 @@ def campaign_path(ref: Path) -> Path:
     return bundled("campaigns", f"{ref}.yaml") or ref
 
 
-def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
+def prepare(path: Path, *, port_base: int | None = None, state_dir: Path | None = None) -> Prepared:
+    """The campaign at ``path`` expanded and planned; plans skip the nodes cordoned in ``state_dir``."""
     path = campaign_path(path)
     c = load_campaign(path)
     inv = _inventory(c, path)
+    inv_path = str(_inventory_path(c, path))
+    cordons = api.cordoned(inv, state_dir)  # read once: see Prepared.cordons
     cells = expand(c)
     plans: dict[str, Plan] = {}
     refused: dict[str, K3Error] = {}
@@ -228,7 +241,7 @@ def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
             continue
         try:
             # the file's port base: a cell is the same cell whatever --port-base a run uses
-            plans[key] = build_plan(inv, cell.spec, c.port_base)
+            plans[key] = build_plan(inv, cell.spec, c.port_base, cordons=cordons, inventory_path=inv_path)
         except K3Error as exc:
             refused[key] = exc
     hashes = {k: plan_hash(p) for k, p in plans.items()}
@@ -248,6 +261,9 @@ def prepare(path: Path, *, port_base: int | None = None) -> Prepared:
         port_base if port_base is not None else c.port_base,
         full - len(cells),
         workload,
+        state_dir,
+        cordons,
+        inv_path,
     )
 
 

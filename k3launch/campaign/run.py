@@ -291,10 +291,13 @@ class CampaignRunner:
 def named_plan(prep: Prepared, g: Group) -> Plan:
     """The plan of group ``g`` under its deployment name, on this run's port base."""
     name = deployment_name(prep.campaign.name, g.plan_hash)
-    if plan_hash(build_plan(prep.inventory, g.specs[0], prep.campaign.port_base, name)) != g.plan_hash:
+    def placed(port_base: int | None) -> Plan:  # with the cordons the campaign was planned with
+        return build_plan(prep.inventory, g.specs[0], port_base, name, cordons=prep.cordons, inventory_path=prep.inventory_path)
+
+    if plan_hash(placed(prep.campaign.port_base)) != g.plan_hash:
         # names never change what runs; if they did, resume would match the wrong cells
         raise K3Error("plan-changed", f"{name}: the named plan differs from the expanded one", "report this as a k3launch bug")
-    return build_plan(prep.inventory, g.specs[0], prep.port_base, name)
+    return placed(prep.port_base)
 
 
 def run(prep: Prepared, opts: Options) -> Summary:

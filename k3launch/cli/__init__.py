@@ -228,6 +228,10 @@ COMMANDS: dict[str, Lazy] = {
     ),
     "list": Lazy("k3launch.cli.deploy", "Deployments in the state directory."),
     "chat": Lazy("k3launch.cli.deploy", "Send one chat completion to a deployment's public endpoint and print the reply."),
+    "cordon": Lazy(
+        "k3launch.cli.cordon", "Keep nodes of an inventory out of every plan until `k3launch uncordon`; without NODE, list the cordoned ones."
+    ),
+    "uncordon": Lazy("k3launch.cli.cordon", "Put cordoned nodes of an inventory back: plans may use them again."),
     "lint": Lazy("k3launch.cli.recipes", "Check a pasted command: k3launch lint -- vllm serve MODEL --flag ... (exit 1 on findings)."),
     "doctor": Lazy(
         "k3launch.cli.weights",

@@ -131,7 +131,7 @@ def campaign_run(
     con = console()
     try:
         _client(client)
-        prep = cr.prepare(file, port_base=port_base)
+        prep = cr.prepare(file, port_base=port_base, state_dir=state_dir)  # plans skip the nodes cordoned there
         if attached and group is None:
             raise K3Error("bad-option", "--attached needs --group", "it is how a job array task names its group")
         if slurm_array and group is not None:

@@ -2,8 +2,9 @@
 
 The selection options are generated from the fields of
 :class:`~k3launch.models.selection.Selection` (flag, help, default, bounds), plus the placement
-options (inventory, ``--exclude``, ``--port-base``, ``--name``, ``--recipes-dir``); they are the
-same for ``plan``, ``explain``, ``render`` and ``up``. :func:`with_selection` adds them to a
+options (inventory, ``--exclude``, ``--port-base``, ``--name``, ``--recipes-dir``, ``--state-dir``:
+where the inventory's cordoned nodes are kept); they are the same for ``plan``, ``explain``,
+``render`` and ``up``. :func:`with_selection` adds them to a
 command once and hands the command one :class:`PlanArgs` instead of twenty parameters.
 
 Every way a command can end badly ends in the same shape (:class:`K3Group`): a bad option value,
@@ -276,6 +277,9 @@ PLACEMENT_PARAMS = [
         annotation=Annotated[int | None, port_base_option("--port-base", "Shift every planned port so HTTP starts here (default 8000).")],
     ),
     _opt("name", str | None, None, "--name", help="Deployment name (default: recipe-strategy-hardware-<id>)."),
+    # every command that plans reads the inventory's cordoned nodes there, as `up` does
+    _opt("state_dir", Path | None, None, "--state-dir",
+         help="State directory: deployment records, cordoned nodes (default ~/.k3launch or $K3LAUNCH_STATE_DIR)."),
 ]
 
 
@@ -304,11 +308,16 @@ class PlanArgs:
         inv = self.inventory  # None: placeholder nodes
         fields = {n: v[n] for n in _selection_names()}
         return api.plan(inv, selection=fields, placeholders=inv is None, exclude=tuple(v["exclude"] or ()), port_base=v["port_base"],
-                        name=v["name"], recipes_dir=v["recipes_dir"])
+                        name=v["name"], recipes_dir=v["recipes_dir"], state_dir=self.state_dir)
 
     @property
     def inventory_path(self) -> Path | None:
         p: Path | None = self.values["inventory"]
+        return p
+
+    @property
+    def state_dir(self) -> Path | None:
+        p: Path | None = self.values["state_dir"]
         return p
 
     def or_local(self) -> PlanArgs:

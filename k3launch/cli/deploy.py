@@ -39,7 +39,7 @@ def up(
     extra_sbatch: Annotated[list[str] | None, typer.Option("--extra-sbatch", help="Slurm: one more #SBATCH directive, verbatim (repeatable), e.g. --extra-sbatch=--mail-type=END.")] = None,
     queue_timeout: Annotated[float | None, number_option("--queue-timeout", bounds.QUEUE_TIMEOUT,
                                                          "Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
-    state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
+    accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
     *, args: PlanArgs,
 ) -> None:
     """Launch a deployment and wait until it serves (default: the simulated K3 on this machine).
@@ -56,6 +56,7 @@ def up(
             if not json_out:
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
         plan = args.build()
+        state_dir = args.state_dir  # a placement option: planning read the inventory's cordoned nodes there
         if dry_run:
             _dry_run(con, plan, api.dry_run(plan, args.inventory, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
             return

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
-from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
+from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout
 from k3launch.errors import K3Error
 from k3launch.util.bounds import BUSBW, PROGRESS_INTERVAL
 
@@ -37,7 +37,6 @@ def doctor(
     min_busbw: Annotated[
         float | None, number_option("--min-busbw", BUSBW, "Bus bandwidth to pass --bandwidth (default: 100 in a node, 40 across nodes).")
     ] = None,
-    state_dir: StateDir = None,
     accept_unknown_hosts: AcceptUnknown = False,
     connect_timeout: ConnectTimeout = 10.0,
     json_out: JsonOut = False,
@@ -54,7 +53,7 @@ def doctor(
         report = api.doctor(
             plan,
             args.inventory,
-            state_dir=state_dir,
+            state_dir=args.state_dir,
             bandwidth=bandwidth,
             min_busbw=min_busbw,
             accept_unknown_hosts=accept_unknown_hosts,

@@ -33,7 +33,7 @@ def write_render(plan: Plan, out: Path, args: PlanArgs, force: bool) -> list[str
     submit (``<deployment>.sbatch``, logs under slurm.log_dir or ``<state dir>/slurm/<deployment>``)."""
     from k3launch import api
 
-    dry = api.dry_run(plan, args.inventory)
+    dry = api.dry_run(plan, args.inventory, state_dir=args.state_dir)
     if out.exists() and not out.is_dir():
         raise K3Error("bad-out", f"--out {out} exists and is not a directory", "choose a new directory")
     if out.is_dir() and any(out.iterdir()) and not force:

@@ -67,6 +67,41 @@ def io_error(exc: OSError, path: Path | str, doing: str) -> K3Error:
     return K3Error("state-dir", f"cannot {doing} {path}: {exc.strerror or exc}", hint.get(exc.errno or 0, "pass --state-dir DIR or set K3LAUNCH_STATE_DIR"))
 
 
+def set_aside(path: Path) -> Path:
+    """Rename an unreadable state file ``<name>.corrupt-<time>-<pid>`` beside it: never deleted, it
+    may be evidence (a half-written file, another program's, a disk error)."""
+    stem = f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+    aside, n = path.with_name(stem), 1
+    while aside.exists():  # set aside twice within a second by this process: the rename must not replace the first
+        aside, n = path.with_name(f"{stem}-{n}"), n + 1
+    try:
+        os.replace(path, aside)
+    except OSError as exc:
+        raise io_error(exc, path, "set aside") from None
+    return aside
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: a temporary file in its directory, synced, then renamed
+    over it, so a reader (or a command killed mid-write) never sees half a file."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
+    except OSError as exc:
+        raise io_error(exc, path.parent, "write a file in") from None
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise io_error(exc, path, "write") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class StateStore:
     """The state directory (``--state-dir``, ``$K3LAUNCH_STATE_DIR``, else ``~/.k3launch``): every
     path k3launch keeps there is spelled here, once.
@@ -74,8 +109,9 @@ class StateStore:
     ``deployments/NAME.json`` (the records), ``logs/NAME/`` (a failed ``up``'s last log lines),
     ``bench/NAME/`` (``bench`` results), ``slurm/NAME/`` (a Slurm job's shared logs, unless the
     inventory's ``slurm.log_dir`` says otherwise), ``slurm/arrays/`` (job arrays),
-    ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused), ``events/NAME.jsonl`` (what
-    supervisors saw and did), ``supervise/`` (their locks, stop requests and output).
+    ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused), ``cordons.json`` (cordoned nodes
+    per inventory: :mod:`k3launch.deploy.cordons`), ``events/NAME.jsonl`` (what supervisors saw
+    and did), ``supervise/`` (their locks, stop requests and output).
     """
 
     def __init__(self, root: Path | None = None) -> None:
@@ -105,6 +141,9 @@ class StateStore:
     def supervise_dir(self) -> Path:
         """Supervisors' lock files (held while one runs), stop requests and detached ones' output."""
         return self.root / "supervise"
+
+    def cordons_path(self) -> Path:
+        return self.root / "cordons.json"
 
     def _ensure(self) -> None:
         try:
@@ -146,35 +185,14 @@ class StateStore:
 
     def set_aside(self, name: str) -> Path:
         """Rename an unreadable record ``NAME.json.corrupt-<time>`` (never deleted: it may be evidence)."""
-        p = self.path(name)
-        aside = p.with_name(f"{p.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}")
-        try:
-            os.replace(p, aside)
-        except OSError as exc:
-            raise io_error(exc, p, "set aside") from None
-        return aside
+        return set_aside(self.path(name))
 
     def save(self, rec: DeploymentRecord) -> None:
         check_name(rec.name)
         self._ensure()
         rec.updated = time.time()
         rec.owner = me() if rec.state in TRANSIENT_STATES else None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=f".{rec.name}.")
-        except OSError as exc:
-            raise io_error(exc, self.dir, "write a record in") from None
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(rec.to_json())
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path(rec.name))
-        except OSError as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise io_error(exc, self.path(rec.name), "write") from None
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(self.path(rec.name), rec.to_json())
 
     def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)

@@ -173,7 +173,7 @@ class Plan(Frozen):
     engine: Engine = "vllm"
     port_base: int = 8000
     platform: Platform = "cuda"  # which container device flags the engines need
-    exclude: list[str] = []  # nodes the selection excluded (Slurm: passed on as sbatch --exclude)
+    exclude: list[str] = []  # nodes the selection excluded, then those cordoned (Slurm: passed on as sbatch --exclude)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

@@ -29,7 +29,9 @@ from k3launch.planning.layers import RESERVED, PoolSources, locks_for, pool_sour
 from k3launch.planning.layout import load_balanced, placement_flags, pool_strategies, recipe_layout, sizes, strip_nvl4_env
 from k3launch.planning.placement import (
     LOGIN,
+    NO_CORDONS,
     PLACEHOLDER_IFACE,
+    Cordoned,
     NodeSpec,
     Ports,
     host_memory,
@@ -49,7 +51,7 @@ from k3launch.util.names import check_name
 if TYPE_CHECKING:  # only plans placed on an inventory load the inventory models
     from k3launch.planning.inventory import Inventory
 
-__all__ = ["LOGIN", "NodeSpec", "build_plan", "placeholder_nodes"]
+__all__ = ["LOGIN", "Cordoned", "NodeSpec", "build_plan", "placeholder_nodes"]
 
 GIB_PER_GB = 1e9 / 2**30
 _PLACEHOLDER = re.compile(r"\$\{?([A-Z_][A-Z0-9_]*)\}?")
@@ -82,26 +84,28 @@ def _image(r: Resolved, node: NodeSpec) -> str | None:
 
 def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None, *,
                inventory: Inventory | None = None, exclude: Sequence[str] = (), port_base: int | None = None,
-               name: str | None = None) -> Plan:
+               name: str | None = None, cordoned: Cordoned = NO_CORDONS) -> Plan:
+    """``cordoned``: the inventory's cordoned nodes (read by the caller: planning does no I/O),
+    skipped with a notice and kept out of a Slurm job with the excluded ones."""
     # A plan is a burst of small acyclic objects (one composed command per node); the cyclic
     # GC would rescan all of them again and again on large inventories, so it waits until done.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build_plan(tree, sel, nodes, inventory, exclude, port_base, name)
+        return _build_plan(tree, sel, nodes, inventory, exclude, port_base, name, cordoned)
     finally:
         if enabled:
             gc.enable()
 
 
 def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None, inventory: Inventory | None,
-                exclude: Sequence[str], port_base: int | None, name: str | None) -> Plan:
+                exclude: Sequence[str], port_base: int | None, name: str | None, cordoned: Cordoned) -> Plan:
     # The name becomes a file name, a job name, container names and #SBATCH values: plain words only.
     if name is not None:
         check_name(name, example="--name k3-tep-lab")
     if inventory is not None:
         sel = sel.model_copy(update={"hardware": inventory_hardware(inventory, sel.hardware)})
-    r = resolve(tree, sel, host_memory(inventory, exclude) if inventory is not None else None)
+    r = resolve(tree, sel, host_memory(inventory, exclude, cordoned) if inventory is not None else None)
     schema = load_schema(sel.engine_version(inventory.vllm_version if inventory is not None else None))
     ports = Ports.shifted(port_base)
     rf = f"models/{r.recipe_id}.yaml"
@@ -109,8 +113,11 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     locks = locks_for(r.recipe, r.hardware_id, r.hardware)
     model_id = r.variant.model_id or r.recipe.model.model_id
     notices = list(r.notices)
+    kept_out = list(exclude)  # the plan's `exclude`: passed on to a Slurm job as sbatch --exclude
     if inventory is not None:
-        placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude)
+        placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude, cordoned)
+        notices.extend(cordoned.notices(inventory, r.hardware_id, exclude))
+        kept_out += [n for n in cordoned.kept_out(inventory) if n not in exclude]
         if any(n.placeholder for n in placed):
             notices.append(Notice("placeholder-nodes", f"slurm inventory {inventory.name} has no nodelist: nodes ({placed[0].name}, ...) are bound to the allocation at launch"))
     elif nodes is not None:
@@ -154,7 +161,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     # The backend says where the router lives: the inventory's router.node, or (a scheduler's
     # allocation) the first engine node, since the login node may not reach compute nodes' ports.
     home = spec(inventory.backend).router_home if inventory is not None else "inventory"
-    rnode = placed[0] if home == "allocation" else router_node(inventory, exclude)
+    rnode = placed[0] if home == "allocation" else router_node(inventory, exclude, cordoned)
     router_port = inventory.router.port if inventory is not None and inventory.router.port else None
     router = router_process(r, procs, notices, rnode, ports, router_port)
     if router is not None:
@@ -176,7 +183,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
         processes=procs, ports=table, inventory=inventory.name if inventory else None,
         backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
-        platform=r.hardware.vendor_platform, exclude=list(exclude),
+        platform=r.hardware.vendor_platform, exclude=kept_out,
     )
 
 

@@ -1,16 +1,17 @@
 """Placement inputs: which machines a plan uses, and the port numbers it plans.
 
-Nodes are taken in inventory order, skipping drained ones and ``--exclude``d ones, keeping only
-those of the selected hardware. Ports are planned, not hoped for: every port a process listens
-on is in the plan's port table, two processes on one address never share one, and
-``--port-base`` shifts the whole table so two deployments can share a cluster.
+Nodes are taken in inventory order, skipping drained ones, ``--exclude``d ones and cordoned ones
+(``k3launch cordon``), keeping only those of the selected hardware. Ports are planned, not hoped
+for: every port a process listens on is in the plan's port table, two processes on one address
+never share one, and ``--port-base`` shifts the whole table so two deployments can share a cluster.
 """
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from k3launch.errors import K3Error
@@ -18,6 +19,7 @@ from k3launch.models.backends import spec
 from k3launch.planning.capacity import HostMemory
 
 if TYPE_CHECKING:  # imported where an inventory is used: a plan without one never loads the inventory models
+    from k3launch.models.selection import Notice  # (and `check_port_base` never loads the selection model)
     from k3launch.planning.inventory import Inventory, NodeSettings
 
 PLACEHOLDER_IFACE = "ib0"
@@ -98,6 +100,46 @@ class Ports:
                    dp_rpc=base + 6, nixl_prefill=base + 16, nixl_decode=base + 144, compact=True)
 
 
+@dataclass(frozen=True)
+class Cordoned:
+    """The cordoned nodes of the inventory a plan is placed on (``k3launch cordon``), as planning
+    needs them: the API reads them from the state directory, since planning does no I/O."""
+
+    why: Mapping[str, str] = field(default_factory=dict)  # node -> "cordoned since <time> (<reason>; by <who>)"
+    inventory: str = "INVENTORY"  # what `-i` names the inventory by in the hint (the path it was loaded from)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.why
+
+    def hint(self, nodes: Sequence[str]) -> str:
+        them = "it" if len(nodes) == 1 else "them"
+        return f"`k3launch uncordon {' '.join(nodes)} -i {shlex.quote(self.inventory)}` puts {them} back"
+
+    def kept_out(self, inv: Inventory) -> list[str]:
+        """The cordoned nodes a plan on ``inv`` keeps out, in inventory order: its nodes; or, on a
+        scheduler's inventory, the nodelist's (``sbatch --exclude`` refuses names Slurm does not
+        know), or any name when there is no nodelist (Slurm picks among all its nodes)."""
+        if inv.nodes:
+            return [n.name for n in inv.nodes if n.name in self.why]
+        if inv.slurm is not None and inv.slurm.nodelist:
+            from k3launch.planning.inventory import expand_nodelist
+
+            return [n for n in expand_nodelist(inv.slurm.nodelist) if n in self.why]
+        return sorted(self.why)
+
+    def notices(self, inv: Inventory, hardware: str, exclude: Sequence[str]) -> list[Notice]:
+        """One ``cordoned`` notice per node placement skipped for its cordon alone (not drained,
+        not excluded, of the plan's hardware)."""
+        from k3launch.models.selection import Notice
+
+        skipped = {n.name for n in inv.nodes if not n.drain and (n.hardware or inv.hardware or hardware) == hardware}
+        return [Notice("cordoned", f"node {n} {self.why[n]}: skipped; {self.hint([n])}")
+                for n in self.kept_out(inv) if n not in exclude and (not inv.nodes or n in skipped)]
+
+
+NO_CORDONS = Cordoned()
+
+
 def placeholder_nodes(count: int) -> list[NodeSpec]:
     return [NodeSpec(f"node-{i}", f"node-{i}", PLACEHOLDER_IFACE, True) for i in range(count)]
 
@@ -131,18 +173,18 @@ def node_spec(inv: Inventory, name: str, address: str | None, hw: str | None, ov
 
     d = inv.defaults
     values: dict[str, object] = {**SETTING_DEFAULTS, "runtime": spec(inv.backend).default_runtime}
-    for field in NodeSettings.model_fields:
-        v = getattr(over, field, None) if over is not None else None
+    for key in NodeSettings.model_fields:
+        v = getattr(over, key, None) if over is not None else None
         if v is None:
-            v = getattr(d, field)
-        if v is not None and field != "env":
-            values[SETTING_NAMES.get(field, field)] = v
+            v = getattr(d, key)
+        if v is not None and key != "env":
+            values[SETTING_NAMES.get(key, key)] = v
     env = {**(d.env or {}), **((over.env or {}) if over is not None else {})}
     return NodeSpec(name=name, address=address or name, placeholder=placeholder, hardware=hw, ssh_host=ssh_host,
                     env=tuple(env.items()), **values)  # type: ignore[arg-type]
 
 
-def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[str] = ()) -> list[NodeSpec]:
+def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[str] = (), cordoned: Cordoned = NO_CORDONS) -> list[NodeSpec]:
     """The first ``count`` usable nodes of ``hardware``, or a refusal saying what is missing."""
     unknown = [x for x in exclude if x not in {n.name for n in inv.nodes}] if inv.nodes else []
     if unknown:
@@ -156,16 +198,19 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
             bad = [x for x in exclude if x not in all_names]
             if bad:
                 raise K3Error("unknown-node", f"--exclude {bad[0]}: not in slurm.nodelist {inv.slurm.nodelist}", "exclude nodes of the nodelist")
-            names = [n for n in all_names if n not in exclude]
+            names = [n for n in all_names if n not in exclude and n not in cordoned]
             nodes = [node_spec(inv, n, None, hardware, None, False) for n in names]
         else:
             nodes = [node_spec(inv, f"slurm-node-{i}", None, hardware, None, True) for i in range(count)]
         if len(nodes) < count:
-            raise K3Error("too-few-nodes", f"the plan needs {count} {hardware} nodes; nodelist {inv.slurm.nodelist} has {len(nodes)} usable",
-                          f"widen slurm.nodelist by {count - len(nodes)} nodes or shrink the selection")
+            held = [n for n in cordoned.kept_out(inv) if n not in exclude]
+            why = f" ({len(held)} cordoned: {', '.join(held)})" if held else ""
+            raise K3Error("too-few-nodes", f"the plan needs {count} {hardware} nodes; nodelist {inv.slurm.nodelist} has {len(nodes)} usable{why}",
+                          (cordoned.hint(held) + "; or " if held else "") + f"widen slurm.nodelist by {count - len(nodes)} nodes or shrink the selection")
         return nodes[:count]
     usable: list[NodeSpec] = []
     drained = excluded = other = 0
+    held = []
     for n in inv.nodes:
         hw = n.hardware or inv.hardware
         if hw is not None and hw != hardware:
@@ -174,32 +219,36 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
             drained += 1
         elif n.name in exclude:
             excluded += 1
+        elif n.name in cordoned:
+            held.append(n.name)
         else:
             usable.append(node_spec(inv, n.name, n.address, hw or hardware, n, False, n.ssh_host))
     if len(usable) < count:
-        why = ", ".join(f"{k} {v}" for k, v in (("drained", drained), ("excluded", excluded), ("of other hardware", other)) if v)
+        counts = (("drained", drained), ("excluded", excluded), ("of other hardware", other))
+        why = ", ".join([f"{k} {v}" for k, v in counts if v] + ([f"cordoned {len(held)}: {', '.join(held)}"] if held else []))
         raise K3Error(
             "too-few-nodes",
             f"the plan needs {count} {hardware} nodes; inventory {inv.name} has {len(usable)} usable" + (f" ({why})" if why else ""),
-            f"add {count - len(usable)} more {hardware} node(s) to the inventory, or choose a smaller selection",
+            (cordoned.hint(held) + "; or " if held else "")
+            + f"add {count - len(usable)} more {hardware} node(s) to the inventory, or choose a smaller selection",
         )
     return usable[:count]
 
 
-def host_memory(inv: Inventory, exclude: Sequence[str] = ()) -> HostMemory:
-    """The ``cpu_memory_gb`` of every usable node (not drained, not excluded), per hardware id:
+def host_memory(inv: Inventory, exclude: Sequence[str] = (), cordoned: Cordoned = NO_CORDONS) -> HostMemory:
+    """The ``cpu_memory_gb`` of every usable node (not drained, excluded or cordoned), per hardware id:
     what a CPU profile's capacity is checked against."""
     default = inv.defaults.cpu_memory_gb
     nodes: dict[str, list[float | None]] = {}
     if not inv.nodes:  # Slurm without nodes: every allocated node has the defaults
         nodes[inv.hardware or ""] = [default]
     for n in inv.nodes:
-        if not n.drain and n.name not in exclude:
+        if not n.drain and n.name not in exclude and n.name not in cordoned:
             nodes.setdefault(n.hardware or inv.hardware or "", []).append(n.cpu_memory_gb if n.cpu_memory_gb is not None else default)
     return HostMemory(inv.name, nodes)
 
 
-def router_node(inv: Inventory | None, exclude: Sequence[str] = ()) -> NodeSpec:
+def router_node(inv: Inventory | None, exclude: Sequence[str] = (), cordoned: Cordoned = NO_CORDONS) -> NodeSpec:
     if inv is None:
         return LOGIN
     if inv.router.node == "login":
@@ -208,5 +257,8 @@ def router_node(inv: Inventory | None, exclude: Sequence[str] = ()) -> NodeSpec:
     if node.drain or node.name in exclude:
         raise K3Error("router-node-unavailable", f"router.node {node.name} is {'drained' if node.drain else 'excluded'}",
                       "set router.node to another node or to login")
+    if node.name in cordoned:
+        raise K3Error("router-node-unavailable", f"router.node {node.name} is {cordoned.why[node.name]}",
+                      f"{cordoned.hint([node.name])}, or set router.node to another node or to login")
     spec = node_spec(inv, node.name, node.address, node.hardware or inv.hardware, node, False, node.ssh_host)
     return replace(spec, address=inv.router.address or spec.address)
