@@ -5,7 +5,8 @@ accepts exactly the flags of the vendored vLLM schema, makes vLLM's startup chec
 the TP/PP master, DP coordinator and NIXL side-channel exchanges over real TCP (so a wrong
 address, rank or port fails as on GPUs), then serves ``/health``, ``/v1/models``,
 ``/v1/completions``, ``/v1/chat/completions`` (plain and SSE), ``/metrics`` and ``/version``,
-answering (``n`` choices, stream chunks, errors) as vLLM does. It depends on the standard library
+answering (``n`` choices, stream chunks, errors) as vLLM does; with ``--enable-fault-tolerance``
+also vLLM 0.33.0's ``/fault_tolerance/apply`` and ``/fault_tolerance/status`` (:mod:`k3launch.sim.ft`). It depends on the standard library
 and ``k3launch.planning.schema``/``k3launch.errors`` only, so it runs in a minimal container image.
 
 Environment knobs (besides vLLM's own VLLM_HOST_IP, VLLM_NIXL_SIDE_CHANNEL_HOST/PORT,
@@ -21,8 +22,10 @@ K3LAUNCH_SIM_IDLE_W / _WATTS_PER_SEQ   a GPU's simulated draw: idle, and per req
 K3LAUNCH_SIM_POWER_DIR                 where that draw is published (k3launch.sim.power; default /tmp/...)
 K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S      how long groups wait for members (default: the ready timeout)
 K3LAUNCH_SIM_FAIL                      a fault to simulate (below)
-K3LAUNCH_SIM_FAIL_AFTER_S              when the exit faults fire (default: half the load time)
+K3LAUNCH_SIM_FAIL_AFTER_S              when the timed faults fire (default: half the load time)
 K3LAUNCH_SIM_FAIL_PROCESS              apply the fault only where K3LAUNCH_PROCESS equals this
+K3LAUNCH_SIM_FT_DETECT_S               fault tolerance: a lost peer or stalled collective to unhealthy (default 2)
+K3LAUNCH_SIM_FT_RETRY_S                fault tolerance: a retry's duration once every DP rank joined (default 0.5)
 =====================================  =======================================================
 
 Faults (``K3LAUNCH_SIM_FAIL``):
@@ -35,5 +38,8 @@ Faults (``K3LAUNCH_SIM_FAIL``):
 * ``empty-after-ready`` — the first completion request each API server admits (k3launch up's
   readiness probe) is answered normally; every later one is a 200 with no tokens, as with
   ``zero-tokens`` — an engine that passes readiness and then generates nothing. Counted per
-  request, not timed, so a probe can never land on the wrong side of the switch.
+  request, not timed, so a probe can never land on the wrong side of the switch;
+* ``collective-timeout`` — serve, then K3LAUNCH_SIM_FAIL_AFTER_S later this rank's EP all-to-all
+  stops completing with every process alive: with fault tolerance its DP group turns unhealthy
+  until ``retry`` reaches every rank; without, exit 1 (EngineDeadError).
 """

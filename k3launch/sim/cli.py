@@ -82,7 +82,7 @@ def _exit(code: int) -> NoReturn:
 
 
 def parse_serve(schema: FlagSchema, tokens: list[str], env: Mapping[str, str]) -> options.ServeOptions:
-    """Model and flags of ``vllm serve``; raises :class:`UsageError` or ``SimConfigError`` (a bad JSON config)."""
+    """Model and flags of ``vllm serve``; raises :class:`UsageError` (also for a bad JSON config)."""
     model: str | None = None
     if tokens and not tokens[0].startswith("-"):
         model, tokens = tokens[0], tokens[1:]
@@ -100,8 +100,8 @@ def parse_serve(schema: FlagSchema, tokens: list[str], env: Mapping[str, str]) -
                          "instead of via the `--model` option.")
     try:
         return options.build(model or DEFAULT_MODEL, args, env)
-    except options.SimConfigError as exc:
-        raise UsageError(f"argument --kv-transfer-config: {exc}") from None
+    except options.FlagValueError as exc:
+        raise UsageError(f"argument {exc.flag}: {exc}") from None
 
 
 def _argparse_message(schema: FlagSchema, p: Problem) -> str:

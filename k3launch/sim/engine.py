@@ -13,6 +13,10 @@ round-robin otherwise.
 P/D: a ``kv_producer`` given ``do_remote_decode`` prefills (one token), holds the request's KV
 blocks and answers with ``kv_transfer_params`` naming its side channel; a ``kv_consumer``
 given ``do_remote_prefill`` must reach that side channel (:func:`nixl.fetch`) before decoding.
+
+Fault tolerance (:mod:`k3launch.sim.ft`): while the engine is unhealthy a new request waits
+before admission; a fault aborts every request admitted before it (finish reason ``abort``,
+with the tokens it had), as vLLM's scheduler does when its busy loop raises.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections.abc import Iterator
 
 from k3launch.sim import nixl
 from k3launch.sim.apierror import internal, invalid
+from k3launch.sim.ft import FaultTolerance
 from k3launch.sim.logs import Logger
 from k3launch.sim.metrics import Metrics, render
 from k3launch.sim.openai import GenRequest
@@ -65,8 +70,11 @@ class Session:
     Its ``req.n`` choices decode in lockstep, ``length`` tokens each, in that one slot.
     """
 
-    def __init__(self, engine: Engine, rank: Rank, req: GenRequest, arrival: float, length: int, kv_out: Json | None) -> None:
+    def __init__(self, engine: Engine, rank: Rank, req: GenRequest, arrival: float, length: int, kv_out: Json | None,
+                 epoch: int = 0) -> None:
         self.engine = engine
+        self.epoch = epoch  # the fault epoch it was admitted in: a later fault aborts it
+        self.aborted = False
         self.rank = rank
         self.req = req
         self.arrival = arrival
@@ -78,7 +86,15 @@ class Session:
 
     @property
     def finish_reason(self) -> str:
+        if self.aborted:
+            return "abort"
         return "length" if self.length and self.length >= self.req.max_tokens else "stop"
+
+    def _faulted(self) -> bool:
+        ft = self.engine.ft
+        if ft is not None and ft.epoch != self.epoch:
+            self.aborted = True
+        return self.aborted
 
     def steps(self) -> Iterator[list[str]]:
         """Yield each decode step's tokens, one per choice, at the model's pace."""
@@ -88,6 +104,8 @@ class Session:
         for i in range(self.length):
             if i:
                 time.sleep(e.itl_s * (1.0 + e.batch_cost * max(0, self.rank.metrics.running - 1)))
+            if self._faulted():
+                return
             self.produced += 1
             yield [_token(i, c) for c in range(self.req.n)]
 
@@ -128,10 +146,12 @@ def _token(i: int, choice: int) -> str:
 class Engine:
     """Admission, timing and the KV-transfer role of one API server's local DP ranks."""
 
-    def __init__(self, opts: ServeOptions, knobs: Knobs, log: Logger, side: nixl.SideChannel | None) -> None:
+    def __init__(self, opts: ServeOptions, knobs: Knobs, log: Logger, side: nixl.SideChannel | None,
+                 ft: FaultTolerance | None = None) -> None:
         self.opts = opts
         self.log = log
         self.side = side
+        self.ft = ft
         self.ranks = {r: Rank(r, opts.max_num_seqs) for r in opts.local_dp_ranks}
         self._rr = itertools.cycle(list(self.ranks))
         self._rr_lock = threading.Lock()
@@ -186,6 +206,7 @@ class Engine:
         """Admit ``req`` (waiting for a slot), then do its KV transfer; raises :class:`~k3launch.sim.apierror.ApiError`."""
         arrival = time.monotonic()
         rank = self.pick(dp_rank)
+        epoch = self.ft.admit() if self.ft is not None else 0  # an unhealthy engine leaves it in its input queue
         m = rank.metrics
         with m.lock:
             m.waiting += 1
@@ -201,7 +222,7 @@ class Engine:
                 m.running -= 1
             rank.slots.release()
             raise
-        return Session(self, rank, req, arrival, 0 if self._empty() else length, kv_out)
+        return Session(self, rank, req, arrival, 0 if self._empty() else length, kv_out, epoch)
 
     def _empty(self) -> bool:
         """Whether this request gets no tokens: always (zero-tokens), or after the first (empty-after-ready)."""

@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from k3launch.defaults import DEFAULT_VLLM_VERSION
 from k3launch.planning.schema import Arg
+from k3launch.sim import ftconfig
+from k3launch.sim.ftconfig import FTOptions
 
-FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready", "empty-after-ready")
+FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready", "empty-after-ready", "collective-timeout")
 
 # vLLM's defaults for the settings below when the flag is absent (ParallelConfig, envs.py).
 DEFAULT_PORT = 8000
@@ -29,6 +31,14 @@ DEFAULT_READY_TIMEOUT_S = 600.0
 
 class SimConfigError(Exception):
     """A setting vLLM would refuse at startup (it raises ``ValueError``; exit code 1)."""
+
+
+class FlagValueError(SimConfigError):
+    """A flag value argparse itself refuses (a bad JSON config): a usage error, exit code 2."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
 
 
 class KnobError(Exception):
@@ -73,6 +83,8 @@ class Knobs:
     idle_w: float = 100.0  # what a simulated GPU draws with nothing to decode (k3launch.sim.power)
     per_seq_w: float = 15.0  # and what each request its rank decodes adds
     power_dir: str | None = None  # K3LAUNCH_SIM_POWER_DIR (None: k3launch.sim.power's default)
+    ft_detect_s: float = 2.0  # fault tolerance: from a lost peer / stalled collective to "unhealthy" (k3launch.sim.ft)
+    ft_retry_s: float = 0.5  # and how long a retry takes once every DP rank has joined it
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Knobs:
@@ -99,6 +111,8 @@ class Knobs:
             idle_w=_num(env, "K3LAUNCH_SIM_IDLE_W", 100.0),
             per_seq_w=_num(env, "K3LAUNCH_SIM_WATTS_PER_SEQ", 15.0),
             power_dir=env.get("K3LAUNCH_SIM_POWER_DIR") or None,
+            ft_detect_s=_num(env, "K3LAUNCH_SIM_FT_DETECT_S", 2.0),
+            ft_retry_s=_num(env, "K3LAUNCH_SIM_FT_RETRY_S", 0.5),
         )
 
 
@@ -144,6 +158,8 @@ class ServeOptions:
     nixl_host: str
     nixl_port: int
     max_n_sequences: int  # VLLM_MAX_N_SEQUENCES: the most choices (n) one request may ask for
+    dp_rank: int | None = None  # --data-parallel-rank: this process is that one external-LB rank
+    ft: FTOptions = field(default_factory=FTOptions)
 
     @property
     def name(self) -> str:
@@ -189,6 +205,13 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
 
     dp = num("data_parallel_size", 1)
     names = tuple(vals["served_model_name"].split()) if vals.get("served_model_name") else (model,)
+    # --data-parallel-rank N: one engine, DP rank N, balanced from outside (vLLM's external LB:
+    # it implies --data-parallel-external-lb and a local size of 1, arg_utils.py:2447, 2470-2485).
+    rank = int(vals["data_parallel_rank"]) if "data_parallel_rank" in vals else None
+    try:
+        ft = ftconfig.build(args)
+    except ftconfig.FTConfigError as exc:
+        raise FlagValueError("--fault-tolerance-config", str(exc)) from None
     return ServeOptions(
         model=model,
         served_names=names,
@@ -198,12 +221,12 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
         tp=num("tensor_parallel_size", 1),
         pp=num("pipeline_parallel_size", 1),
         dp=dp,
-        dp_local=num("data_parallel_size_local", dp),
-        dp_start=num("data_parallel_start_rank", 0),
+        dp_local=num("data_parallel_size_local", 1 if rank is not None or flags.get("data_parallel_external_lb") else dp),
+        dp_start=rank if rank is not None else num("data_parallel_start_rank", 0),
         dp_address=vals.get("data_parallel_address") or "127.0.0.1",
         dp_rpc_port=num("data_parallel_rpc_port", DEFAULT_DP_RPC_PORT),
         hybrid_lb=flags.get("data_parallel_hybrid_lb", False),
-        external_lb=flags.get("data_parallel_external_lb", False),
+        external_lb=flags.get("data_parallel_external_lb", False) or rank is not None,
         nnodes=num("nnodes", 1),
         node_rank=num("node_rank", 0),
         master_addr=vals.get("master_addr") or "127.0.0.1",
@@ -215,6 +238,8 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
         nixl_host=env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost",
         nixl_port=int(env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or DEFAULT_NIXL_PORT),
         max_n_sequences=_env_int(env, "VLLM_MAX_N_SEQUENCES", DEFAULT_MAX_N_SEQUENCES),
+        dp_rank=rank,
+        ft=ft,
     )
 
 
@@ -232,12 +257,12 @@ def _kv_config(raw: str | None) -> KVConfig | None:
     try:
         data = json.loads(raw)
     except json.JSONDecodeError:
-        raise SimConfigError(f"invalid loads value: {raw!r}") from None
+        raise FlagValueError("--kv-transfer-config", f"invalid loads value: {raw!r}") from None
     if not isinstance(data, dict):
-        raise SimConfigError(f"invalid parse_dataclass value: {raw!r} (a JSON object is required)")
+        raise FlagValueError("--kv-transfer-config", f"invalid parse_dataclass value: {raw!r} (a JSON object is required)")
     role = str(data.get("kv_role") or "")
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
-        raise SimConfigError(f"Unsupported kv_role: {role!r}. Supported roles are ['kv_producer', 'kv_consumer', 'kv_both']")
+        raise FlagValueError("--kv-transfer-config", f"Unsupported kv_role: {role!r}. Supported roles are ['kv_producer', 'kv_consumer', 'kv_both']")
     return KVConfig(str(data.get("kv_connector") or ""), role, str(data.get("kv_load_failure_policy") or "recompute"))
 
 
@@ -285,6 +310,7 @@ def check(opts: ServeOptions, knobs: Knobs) -> None:
             f"data_parallel_start_rank ({opts.dp_start}) + data_parallel_size_local ({opts.dp_local}) "
             f"must be <= data_parallel_size ({opts.dp})"
         )
+    _check_external_lb(opts)
     if opts.dp_start > 0 and not (opts.headless or opts.hybrid_lb or opts.external_lb):
         raise SimConfigError(
             "data_parallel_start_rank is only applicable in headless or hybrid/external LB mode; "
@@ -298,3 +324,16 @@ def check(opts: ServeOptions, knobs: Knobs) -> None:
         )
     if opts.kv is not None and opts.kv.nixl and not 0 < opts.nixl_port + opts.dp_start + opts.dp_local <= 65535:
         raise SimConfigError(f"VLLM_NIXL_SIDE_CHANNEL_PORT {opts.nixl_port} + DP rank is not a valid port")
+
+
+def _check_external_lb(opts: ServeOptions) -> None:
+    """vLLM's rules for an external-LB rank (arg_utils.py:2447-2485), then fault tolerance's."""
+    if opts.external_lb and opts.dp_rank is None and not (opts.nnodes > 1 and opts.dp > 1):
+        raise SimConfigError("Invalid data-parallel launch options: `--data-parallel-external-lb` requires a data-parallel "
+                             "rank. Set `--data-parallel-rank`, or set `--data-parallel-size` greater than 1 and use "
+                             "`--nnodes` with `--node-rank` so the rank can be inferred.")
+    if opts.external_lb and opts.dp_local != 1:
+        raise SimConfigError("Invalid data-parallel launch options: an external data-parallel rank requires "
+                             f"`--data-parallel-size-local 1`; got {opts.dp_local}. Set it to 1 or omit it.")
+    for problem in ftconfig.problems(opts.ft, opts.external_lb):
+        raise SimConfigError(problem)

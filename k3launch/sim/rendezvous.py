@@ -6,7 +6,11 @@ retrying until a deadline, and claims its ids together with the parallel sizes i
 A size mismatch, an id out of range or claimed twice, a member leaving early, or ids still
 missing at the deadline fail the whole group: every waiting process is told why and exits 1,
 as a torch/NCCL group does. After "go" the connections stay open as a liveness link, so a rank
-that dies takes its group down (a NCCL peer loss); a graceful stop sends "bye" first.
+that dies takes its group down (a NCCL peer loss); a graceful stop sends "bye" first. With
+fault tolerance (:class:`Links`) a lost peer is reported instead of failing the group, and the
+links carry the group's ``ft`` messages (:mod:`k3launch.sim.ftgroup`). A process that connects
+once the group has formed gets no answer and times out at its own deadline: vLLM has no way to
+add a rank to a running group (a restarted rank hangs in its start-up the same way).
 """
 
 from __future__ import annotations
@@ -44,17 +48,28 @@ Callback = Callable[[str], None]
 _MEMBER_GRACE_S = 2.0
 
 
+@dataclass(frozen=True)
+class Links:
+    """What a formed group reports when the process runs with fault tolerance."""
+
+    on_lost: Callable[[str, tuple[int, ...]], None]  # a peer died (why, its ids): not fatal
+    on_message: Callable[[Json], None]  # a message of kind "ft"
+
+
 class Coordinator:
     """The listening side: node rank 0's TP master, or the DP head's coordinator."""
 
-    def __init__(self, group: Group, own: tuple[int, ...], log: Logger, on_fail: Callback, on_bye: Callback) -> None:
+    def __init__(self, group: Group, own: tuple[int, ...], log: Logger, on_fail: Callback, on_bye: Callback,
+                 links: Links | None = None) -> None:
         self.group = group
         self.log = log
         self._on_fail = on_fail
         self._on_bye = on_bye
+        self._links = links
         self._cond = threading.Condition()
         self._claims: dict[int, str] = dict.fromkeys(own, "this node")
         self._peers: list[Peer] = []
+        self._late: list[Peer] = []  # connected after the group formed: never answered
         self._failed: str | None = None
         self._complete = False
         self._closing = False
@@ -98,6 +113,11 @@ class Coordinator:
             peer.close()
             return
         with self._cond:
+            if self._complete and self._failed is None:
+                self._late.append(peer)
+                self.log.warning(f"{hello.get('label', peer.address)} tried to join the {self.group.kind.upper()} group after it "
+                                 "formed; a running group takes no new rank, so it gets no answer", src="parallel_state.py")
+                return
             self._peers.append(peer)
             if self._failed is not None:
                 peer.send({"kind": "abort", "reason": self._failed})
@@ -117,7 +137,7 @@ class Coordinator:
                 for p in self._peers:
                     p.send({"kind": "go"})
             self._cond.notify_all()
-        self._watch(peer, label)
+        self._watch(peer, label, tuple(_claims(hello)))
 
     def _fail_reason(self, hello: Json) -> str | None:
         label = str(hello.get("label", "?"))
@@ -144,7 +164,7 @@ class Coordinator:
             p.send({"kind": "abort", "reason": reason})
         self._cond.notify_all()
 
-    def _watch(self, peer: Peer, label: str) -> None:
+    def _watch(self, peer: Peer, label: str, claims: tuple[int, ...]) -> None:
         """After joining, the connection is the member's liveness: EOF means it died."""
         while True:
             msg = peer.recv(timeout=None)
@@ -154,18 +174,36 @@ class Coordinator:
                 return
             if msg is None:
                 break
+            if msg.get("kind") == "ft" and self._links is not None and self._complete:
+                self._links.on_message(msg)
         with self._cond:
             if self._closing or self._failed is not None:
                 return
             if not self._complete:
                 self._fail_locked(f"{label} disconnected before the group was complete")
                 return
-        self._on_fail(f"{label} disconnected: the {self.group.kind.upper()} group lost a member (peer process died)")
+            self._peers.remove(peer)  # no more broadcasts to a dead peer
+        peer.close()
+        reason = f"{label} disconnected: the {self.group.kind.upper()} group lost a member (peer process died)"
+        if self._links is not None:
+            self._links.on_lost(reason, claims)
+        else:
+            self._on_fail(reason)
+
+    def broadcast(self, msg: Json) -> None:
+        """Send ``msg`` to every member still connected."""
+        with self._cond:
+            peers = list(self._peers)
+        for p in peers:
+            p.send(msg)
 
     def close(self, graceful: bool) -> None:
         with self._cond:
             self._closing = True
             peers = list(self._peers)
+            late = list(self._late)
+        for p in late:
+            p.close()
         for p in peers:
             if graceful:
                 p.send({"kind": "bye"})
@@ -183,13 +221,14 @@ class Member:
     """The connecting side: a headless TP rank, or a DP node other than the head."""
 
     def __init__(self, group: Group, claims: tuple[int, ...], label: str, log: Logger,
-                 on_fail: Callback, on_bye: Callback) -> None:
+                 on_fail: Callback, on_bye: Callback, links: Links | None = None) -> None:
         self.group = group
         self.claims = claims
         self.label = label
         self.log = log
         self._on_fail = on_fail
         self._on_bye = on_bye
+        self._links = links
         self._peer: Peer | None = None
         self._closing = False
 
@@ -232,14 +271,25 @@ class Member:
             if self._closing:
                 return
             if msg is None:
-                self._on_fail(f"lost the connection to the {self.group.kind.upper()} head at {where} (peer process died)")
+                reason = f"lost the connection to the {self.group.kind.upper()} head at {where} (peer process died)"
+                if self._links is not None:
+                    self._links.on_lost(reason, tuple(self.group.expected[:1]))
+                else:
+                    self._on_fail(reason)
                 return
+            if msg.get("kind") == "ft" and self._links is not None:
+                self._links.on_message(msg)
+                continue
             if msg.get("kind") == "bye":
                 self._on_bye(f"the {self.group.kind.upper()} head at {where} shut down")
                 return
             if msg.get("kind") == "abort":
                 self._on_fail(f"the {self.group.kind.upper()} head at {where} aborted: {msg.get('reason')}")
                 return
+
+    def send(self, msg: Json) -> bool:
+        """Send ``msg`` to the head; False once the head is gone."""
+        return self._peer is not None and self._peer.send(msg)
 
     def close(self, graceful: bool) -> None:
         self._closing = True

@@ -5,7 +5,10 @@ any weights move), "load" for ``K3LAUNCH_SIM_LOAD_S``, open the NIXL side channe
 then bind the API port — so a probe sees connection refused until the engine is really up,
 as with vLLM, whose API server binds after engine init. Every blocking step waits on one
 event that SIGTERM/SIGINT, a fault timer or a peer's death sets; the main thread then closes
-every listener, so the ports are free when the process has exited (within a second).
+every listener, so the ports are free when the process has exited (within a second). With
+``--enable-fault-tolerance`` a DP peer's death does not end the process: its engine turns
+unhealthy and waits for ``retry`` (:mod:`k3launch.sim.ft`), and only exits once the recovery
+timeout has passed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from types import FrameType
 
 from k3launch.sim import startup
 from k3launch.sim.engine import Engine
+from k3launch.sim.ft import FaultTolerance, FTSettings
+from k3launch.sim.ftgroup import HeadLink, MemberLink
 from k3launch.sim.logs import Logger
 from k3launch.sim.nixl import SideChannel
 from k3launch.sim.options import Knobs, ServeOptions
@@ -27,6 +32,8 @@ from k3launch.sim.server import App, SimHTTPServer
 from k3launch.sim.wire import Stopped, can_bind
 
 Closer = Callable[[bool], None]  # called with graceful=True on a clean stop (peers get "bye")
+_ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+_DEAD_EXIT_S = 1.0  # from a dead engine core to the API server's exit (vLLM's watchdog polls every 5 s)
 
 
 class StartupError(Exception):
@@ -49,6 +56,10 @@ class SimProcess:
         self._closers: list[Closer] = []
         self._signal: int | None = None
         self._closed = False
+        self.ft: FaultTolerance | None = None
+        if opts.ft.enabled:
+            self.ft = FaultTolerance(FTSettings(opts.dp_start, opts.ft.recovery_timeout_s, knobs.ft_detect_s, knobs.ft_retry_s,
+                                                opts.ft.cpu_timeout_s), log, self._engine_died)
 
     # -- outcome ------------------------------------------------------------------------------
     def finish(self, code: int, reason: str, exc_type: str = "RuntimeError") -> None:
@@ -128,8 +139,26 @@ class SimProcess:
         self.log.error("EngineCore encountered a fatal error.", src="core.py")
         self.log.error("RuntimeError: CUDA error: an illegal memory access was encountered "
                        "(simulated: K3LAUNCH_SIM_FAIL=crash-after-ready)", src="core.py")
-        self.finish(1, "EngineCore encountered an issue. See stack trace (above) for the root cause.",
-                    "vllm.v1.engine.exceptions.EngineDeadError")
+        self.finish(1, _ENGINE_DEAD, "vllm.v1.engine.exceptions.EngineDeadError")
+
+    def _collective_timeout(self) -> None:
+        """K3LAUNCH_SIM_FAIL=collective-timeout: this rank's EP all-to-all stops completing."""
+        if self.done.is_set():
+            return
+        reason = f"DP rank {self.opts.dp_start}'s all-to-all timed out (simulated: K3LAUNCH_SIM_FAIL=collective-timeout)"
+        if self.ft is not None:
+            self.ft.inject(reason)
+            return
+        # Without fault tolerance the busy loop's exception kills the engine (engine_core_sentinel.py:217-218).
+        self.log.error("EngineCore encountered a fatal error.", src="core.py")
+        self.log.error(f"RuntimeError: Fault detected in EP all2all communication: {reason}", src="core.py")
+        self.finish(1, _ENGINE_DEAD, "vllm.v1.engine.exceptions.EngineDeadError")
+
+    def _engine_died(self, reason: str) -> None:
+        """The recovery timeout passed: the engine core re-raised and died; the API server follows."""
+        self.log.error("EngineCore encountered a fatal error.", src="core.py")
+        self.log.error(reason, src="core.py")
+        self._timer(_DEAD_EXIT_S, lambda: self.finish(1, _ENGINE_DEAD, "vllm.v1.engine.exceptions.EngineDeadError"))
 
     # -- startup thread ---------------------------------------------------------------------
     def _startup(self) -> None:
@@ -154,6 +183,8 @@ class SimProcess:
             self.ready.set()
             if self.knobs.fault == "crash-after-ready":
                 self._timer(self.knobs.fail_after_s, self._die_running)
+            if self.knobs.fault == "collective-timeout":
+                self._timer(self.knobs.fail_after_s, self._collective_timeout)
         except Stopped:
             return
         except (RendezvousError, StartupError) as exc:
@@ -175,13 +206,18 @@ class SimProcess:
             group = Group("dp", "DP rank", range(o.dp), {"data_parallel_size": o.dp, **sizes})
             ranks = tuple(o.local_dp_ranks)
             if o.dp_head:
-                self._coordinate(group, ranks, o.dp_address, o.dp_rpc_port, deadline)
+                head = HeadLink(self.ft, group.expected, ranks) if self.ft is not None else None
+                self._coordinate(group, ranks, o.dp_address, o.dp_rpc_port, deadline, head)
             else:
-                label = self._label(f"DP ranks {ranks[0]}-{ranks[-1]}")
-                self._join(group, ranks, label, o.dp_address, o.dp_rpc_port, deadline)
+                label = self._label(f"DP rank {ranks[0]}" if len(ranks) == 1 else f"DP ranks {ranks[0]}-{ranks[-1]}")
+                link = MemberLink(self.ft, ranks, f"{o.dp_address}:{o.dp_rpc_port}") if self.ft is not None else None
+                self._join(group, ranks, label, o.dp_address, o.dp_rpc_port, deadline, link)
 
-    def _coordinate(self, group: Group, own: tuple[int, ...], host: str, port: int, deadline: float) -> None:
-        coord = Coordinator(group, own, self.log, self.fail, self.peer_left)
+    def _coordinate(self, group: Group, own: tuple[int, ...], host: str, port: int, deadline: float,
+                    ft_link: HeadLink | None = None) -> None:
+        coord = Coordinator(group, own, self.log, self.fail, self.peer_left, ft_link.links if ft_link else None)
+        if ft_link is not None and self.ft is not None:  # before anyone joins: the links may speak from "go" on
+            ft_link.coord, self.ft.group = coord, ft_link
         try:
             coord.start(host, port)
         except OSError as exc:
@@ -196,8 +232,11 @@ class SimProcess:
         coord.wait(deadline, self.done)
         self.log.info(f"All {n} {group.noun}s joined the {group.kind.upper()} group at {host}:{port}", src="parallel_state.py")
 
-    def _join(self, group: Group, claims: tuple[int, ...], label: str, host: str, port: int, deadline: float) -> None:
-        member = Member(group, claims, label, self.log, self.fail, self.peer_left)
+    def _join(self, group: Group, claims: tuple[int, ...], label: str, host: str, port: int, deadline: float,
+              ft_link: MemberLink | None = None) -> None:
+        member = Member(group, claims, label, self.log, self.fail, self.peer_left, ft_link.links if ft_link else None)
+        if ft_link is not None and self.ft is not None:
+            ft_link.member, self.ft.group = member, ft_link
         self._closer(member.close)
         self.log.info(f"Joining the {group.kind.upper()} group at {host}:{port} as {label}", src="parallel_state.py")
         member.join(host, port, deadline, self.done)
@@ -239,7 +278,7 @@ class SimProcess:
 
     def _serve(self, side: SideChannel | None) -> Engine:
         host, port = self._bind_host(), self.opts.port
-        engine = Engine(self.opts, self.knobs, self.log, side)
+        engine = Engine(self.opts, self.knobs, self.log, side, self.ft)
         try:
             httpd = SimHTTPServer(host, port, App(self.opts, engine, self.log, self.knobs.version))
         except OSError as exc:

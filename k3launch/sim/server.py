@@ -10,7 +10,9 @@ by the engine, not by the server.
 
 Routing answers as Starlette's router does under vLLM: an unknown path is 404 and a known path
 asked with another method 405 (with ``Allow``), both ``{"detail": ...}``; everything else wrong
-with a request is vLLM's ``{"error": {...}}`` (:mod:`k3launch.sim.apierror`).
+with a request is vLLM's ``{"error": {...}}`` (:mod:`k3launch.sim.apierror`). The
+``/fault_tolerance/*`` routes exist only with ``--enable-fault-tolerance``, as vLLM registers
+them only then (vllm/entrypoints/launchers/api_server/routers.py:85-90).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
 
-from k3launch.sim import openai
+from k3launch.sim import ft_api, openai
 from k3launch.sim.apierror import ApiError, FieldError, validation_error
 from k3launch.sim.engine import Engine, Session
+from k3launch.sim.ft import FaultTolerance
 from k3launch.sim.logs import Logger
 from k3launch.sim.openai import GenRequest
 from k3launch.sim.options import ServeOptions
@@ -45,6 +48,9 @@ class App:
         self.log = log
         self.version = version
         self.created = int(time.time())
+        self.ft: FaultTolerance | None = engine.ft
+        self.get_paths = _GET | ({ft_api.STATUS} if self.ft is not None else set())
+        self.post_paths = _POST | ({ft_api.APPLY} if self.ft is not None else set())
 
 
 class SimHTTPServer(ThreadingHTTPServer):
@@ -148,7 +154,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- routes -----------------------------------------------------------------------------
     def _no_route(self, path: str) -> None:
         """Starlette's answers: 405 for a path that exists for another method, else 404."""
-        allow = "GET" if path in _GET else "POST" if path in _POST else None
+        app = self.app
+        allow = "GET" if path in app.get_paths else "POST" if path in app.post_paths else None
         if allow is None:
             self._json(404, {"detail": "Not Found"})
             return
@@ -158,7 +165,10 @@ class Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         app = self.app
         if path in ("/health", "/ping"):
-            self._send(200, b"")
+            # liveness only: 503 once the engine core died, 200 while it merely is unhealthy
+            self._send(503 if app.ft is not None and app.ft.dead.is_set() else 200, b"")
+        elif path == ft_api.STATUS and app.ft is not None:
+            self._json(200, app.ft.status_body())
         elif path == "/v1/models":
             perm = {
                 "id": "modelperm-k3launch-sim",
@@ -199,6 +209,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
+        if path == ft_api.APPLY and self.app.ft is not None:
+            self._apply(self.app.ft)
+            return
         if path not in ("/v1/completions", "/v1/chat/completions"):
             try:
                 self._raw_body()  # read, so the next request on this connection starts where it should
@@ -234,6 +247,17 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             session.close()
 
+    def _apply(self, ft: FaultTolerance) -> None:
+        """``POST /fault_tolerance/apply``: 202 at once, the instruction runs afterwards."""
+        try:
+            instruction, _params = ft_api.parse_apply(self._raw_body(), self.headers.get("Content-Type"))
+        except ApiError as exc:
+            self._json(exc.status, exc.body())
+            return
+        request_id, body = ft_api.accepted()
+        self._json(202, body)
+        ft.apply(instruction, request_id)
+
     def _stream(self, req: GenRequest, session: Session) -> None:
         self.send_response(HTTPStatus.OK)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -257,7 +281,7 @@ class Handler(BaseHTTPRequestHandler):
         for i, step in enumerate(session.steps()):
             for c, tok in enumerate(step):
                 send(c, tok, session.finish_reason if i == session.length - 1 else None)
-        if session.length == 0:  # no token at all (a zero-token engine): the finish reasons come alone
+        if session.length == 0 or session.aborted:  # no (further) token: the finish reasons come alone
             for c in range(req.n):
                 send(c, None if req.chat else "", session.finish_reason)
         if req.include_usage:
