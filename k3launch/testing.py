@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
+from k3launch.models.plan import Plan
 from k3launch.models.reports import LaunchFailed, TeardownReport
 from k3launch.models.supervise import Observation, Unit
 from k3launch.transport.runners import DEFAULT_TIMEOUT_S, Result, Target, Unreachable
@@ -321,6 +322,8 @@ class FakeWatcher:
         self.start_fails = dict(start_fails or {})
         self.calls: list[tuple[str, ...]] = []
         self.closed = False
+        self.doctor_fails: list[str] = []  # what check() reports for spares
+        self.plan: Plan | None = None  # the plan adopted last
         self._last: Observation | None = None
 
     def observe(self, now: float) -> Observation:
@@ -350,6 +353,14 @@ class FakeWatcher:
     def keep_logs(self, ids: Sequence[str]) -> list[Path]:
         self.calls.append(("keep_logs", *ids))
         return []
+
+    def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
+        self.calls.append(("check", *nodes))
+        return list(self.doctor_fails)
+
+    def adopt(self, plan: Plan, lost: str) -> None:
+        self.calls.append(("adopt", lost))
+        self.plan = plan
 
     def close(self) -> None:
         self.closed = True

@@ -169,3 +169,53 @@ def test_the_policy_is_the_inventorys_with_flags_over_it(tmp_path: Path) -> None
     with pytest.raises(K3Error) as bad:
         api.restart_policy(rec.name, state_dir=store.root)
     assert "max_restart" in bad.value.message
+
+
+def test_a_lost_node_is_cordoned_and_its_unit_re_placed_onto_a_spare(tmp_path: Path) -> None:
+    """Replicas on local-1 and local-2; local-2 stops answering for node_lost_after: it is cordoned,
+    the plan made again without it (serve-1 moves to local-3), the spare checked by the doctor, and
+    every unit whose processes changed restarts (serve-1, and the router: its worker list changed)."""
+    from k3launch.deploy.supervisor import Places
+
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    old = rec.plan
+    new = api.plan(None, recipe="k3launch/tiny-llama", strategy="multi_node_replicas", name=rec.name, exclude=["local-2"])
+    cordoned: list[tuple[str, str]] = []
+    stop = threading.Event()
+    silent = Observation(0, unreachable={"local-2": "no answer for 10s"}, healthy={"serve-0": True, "router": True})
+    w = FakeWatcher([Observation(0, healthy=OK), silent, silent, silent, lambda now: Observation(now, healthy=OK)] + [Observation(0, healthy=OK)] * 3,
+                    stop=stop)
+    pol = RestartPolicy(poll=0.1, node_lost_after=0.15)
+    out = supervisor.supervise(rec.name, store, FakeOps(w), pol, on_event=(seen := []).append, stop=stop,
+                               places=Places(lambda node, why: cordoned.append((node, why)), lambda: new))
+    assert out == "stopped"
+    kinds = [e.kind for e in seen]
+    assert kinds[:4] == ["watching", "node-unreachable", "detected", "node-lost"] and "cordoned" in kinds and "replaced" in kinds, kinds
+    assert cordoned and cordoned[0][0] == "local-2" and "lost by the supervisor" in cordoned[0][1]
+    moved = next(e for e in seen if e.kind == "replaced")
+    assert "serve-1 local-2 -> local-3" in moved.reason and "restarted: serve-1, router" in moved.reason, moved.reason
+    acts = [c for c in w.calls if c[0] not in ("observe",)]
+    assert acts == [("check", "local-3"), ("adopt", "local-2"), ("restart", "serve-1"), ("restart", "router")], acts
+    assert w.plan == new and [p.node for p in old.processes if p.id == "serve-1"] == ["local-2"]
+    assert "restarted" in kinds[kinds.index("replaced"):]  # serving again once healthy
+
+
+def test_no_spare_means_waiting_for_the_node(tmp_path: Path) -> None:
+    from k3launch.deploy.supervisor import Places
+
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    stop = threading.Event()
+    silent = Observation(0, unreachable={"local-2": "no answer"}, healthy={"serve-0": True, "router": True})
+
+    def no_spare() -> Plan:
+        raise K3Error("no-nodes", "multi_node_replicas needs 2 nodes of b300; 1 left after 1 cordoned", "uncordon")
+
+    w = FakeWatcher([silent, silent, silent, Observation(0, healthy=OK), Observation(0, healthy=OK)], stop=stop)
+    supervisor.supervise(rec.name, store, FakeOps(w), RestartPolicy(poll=0.1, node_lost_after=0.15), on_event=(seen := []).append,
+                         stop=stop, places=Places(lambda n, w: None, no_spare))
+    failed = next(e for e in seen if e.kind == "replace-failed")
+    assert "no spare node fits" in failed.reason and "waiting for local-2" in failed.reason
+    assert ("restart", "serve-1") in w.calls  # the node answered again: its unit restarted where it was
+    assert not any(c[0] == "adopt" for c in w.calls)

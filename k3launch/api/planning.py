@@ -56,10 +56,14 @@ def plan(inventory: InventoryArg = None, *, selection: Selection | Mapping[str, 
     if placeholders:
         return build_plan(tree, sel, exclude=tuple(exclude), port_base=port_base, name=name)
     from k3launch.api.cordons import for_planning
+    from k3launch.models.plan import PlanOrigin
 
     loaded = load(inventory)
-    return build_plan(tree, sel, inventory=loaded.inventory, exclude=tuple(exclude), port_base=port_base, name=name,
-                      cordoned=for_planning(loaded, state_dir, cordons))
+    built = build_plan(tree, sel, inventory=loaded.inventory, exclude=tuple(exclude), port_base=port_base, name=name,
+                       cordoned=for_planning(loaded, state_dir, cordons))
+    origin = PlanOrigin(selection=sel.model_dump(mode="json", exclude_defaults=True), exclude=list(exclude), port_base=port_base,
+                        recipes_dir=str(recipes_dir) if recipes_dir else None)
+    return built.model_copy(update={"origin": origin})
 
 
 def check_port_base(base: int) -> int:

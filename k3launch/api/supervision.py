@@ -16,6 +16,8 @@ from k3launch.api._common import access, load, store
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
+    from k3launch.deploy import supervisor as supervisor_mod
+    from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, Supervisor
     from k3launch.models.supervise import Event, RestartPolicy
 
@@ -67,9 +69,36 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
     restore = _on_signals(stop)
     try:
         return supervisor.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
-                                    detached=detached, stop=stop)
+                                    detached=detached, stop=stop, places=_places(rec, state_dir))
     finally:
         restore()
+
+
+def _places(rec: DeploymentRecord, state_dir: str | Path | None) -> supervisor_mod.Places | None:
+    """Cordon and re-plan on the inventory the deployment came from (None: it cannot be re-planned:
+    no inventory file, or a plan made before plans kept their origin)."""
+    from k3launch.api.planning import plan
+    from k3launch.deploy import cordons
+    from k3launch.deploy.supervisor import Places
+    from k3launch.models.cordon import by_supervisor
+
+    origin = rec.plan.origin
+    if origin is None or not rec.inventory or not Path(rec.inventory).is_file():
+        return None
+    inv_path = rec.inventory
+    st = store(state_dir)
+
+    def cordon(node: str, reason: str) -> None:
+        cordons.cordon(st, load(inv_path).inventory.name, [node], reason, by_supervisor(rec.name))
+
+    def replan() -> Plan:
+        held = st.nodes_in_use(exclude=rec.name)  # address -> deployment: other deployments' nodes are not spares
+        inv = load(inv_path)
+        taken = [n.name for n in inv.inventory.nodes if (n.address or n.name) in held]
+        return plan(inv, selection=origin.selection, name=rec.name, exclude=[*origin.exclude, *taken], port_base=origin.port_base,
+                    recipes_dir=origin.recipes_dir, state_dir=state_dir)
+
+    return Places(cordon, replan)
 
 
 def _on_signals(stop: threading.Event) -> Callable[[], None]:

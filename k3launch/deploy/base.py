@@ -168,6 +168,14 @@ class Watcher(Protocol):
         """The last log lines of ``ids``, kept in the state directory (as a failed ``up`` keeps them)."""
         ...
 
+    def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
+        """The doctor's failures on ``nodes`` for what ``plan`` puts there (spares about to be used)."""
+        ...
+
+    def adopt(self, plan: Plan, lost: str) -> None:
+        """Run on ``plan`` from now on; what ran on ``lost`` is left behind (stopped when it answers)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -27,6 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from k3launch.deploy import eventlog
@@ -34,8 +35,9 @@ from k3launch.deploy.base import SuperviseOps, Watcher
 from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.state import StateStore, _start_time, me
 from k3launch.errors import K3Error
+from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, Supervisor
-from k3launch.models.supervise import Action, Event, GiveUp, Restart, RestartPolicy, StopAll, Supervision
+from k3launch.models.supervise import Action, Event, GiveUp, Replace, Restart, RestartPolicy, StopAll, Supervision, units
 from k3launch.util.locks import held, locked
 
 GRACE_S = 10.0  # SIGTERM to SIGKILL when a unit restarts
@@ -45,6 +47,15 @@ LOCK_WAIT_S = 30.0  # a restart waits this long for another k3launch command on 
 DETACH_WAIT_S = 30.0  # a detached supervisor must have named itself in the record by then
 
 EventFn = Callable[[Event], None]
+
+
+@dataclass(frozen=True)
+class Places:
+    """How a supervisor re-places units off a lost node: cordon it in the inventory, plan again
+    (the same selection; cordoned nodes and those other deployments hold are skipped)."""
+
+    cordon: Callable[[str, str], None]  # (node, reason)
+    replan: Callable[[], Plan]
 
 
 def lock_path(store: StateStore, name: str) -> Path:
@@ -75,8 +86,9 @@ class _Run:
     """One supervisor's watch over one deployment."""
 
     def __init__(self, rec: DeploymentRecord, store: StateStore, watcher: Watcher, policy: RestartPolicy, on_event: EventFn,
-                 hook: str | None, stop: threading.Event) -> None:
+                 hook: str | None, stop: threading.Event, places: Places | None = None) -> None:
         self.rec = rec
+        self.places = places
         self.store = store
         self.watcher = watcher
         self.policy = policy
@@ -139,7 +151,56 @@ class _Run:
             self._keep(a.failing)
             self.watcher.stop(a.unit.processes, GRACE_S)
             return "ok"
+        if isinstance(a, Replace):
+            self._replace(a)
+            return "ok"
         return self._stop_all(a)
+
+    def _replace(self, a: Replace) -> None:
+        """Cordon the lost node, plan again without it, check the spares, restart what moved."""
+        name = self.rec.name
+        now = time.time()
+
+        def failed(why: str) -> None:
+            self.emit([Event(time=now, kind="replace-failed", deployment=name, node=a.node,
+                             reason=f"{why}; waiting for {a.node} to answer again instead")])
+
+        if self.places is None:
+            return failed("no inventory to re-plan on (the record names none, or it is gone)")
+        try:
+            self.places.cordon(a.node, f"lost by the supervisor of {name}: {a.reason}")
+        except K3Error as exc:
+            return failed(f"could not cordon {a.node}: {exc.message}")
+        self.emit([Event(time=now, kind="cordoned", deployment=name, node=a.node,
+                         reason=f"kept out of plans until `k3launch uncordon {a.node}`")])
+        old = self.rec.plan
+        try:
+            new = self.places.replan()
+        except K3Error as exc:
+            return failed(f"no spare node fits: {exc.message}")
+        before = {p.id: p for p in old.processes}
+        moves = [f"{p.id} {before[p.id].node} -> {p.node}" for p in new.processes if p.id in before and before[p.id].node != p.node]
+        if a.node in {p.node for p in new.processes} or not moves:
+            return failed("the new plan does not move off the lost node")
+        spares = sorted({p.node for p in new.processes if p.id not in before or before[p.id].node != p.node})
+        problems = self.watcher.check(new, spares)
+        if problems:
+            return failed(f"a spare failed the doctor: {problems[0]}")
+        # a unit restarts when any of its processes changed: moved, or its argv names a moved peer (a head, a worker URL)
+        changed = [u for u in units(new) if any(before.get(p.id) != p for p in new.processes if p.id in u.processes)]
+        with self.store.lock(name):
+            self.watcher.adopt(new, a.node)
+            for u in changed:
+                if self.stopping():
+                    return None
+                bad = self.watcher.restart(u, GRACE_S, lambda: not self.stopping())
+                if bad:
+                    self.emit([Event(time=time.time(), kind="restart-failed", deployment=name, unit=u.name, process=bad[0].failing,
+                                     reason=bad[0].message, log_tail=bad[0].log_tail)])
+        self.sup.replaced(new, [u.name for u in changed], time.time())
+        self.emit([Event(time=time.time(), kind="replaced", deployment=name, node=a.node,
+                         reason=f"{'; '.join(moves)}; restarted: {', '.join(u.name for u in changed)}")])
+        return None
 
     def _restart(self, a: Restart) -> str:
         name = self.rec.name
@@ -202,7 +263,7 @@ class _Run:
 
 
 def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPolicy, *, on_event: EventFn,
-              hook: str | None = None, detached: bool = False, stop: threading.Event | None = None) -> str:
+              hook: str | None = None, detached: bool = False, stop: threading.Event | None = None, places: Places | None = None) -> str:
     """Watch ``name`` until stopped: ``"stopped"`` (asked to), ``"failed"`` (gave up: nothing left
     running), ``"gone"`` (taken down), or the state it left ``ready`` for."""
     stop = stop or threading.Event()
@@ -223,7 +284,7 @@ def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPo
         watcher = ops.watcher(rec, store)
         ident = me()
         rec.supervisor = Supervisor(host=ident.host, pid=ident.pid, started=ident.started, since=time.time(), detached=detached, policy=policy)
-        run = _Run(rec, store, watcher, policy, on_event, hook, stop)
+        run = _Run(rec, store, watcher, policy, on_event, hook, stop, places)
         with store.lock(name):
             run.save()
         run.emit([Event(time=time.time(), kind="watching", deployment=name,

@@ -146,6 +146,16 @@ class PortUse(Frozen):
     process: str
 
 
+class PlanOrigin(Frozen):
+    """How the plan was asked for: enough to plan it again on the same inventory (a supervisor
+    re-placing a unit off a lost node, a rollout changing a flag)."""
+
+    selection: dict[str, Any]  # Selection fields as given (JSON)
+    exclude: list[str] = []  # the caller's own --exclude (cordons are read again when re-planning)
+    port_base: int | None = None
+    recipes_dir: str | None = None
+
+
 class Plan(Frozen):
     name: str
     recipe: str
@@ -174,6 +184,16 @@ class Plan(Frozen):
     port_base: int = 8000
     platform: Platform = "cuda"  # which container device flags the engines need
     exclude: list[str] = []  # nodes the selection excluded, then those cordoned (Slurm: passed on as sbatch --exclude)
+    origin: PlanOrigin | None = None  # set by k3launch.api.plan on an inventory; absent from the JSON otherwise
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
+
+    @model_serializer(mode="wrap")
+    def _omit_origin(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Added after the plan contract froze: present only when set, so planning's own output
+        (and its goldens) stay byte-identical."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("origin") is None:
+            data.pop("origin", None)
+        return data

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, model_validator
 
 from k3launch.models.phases import Timeline
-from k3launch.models.plan import Plan
+from k3launch.models.plan import Host, Plan
 from k3launch.models.supervise import RestartPolicy
 
 
@@ -149,6 +149,15 @@ def _legacy(data: Any, backend: str) -> Any:
     return data
 
 
+class LeftBehind(Record):
+    """Processes a supervisor re-placed off a node that did not answer: still to be stopped there
+    (by the supervisor when the node answers again, else by ``down``)."""
+
+    host: Host
+    processes: dict[str, ProcessRecord]
+    since: float
+
+
 class SshRecord(RecordBase):
     """Processes started over SSH (``ssh``) or on this machine (``local``)."""
 
@@ -157,6 +166,12 @@ class SshRecord(RecordBase):
     ssh_config: str | None = None
     known_hosts: str | None = None
     hf_token_file: str | None = None  # the inventory's token *path* on the nodes (a restart reads it there too); never the token
+    left_behind: dict[str, LeftBehind] = {}  # node -> what a re-placement left there (node lost)
+
+    def hosts(self) -> list[Host]:
+        """Every machine the deployment may still run on: the plan's, and those it was moved off."""
+        names = {h.name for h in self.plan.hosts}
+        return [*self.plan.hosts, *(lb.host for n, lb in self.left_behind.items() if n not in names)]
 
     @model_validator(mode="before")
     @classmethod

@@ -67,6 +67,8 @@ EventKind = Literal[
     "node-lost",  # it did not answer for node_lost_after
     "cordoned",  # the lost node is kept out of plans until `k3launch uncordon`
     "replaced",  # the unit was re-placed onto spare nodes
+    "replace-failed",  # it could not be (no spare fits, a spare failed the doctor): the lost node is retried instead
+    "reclaimed",  # what was left on a lost node that answers again was stopped there
     "hook-failed",  # the --on-event command failed or timed out
 ]
 
@@ -144,6 +146,7 @@ class Observation:
     unreachable: Mapping[str, str] = field(default_factory=dict)  # node -> why
     healthy: Mapping[str, bool] = field(default_factory=dict)  # HTTP process id -> /health answered 200 in time
     tails: Mapping[str, str] = field(default_factory=dict)  # dead process id -> its last log lines
+    reclaimed: Mapping[str, Sequence[str]] = field(default_factory=dict)  # lost node answering again -> processes stopped there
 
 
 class UnitState(StrEnum):
@@ -174,13 +177,23 @@ class GiveUp:
 
 
 @dataclass(frozen=True)
+class Replace:
+    """A node is lost: cordon it and re-place its units onto spare nodes (the executor reports
+    back with :meth:`Supervision.replaced`, or leaves the units waiting for the node)."""
+
+    node: str
+    units: tuple[Unit, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class StopAll:
     """The deployment cannot serve any more: stop everything, record ``failed``."""
 
     reason: str
 
 
-Action = Restart | GiveUp | StopAll
+Action = Restart | GiveUp | Replace | StopAll
 
 
 @dataclass
@@ -196,6 +209,8 @@ class _Memory:
 
 class Supervision:
     """The decisions of a supervisor over one deployment (no I/O: the caller observes and acts)."""
+
+    _newly_lost: list[str]
 
     def __init__(self, plan: Plan, policy: RestartPolicy, start_timeout: float) -> None:
         self.name = plan.name
@@ -221,7 +236,10 @@ class Supervision:
         """What to do after one observation: events to record, actions to take (in order)."""
         now = obs.now
         events = self._nodes(obs)
-        actions: list[Action] = []
+        replace = [self._replace(n, obs.unreachable.get(n, "")) for n in self._newly_lost]
+        actions: list[Action] = [a for a in replace if a.units]
+        for node, ids in sorted(obs.reclaimed.items()):
+            events.append(self._event(now, "reclaimed", node=node, reason=f"stopped {', '.join(ids)}, left there when the node was lost"))
         for u in self.units:
             m = self.memory[u.name]
             if m.state is UnitState.GAVE_UP:
@@ -269,14 +287,20 @@ class Supervision:
         return next((u.nodes[u.processes.index(proc)] if len(u.nodes) == len(u.processes) else None
                      for u in self.units if proc in u.processes), None)
 
+    def _replace(self, node: str, why: str) -> Replace:
+        waiting = tuple(u for u in self.units if node in u.nodes and self.memory[u.name].state is UnitState.WAITING_NODE)
+        return Replace(node, waiting, why)
+
     def _nodes(self, obs: Observation) -> list[Event]:
         events = []
+        self._newly_lost: list[str] = []
         for node, why in sorted(obs.unreachable.items()):
             if node not in self.node_down:
                 self.node_down[node] = obs.now
                 events.append(self._event(obs.now, "node-unreachable", node=node, reason=why))
             elif node not in self.lost and obs.now - self.node_down[node] >= self.policy.node_lost_after:
                 self.lost.add(node)
+                self._newly_lost.append(node)
                 events.append(self._event(obs.now, "node-lost", node=node,
                                           reason=f"no answer for {obs.now - self.node_down[node]:.0f}s: {why}"))
         for node in sorted(set(self.node_down) - set(obs.unreachable)):
@@ -356,6 +380,18 @@ class Supervision:
                               log_tail=tail)]
         actions = self._fail(unit, m, now, why, events, proc=proc)
         return events, actions
+
+    def replaced(self, plan: Plan, restarted: Iterable[str], now: float) -> None:
+        """The executor re-placed units onto a new plan and restarted ``restarted`` (unit names):
+        they have ``start_timeout`` to serve; every unit keeps its restart history by name."""
+        self.units = units(plan)
+        old = self.memory
+        self.memory = {u.name: old.get(u.name) or _Memory() for u in self.units}
+        for name in restarted:
+            m = self.memory[name]
+            m.state, m.until = UnitState.STARTING, now + self.start_timeout
+            m.unhealthy_since.clear()
+            self.restarts += 1
 
     # ------------------------------------------------------------------ the deployment as a whole
     def can_serve(self) -> bool:

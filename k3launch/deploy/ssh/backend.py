@@ -63,6 +63,8 @@ class SshBackend:
         self.access = access or Access()
 
     def _connect(self, plan: Plan, inv: Inventory | SshRecord) -> Fleet:
+        if isinstance(inv, SshRecord):  # a live deployment: its plan's machines and any it was moved off
+            return _fleet(plan.backend, inv.hosts(), inv.ssh_config, inv.known_hosts, self.access, plan)
         return connect(plan, inv.ssh_config, inv.known_hosts, self.access)
 
     # ------------------------------------------------------------------ lifecycle
@@ -151,4 +153,4 @@ class SshBackend:
     # ------------------------------------------------------------------ supervision
     def watcher(self, rec: DeploymentRecord, store: StateStore) -> SshWatcher:
         r = own(rec, SshRecord)
-        return SshWatcher(r, self._connect(r.plan, r), store)
+        return SshWatcher(r, lambda now: self._connect(now.plan, now), store)

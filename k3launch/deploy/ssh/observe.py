@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from k3launch.deploy.logtail import LogCursor, cut_sections
@@ -45,11 +45,13 @@ def _log_reads(prs: list[ProcessRecord], cursor: LogCursor) -> list[str]:
             else logread.log_from(p.id, p.log, cursor.offsets.get(p.id, 0)) for p in prs if is_container(p.runtime) or p.log]
 
 
-def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30, cursor: LogCursor | None = None) -> Poll:
-    """Liveness of every started process (and, with ``cursor``, what each log gained since the last poll)."""
+def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30, cursor: LogCursor | None = None,
+         skip: Mapping[str, str] | None = None) -> Poll:
+    """Liveness of every started process (and, with ``cursor``, what each log gained since the last
+    poll). ``skip``: nodes not asked this time (known silent: node -> why), reported unreachable."""
     by_node: dict[str, list[ProcessRecord]] = {}
     for pr in rec.processes.values():
-        if pr.handle:
+        if pr.handle and pr.node not in (skip or {}):
             by_node.setdefault(pr.node, []).append(pr)
     cmds = {}
     for node, prs in by_node.items():
@@ -62,6 +64,7 @@ def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lin
         parts += _log_reads(prs, cursor) if cursor is not None else []  # after the status lines: they are parsed first
         cmds[node] = "\n".join(parts) or "true"
     out = Poll()
+    out.unreachable.update({n: why for n, why in (skip or {}).items() if any(p.node == n for p in rec.processes.values())})
     died: dict[str, float] = {}
     for node, o in fleet.run_many(cmds, timeout=timeout).items():
         if isinstance(o, K3Error):

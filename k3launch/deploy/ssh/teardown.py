@@ -197,6 +197,14 @@ def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = D
     store.save(rec)
     for phase in _phases(rec):
         _stop_phase(rec, fleet, phase, grace_s, report)
+    for node, lb in sorted(rec.left_behind.items()):  # what a supervisor re-placed off a lost node
+        if node in report.unreachable:
+            continue
+        view = rec.model_copy(update={"processes": lb.processes, "left_behind": {}})
+        _stop_containers(view, fleet, sorted(lb.processes), grace_s, report)
+        sessions = {pr.handle: pid for pid, pr in lb.processes.items() if not is_container(pr.runtime) and pr.handle.isdigit()}
+        _signal_until_gone(fleet, rec.name, sorted(lb.processes), [node], grace_s, report, {node: sessions})
+        report.stopped += [f"{pid} on {node} (left there when the node was lost)" for pid in sorted(lb.processes)]
 
     def check() -> TeardownReport:
         report.leftovers.clear()

@@ -13,16 +13,19 @@ processes with the script ``up`` used (:func:`~k3launch.deploy.ssh.launch.start_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import start_group, start_steps
 from k3launch.deploy.ssh.observe import poll, tail_logs
 from k3launch.deploy.ssh.teardown import stop_processes, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import is_container
-from k3launch.models.record import SshRecord
+from k3launch.models.plan import Plan, is_container
+from k3launch.models.record import LeftBehind, SshRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.models.supervise import Observation, Unit
 from k3launch.render import snippets as remote
@@ -30,22 +33,52 @@ from k3launch.transport.fleet import Fleet
 from k3launch.transport.http import probe_all
 from k3launch.util.polling import poll_until
 
+SILENT_RETRY_S = 5.0  # a silent node is asked again after this, doubling ...
+SILENT_RETRY_MAX_S = 60.0  # ... up to this
+GRACE_LEFT_S = 5.0  # SIGTERM to SIGKILL for what was left on a lost node: the unit runs elsewhere now
 PORTS_FREE_S = 15.0  # after the stop: a port still held then makes the start fail with the engine's own words
 KEPT_LOG_LINES = 500
 
 
-class SshWatcher:
-    """Observe and act on one deployment through one open :class:`Fleet` (kept for the supervisor's life)."""
+@dataclass
+class _Silent:
+    """A node that did not answer: asked again only after ``delay`` (a silent host costs a connect
+    timeout per try, which would stretch every look of the whole deployment)."""
 
-    def __init__(self, rec: SshRecord, fleet: Fleet, store: StateStore, probe_timeout: float = 3.0) -> None:
+    why: str
+    next_try: float
+    delay: float
+
+
+class SshWatcher:
+    """Observe and act on one deployment through one open :class:`Fleet` (kept for the supervisor's
+    life; ``connect`` builds it again when a re-placement changes the machines)."""
+
+    def __init__(self, rec: SshRecord, connect: Callable[[SshRecord], Fleet], store: StateStore, probe_timeout: float = 3.0) -> None:
         self.rec = rec
-        self.fleet = fleet
+        self.connect = connect
+        self.fleet = connect(rec)
         self.store = store
         self.probe_timeout = probe_timeout
+        self.silent: dict[str, _Silent] = {}
+
+    def _skip(self, now: float) -> dict[str, str]:
+        return {n: s.why for n, s in self.silent.items() if now < s.next_try}
+
+    def _heard(self, now: float, asked: set[str], unreachable: Mapping[str, str]) -> None:
+        for node in asked:
+            if node in unreachable:
+                s = self.silent.get(node)
+                delay = min(SILENT_RETRY_MAX_S, s.delay * 2) if s else SILENT_RETRY_S
+                self.silent[node] = _Silent(unreachable[node], now + delay, delay)
+            else:
+                self.silent.pop(node, None)
 
     def observe(self, now: float) -> Observation:
         rec = self.rec
-        pl = poll(rec, self.fleet)
+        skip = self._skip(time.monotonic())
+        pl = poll(rec, self.fleet, skip=skip)
+        self._heard(time.monotonic(), {p.node for p in rec.processes.values()} - set(skip), pl.unreachable)
         dead: dict[str, str] = {}
         for pid in pl.dead:
             code = pl.codes.get(pid, "?")
@@ -57,7 +90,56 @@ class SshWatcher:
         urls = {p.id: f"http://{p.address}:{p.http_port}" for p in rec.plan.processes
                 if p.http_port is not None and p.id not in dead and p.node not in pl.unreachable}
         healthy = probe_all(urls, timeout=self.probe_timeout)
-        return Observation(now=now, dead=dead, unreachable=dict(pl.unreachable), healthy=healthy, tails=dict(pl.tails))
+        reclaimed = self._reclaim()
+        return Observation(now=now, dead=dead, unreachable=dict(pl.unreachable), healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed)
+
+    # ------------------------------------------------------------------ lost nodes
+    def _reclaim(self) -> dict[str, list[str]]:
+        """Stop what a re-placement left on a node that answers again (tried with the silent
+        nodes' backoff); node -> the processes stopped there."""
+        rec = self.rec
+        out: dict[str, list[str]] = {}
+        t = time.monotonic()
+        for node, lb in list(rec.left_behind.items()):
+            if node in self._skip(t):
+                continue
+            report = TeardownReport()
+            ids = sorted(lb.processes)
+            view = rec.model_copy(update={"processes": lb.processes})  # the processes as they were started there
+            stop_processes(view, self.fleet, ids, GRACE_LEFT_S, report)
+            self._heard(time.monotonic(), {node}, report.unreachable)
+            if not report.unreachable:
+                del rec.left_behind[node]
+                self.store.save(rec)
+                out[node] = ids
+        return out
+
+    def adopt(self, plan: Plan, lost: str) -> None:
+        """Run on ``plan`` from now on (a re-placement): processes that moved off ``lost`` are kept
+        as left behind there (stopped when it answers again, else by ``down``); the fleet is rebuilt."""
+        rec = self.rec
+        moved = {pid: pr for pid, pr in rec.processes.items() if pr.node == lost}
+        if moved:
+            held = rec.left_behind.get(lost)
+            host = next(h for h in rec.hosts() if h.name == lost)
+            rec.left_behind[lost] = LeftBehind(host=host, processes={**(held.processes if held else {}), **moved},
+                                               since=held.since if held else time.time())
+            for pid in moved:
+                del rec.processes[pid]
+        rec.plan = plan
+        rec.endpoint = plan.endpoint
+        self.store.save(rec)
+        self.fleet.close()
+        self.fleet = self.connect(rec)
+
+    def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
+        """The doctor's failures on ``nodes`` for the processes ``plan`` puts there (spares about to be used)."""
+        sub = plan.model_copy(update={"hosts": [h for h in plan.hosts if h.name in nodes],
+                                      "processes": [p for p in plan.processes if p.node in nodes],
+                                      "ports": [u for u in plan.ports if u.node in nodes]})
+        live = [r.name for r in self.store.list() if r.name != self.rec.name]
+        report = doctor(sub, self.fleet, live)
+        return [f"{c.node}: {c.name}: {c.detail}" for c in report.checks if c.status == "fail"]
 
     def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
         """Stop the unit, then — if ``proceed()`` still says so — start it as ``up`` did (engines,
