@@ -4,9 +4,14 @@ P/D: ``--vllm-pd-disaggregation`` with one ``--prefill``/``--decode`` URL per se
 of each pool (the head of a TP/TEP pool, every node of a hybrid-LB DEP pool). Aggregated
 deployments whose nodes all serve HTTP (DEP with hybrid load balancing, independent replicas)
 get a round-robin router too, so one endpoint reaches every engine.
+
+Every router is set up for supervision (:func:`_supervision_flags`): an engine that dies is
+routed around, and routed to again once it is restarted on the same address and port.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from k3launch.models.plan import Process, ProvenanceEntry
 from k3launch.models.selection import Notice, Resolved
@@ -14,6 +19,7 @@ from k3launch.planning.placement import NodeSpec, Ports
 from k3launch.planning.porttable import process_ports
 
 DEFAULT_READY_TIMEOUT_S = 1800
+SUPERVISION = "k3launch supervision: a restarted engine is routed to again"
 
 
 def router_process(r: Resolved, procs: list[Process], notices: list[Notice], node: NodeSpec, ports: Ports,
@@ -70,5 +76,46 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
     # 30 s after its last engine came up.
     add("--worker-startup-check-interval", "1")
     add("--worker-startup-timeout-secs", timeout, origin="VLLM_ENGINE_READY_TIMEOUT_S of the engines" if any("VLLM_ENGINE_READY_TIMEOUT_S" in p.env for p in procs) else "k3launch placement")
+    _supervision_flags(add, pd=r.is_pd)
     return Process(id="router", role="router", node=node.name, address=node.address, head=True, http_port=http,
                    argv=argv, env={}, image=None, provenance=prov, pool=None, gpus=0)
+
+
+def _supervision_flags(add: Callable[..., None], pd: bool) -> None:
+    """The flags that let the router route around an engine a supervisor restarts on the same
+    address and port. Figures: vllm-router 0.1.17, two sim engines, four clients sending small
+    completions, one engine killed with SIGKILL and restarted (tests/test_router_supervision.py).
+
+    What takes a worker out and puts it back is the health checker (``GET /health`` of every
+    worker each interval): unhealthy after ``--health-failure-threshold`` failed checks in a row,
+    healthy again after ``--health-success-threshold`` (2) good ones. The regular router also has
+    a per-worker circuit breaker (open after 10 failed sends in a row) and retries a failed send on
+    a freshly picked worker; 0.1.17's P/D router has neither: a request paired with a dead
+    prefill or decode is a 500 ("Transparent proxy request failed") until the health checker
+    takes that worker out, and no breaker ever opened in our P/D runs.
+    """
+    # Default 60 s. With it a restarted engine got no request for 55 s after its /health answered:
+    # nothing re-admitted it but the breaker's 60 s timeout; in P/D every request paired with the
+    # dead engine failed until it was back (865 failed requests over a 5.5 s outage). At 1 s the
+    # restarted engine serves again 1.5-1.7 s after its /health answers, at the cost of one
+    # GET /health per engine per second.
+    add("--health-check-interval-secs", "1", origin=SUPERVISION)
+    # Default 3 checks in a row. P/D cannot retry, so this is its window of failed requests:
+    # 3.0 s (450-580 failed requests) at 3, 1.0 s (155-205) at 1. A hung engine (SIGSTOP) is out
+    # after one 5 s check timeout: 6 s instead of 16 s. A falsely failed check costs one engine's
+    # share for the 2 s of two good checks, no request.
+    add("--health-failure-threshold", "1", origin=SUPERVISION)
+    if pd:
+        return  # the retry and breaker flags below do nothing in 0.1.17's P/D router
+    # Retries are on by default (--retry-max-retries 5, 50 ms first backoff, x1.5), each attempt
+    # to a worker the policy picks again; k3launch relies on them, so they are pinned. With
+    # --disable-retries a kill cost 10 requests (500 "Request failed: error sending request"),
+    # with retries none, not even the non-streamed requests in flight on the killed engine. A
+    # stream whose headers were sent is not retried: the client's stream is cut.
+    add("--retry-max-retries", "5", origin=SUPERVISION)
+    # The breaker opens 0.2-0.6 s after a kill (10 failed sends) and, at its default 60 s, keeps
+    # the worker out for 60 s from then even when health checks pass: with the 1 s health
+    # interval alone, an engine restarted 5 s after its kill was healthy again and still got no
+    # request in the 13 s left of the run. 2 s is the health checker's own re-admission time
+    # (two good checks), so the breaker is never the slower gate.
+    add("--cb-timeout-duration-secs", "2", origin=SUPERVISION)
