@@ -347,6 +347,8 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
         stuck = wait_event(pair.cli, name, "detected", "serve-0", after=t_stop, within=60)
         back2 = wait_event(pair.cli, name, "restarted", "serve-0", after=t_stop, within=UP_TIMEOUT_S)
         time.sleep(3)
+    for e in events(pair.cli, name):
+        print(f"  event +{e['time'] - t_kill:7.1f}s {e['kind']:<16} {e.get('unit') or ''} {e.get('reason', '')[:140]}")
     assert "exited with code 137" in detected["reason"] and detected["node"] == pair.names[1], detected
     assert "hung" in stuck["reason"], stuck
     assert not _live(killed) and not _live(hung)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -191,3 +192,24 @@ def test_an_orphan_of_a_killed_engine_is_found_by_its_session_and_stopped(tmp_pa
             os.kill(child, signal.SIGKILL)
         except OSError:
             pass
+
+
+def test_stale_shared_memory_goes_and_what_a_process_maps_stays() -> None:
+    """A SIGKILLed engine leaves its psm_* segments; a restart removes those nobody maps."""
+    import subprocess
+    from multiprocessing import resource_tracker, shared_memory
+
+    from k3launch.render.snippets import STALE_SHM
+
+    left = shared_memory.SharedMemory(create=True, size=4096, name=f"psm_k3left{os.getpid()}")
+    left.close()  # nobody maps it now: a killed engine's
+    resource_tracker.unregister(left._name, "shared_memory")  # type: ignore[attr-defined]  # removed below, not at exit
+    held = shared_memory.SharedMemory(create=True, size=4096, name=f"psm_k3held{os.getpid()}")
+    try:
+        out = subprocess.run(["bash", "-c", STALE_SHM], capture_output=True, text=True, check=True).stdout.split()
+        assert f"/dev/shm/{left.name}" in out and not Path(f"/dev/shm/{left.name}").exists()
+        assert f"/dev/shm/{held.name}" not in out and Path(f"/dev/shm/{held.name}").exists()
+    finally:
+        held.close()
+        held.unlink()
+        Path(f"/dev/shm/{left.name}").unlink(missing_ok=True)

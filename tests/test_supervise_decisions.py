@@ -9,7 +9,7 @@ import pytest
 
 from k3launch import api
 from k3launch.models.plan import Plan
-from k3launch.models.supervise import GiveUp, Observation, Restart, RestartPolicy, StopAll, Supervision, UnitState, units
+from k3launch.models.supervise import GiveUp, Observation, Replace, Restart, RestartPolicy, StopAll, Supervision, UnitState, units
 
 RECIPE = "moonshotai/Kimi-K3"
 
@@ -153,7 +153,8 @@ def test_a_silent_node_waits_then_restarts_its_unit_uncounted_and_is_lost_after_
     ev, acts = s.step(Observation(0.0, unreachable={"local-2": "no answer for 10s"}, healthy={"serve-0": True, "router": True}))
     assert _kinds(ev) == ["node-unreachable", "detected"] and acts == [] and s.state("serve-1") is UnitState.WAITING_NODE
     ev, acts = s.step(Observation(31.0, unreachable={"local-2": "no answer"}, healthy={"serve-0": True, "router": True}))
-    assert _kinds(ev) == ["node-lost"] and acts == []
+    assert _kinds(ev) == ["node-lost"] and [type(a) for a in acts] == [Replace]  # cordon and re-place (the executor may not)
+    assert acts[0].node == "local-2" and [u.name for u in acts[0].units] == ["serve-1"]  # type: ignore[union-attr]
     ev, acts = s.step(Observation(40.0, healthy={"serve-0": True, "router": True}))
     assert _kinds(ev) == ["node-back", "restarting"] and [type(a) for a in acts] == [Restart]  # max_restarts 0: a lost node is not a crash
 

@@ -120,6 +120,10 @@ def test_replicas_a_killed_and_a_hung_engine_are_restarted_under_load_and_down_s
     for t, why in load.failures[:5]:
         print(f"  failed {t - t_kill:+.2f}s after the kill: {why}")
     assert load.ok > 50
+    tl = cli.json("timeline", name)
+    assert [e["kind"] for e in tl["events"]].count("restarted") == 2, tl["events"]
+    shown = cli.run("timeline", name).stdout
+    assert "since it served" in shown and "restarted" in shown, shown
     _gone(cli, name, rec, sv_pid)
     kinds = [e["kind"] for e in events(cli, name)]  # kept after down
     assert kinds[0] == "watching" and kinds[-1] == "stopped-watching" and kinds.count("restarted") == 2, kinds

@@ -148,10 +148,10 @@ def expand(c: Campaign) -> list[Cell]:
 def plan_hash(plan: Plan) -> str:
     """What runs and where: the plan without its name (unique per deployment), its notices, the
     per-flag provenance (how values were chosen, not what they are) and the echo of the
-    selection (``sets``, ``advanced``, ``features``, ``kv_offload``, ``exclude``: their effect
-    is in the argv and env) — so ``--set gpu-memory-utilization=0.95``, the recipe's own value,
-    is the same deployment as no ``--set`` at all."""
-    data = plan.model_dump(mode="json", exclude={"name", "notices", "sets", "advanced", "features", "kv_offload", "exclude"})
+    selection (``sets``, ``advanced``, ``features``, ``kv_offload``, ``exclude``, and ``origin``,
+    the selection as asked: their effect is in the argv and env) — so ``--set
+    gpu-memory-utilization=0.95``, the recipe's own value, is the same deployment as no ``--set`` at all."""
+    data = plan.model_dump(mode="json", exclude={"name", "notices", "sets", "advanced", "features", "kv_offload", "exclude", "origin"})
     for proc in data.get("processes", []):
         proc.pop("provenance", None)
     text = json.dumps(data, sort_keys=True, separators=(",", ":"))

@@ -22,6 +22,7 @@ from k3launch.campaign.energy import Energy
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint
 from k3launch.models.phases import Timeline
+from k3launch.models.supervise import Event
 from k3launch.util.locks import locked
 
 RESULTS = "results.jsonl"
@@ -51,6 +52,7 @@ class Provenance(BaseModel):
     started: str
     ended: str
     timeline: Timeline | None = None  # the deployment's bring-up (`k3launch timeline`), when it had one
+    events: list[Event] = []  # what a supervisor saw and did while the row ran (a restart mid-run explains a dip)
 
 
 class PointStats(BaseModel):

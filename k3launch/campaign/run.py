@@ -44,6 +44,7 @@ from k3launch.models.bench import LoadPoint
 if TYPE_CHECKING:
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord
+    from k3launch.models.supervise import Event
 
 EventFn = Callable[[str], None]
 
@@ -285,7 +286,19 @@ class CampaignRunner:
                           recipe_sha256=_sha256(default_recipes_dir() / plan.recipe_file), campaign_sha256=self.p.sha256,
                           k3launch_version=__version__, vllm_version=facts.vllm_version, vllm_schema=plan.vllm_version,
                           runtime=facts.runtime, image=facts.image, image_id=facts.image_id, inventory=rec.inventory or "",
-                          nodes=rec.machines(), client=run.client, started=run.started, ended=run.ended, timeline=rec.timeline)
+                          nodes=rec.machines(), client=run.client, started=run.started, ended=run.ended, timeline=rec.timeline,
+                          events=_events_between(rec.name, run.started, run.ended, self.o.state_dir))
+
+
+def _events_between(name: str, started: str, ended: str, state_dir: Path | None) -> list[Event]:
+    """The supervisor's events of ``name`` while one load point ran (ISO times, as the row has them)."""
+    from datetime import datetime
+
+    try:
+        t0, t1 = datetime.fromisoformat(started).timestamp(), datetime.fromisoformat(ended).timestamp()
+    except ValueError:
+        return []
+    return [e for e in api.events(name, state_dir=state_dir) if t0 <= e.time <= t1]
 
 
 def named_plan(prep: Prepared, g: Group) -> Plan:

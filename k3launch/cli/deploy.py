@@ -199,10 +199,20 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
                           "it is recorded by `up` from this version on; bring the deployment up again to get one")
     except K3Error as err:
         fail(err)
+    since = [e for e in api.events(name, state_dir=state_dir) if e.time >= rec.created]  # this life's supervision
     if json_out:
-        typer.echo(json.dumps({"name": name, **rec.timeline.as_dict()}, indent=2))
+        typer.echo(json.dumps({"name": name, **rec.timeline.as_dict(), "events": [e.model_dump(mode="json", exclude_defaults=True)
+                                                                                  for e in since]}, indent=2))
     else:
-        show_progress.timeline(console(), name, rec.timeline)
+        con = console()
+        show_progress.timeline(con, name, rec.timeline)
+        shown = [e for e in since if e.kind not in ("watching", "stopped-watching")]
+        if shown:
+            from k3launch.cli.supervise import line
+
+            con.print(f"[bold]since it served[/]: {len(shown)} supervisor event(s) (`k3launch events {name}`)")
+            for e in shown:
+                con.print(line(e), markup=False, soft_wrap=True)
 
 
 @app.command("list")

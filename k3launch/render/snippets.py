@@ -230,3 +230,18 @@ def parse_holders(output: str) -> list[tuple[str, int, str, str, str]]:
 
 def shm_files() -> str:
     return "ls -1 /dev/shm 2>/dev/null | grep -E '^(psm_|vllm|nccl-)' || true"
+
+
+# vLLM's shared memory (multiprocessing's psm_* segments, its own vllm* files) that no process
+# maps or holds open: what an engine killed with SIGKILL leaves behind, hundreds of MB each.
+# Only files this user owns; run once the engine's processes are gone.
+STALE_SHM = r"""used=$( { cat /proc/[0-9]*/maps; ls -l /proc/[0-9]*/fd; } 2>/dev/null | grep -o '/dev/shm/[^ ]*' | sort -u)
+for f in /dev/shm/psm_* /dev/shm/vllm*; do
+  [ -f "$f" ] && [ -O "$f" ] || continue
+  case "
+$used
+" in *"
+$f
+"*) continue ;; esac
+  rm -f -- "$f" && echo "$f"
+done"""

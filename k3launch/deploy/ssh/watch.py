@@ -152,6 +152,8 @@ class SshWatcher:
             return [LaunchFailed(f"could not stop {unit.name}: {why}", "the node must answer before its processes can restart",
                                  code="node-unreachable", node=node)]
         self._keep_previous_logs(unit)
+        # a killed engine's shared memory stays in /dev/shm (hundreds of MB a time, restart after restart)
+        self.fleet.run_many({n: remote.STALE_SHM for n in unit.nodes}, timeout=20)
         for pid in unit.processes:
             rec.processes.pop(pid, None)
         self.store.save(rec)
