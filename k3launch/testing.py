@@ -34,7 +34,8 @@ from typing import TypeVar
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
 from k3launch.models.plan import Plan
 from k3launch.models.reports import LaunchFailed, TeardownReport
-from k3launch.models.supervise import Observation, Unit
+from k3launch.models.supervise import Unit
+from k3launch.models.supervision import Observation
 from k3launch.transport.runners import DEFAULT_TIMEOUT_S, Result, Target, Unreachable
 
 Answer = tuple[int, str, str]  # (exit code, stdout, stderr)
@@ -357,6 +358,10 @@ class FakeWatcher:
     def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
         self.calls.append(("check", *nodes))
         return list(self.doctor_fails)
+
+    def reroute(self, router: object, remove: Sequence[str], add: Sequence[str]) -> str | None:
+        self.calls.append(("reroute", *(f"-{u}" for u in remove), *(f"+{u}" for u in add)))
+        return None
 
     def adopt(self, plan: Plan, lost: str) -> None:
         self.calls.append(("adopt", lost))

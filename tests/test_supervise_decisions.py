@@ -9,7 +9,8 @@ import pytest
 
 from k3launch import api
 from k3launch.models.plan import Plan
-from k3launch.models.supervise import GiveUp, Observation, Replace, Restart, RestartPolicy, StopAll, Supervision, UnitState, units
+from k3launch.models.supervise import RestartPolicy, units
+from k3launch.models.supervision import GiveUp, Observation, Replace, Restart, StopAll, Supervision, UnitState
 
 RECIPE = "moonshotai/Kimi-K3"
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from k3launch import api
-from k3launch.deploy import eventlog, supervisor
+from k3launch.deploy import eventlog, supervisor, supervisors
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SshRecord
-from k3launch.models.supervise import Event, Observation, RestartPolicy
+from k3launch.models.supervise import Event, RestartPolicy
+from k3launch.models.supervision import Observation
 from k3launch.testing import FakeOps, FakeWatcher
 
 FAST = RestartPolicy(poll=0.1, backoff=0, max_restarts=2)
@@ -60,7 +61,7 @@ def test_a_restart_is_made_counted_in_the_record_and_logged(tmp_path: Path) -> N
     assert [e.kind for e in eventlog.read(store, rec.name)] == kinds  # the same events, in the log
     after = store.load(rec.name)
     assert after.supervisor is None and after.state == "ready"  # it let go: the deployment is as it was
-    assert not supervisor.lock_path(store, rec.name).exists()
+    assert not supervisors.lock_path(store, rec.name).exists()
 
 
 def test_a_unit_that_keeps_failing_to_start_is_given_up_and_the_deployment_stopped(tmp_path: Path) -> None:
@@ -99,11 +100,11 @@ def test_one_supervisor_per_deployment_and_a_stop_request_ends_it(tmp_path: Path
     with pytest.raises(K3Error) as exc:
         _run(store, rec.name, FakeWatcher([]), threading.Event())
     assert exc.value.code == "already-supervised" and f"pid {sv.pid}" in exc.value.message
-    note = supervisor.stop(store, rec.name, wait_s=10)  # what `down` does first (same process here: the stop file)
+    note = supervisors.stop(store, rec.name, wait_s=10)  # what `down` does first (same process here: the stop file)
     t.join(timeout=10)
     assert result == ["stopped"] and note is not None and f"pid {sv.pid}" in note
-    assert not supervisor.lock_path(store, rec.name).exists() and not supervisor.stop_path(store, rec.name).exists()
-    assert supervisor.stop(store, rec.name) is None  # nobody to stop now
+    assert not supervisors.lock_path(store, rec.name).exists() and not supervisors.stop_path(store, rec.name).exists()
+    assert supervisors.stop(store, rec.name) is None  # nobody to stop now
 
 
 def test_only_a_ready_deployment_is_supervised(tmp_path: Path) -> None:
@@ -112,7 +113,7 @@ def test_only_a_ready_deployment_is_supervised(tmp_path: Path) -> None:
     with pytest.raises(K3Error) as exc:
         _run(store, rec.name, FakeWatcher([]), threading.Event())
     assert exc.value.code == "not-ready" and "failed" in exc.value.message and "down" in exc.value.hint
-    assert not supervisor.lock_path(store, rec.name).exists()
+    assert not supervisors.lock_path(store, rec.name).exists()
 
 
 def test_the_hook_gets_each_event_as_json_and_a_failing_hook_is_an_event(tmp_path: Path) -> None:
@@ -194,11 +195,16 @@ def test_a_lost_node_is_cordoned_and_its_unit_re_placed_onto_a_spare(tmp_path: P
     assert kinds[:4] == ["watching", "node-unreachable", "detected", "node-lost"] and "cordoned" in kinds and "replaced" in kinds, kinds
     assert cordoned and cordoned[0][0] == "local-2" and "lost by the supervisor" in cordoned[0][1]
     moved = next(e for e in seen if e.kind == "replaced")
-    assert "serve-1 local-2 -> local-3" in moved.reason and "restarted: serve-1, router" in moved.reason, moved.reason
+    assert "serve-1 local-2 -> local-3" in moved.reason and moved.reason.endswith("restarted: serve-1"), moved.reason
+    old_url = next(f"http://{p.address}:{p.http_port}" for p in old.processes if p.id == "serve-1")
+    new_url = next(f"http://{p.address}:{p.http_port}" for p in new.processes if p.id == "serve-1")
     acts = [c for c in w.calls if c[0] not in ("observe",)]
-    assert acts == [("check", "local-3"), ("adopt", "local-2"), ("restart", "serve-1"), ("restart", "router")], acts
+    # the router is not restarted: the moved engine's old URL leaves it at once, the new one joins once it serves
+    assert acts == [("check", "local-3"), ("adopt", "local-2"), ("reroute", f"-{old_url}"), ("restart", "serve-1"),
+                    ("reroute", f"+{new_url}")], acts
     assert w.plan == new and [p.node for p in old.processes if p.id == "serve-1"] == ["local-2"]
-    assert "restarted" in kinds[kinds.index("replaced"):]  # serving again once healthy
+    after = kinds[kinds.index("replaced"):]
+    assert after.index("restarted") < after.index("rerouted"), kinds  # added once serving
 
 
 def test_no_spare_means_waiting_for_the_node(tmp_path: Path) -> None:

@@ -62,6 +62,8 @@ def test_a_cut_host_is_cordoned_its_replica_re_placed_on_a_spare_and_reclaimed_w
         assert f"supervisor of {name}" in cordoned["cordoned"][0]["by"]
         print(f"\n[host cut: lost after {lost['time'] - t_cut:.1f}s, re-placed {moved['time'] - t_cut:.1f}s, "
               f"serving on {names[2]} {back['time'] - t_cut:.1f}s; client {load.ok} ok, {load.failed} failed]")
+        for t, why in load.failures[:3] + load.failures[-3:]:
+            print(f"  failed {t - t_cut:+.1f}s after the cut: {why}")
 
         # the host heals: the replica left there (it kept running, cut off) is stopped by the supervisor
         t_heal = time.time()

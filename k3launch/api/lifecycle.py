@@ -115,7 +115,7 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
            connect_timeout: float = 10.0) -> Status:
     """The deployment now: per process alive and healthy, its state and endpoint (``status --json``)."""
     from k3launch.deploy.registry import backend
-    from k3launch.deploy.supervisor import alive
+    from k3launch.deploy.supervisors import alive
     from k3launch.models.record import SupervisorStatus
 
     rec = store(state_dir).load(name)
@@ -154,7 +154,7 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
     ``inventory`` if it ran elsewhere). Idempotent: a clean report when nothing of ``name`` is
     left (``report.verified`` says where that was checked)."""
     from k3launch.deploy.registry import backend
-    from k3launch.deploy.supervisor import stop as stop_supervisor
+    from k3launch.deploy.supervisors import stop as stop_supervisor
     from k3launch.util import bounds
 
     st = store(state_dir)

@@ -123,21 +123,21 @@ def _on_signals(stop: threading.Event) -> Callable[[], None]:
 def supervise_detached(name: str, args: list[str] | None = None, *, state_dir: str | Path | None = None) -> Supervisor:
     """Start a supervisor of ``name`` in the background (``k3launch supervise NAME ARGS``: its
     flags) and return it once it runs (its host and pid are in the record)."""
-    from k3launch.deploy import supervisor
+    from k3launch.deploy import supervisors
 
     st = store(state_dir)
     rec = st.load(name)
     from k3launch.models.backends import Feature, require
 
     require(rec.backend, Feature.SUPERVISE, "supervise")
-    return supervisor.detach(st, name, list(args or []))
+    return supervisors.detach(st, name, list(args or []))
 
 
 def stop_supervisor(name: str, *, state_dir: str | Path | None = None) -> str | None:
     """Stop ``name``'s supervisor if one runs (the deployment keeps running); a note, or None."""
-    from k3launch.deploy import supervisor
+    from k3launch.deploy import supervisors
 
-    return supervisor.stop(store(state_dir), name)
+    return supervisors.stop(store(state_dir), name)
 
 
 def events(name: str, *, state_dir: str | Path | None = None) -> list[Event]:

@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 
     from k3launch.deploy.state import StateStore
     from k3launch.models.power import Sampler
-    from k3launch.models.supervise import Observation, Unit
+    from k3launch.models.supervise import Unit
+    from k3launch.models.supervision import Observation
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
 
@@ -170,6 +171,10 @@ class Watcher(Protocol):
 
     def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
         """The doctor's failures on ``nodes`` for what ``plan`` puts there (spares about to be used)."""
+        ...
+
+    def reroute(self, router: Process, remove: Sequence[str], add: Sequence[str]) -> str | None:
+        """Tell the running router of moved engines (remove, then add worker URLs); None, or why not."""
         ...
 
     def adopt(self, plan: Plan, lost: str) -> None:

@@ -9,7 +9,7 @@ deployment's event log (:mod:`k3launch.deploy.eventlog`) and handed to ``on_even
 One supervisor per deployment: it holds ``<state>/supervise/NAME.lock`` while it runs (a second
 one is refused) and names itself in the record (``supervisor``: host, pid, since, restarts), so
 ``status`` shows it. It watches, it never owns: stopping it (Ctrl-C, SIGTERM) leaves the
-deployment as it is. ``down`` stops it first (:func:`stop`: a stop request file any login node
+deployment as it is. ``down`` stops it first (:func:`k3launch.deploy.supervisors.stop`: a stop request file any login node
 sharing the state directory sees, and SIGTERM when on this host), so it never revives what
 ``down`` is stopping; a request that arrives during a restart is honoured before the unit's
 start, and the restart's processes, if any started, are ``down``'s to stop.
@@ -18,33 +18,27 @@ start, and the restart's processes, if any started, are ``down``'s to stop.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 from k3launch.deploy import eventlog
 from k3launch.deploy.base import SuperviseOps, Watcher
 from k3launch.deploy.readiness import ready_timeout
-from k3launch.deploy.state import StateStore, _start_time, me
+from k3launch.deploy.state import StateStore, me
+from k3launch.deploy.supervisors import lock_path, stop_path, who
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan
+from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord, Supervisor
-from k3launch.models.supervise import Action, Event, GiveUp, Replace, Restart, RestartPolicy, StopAll, Supervision, units
-from k3launch.util.locks import held, locked
+from k3launch.models.supervise import Event, RestartPolicy, reroutable, units, worker_urls
+from k3launch.models.supervision import Action, GiveUp, Replace, Restart, StopAll, Supervision
+from k3launch.util.locks import locked
 
 GRACE_S = 10.0  # SIGTERM to SIGKILL when a unit restarts
 HUNG_GRACE_S = 2.0  # the same for a unit restarted because it hung (a stopped or deadlocked process ignores SIGTERM)
-STOP_WAIT_S = 60.0  # how long `down` waits for a supervisor mid-restart before SIGKILL
 LOCK_WAIT_S = 30.0  # a restart waits this long for another k3launch command on the deployment
-DETACH_WAIT_S = 30.0  # a detached supervisor must have named itself in the record by then
 
 EventFn = Callable[[Event], None]
 
@@ -56,29 +50,6 @@ class Places:
 
     cordon: Callable[[str, str], None]  # (node, reason)
     replan: Callable[[], Plan]
-
-
-def lock_path(store: StateStore, name: str) -> Path:
-    return store.supervise_dir() / f"{name}.lock"
-
-
-def stop_path(store: StateStore, name: str) -> Path:
-    return store.supervise_dir() / f"{name}.stop"
-
-
-def log_path(store: StateStore, name: str) -> Path:
-    return store.supervise_dir() / f"{name}.log"
-
-
-def who(info: Supervisor | None) -> str:
-    if info is None:
-        return "a supervisor"
-    return f"the supervisor (pid {info.pid} on {info.host}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.since))})"
-
-
-def alive(info: Supervisor) -> bool:
-    """Whether ``info``'s process still runs (only knowable on its own host: elsewhere, assume so)."""
-    return info.host != socket.gethostname() or _start_time(info.pid) == info.started
 
 
 # ---------------------------------------------------------------------- the loop
@@ -98,6 +69,7 @@ class _Run:
         self.sup = Supervision(rec.plan, policy, ready_timeout(rec.plan, None))
         self.hooks = ThreadPoolExecutor(max_workers=1) if hook else None
         self.kept: set[str] = set()  # processes whose last log lines are kept already
+        self.pending_adds: dict[str, list[tuple[Process, str]]] = {}  # unit -> (router, URL) to add once it serves
 
     def stopping(self) -> bool:
         if self.stop.is_set() or stop_path(self.store, self.rec.name).exists():
@@ -136,13 +108,35 @@ class _Run:
                 return "gone" if cur is None else cur.state
             events, actions = self.sup.step(self.watcher.observe(time.time()))
             self.emit(events)
+            self._add_workers([e.unit for e in events if e.kind == "restarted" and e.unit])
             for a in actions:
                 if self.stopping():
                     break
-                if self.act(a) == "failed":
+                if self._guarded(a) == "failed":
                     return "failed"
             self.stop.wait(max(0.0, self.policy.poll - (time.monotonic() - t0)))
         return "stopped"
+
+    def _add_workers(self, served: Sequence[str]) -> None:
+        for unit in served:
+            for router, url in self.pending_adds.pop(unit, []):
+                why = self.watcher.reroute(router, [], [url])
+                self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=self.rec.name,
+                                 unit=router.id, reason=f"added {url}" if why is None else f"router {router.id}: {why}")])
+
+    def _guarded(self, a: Action) -> str:
+        """``act``, with an unforeseen error reported as an event: a supervisor that dies leaves
+        the deployment unwatched, which is worse than one action not taken."""
+        try:
+            return self.act(a)
+        except K3Error as exc:
+            why = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
+        except Exception as exc:  # any bug: said, not fatal
+            why = f"{type(exc).__name__}: {exc}; report this as a k3launch bug"
+        unit = getattr(a, "unit", None)
+        self.emit([Event(time=time.time(), kind="supervisor-error", deployment=self.rec.name, unit=unit.name if unit else None,
+                         node=getattr(a, "node", None), reason=f"{type(a).__name__.lower()} failed: {why}")])
+        return "ok"
 
     def act(self, a: Action) -> str:
         if isinstance(a, Restart):
@@ -186,10 +180,24 @@ class _Run:
         problems = self.watcher.check(new, spares)
         if problems:
             return failed(f"a spare failed the doctor: {problems[0]}")
-        # a unit restarts when any of its processes changed: moved, or its argv names a moved peer (a head, a worker URL)
+        # a unit restarts when any of its processes changed: moved, or its argv names a moved peer (a
+        # head, a worker URL) -- except a router that only needs other worker URLs: it is told so
+        # (no outage for the clients), adding each new URL once its engine serves
         changed = [u for u in units(new) if any(before.get(p.id) != p for p in new.processes if p.id in u.processes)]
+        rerouted = [p for p in new.processes if p.id in before and before[p.id] != p and reroutable(before[p.id], p)]
+        changed = [u for u in changed if not any(p.id in u.processes for p in rerouted)]
         with self.store.lock(name):
             self.watcher.adopt(new, a.node)
+            for r in rerouted:
+                gone = [w for w in worker_urls(before[r.id]) if w not in worker_urls(r)]
+                why = self.watcher.reroute(r, gone, [])
+                self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=name, unit=r.id,
+                                 reason=f"removed {', '.join(gone)}" if why is None else f"router {r.id}: {why}")])
+                for w in worker_urls(r):
+                    if w not in worker_urls(before[r.id]):
+                        owner = next(u.name for u in units(new) for p in new.processes
+                                     if p.id in u.processes and f"//{p.address}:{p.http_port}" in w)
+                        self.pending_adds.setdefault(owner, []).append((r, w))
             for u in changed:
                 if self.stopping():
                     return None
@@ -235,7 +243,7 @@ class _Run:
         for b in actions:
             if self.stopping():
                 return "ok"
-            if self.act(b) == "failed":
+            if self._guarded(b) == "failed":
                 return "failed"
         if not self.sup.can_serve():
             why = "; ".join(e.reason for e in events if e.kind == "gave-up") or "no unit left to serve"
@@ -310,68 +318,3 @@ def _release(store: StateStore, name: str, pid: int) -> None:
                 store.save(cur)
 
 
-# ---------------------------------------------------------------------- around it
-def stop(store: StateStore, name: str, wait_s: float = STOP_WAIT_S) -> str | None:
-    """Stop ``name``'s supervisor, if one runs (``down`` calls this first); a note saying so, or None."""
-    lock = lock_path(store, name)
-    if not held(lock):
-        stop_path(store, name).unlink(missing_ok=True)
-        return None
-    rec = store.try_load(name)
-    info = rec.supervisor if rec is not None else None
-    path = stop_path(store, name)
-    with contextlib.suppress(OSError):
-        path.touch()
-    # a supervisor on this host gets SIGTERM too; one in this very process (a library caller's
-    # thread) sees the stop request at its next look
-    here = info is not None and info.host == socket.gethostname() and info.pid != os.getpid() and alive(info)
-    if here and info is not None:
-        with contextlib.suppress(OSError):
-            os.kill(info.pid, signal.SIGTERM)
-    t_end = time.monotonic() + wait_s
-    while held(lock) and time.monotonic() < t_end:
-        time.sleep(0.1)
-    if held(lock) and here and info is not None:
-        with contextlib.suppress(OSError):
-            os.kill(info.pid, signal.SIGKILL)
-        time.sleep(0.5)
-    if held(lock):
-        raise K3Error("supervisor-running", f"{who(info)} of {name} did not stop within {wait_s:g}s",
-                      f"stop it where it runs (kill {info.pid} on {info.host})" if info else "stop it, then run the command again")
-    path.unlink(missing_ok=True)
-    return f"stopped {who(info)}"
-
-
-def detach(store: StateStore, name: str, args: Sequence[str]) -> Supervisor:
-    """Start ``k3launch supervise NAME ARGS`` in the background (its own session, output in
-    ``<state>/supervise/NAME.log``) and return once it named itself in the record."""
-    sdir = store.supervise_dir()
-    try:
-        sdir.mkdir(parents=True, exist_ok=True)
-        out = open(log_path(store, name), "ab")
-    except OSError as exc:
-        raise K3Error("state-dir", f"cannot write {log_path(store, name)}: {exc.strerror or exc}", "pass --state-dir DIR") from None
-    cmd = [sys.executable, "-m", "k3launch", "supervise", name, "--state-dir", str(store.root), "--as-detached", *args]
-    with out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
-    t_end = time.monotonic() + DETACH_WAIT_S
-    while time.monotonic() < t_end:
-        rec = store.try_load(name)
-        if rec is not None and rec.supervisor is not None and rec.supervisor.pid == proc.pid:
-            return rec.supervisor
-        if proc.poll() is not None:
-            break
-        time.sleep(0.1)
-    if proc.poll() is None:
-        proc.kill()
-    said = _last_line(log_path(store, name))
-    raise K3Error("supervise-failed", f"the detached supervisor of {name} did not start" + (f": {said}" if said else ""),
-                  f"run `k3launch supervise {name}` in the foreground to see why")
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return ""
-    return lines[-1].strip()[:300] if lines else ""

@@ -14,10 +14,8 @@ alone (an *engine*) while the router routes around it, and so does the router.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,7 +67,9 @@ EventKind = Literal[
     "replaced",  # the unit was re-placed onto spare nodes
     "replace-failed",  # it could not be (no spare fits, a spare failed the doctor): the lost node is retried instead
     "reclaimed",  # what was left on a lost node that answers again was stopped there
+    "rerouted",  # the running router was told of a moved engine (its worker routes), instead of restarting
     "hook-failed",  # the --on-event command failed or timed out
+    "supervisor-error",  # an action failed in a way k3launch did not foresee (a bug): reported, and the watch goes on
 ]
 
 
@@ -136,282 +136,32 @@ def _unit(name: str, kind: UnitKind, procs: Sequence[Process]) -> Unit:
                 tuple(p.id for p in procs if p.http_port is not None))
 
 
-# ---------------------------------------------------------------------- decisions
-@dataclass
-class Observation:
-    """One look at a deployment: what the backend saw (the supervisor's only input)."""
-
-    now: float
-    dead: Mapping[str, str] = field(default_factory=dict)  # process id -> how it ended ("exited with code 1: ...")
-    unreachable: Mapping[str, str] = field(default_factory=dict)  # node -> why
-    healthy: Mapping[str, bool] = field(default_factory=dict)  # HTTP process id -> /health answered 200 in time
-    tails: Mapping[str, str] = field(default_factory=dict)  # dead process id -> its last log lines
-    reclaimed: Mapping[str, Sequence[str]] = field(default_factory=dict)  # lost node answering again -> processes stopped there
-
-
-class UnitState(StrEnum):
-    SERVING = "serving"
-    BACKOFF = "backoff"  # failed; restarts at ``until``
-    STARTING = "starting"  # restarted; must serve by ``until``
-    WAITING_NODE = "waiting-node"  # a node of the unit does not answer
-    GAVE_UP = "gave-up"
-
-
-@dataclass(frozen=True)
-class Restart:
-    """Stop the unit and start it again (the executor reports back with :meth:`Supervision.started`)."""
-
-    unit: Unit
-    attempt: int
-    reason: str
-    hung: bool = False  # it stopped answering: it will not stop gracefully either
-
-
-@dataclass(frozen=True)
-class GiveUp:
-    """Stop the unit for good (failed too often)."""
-
-    unit: Unit
-    reason: str
-    failing: tuple[str, ...]  # the processes whose last log lines to keep
-
-
-@dataclass(frozen=True)
-class Replace:
-    """A node is lost: cordon it and re-place its units onto spare nodes (the executor reports
-    back with :meth:`Supervision.replaced`, or leaves the units waiting for the node)."""
-
-    node: str
-    units: tuple[Unit, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class StopAll:
-    """The deployment cannot serve any more: stop everything, record ``failed``."""
-
-    reason: str
-
-
-Action = Restart | GiveUp | Replace | StopAll
-
-
-@dataclass
-class _Memory:
-    state: UnitState = UnitState.SERVING
-    until: float = 0.0
-    restarts: deque[float] = field(default_factory=deque)  # times of restarts within the window
-    detected: float | None = None  # when the current outage was detected
-    reason: str = ""
-    failing: tuple[str, ...] = ()
-    unhealthy_since: dict[str, float] = field(default_factory=dict)
-
-
-class Supervision:
-    """The decisions of a supervisor over one deployment (no I/O: the caller observes and acts)."""
-
-    _newly_lost: list[str]
-
-    def __init__(self, plan: Plan, policy: RestartPolicy, start_timeout: float) -> None:
-        self.name = plan.name
-        self.policy = policy
-        self.start_timeout = policy.start_timeout or start_timeout
-        self.units = units(plan)
-        self.memory = {u.name: _Memory() for u in self.units}
-        self.node_down: dict[str, float] = {}  # node -> since when it does not answer
-        self.lost: set[str] = set()
-        self.restarts = 0  # restarts done, in all
-
-    def unit(self, name: str) -> Unit:
-        return next(u for u in self.units if u.name == name)
-
-    def state(self, name: str) -> UnitState:
-        return self.memory[name].state
-
-    def _event(self, now: float, kind: EventKind, unit: Unit | None = None, **kw: object) -> Event:
-        return Event(time=now, kind=kind, deployment=self.name, unit=unit.name if unit else None, **kw)
-
-    # ------------------------------------------------------------------ one look
-    def step(self, obs: Observation) -> tuple[list[Event], list[Action]]:
-        """What to do after one observation: events to record, actions to take (in order)."""
-        now = obs.now
-        events = self._nodes(obs)
-        replace = [self._replace(n, obs.unreachable.get(n, "")) for n in self._newly_lost]
-        actions: list[Action] = [a for a in replace if a.units]
-        for node, ids in sorted(obs.reclaimed.items()):
-            events.append(self._event(now, "reclaimed", node=node, reason=f"stopped {', '.join(ids)}, left there when the node was lost"))
-        for u in self.units:
-            m = self.memory[u.name]
-            if m.state is UnitState.GAVE_UP:
-                continue
-            down = [n for n in u.nodes if n in obs.unreachable]
-            if m.state in (UnitState.SERVING, UnitState.STARTING) and down:
-                m.state, m.detected = UnitState.WAITING_NODE, m.detected or now
-                m.reason = f"node {down[0]} stopped answering: {obs.unreachable[down[0]]}"
-                events.append(self._event(now, "detected", u, node=down[0], reason=m.reason))
-                continue
-            if m.state is UnitState.WAITING_NODE:
-                if not down:  # the node answers again: restart what it ran (its processes may be gone or orphaned)
-                    actions += self._fail(u, m, now, m.reason, events, counted=False)
-                continue
-            failure = self._failure(u, m, obs)
-            if failure is not None:
-                why, proc, tail = failure
-                if m.state is UnitState.STARTING:
-                    events.append(self._event(now, "restart-failed", u, process=proc, node=self._node(proc), reason=why,
-                                              attempt=len(m.restarts), log_tail=tail))
-                    actions += self._fail(u, m, now, why, events, proc=proc)
-                else:
-                    m.detected = now
-                    events.append(self._event(now, "detected", u, process=proc, node=self._node(proc), reason=why, log_tail=tail))
-                    actions += self._fail(u, m, now, why, events, proc=proc)
-                continue
-            if m.state is UnitState.BACKOFF and now >= m.until:
-                actions.append(self._restart(u, m, now, events))
-            elif m.state is UnitState.STARTING and self._serves(u, obs):
-                m.state = UnitState.SERVING
-                m.unhealthy_since.clear()
-                took = now - (m.detected or now)
-                events.append(self._event(now, "restarted", u, reason=f"serving again after {took:.1f}s", seconds=round(took, 3),
-                                          attempt=len(m.restarts)))
-                m.detected = None
-        if not self.can_serve() and not any(isinstance(a, StopAll) for a in actions):
-            why = self._why_not()
-            events.append(self._event(now, "failed", reason=why))
-            actions.append(StopAll(why))
-        return events, actions
-
-    def _node(self, proc: str | None) -> str | None:
-        if proc is None:
-            return None
-        return next((u.nodes[u.processes.index(proc)] if len(u.nodes) == len(u.processes) else None
-                     for u in self.units if proc in u.processes), None)
-
-    def _replace(self, node: str, why: str) -> Replace:
-        waiting = tuple(u for u in self.units if node in u.nodes and self.memory[u.name].state is UnitState.WAITING_NODE)
-        return Replace(node, waiting, why)
-
-    def _nodes(self, obs: Observation) -> list[Event]:
-        events = []
-        self._newly_lost: list[str] = []
-        for node, why in sorted(obs.unreachable.items()):
-            if node not in self.node_down:
-                self.node_down[node] = obs.now
-                events.append(self._event(obs.now, "node-unreachable", node=node, reason=why))
-            elif node not in self.lost and obs.now - self.node_down[node] >= self.policy.node_lost_after:
-                self.lost.add(node)
-                self._newly_lost.append(node)
-                events.append(self._event(obs.now, "node-lost", node=node,
-                                          reason=f"no answer for {obs.now - self.node_down[node]:.0f}s: {why}"))
-        for node in sorted(set(self.node_down) - set(obs.unreachable)):
-            since = self.node_down.pop(node)
-            self.lost.discard(node)
-            events.append(self._event(obs.now, "node-back", node=node, reason=f"answers again after {obs.now - since:.1f}s",
-                                      seconds=round(obs.now - since, 3)))
-        return events
-
-    def _failure(self, u: Unit, m: _Memory, obs: Observation) -> tuple[str, str | None, str] | None:
-        """Why the unit failed in this look (reason, process, its last lines), or None."""
-        if m.state in (UnitState.BACKOFF, UnitState.WAITING_NODE):
-            return None
-        for pid in u.processes:
-            if pid in obs.dead:
-                return f"{pid} {obs.dead[pid]}", pid, obs.tails.get(pid, "")
-        if m.state is UnitState.STARTING:
-            if obs.now > m.until:
-                return f"not serving {self.start_timeout:g}s after the restart", u.http[0] if u.http else None, ""
-            return None
-        for pid in u.http:
-            ok = obs.healthy.get(pid)
-            if ok is None:
-                continue
-            if ok:
-                m.unhealthy_since.pop(pid, None)
-                continue
-            since = m.unhealthy_since.setdefault(pid, obs.now)
-            if obs.now - since >= self.policy.unhealthy_after:
-                return f"{pid} hung: /health failing or silent for {obs.now - since:.0f}s", pid, ""
-        return None
-
-    def _serves(self, u: Unit, obs: Observation) -> bool:
-        return all(obs.healthy.get(pid) is True for pid in u.http)
-
-    def _fail(self, u: Unit, m: _Memory, now: float, why: str, events: list[Event], proc: str | None = None,
-              counted: bool = True) -> list[Action]:
-        p = self.policy
-        while m.restarts and now - m.restarts[0] > p.window:
-            m.restarts.popleft()
-        m.reason = why
-        m.failing = tuple(x for x in (proc,) if x) or u.http[:1]
-        if p.policy == "never" or (counted and len(m.restarts) >= p.max_restarts):
-            m.state = UnitState.GAVE_UP
-            said = "restart policy never" if p.policy == "never" else f"{len(m.restarts)} restarts within {p.window:g}s"
-            m.reason = f"{said}; last failure: {why}"
-            events.append(self._event(now, "gave-up", u, process=proc, reason=m.reason))
-            return [GiveUp(u, m.reason, m.failing)]
-        wait = p.delay(len(m.restarts)) if counted else 0.0
-        m.state, m.until = UnitState.BACKOFF, now + wait
-        if wait > 0:
-            events.append(self._event(now, "backoff", u, reason=f"restart {len(m.restarts) + 1} in {wait:g}s", seconds=wait,
-                                      attempt=len(m.restarts) + 1))
-            return []
-        return [self._restart(u, m, now, events, counted)]
-
-    def _restart(self, u: Unit, m: _Memory, now: float, events: list[Event], counted: bool = True) -> Restart:
-        if counted:
-            m.restarts.append(now)
-        m.state, m.until = UnitState.STARTING, now + self.start_timeout
-        m.unhealthy_since.clear()
-        self.restarts += 1
-        attempt = len(m.restarts)
-        events.append(self._event(now, "restarting", u, reason=m.reason, attempt=attempt))
-        return Restart(u, attempt, m.reason, hung=" hung: " in m.reason)
-
-    # ------------------------------------------------------------------ what the executor reports
-    def started(self, unit: Unit, now: float) -> None:
-        """The restart's start commands ran: the unit now has ``start_timeout`` to serve."""
-        m = self.memory[unit.name]
-        m.state, m.until = UnitState.STARTING, now + self.start_timeout
-
-    def start_failed(self, unit: Unit, now: float, why: str, proc: str | None = None, tail: str = "") -> tuple[list[Event], list[Action]]:
-        """A restart could not even start the unit (a start command failed, a node refused)."""
-        m = self.memory[unit.name]
-        events = [self._event(now, "restart-failed", unit, process=proc, node=self._node(proc), reason=why, attempt=len(m.restarts),
-                              log_tail=tail)]
-        actions = self._fail(unit, m, now, why, events, proc=proc)
-        return events, actions
-
-    def replaced(self, plan: Plan, restarted: Iterable[str], now: float) -> None:
-        """The executor re-placed units onto a new plan and restarted ``restarted`` (unit names):
-        they have ``start_timeout`` to serve; every unit keeps its restart history by name."""
-        self.units = units(plan)
-        old = self.memory
-        self.memory = {u.name: old.get(u.name) or _Memory() for u in self.units}
-        for name in restarted:
-            m = self.memory[name]
-            m.state, m.until = UnitState.STARTING, now + self.start_timeout
-            m.unhealthy_since.clear()
-            self.restarts += 1
-
-    # ------------------------------------------------------------------ the deployment as a whole
-    def can_serve(self) -> bool:
-        """Every role keeps a unit that is not given up (a P/D deployment needs both pools), and the router."""
-        alive = [u for u in self.units if self.memory[u.name].state is not UnitState.GAVE_UP]
-        roles = {u.role for u in self.units}
-        return all(any(u.role == r for u in alive) for r in roles)
-
-    def _why_not(self) -> str:
-        gone = [u for u in self.units if self.memory[u.name].state is UnitState.GAVE_UP]
-        return "; ".join(f"{u.name} given up: {self.memory[u.name].reason}" for u in gone)
-
-    def failing(self) -> tuple[str, ...]:
-        """Every process a give-up blamed (their last log lines are kept)."""
-        return tuple(pid for u in self.units for pid in self.memory[u.name].failing if self.memory[u.name].state is UnitState.GAVE_UP)
-
-    def summary(self) -> dict[str, str]:
-        return {u.name: self.memory[u.name].state.value for u in self.units}
-
-
 def restarts_of(events: Iterable[Event]) -> int:
     """How many restarts an event log records."""
     return sum(1 for e in events if e.kind == "restarting")
+
+
+def worker_urls(router: Process) -> list[str]:
+    """The engine URLs a (non-P/D) router's argv lists after ``--worker-urls``."""
+    argv = router.argv
+    if "--worker-urls" not in argv:
+        return []
+    out = []
+    for word in argv[argv.index("--worker-urls") + 1:]:
+        if word.startswith("--"):
+            break
+        out.append(word)
+    return out
+
+
+def reroutable(old: Process, new: Process) -> bool:
+    """Whether a running router can become ``new`` by its worker routes alone (add, remove):
+    same place, same argv but for the worker URLs, and not a P/D router (vllm-router 0.1.17
+    cannot add a prefill or decode worker over HTTP)."""
+    if old.role != "router" or "--vllm-pd-disaggregation" in old.argv:
+        return False
+    same = ("node", "address", "http_port", "env", "image")
+    if any(getattr(old, k) != getattr(new, k) for k in same):
+        return False
+    urls_old, urls_new = worker_urls(old), worker_urls(new)
+    return [w for w in old.argv if w not in urls_old] == [w for w in new.argv if w not in urls_new]

@@ -11,7 +11,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -79,13 +79,14 @@ def completion(base: str, model: str, max_tokens: int = 8, timeout: float = 60.0
     return Completion(True, "", tokens, text, dt)
 
 
-def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, bool]:
-    """id → /health answered 200, all probes at once."""
+def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S, paths: Mapping[str, str] | None = None) -> dict[str, bool]:
+    """id → /health answered 200, all probes at once (``paths``: id → another path to ask)."""
     if not urls:
         return {}
+    asked = {i: u.rstrip("/") + (paths or {}).get(i, "/health") for i, u in urls.items()}
     with ThreadPoolExecutor(max_workers=min(32, len(urls))) as pool:
-        oks = pool.map(lambda u: health(u, timeout=timeout).ok, urls.values())
-        return dict(zip(urls, oks, strict=True))
+        oks = pool.map(lambda u: get(u, timeout=timeout).ok, asked.values())
+        return dict(zip(asked, oks, strict=True))
 
 
 class InFlight:

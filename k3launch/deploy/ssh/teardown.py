@@ -97,6 +97,19 @@ def stop_processes(rec: SshRecord, fleet: Fleet, ids: Iterable[str], grace_s: fl
             _stop_phase(rec, fleet, mine, grace_s, report)
 
 
+def stop_left_behind(rec: SshRecord, fleet: Fleet, node: str, grace_s: float, report: TeardownReport) -> None:
+    """Stop what a re-placement left on ``node`` (by marker and session there, never by the plan:
+    the same process ids now run elsewhere)."""
+    lb = rec.left_behind[node]
+    ids = sorted(lb.processes)
+    view = rec.model_copy(update={"processes": lb.processes, "left_behind": {}})
+    _stop_containers(view, fleet, ids, grace_s, report)  # by the recorded node of each container
+    sessions = {pr.handle: pid for pid, pr in lb.processes.items() if not is_container(pr.runtime) and pr.handle.isdigit()}
+    _signal_until_gone(fleet, rec.name, ids, [node], grace_s, report, {node: sessions})
+    if node not in report.unreachable:
+        report.stopped += [f"{pid} on {node} (left there when the node was lost)" for pid in ids]
+
+
 def _signal_until_gone(fleet: Fleet, name: str, ids: list[str] | None, nodes: list[str], grace_s: float,
                        report: TeardownReport, sessions: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, dict[str, str]]:
     """SIGTERM to each process group of ``name`` found on ``nodes`` (only process ids ``ids``;
@@ -197,14 +210,9 @@ def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = D
     store.save(rec)
     for phase in _phases(rec):
         _stop_phase(rec, fleet, phase, grace_s, report)
-    for node, lb in sorted(rec.left_behind.items()):  # what a supervisor re-placed off a lost node
-        if node in report.unreachable:
-            continue
-        view = rec.model_copy(update={"processes": lb.processes, "left_behind": {}})
-        _stop_containers(view, fleet, sorted(lb.processes), grace_s, report)
-        sessions = {pr.handle: pid for pid, pr in lb.processes.items() if not is_container(pr.runtime) and pr.handle.isdigit()}
-        _signal_until_gone(fleet, rec.name, sorted(lb.processes), [node], grace_s, report, {node: sessions})
-        report.stopped += [f"{pid} on {node} (left there when the node was lost)" for pid in sorted(lb.processes)]
+    for node in sorted(rec.left_behind):  # what a supervisor re-placed off a lost node
+        if node not in report.unreachable:
+            stop_left_behind(rec, fleet, node, grace_s, report)
 
     def check() -> TeardownReport:
         report.leftovers.clear()

@@ -14,6 +14,9 @@ processes with the script ``up`` used (:func:`~k3launch.deploy.ssh.launch.start_
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +24,14 @@ from pathlib import Path
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import start_group, start_steps
 from k3launch.deploy.ssh.observe import poll, tail_logs
-from k3launch.deploy.ssh.teardown import stop_processes, teardown
+from k3launch.deploy.ssh.teardown import stop_left_behind, stop_processes, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan, is_container
+from k3launch.models.plan import Plan, Process, is_container
 from k3launch.models.record import LeftBehind, SshRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
-from k3launch.models.supervise import Observation, Unit
+from k3launch.models.supervise import Unit
+from k3launch.models.supervision import Observation
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.http import probe_all
@@ -36,6 +40,7 @@ from k3launch.util.polling import poll_until
 SILENT_RETRY_S = 5.0  # a silent node is asked again after this, doubling ...
 SILENT_RETRY_MAX_S = 60.0  # ... up to this
 GRACE_LEFT_S = 5.0  # SIGTERM to SIGKILL for what was left on a lost node: the unit runs elsewhere now
+REROUTE_TIMEOUT_S = 30.0  # add_worker waits for the worker's /health; it is called once the engine serves
 PORTS_FREE_S = 15.0  # after the stop: a port still held then makes the start fail with the engine's own words
 KEPT_LOG_LINES = 500
 
@@ -89,9 +94,12 @@ class SshWatcher:
                 dead.setdefault(p.id, "is not running (its last start failed)")
         urls = {p.id: f"http://{p.address}:{p.http_port}" for p in rec.plan.processes
                 if p.http_port is not None and p.id not in dead and p.node not in pl.unreachable}
-        healthy = probe_all(urls, timeout=self.probe_timeout)
+        # a router's /health answers 503 while any of its workers is down: its own life is /liveness
+        routers = {p.id: "/liveness" for p in rec.plan.processes if p.role == "router"}
+        healthy = probe_all(urls, timeout=self.probe_timeout, paths=routers)
         reclaimed = self._reclaim()
-        return Observation(now=now, dead=dead, unreachable=dict(pl.unreachable), healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed)
+        unreachable = {**self._still_silent(), **pl.unreachable}
+        return Observation(now=now, dead=dead, unreachable=unreachable, healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed)
 
     # ------------------------------------------------------------------ lost nodes
     def _reclaim(self) -> dict[str, list[str]]:
@@ -105,14 +113,17 @@ class SshWatcher:
                 continue
             report = TeardownReport()
             ids = sorted(lb.processes)
-            view = rec.model_copy(update={"processes": lb.processes})  # the processes as they were started there
-            stop_processes(view, self.fleet, ids, GRACE_LEFT_S, report)
+            stop_left_behind(rec, self.fleet, node, GRACE_LEFT_S, report)
             self._heard(time.monotonic(), {node}, report.unreachable)
             if not report.unreachable:
                 del rec.left_behind[node]
                 self.store.save(rec)
                 out[node] = ids
         return out
+
+    def _still_silent(self) -> dict[str, str]:
+        """Left-behind nodes not heard from: still unreachable as far as a look can tell."""
+        return {n: self.silent[n].why for n in self.rec.left_behind if n in self.silent}
 
     def adopt(self, plan: Plan, lost: str) -> None:
         """Run on ``plan`` from now on (a re-placement): processes that moved off ``lost`` are kept
@@ -132,13 +143,35 @@ class SshWatcher:
         self.fleet.close()
         self.fleet = self.connect(rec)
 
+    def reroute(self, router: Process, remove: Sequence[str], add: Sequence[str]) -> str | None:
+        """Tell the running router of moved engines: its worker routes (vllm-router's
+        ``/remove_worker`` and ``/add_worker``, the URL as a query parameter). None when it took
+        them, else why not. ``add`` blocks until the worker answers ``/health``: call it once the
+        engine serves."""
+        base = f"http://{router.address}:{router.http_port}"
+        for route, urls in (("remove_worker", remove), ("add_worker", add)):
+            for url in urls:
+                req = urllib.request.Request(f"{base}/{route}?url={urllib.parse.quote(url, safe='')}", data=b"", method="POST")
+                try:
+                    with urllib.request.urlopen(req, timeout=REROUTE_TIMEOUT_S) as r:
+                        r.read()
+                except urllib.error.HTTPError as exc:
+                    said = exc.read()[:200].decode(errors="replace")
+                    if route == "add_worker" and "already exists" in said:
+                        continue
+                    return f"{route} {url}: HTTP {exc.code} {said}"
+                except (urllib.error.URLError, OSError) as exc:
+                    return f"{route} {url}: {getattr(exc, 'reason', exc)}"
+        return None
+
     def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
         """The doctor's failures on ``nodes`` for the processes ``plan`` puts there (spares about to be used)."""
         sub = plan.model_copy(update={"hosts": [h for h in plan.hosts if h.name in nodes],
                                       "processes": [p for p in plan.processes if p.node in nodes],
                                       "ports": [u for u in plan.ports if u.node in nodes]})
         live = [r.name for r in self.store.list() if r.name != self.rec.name]
-        report = doctor(sub, self.fleet, live)
+        with self.connect(self.rec.model_copy(update={"plan": sub, "left_behind": {}})) as fleet:  # the spares are not in our fleet yet
+            report = doctor(sub, fleet, live)
         return [f"{c.node}: {c.name}: {c.detail}" for c in report.checks if c.status == "fail"]
 
     def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
