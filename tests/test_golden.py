@@ -31,6 +31,7 @@ CASES: dict[str, Selection] = {
     "h100_multi_node_tp_3": Selection(hardware="h100", strategy="multi_node_tp", nodes=3),
     "gb300_multi_node_tep_2": Selection(hardware="gb300", strategy="multi_node_tep", nodes=2),
     "b300_multi_node_dep_2": Selection(hardware="b300", strategy="multi_node_dep", nodes=2),
+    "b300_multi_node_dep_2_fault_tolerance": Selection(hardware="b300", strategy="multi_node_dep", nodes=2, fault_tolerance=True),
     "gb300_multi_node_dep_4": Selection(hardware="gb300", strategy="multi_node_dep", nodes=4),
     "mi355x_spec_decoding_advanced_all": Selection(hardware="mi355x", features=("spec_decoding",), advanced=ADVANCED_ALL),
     "pd_cluster_default": Selection(strategy="pd_cluster"),

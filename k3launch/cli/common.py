@@ -260,6 +260,8 @@ def _selection_params() -> list[inspect.Parameter]:
                     annotation=Annotated[annotation, number_option(flag, bound, help_)],
                 )
             )
+        elif annotation in (bool, bool | None):  # an on/off switch: --x and --no-x (unset: the default's own source)
+            out.append(_opt(name, annotation, default, f"{flag}/--no-{flag[2:]}", help=help_))
         else:
             out.append(_opt(name, annotation, default, flag, help=help_))
     return out

@@ -66,6 +66,8 @@ class Process(Frozen):
             return f"{self.role}, node rank {self.node_rank}"
         if self.dp_start_rank is not None:
             local = max(self.gpus, 1)  # one DP rank per GPU (a CPU node runs one)
+            if local == 1:  # one rank: a process of a fault-tolerant pool (one API server per DP rank)
+                return f"{self.role}, DP rank {self.dp_start_rank}"
             return f"{self.role}, DP ranks {self.dp_start_rank}-{self.dp_start_rank + local - 1}"
         return self.role
 
@@ -136,6 +138,24 @@ class Host(Frozen):
 OMIT_WHEN_UNSET = ("venv",)  # Host keys left out of a plan's JSON while None
 
 
+class FaultTolerancePool(Frozen):
+    """vLLM's engine fault tolerance on one DEP pool (``--fault-tolerance``): what a supervisor needs.
+
+    Every DP rank of the pool is its own process with its own API server. When a collective stalls
+    with every process alive, the engines turn ``unhealthy`` at ``status`` (``/health`` stays 200);
+    a ``{"instruction": "retry", "params": {}}`` POSTed to ``apply`` on *every* listed process's
+    API server (``http://address:http_port``) recovers them, unless ``recovery_timeout_s`` passed
+    since the fault (the engine then dies). A dead rank process cannot rejoin: restart the pool.
+    """
+
+    pool: str  # the processes' ``pool`` (serve, prefill or decode)
+    processes: list[str]  # one per DP rank, in rank order (process ``dp_start_rank`` is its rank)
+    recovery_timeout_s: int  # engine_recovery_timeout_sec as the engines run it
+    status: str = "/fault_tolerance/status"  # GET: {"engines": [{"id": rank, "status": "healthy" | "unhealthy" | ...}]}
+    apply: str = "/fault_tolerance/apply"  # POST {"instruction": "retry", "params": {}} -> 202
+    origin: str = ""  # who asked for it: --fault-tolerance, or the inventory's restart.fault_tolerance
+
+
 class PortUse(Frozen):
     """One planned listening port: (address, port) is unique across the plan."""
 
@@ -184,16 +204,20 @@ class Plan(Frozen):
     port_base: int = 8000
     platform: Platform = "cuda"  # which container device flags the engines need
     exclude: list[str] = []  # nodes the selection excluded, then those cordoned (Slurm: passed on as sbatch --exclude)
+    fault_tolerance: list[FaultTolerancePool] = []  # DEP pools run with vLLM's fault tolerance (none: the key is left out)
     origin: PlanOrigin | None = None  # set by k3launch.api.plan on an inventory; absent from the JSON otherwise
+
+    @model_serializer(mode="wrap")
+    def _omit_unused_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """Keys added after the plan contract froze appear only when used, so plans that do not use
+        them (and planning's own goldens, which have no origin) stay byte-identical."""
+        data = handler(self)
+        if isinstance(data, dict):
+            if not data.get("fault_tolerance"):
+                data.pop("fault_tolerance", None)
+            if data.get("origin") is None:
+                data.pop("origin", None)
+        return data
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
-
-    @model_serializer(mode="wrap")
-    def _omit_origin(self, handler: SerializerFunctionWrapHandler) -> Any:
-        """Added after the plan contract froze: present only when set, so planning's own output
-        (and its goldens) stay byte-identical."""
-        data = handler(self)
-        if isinstance(data, dict) and data.get("origin") is None:
-            data.pop("origin", None)
-        return data

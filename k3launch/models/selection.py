@@ -93,6 +93,12 @@ class Selection(BaseModel):
         "Advanced preset (repeatable): max-num-batched-tokens, max-num-seqs, gpu-memory-utilization, max-model-len, or all.",
         default=(),
     )
+    fault_tolerance: bool | None = _opt(
+        "--fault-tolerance",
+        "DEP pools with vLLM's engine fault tolerance: one API server per DP rank, --enable-fault-tolerance, an FT-capable "
+        "all-to-all (default: the inventory's restart.fault_tolerance, else off).",
+        default=None,
+    )
     vllm_version: str | None = _opt(
         "--vllm-version",
         "vLLM version the plan is written for and checked against (its flag schema): "

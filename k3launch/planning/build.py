@@ -5,7 +5,8 @@ prefill pool first and the decode pool on the next, disjoint nodes; within a poo
 head (its address is the TP master / DP coordinator of the pool). Multi-node TP/TEP: every node
 gets ``--nnodes/--node-rank/--master-addr/--master-port`` and non-head nodes ``--headless``.
 DEP: ``--data-parallel-size g·N --data-parallel-size-local g`` and ``--data-parallel-start-rank
-i·g``; with hybrid load balancing every node serves HTTP, so a router fronts them.
+i·g``; with hybrid load balancing every node serves HTTP, so a router fronts them. With fault
+tolerance (:mod:`k3launch.planning.faulttol`) every DP rank of a DEP pool is a process of its own.
 """
 
 from __future__ import annotations
@@ -19,14 +20,26 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec
-from k3launch.models.plan import Capacity, Host, KvOffloadCapacity, NoticeOut, Plan, PoolCapacity, Process, ProvenanceEntry, Role
+from k3launch.models.plan import (
+    Capacity,
+    FaultTolerancePool,
+    Host,
+    KvOffloadCapacity,
+    NoticeOut,
+    Plan,
+    PoolCapacity,
+    Process,
+    ProvenanceEntry,
+    Role,
+)
 from k3launch.models.recipe import KvOffloadOption
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
-from k3launch.planning import capacity, rules
+from k3launch.planning import capacity, faulttol, rules
 from k3launch.planning.capacity import NodeMemory
-from k3launch.planning.compose import Composed, Locked, Source, compose
+from k3launch.planning.compose import LAYERS, Composed, Locked, Source, compose
+from k3launch.planning.faulttol import FaultTolerance, Rank
 from k3launch.planning.layers import RESERVED, PoolSources, locks_for, pool_sources
-from k3launch.planning.layout import load_balanced, placement_flags, pool_strategies, recipe_layout, sizes, strip_nvl4_env
+from k3launch.planning.layout import lb_modes, placement_flags, pool_strategies, recipe_layout, sizes, strip_nvl4_env
 from k3launch.planning.placement import (
     LOGIN,
     NO_CORDONS,
@@ -127,6 +140,10 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     else:
         placed = placeholder_nodes(r.nodes)
         notices.append(Notice("placeholder-nodes", f"placed on placeholder nodes ({', '.join(n.name for n in placed)}) with NIC {PLACEHOLDER_IFACE}; pass --inventory for real machines"))
+    ft = None
+    if (origin := faulttol.requested(sel, inventory)) is not None:
+        ft, ft_notices = faulttol.check(r, schema, origin, inventory.engine if inventory is not None else "vllm")
+        notices.extend(ft_notices)
     reserved = dict(RESERVED)
     if r.is_pd:
         reserved["--kv-transfer-config"] = "P/D pools own the NIXL KV transfer config"
@@ -135,20 +152,26 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     pool_caps: list[PoolCapacity] = []
     cursor = 0
     pools: list[Pool] = []
+    ft_pools: list[FaultTolerancePool] = []
     mem = NodeMemory(r.node_memory_gb)
     for pool in r.pools:
         pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
         shared = _pool_shared(tree, r, pool, schema, ports, kv)
         pool = _sized(shared, r, pool, mem, pool_nodes[0], schema, ports, reserved, inventory, notices)
-        composed = _compose_pool(shared, pool, pool_nodes, schema, ports, locks, reserved, inventory, model_id)
+        pool_ft = ft if ft is not None and pool.role in ft.roles else None
+        composed = _compose_pool(shared, pool, pool_nodes, schema, ports, locks, reserved, inventory, model_id, pool_ft, r.hardware.vendor_platform)
         pools.append(pool)
-        for i, one in enumerate(composed):
+        for one in composed:
             c, node = one.composed, one.node
             notices.extend(c.notices)
             notices.extend(strip_nvl4_env(r, c))
-            procs.append(_process(f"{pool.role}-{i}", pool.role, node, i == 0, one.http if one.serves else None, c, _image(r, node),
-                                  one.node_rank, one.dp_start, pool.gpus_per_node))
-            hosts.append(_host(node, pool.role, pool.gpus_per_node))
+            procs.append(_process(one.pid, pool.role, node, one.head, one.http if one.serves else None, c, _image(r, node),
+                                  one.node_rank, one.dp_start, one.gpus))
+            if not any(h.name == node.name for h in hosts):
+                hosts.append(_host(node, pool.role, pool.gpus_per_node))
+        if pool_ft is not None:
+            ft_pools.append(FaultTolerancePool(pool=pool.role, processes=[one.pid for one in composed],
+                                               recovery_timeout_s=composed[0].recovery_timeout or 0, origin=pool_ft.origin))
         tp, dp, pp = sizes(pool)
         if tp & (tp - 1):
             notices.append(Notice("tp-not-power-of-two", f"{pool.role} pool: TP {tp} must divide the model's attention heads or vLLM refuses it; "
@@ -163,7 +186,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     home = spec(inventory.backend).router_home if inventory is not None else "inventory"
     rnode = placed[0] if home == "allocation" else router_node(inventory, exclude, cordoned)
     router_port = inventory.router.port if inventory is not None and inventory.router.port else None
-    router = router_process(r, procs, notices, rnode, ports, router_port)
+    router = router_process(r, procs, notices, rnode, ports, router_port, frozenset(p.pool for p in ft_pools))
     if router is not None:
         procs.append(router)
         if not any(h.name == rnode.name for h in hosts):
@@ -183,12 +206,13 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
         processes=procs, ports=table, inventory=inventory.name if inventory else None,
         backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
-        platform=r.hardware.vendor_platform, exclude=kept_out,
+        platform=r.hardware.vendor_platform, exclude=kept_out, fault_tolerance=ft_pools,
     )
 
 
 class Placed(NamedTuple):
-    """One node's composed engine command and where placement put it."""
+    """One engine process's composed command and where placement put it: one per node, or, with
+    fault tolerance, one per DP rank."""
 
     node: NodeSpec
     composed: Composed
@@ -196,6 +220,10 @@ class Placed(NamedTuple):
     node_rank: int | None
     dp_start: int | None
     http: int
+    pid: str
+    head: bool
+    gpus: int
+    recovery_timeout: int | None = None  # fault tolerance: engine_recovery_timeout_sec as it runs
 
 
 class PoolShared(NamedTuple):
@@ -203,6 +231,7 @@ class PoolShared(NamedTuple):
 
     src: PoolSources
     hybrid: bool  # hybrid or external load balancing: every DEP node serves HTTP
+    hybrid_lb: bool  # hybrid load balancing itself (a fault-tolerant pool turns it off)
     recipe_port: str | None
     http: int
     nixl_env: str | None
@@ -216,6 +245,7 @@ class NodeSources(NamedTuple):
     serves: bool
     node_rank: int | None
     dp_start: int | None
+    http: int
 
 
 def _pool_shared(tree: RecipeTree, r: Resolved, pool: Pool, schema: FlagSchema, ports: Ports, kv: KvOffloadOption | None) -> PoolShared:
@@ -227,30 +257,43 @@ def _pool_shared(tree: RecipeTree, r: Resolved, pool: Pool, schema: FlagSchema, 
     recipe_port = flag_value([t for s in own for t in s.args], "--port")
     http = ports.http_for(pool.role) if ports.compact or not recipe_port else int(recipe_port)
     nixl_env = next((v for s in own for k, v in s.env if k == "VLLM_NIXL_SIDE_CHANNEL_PORT"), None)
-    return PoolShared(src, load_balanced(schema, own), recipe_port, http, nixl_env)
+    lb = lb_modes(schema, own)
+    return PoolShared(src, any(lb.values()), lb["--data-parallel-hybrid-lb"], recipe_port, http, nixl_env)
 
 
-def _node_sources(sh: PoolShared, pool: Pool, i: int, node: NodeSpec, head: NodeSpec, ports: Ports, inventory: Inventory | None) -> NodeSources:
-    """Node ``i``'s sources: the pool's, k3launch's placement flags and the node's env, placeholders resolved."""
-    toks, serves, node_rank, dp_start = placement_flags(pool, i, head, sh.hybrid, ports)
+def _node_sources(sh: PoolShared, pool: Pool, i: int, node: NodeSpec, head: NodeSpec, ports: Ports, inventory: Inventory | None,
+                  rank: Rank | None = None) -> NodeSources:
+    """Node ``i``'s sources (or, with fault tolerance, one DP rank's on it): the pool's, k3launch's
+    placement flags and the node's env, placeholders resolved."""
+    http, origin = sh.http, "k3launch placement"
+    if rank is None:
+        toks, serves, node_rank, dp_start = placement_flags(pool, i, head, sh.hybrid, ports)
+    else:
+        toks, serves, node_rank, dp_start = faulttol.rank_flags(rank.schema, pool, rank.rank, head, ports, sh.hybrid_lb), True, None, rank.rank
+        http, origin = ports.rank_http(pool.role, sh.http, rank.local), rank.ft.placement_origin()
     sized = list(toks)
     env: list[tuple[str, str]] = [("VLLM_HOST_IP", node.address)]
     if pool.nodes > 1:
         env += [("GLOO_SOCKET_IFNAME", node.iface), ("NCCL_SOCKET_IFNAME", node.iface)]
     if sh.nixl_env is not None and ports.compact:
         env.append(("VLLM_NIXL_SIDE_CHANNEL_PORT", str(ports.nixl_for(pool.role))))
-    if serves and (sh.recipe_port is None or ports.compact):
-        toks += ["--port", str(sh.http)]
+    if rank is not None:
+        env += faulttol.rank_env(rank.platform, rank.local)
+    if serves and (sh.recipe_port is None or ports.compact or http != sh.http):
+        toks += ["--port", str(http)]
     if serves:
         # Bind the planned address, not every interface: ports are planned per address.
         toks += ["--host", node.address]
-    placement = Source("strategy", "k3launch placement", tuple(toks), tuple(env))
+    placement = Source("strategy", origin, tuple(toks), tuple(env))
     extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
     values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
     src = sh.src
     sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra,
                *[_resolve_source(s, values) for s in (*src.post, *src.tail)]]
-    return NodeSources(sources, sized, serves, node_rank, dp_start)
+    if rank is not None:  # after the hardware layer: its all-to-all must not undo fault tolerance's
+        cut = next((k for k, s in enumerate(sources) if LAYERS.index(s.layer) > LAYERS.index("hardware")), len(sources))
+        sources.insert(cut, faulttol.source(rank.ft, rank.schema, sources[:cut]))
+    return NodeSources(sources, sized, serves, node_rank, dp_start, http)
 
 
 def _sized(sh: PoolShared, r: Resolved, pool: Pool, mem: NodeMemory, head: NodeSpec, schema: FlagSchema, ports: Ports,
@@ -271,14 +314,26 @@ def _sized(sh: PoolShared, r: Resolved, pool: Pool, mem: NodeMemory, head: NodeS
 
 
 def _compose_pool(sh: PoolShared, pool: Pool, pool_nodes: Sequence[NodeSpec], schema: FlagSchema, ports: Ports, locks: list[Locked],
-                  reserved: dict[str, str], inventory: Inventory | None, model_id: str) -> list[Placed]:
-    """Compose every node's command of one pool, at its final size."""
+                  reserved: dict[str, str], inventory: Inventory | None, model_id: str, ft: FaultTolerance | None = None,
+                  platform: str = "cuda") -> list[Placed]:
+    """Compose every node's command of one pool, at its final size; with fault tolerance, every DP
+    rank's (``<role>-dp<rank>``), each checked for what fault tolerance needs."""
     head = pool_nodes[0]
     out: list[Placed] = []
     for i, node in enumerate(pool_nodes):
-        ns = _node_sources(sh, pool, i, node, head, ports, inventory)
-        c = compose(schema, ["vllm", "serve", model_id], ns.sources, locks, reserved)
-        out.append(Placed(node, c, ns.serves, ns.node_rank, ns.dp_start, sh.http))
+        if ft is None:
+            ns = _node_sources(sh, pool, i, node, head, ports, inventory)
+            c = compose(schema, ["vllm", "serve", model_id], ns.sources, locks, reserved)
+            out.append(Placed(node, c, ns.serves, ns.node_rank, ns.dp_start, ns.http, f"{pool.role}-{i}", i == 0, pool.gpus_per_node))
+            continue
+        for local in range(pool.gpus_per_node):
+            rank = i * pool.gpus_per_node + local
+            ns = _node_sources(sh, pool, i, node, head, ports, inventory, Rank(ft, schema, rank, local, platform))
+            c = compose(schema, ["vllm", "serve", model_id], ns.sources, locks, reserved)
+            if local:  # the node's first rank says once that the pool's port moved; the others' own ports are the point
+                c.notices = faulttol.without_port_overrides(c.notices)
+            out.append(Placed(node, c, ns.serves, ns.node_rank, ns.dp_start, ns.http, f"{pool.role}-dp{rank}", rank == 0, 1,
+                              faulttol.verify(ft, pool.role, c, schema)))
     return out
 
 

@@ -45,6 +45,8 @@ RESERVED: dict[str, str] = {
     "--data-parallel-rpc-port": "ports are planned",
     "--data-parallel-hybrid-lb": "load balancing follows the strategy",
     "--data-parallel-external-lb": "load balancing follows the strategy",
+    "--data-parallel-rank": "each DP rank's process is planned (--fault-tolerance)",
+    "--enable-fault-tolerance": "fault tolerance needs one API server per DP rank: ask for it with --fault-tolerance",
     "--nnodes": "node count is planned",
     "--node-rank": "node ranks are planned",
     "--master-addr": "the TP master is the pool head",

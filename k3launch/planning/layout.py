@@ -61,17 +61,18 @@ def sizes(pool: Pool) -> tuple[int, int, int]:
             "replicas": (pool.gpus_per_node, pool.nodes, 1)}[pool.parallelism]
 
 
-def load_balanced(schema: FlagSchema, sources: Sequence[Source]) -> bool:
-    """Whether the pool's own sources leave hybrid or external load balancing on (every DEP node
-    then serves HTTP), judged as compose judges them: the last writer wins, so a recipe's
-    ``strategy_overrides`` ``--no-data-parallel-hybrid-lb`` turns the strategy's flag off."""
+def lb_modes(schema: FlagSchema, sources: Sequence[Source]) -> dict[str, bool]:
+    """Which of hybrid and external load balancing the pool's own sources leave on (either: every
+    DEP node serves HTTP; a fault-tolerant pool turns hybrid off), judged as
+    compose judges them: the last writer wins, so a recipe's ``strategy_overrides``
+    ``--no-data-parallel-hybrid-lb`` turns the strategy's flag off."""
     on = dict.fromkeys(_LB_KEYS, False)
     for src in sources:
         args, _ = schema.parse(list(src.args))  # placeholders are not resolved yet: only booleans matter here
         for a in args:
             if a.key in on:
                 on[a.key] = bool(a.polarity)
-    return any(on.values())
+    return on
 
 
 def pool_strategies(strategies: Mapping[str, Strategy], pool: Pool) -> dict[str, Strategy]:

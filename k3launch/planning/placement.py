@@ -61,6 +61,10 @@ class Ports:
     prefill B+16 + rank, NIXL decode B+144 + rank (P/D pools have at most 16 x 8 ranks). Two
     deployments whose bases are at least 512 apart never collide, and a block may not overlap
     the conventional ports of a default deployment.
+
+    A fault-tolerant DEP pool runs one API server per DP rank: its node's ranks listen on the
+    pool's HTTP port + the rank's index on the node (8000-8007), or, with ``--port-base``, on
+    B+272 + index (serve and prefill pools) and B+400 + index (decode), clear of the rest.
     """
 
     serve: int = 8000
@@ -81,6 +85,12 @@ class Ports:
 
     def nixl_for(self, role: str) -> int:
         return self.nixl_decode if role == "decode" else self.nixl_prefill
+
+    def rank_http(self, role: str, pool_http: int, local: int) -> int:
+        """The HTTP port of the ``local``-th DP rank of a node of a fault-tolerant pool whose
+        HTTP port is ``pool_http`` (each rank has its own API server)."""
+        base = self.serve + (400 if role == "decode" else 272) if self.compact else pool_http
+        return base + local
 
     @classmethod
     def shifted(cls, base: int | None) -> Ports:

@@ -1,9 +1,10 @@
 """The router process of a plan: ``vllm-router`` in front of several HTTP-serving engines.
 
 P/D: ``--vllm-pd-disaggregation`` with one ``--prefill``/``--decode`` URL per serving process
-of each pool (the head of a TP/TEP pool, every node of a hybrid-LB DEP pool). Aggregated
-deployments whose nodes all serve HTTP (DEP with hybrid load balancing, independent replicas)
-get a round-robin router too, so one endpoint reaches every engine.
+of each pool (the head of a TP/TEP pool, every node of a hybrid-LB DEP pool, every DP rank of a
+fault-tolerant DEP pool). Aggregated deployments whose nodes all serve HTTP (DEP with hybrid load
+balancing or fault tolerance, independent replicas) get a round-robin router too, so one endpoint
+reaches every engine.
 
 Every router is set up for supervision (:func:`_supervision_flags`): an engine that dies is
 routed around, and routed to again once it is restarted on the same address and port.
@@ -23,7 +24,8 @@ SUPERVISION = "k3launch supervision: a restarted engine is routed to again"
 
 
 def router_process(r: Resolved, procs: list[Process], notices: list[Notice], node: NodeSpec, ports: Ports,
-                   port: int | None = None) -> Process | None:
+                   port: int | None = None, fault_tolerant: frozenset[str] = frozenset()) -> Process | None:
+    """``fault_tolerant``: the pools whose every DP rank serves HTTP on its own (``--fault-tolerance``)."""
     serving = [p for p in procs if p.http_port is not None]
     if not r.is_pd and len(serving) <= 1:
         return None
@@ -62,15 +64,22 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
             add("--prefill" if p.role == "prefill" else "--decode", f"http://{p.address}:{p.http_port}")
     else:
         add("--worker-urls", *[f"http://{p.address}:{p.http_port}" for p in serving])
-        how = "independent replicas" if any(p.parallelism == "replicas" for p in r.pools) else "hybrid load balancing"
-        notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP ({how}); a vllm-router on {node.name} fronts all {len(serving)}"))
+        if fault_tolerant:
+            notices.append(Notice("router-added", f"every {r.strategy.name} DP rank serves HTTP (one API server per rank, for fault tolerance); "
+                                                  f"a vllm-router on {node.name} fronts all {len(serving)}"))
+        else:
+            how = "independent replicas" if any(p.parallelism == "replicas" for p in r.pools) else "hybrid load balancing"
+            notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP ({how}); a vllm-router on {node.name} fronts all {len(serving)}"))
     add("--policy", policy, origin=sfile if r.strategy.router else "k3launch placement")
     add("--host", node.address)
     add("--port", str(http))
     add("--prometheus-port", str(metrics))
     ov = r.recipe.strategy_overrides.get(r.strategy.name)
     intra = ov.router.get("intra_node_data_parallel_size") if ov is not None else None
-    if intra is not None:  # DP ranks behind each engine URL, as the recipe pins it
+    if intra is not None and fault_tolerant:  # each URL is one DP rank's API server
+        notices.append(Notice("router-intra-dp", f"router: intra_node_data_parallel_size {intra} of the recipe left out: with fault tolerance "
+                                                 "each engine URL is one DP rank"))
+    elif intra is not None:  # DP ranks behind each engine URL, as the recipe pins it
         add("--intra-node-data-parallel-size", str(intra), origin=f"models/{r.recipe_id}.yaml strategy_overrides.{r.strategy.name}.router")
     # The router probes workers every 30 s by default: a deployment would look unready for up to
     # 30 s after its last engine came up.

@@ -160,6 +160,7 @@ class ServeOptions:
     max_n_sequences: int  # VLLM_MAX_N_SEQUENCES: the most choices (n) one request may ask for
     dp_rank: int | None = None  # --data-parallel-rank: this process is that one external-LB rank
     ft: FTOptions = field(default_factory=FTOptions)
+    lb_modes: int = 0  # how many data-parallel load-balancing modes the flags ask for (vLLM allows one)
 
     @property
     def name(self) -> str:
@@ -208,6 +209,13 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
     # --data-parallel-rank N: one engine, DP rank N, balanced from outside (vLLM's external LB:
     # it implies --data-parallel-external-lb and a local size of 1, arg_utils.py:2447, 2470-2485).
     rank = int(vals["data_parallel_rank"]) if "data_parallel_rank" in vals else None
+    # vLLM's `serve` command counts the load-balancing modes asked for (vllm/entrypoints/cli/serve.py:
+    # 79-105): external (--data-parallel-external-lb or --data-parallel-rank), hybrid (the flag, else
+    # implied by --data-parallel-start-rank), multi-port external.
+    multi = flags.get("data_parallel_multi_port_external_lb", False)
+    hybrid = flags.get("data_parallel_hybrid_lb", False)
+    implied_hybrid = hybrid if hybrid or multi else "data_parallel_start_rank" in vals
+    external = flags.get("data_parallel_external_lb", False) or rank is not None
     try:
         ft = ftconfig.build(args)
     except ftconfig.FTConfigError as exc:
@@ -240,6 +248,7 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
         max_n_sequences=_env_int(env, "VLLM_MAX_N_SEQUENCES", DEFAULT_MAX_N_SEQUENCES),
         dp_rank=rank,
         ft=ft,
+        lb_modes=sum((multi, external, implied_hybrid)),
     )
 
 
@@ -279,6 +288,10 @@ def _model_len(raw: str | None) -> int | None:
 
 def check(opts: ServeOptions, knobs: Knobs) -> None:
     """The startup checks vLLM makes on these settings; raises :class:`SimConfigError`."""
+    if opts.lb_modes > 1:  # the serve command's own check, before any engine setting
+        raise SimConfigError("Cannot use more than one data parallel load balancing mode. Choose one of: "
+                             "--data-parallel-multi-port-external-lb, --data-parallel-external-lb (or --data-parallel-rank), "
+                             "--data-parallel-hybrid-lb (or --data-parallel-start-rank).")
     for what, value in (
         ("tensor_parallel_size", opts.tp),
         ("pipeline_parallel_size", opts.pp),
