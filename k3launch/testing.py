@@ -359,6 +359,10 @@ class FakeWatcher:
         self.calls.append(("check", *nodes))
         return list(self.doctor_fails)
 
+    def ft_retry(self, pool: object) -> str | None:
+        self.calls.append(("ft_retry", getattr(pool, "pool", "")))
+        return None
+
     def reroute(self, router: object, remove: Sequence[str], add: Sequence[str]) -> str | None:
         self.calls.append(("reroute", *(f"-{u}" for u in remove), *(f"+{u}" for u in add)))
         return None

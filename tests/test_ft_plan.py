@@ -288,7 +288,7 @@ def test_up_of_a_fault_tolerant_dep_plan_serves_and_every_rank_answers_status(tm
     Then what the plan tells a supervisor is enough to recover a stalled collective: DP rank 3's
     all-to-all stops 20 s after it serves, every rank turns unhealthy, a retry to every rank's
     ``apply`` heals the group, and the router serves again."""
-    from e2e_helpers import Cli, cleanup, local_leftovers, try_complete
+    from e2e_helpers import Cli, cleanup, events, local_leftovers, try_complete, wait_event
 
     inv = yaml.safe_load(example("local").read_text())
     inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "0.5", "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "60",
@@ -313,15 +313,21 @@ def test_up_of_a_fault_tolerant_dep_plan_serves_and_every_rank_answers_status(tm
             assert code == 200 and body["engines"] == [{"id": rank, "status": "healthy"}], (pid, body)
             assert _get(f"http://{p['address']}:{p['http_port']}/health")[0] == 200
         assert try_complete(out["endpoint"], plan["model"], timeout=30) is None  # served through the router
-        _wait_all(procs, ft, "unhealthy", within=60)  # the stall reaches every rank; /health stays 200
-        assert _get(f"http://{procs['serve-dp0']['address']}:{procs['serve-dp0']['http_port']}/health")[0] == 200
-        for pid in ft["processes"]:
-            code, body = _post(f"http://{procs[pid]['address']}:{procs[pid]['http_port']}{ft['apply']}", {"instruction": "retry", "params": {}})
-            assert code == 202 and "request_id" in body, (pid, body)
+        # the supervisor drives vLLM's fault tolerance: the stall reaches every rank (/health stays
+        # 200), it sends retry to every rank's apply, and the group recovers without a restart
+        sv = cli.json("supervise", name, "--detach", "--poll", "0.5")
+        handles = {pid: pr["handle"] for pid, pr in rec["processes"].items()}
+        seen = wait_event(cli, name, "detected", "serve", within=60)
+        assert "unhealthy" in seen["reason"] and "/health stays 200" in seen["reason"], seen
+        sent = wait_event(cli, name, "ft-retry", "serve", within=60)
+        back = wait_event(cli, name, "recovered", "serve", within=60)
         _wait_all(procs, ft, "healthy", within=30)
         assert try_complete(out["endpoint"], plan["model"], timeout=30) is None
+        assert "restarting" not in [e["kind"] for e in events(cli, name)]
+        assert {pid: pr["handle"] for pid, pr in cli.record(name)["processes"].items()} == handles  # no process restarted
+        print(f"\n[fault tolerance: stall detected -> retry {sent['time'] - seen['time']:.1f}s -> recovered {back['time'] - seen['time']:.1f}s]")
         d = cli.json("down", name, timeout=120)
-        assert d["clean"] is True, d
+        assert d["clean"] is True and f"pid {sv['supervisor']['pid']}" in d["supervisor"], d
         assert local_leftovers(rec) == ({}, [])
     finally:
         cleanup(cli, [name])

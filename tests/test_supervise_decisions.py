@@ -167,3 +167,41 @@ def test_policy_values_are_bounded() -> None:
         with pytest.raises(ValidationError):
             RestartPolicy.model_validate(bad)
     assert [RestartPolicy(backoff=10, backoff_max=300).delay(n) for n in range(7)] == [0, 10, 20, 40, 80, 160, 300]
+
+
+def _ft() -> Supervision:
+    plan = api.plan(None, recipe=RECIPE, strategy="multi_node_dep", fault_tolerance=True, name="t-ft")
+    return Supervision(plan, RestartPolicy(), start_timeout=60.0)
+
+
+def test_vllm_fault_tolerance_retry_goes_to_every_rank_once_all_are_unhealthy_then_recovers() -> None:
+    from k3launch.models.supervision import FtRetry
+
+    s = _ft()
+    (u,) = [x for x in s.units if x.kind == "group"]
+    ranks = u.processes
+    assert len(ranks) == 16 and s.ft[u.name].processes == list(ranks)
+    ok = {r: "healthy" for r in ranks}
+    some = {**ok, ranks[3]: "unhealthy"}
+    ev, acts = s.step(Observation(0.0, ft=some, healthy=dict.fromkeys(ranks, True)))
+    assert _kinds(ev) == ["detected"] and acts == [] and s.state(u.name) is UnitState.RECOVERING  # /health is 200 all along
+    assert ranks[3] in ev[0].reason and "unhealthy" in ev[0].reason
+    ev, acts = s.step(Observation(1.0, ft=dict.fromkeys(ranks, "unhealthy")))
+    assert _kinds(ev) == ["ft-retry"] and [type(a) for a in acts] == [FtRetry]  # vLLM refuses a retry before a rank is unhealthy
+    assert s.step(Observation(2.0, ft=dict.fromkeys(ranks, "unhealthy"))) == ([], [])  # sent once, not every look
+    ev, acts = s.step(Observation(3.5, ft=ok))
+    assert _kinds(ev) == ["recovered"] and ev[0].seconds == pytest.approx(3.5) and acts == []
+    assert s.state(u.name) is UnitState.SERVING and s.restarts == 0
+
+
+def test_no_recovery_within_the_engines_timeout_restarts_the_group_and_a_dead_rank_restarts_it_at_once() -> None:
+    s = _ft()
+    (u,) = [x for x in s.units if x.kind == "group"]
+    ranks = u.processes
+    timeout = s.ft[u.name].recovery_timeout_s
+    s.step(Observation(0.0, ft=dict.fromkeys(ranks, "unhealthy")))
+    ev, acts = s.step(Observation(timeout + 16.0, ft=dict.fromkeys(ranks, "unhealthy")))
+    assert "did not recover" in ev[0].reason and [type(a) for a in acts] == [Restart] and acts[0].unit.processes == ranks  # type: ignore[union-attr]
+    s2 = _ft()
+    ev, acts = s2.step(Observation(0.0, dead={ranks[5]: "exited with code 137"}, ft=dict.fromkeys(ranks, "unhealthy")))
+    assert [type(a) for a in acts] == [Restart]  # a dead rank cannot rejoin: retry would never complete

@@ -31,7 +31,7 @@ from k3launch.deploy.progress import ProgressFn, Tracker
 from k3launch.deploy.readiness import Readiness
 from k3launch.errors import K3Error
 from k3launch.models.phases import LogDelta
-from k3launch.models.plan import Plan, Process
+from k3launch.models.plan import FaultTolerancePool, Plan, Process
 from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
 from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport, DryRun, LaunchFailed, TeardownReport
 from k3launch.models.weights import FetchProgress, NodeWeights, Source
@@ -171,6 +171,10 @@ class Watcher(Protocol):
 
     def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
         """The doctor's failures on ``nodes`` for what ``plan`` puts there (spares about to be used)."""
+        ...
+
+    def ft_retry(self, pool: FaultTolerancePool) -> str | None:
+        """vLLM's fault tolerance: POST ``retry`` to every rank of ``pool``; None, or what failed."""
         ...
 
     def reroute(self, router: Process, remove: Sequence[str], add: Sequence[str]) -> str | None:

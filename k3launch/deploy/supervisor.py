@@ -33,7 +33,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord, Supervisor
 from k3launch.models.supervise import Event, RestartPolicy, reroutable, units, worker_urls
-from k3launch.models.supervision import Action, GiveUp, Replace, Restart, StopAll, Supervision
+from k3launch.models.supervision import Action, FtRetry, GiveUp, Replace, Restart, StopAll, Supervision
 from k3launch.util.locks import locked
 
 GRACE_S = 10.0  # SIGTERM to SIGKILL when a unit restarts
@@ -147,6 +147,12 @@ class _Run:
             return "ok"
         if isinstance(a, Replace):
             self._replace(a)
+            return "ok"
+        if isinstance(a, FtRetry):
+            why = self.watcher.ft_retry(a.pool)
+            if why is not None:  # not fatal: sent again later, and the recovery timeout falls back to a restart
+                self.emit([Event(time=time.time(), kind="supervisor-error", deployment=self.rec.name, unit=a.unit.name,
+                                 reason=f"retry: {why}")])
             return "ok"
         return self._stop_all(a)
 

@@ -72,6 +72,8 @@ EventKind = Literal[
     "reclaimed",  # what was left on a lost node that answers again was stopped there
     "rerouted",  # the running router was told of a moved engine (its worker routes), instead of restarting
     "hook-failed",  # the --on-event command failed or timed out
+    "ft-retry",  # vLLM's fault tolerance: every rank of a DEP pool went unhealthy; retry sent to all
+    "recovered",  # ... and every rank is healthy again, without a restart
     "supervisor-error",  # an action failed in a way k3launch did not foresee (a bug): reported, and the watch goes on
 ]
 

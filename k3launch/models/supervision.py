@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from k3launch.models.plan import Plan
+from k3launch.models.plan import FaultTolerancePool, Plan
 from k3launch.models.supervise import Event, EventKind, RestartPolicy, Unit, units
 
 
@@ -27,6 +27,11 @@ class Observation:
     healthy: Mapping[str, bool] = field(default_factory=dict)  # HTTP process id -> /health answered 200 in time
     tails: Mapping[str, str] = field(default_factory=dict)  # dead process id -> its last log lines
     reclaimed: Mapping[str, Sequence[str]] = field(default_factory=dict)  # lost node answering again -> processes stopped there
+    ft: Mapping[str, str] = field(default_factory=dict)  # fault-tolerant rank -> its engine's FT status ("healthy", "unhealthy", ...)
+
+
+FT_MARGIN_S = 15.0  # past the engines' recovery timeout: they die by then; a group restart follows
+FT_RETRY_AGAIN_S = 30.0  # a retry that did not take (a rank missed it) is sent again
 
 
 class UnitState(StrEnum):
@@ -35,6 +40,7 @@ class UnitState(StrEnum):
     STARTING = "starting"  # restarted; must serve by ``until``
     WAITING_NODE = "waiting-node"  # a node of the unit does not answer
     GAVE_UP = "gave-up"
+    RECOVERING = "recovering"  # vLLM's own fault tolerance: ranks unhealthy, every process alive; retry sent or due
 
 
 @dataclass(frozen=True)
@@ -67,13 +73,22 @@ class Replace:
 
 
 @dataclass(frozen=True)
+class FtRetry:
+    """vLLM's fault tolerance: POST ``retry`` to every rank's API server of ``pool`` (all at once:
+    recovery completes only once every rank got it)."""
+
+    unit: Unit
+    pool: FaultTolerancePool
+
+
+@dataclass(frozen=True)
 class StopAll:
     """The deployment cannot serve any more: stop everything, record ``failed``."""
 
     reason: str
 
 
-Action = Restart | GiveUp | Replace | StopAll
+Action = Restart | GiveUp | Replace | FtRetry | StopAll
 
 
 @dataclass
@@ -85,6 +100,7 @@ class _Memory:
     reason: str = ""
     failing: tuple[str, ...] = ()
     unhealthy_since: dict[str, float] = field(default_factory=dict)
+    ft_sent: float | None = None  # when the last retry went out
 
 
 class Supervision:
@@ -101,6 +117,7 @@ class Supervision:
         self.node_down: dict[str, float] = {}  # node -> since when it does not answer
         self.lost: set[str] = set()
         self.restarts = 0  # restarts done, in all
+        self.ft = {f.pool: f for f in plan.fault_tolerance}  # group unit name (its pool) -> vLLM's fault tolerance there
 
     def unit(self, name: str) -> Unit:
         return next(u for u in self.units if u.name == name)
@@ -126,7 +143,7 @@ class Supervision:
                 continue
             down = [n for n in u.nodes if n in obs.unreachable]
             if m.state in (UnitState.SERVING, UnitState.STARTING) and down:
-                m.state, m.detected = UnitState.WAITING_NODE, m.detected or now
+                m.state, m.detected = UnitState.WAITING_NODE, now if m.detected is None else m.detected
                 m.reason = f"node {down[0]} stopped answering: {obs.unreachable[down[0]]}"
                 events.append(self._event(now, "detected", u, node=down[0], reason=m.reason))
                 continue
@@ -135,6 +152,9 @@ class Supervision:
                     actions += self._fail(u, m, now, m.reason, events, counted=False)
                 continue
             failure = self._failure(u, m, obs)
+            if failure is None and u.name in self.ft and m.state in (UnitState.SERVING, UnitState.RECOVERING):
+                failure, recovery = self._recovery(u, m, obs, events)
+                actions += recovery
             if failure is not None:
                 why, proc, tail = failure
                 if m.state is UnitState.STARTING:
@@ -151,7 +171,7 @@ class Supervision:
             elif m.state is UnitState.STARTING and self._serves(u, obs):
                 m.state = UnitState.SERVING
                 m.unhealthy_since.clear()
-                took = now - (m.detected or now)
+                took = now - (now if m.detected is None else m.detected)
                 events.append(self._event(now, "restarted", u, reason=f"serving again after {took:.1f}s", seconds=round(took, 3),
                                           attempt=len(m.restarts)))
                 m.detected = None
@@ -213,6 +233,36 @@ class Supervision:
                 return f"{pid} hung: /health failing or silent for {obs.now - since:.0f}s", pid, ""
         return None
 
+    def _recovery(self, u: Unit, m: _Memory, obs: Observation, events: list[Event]) -> tuple[tuple[str, str | None, str] | None, list[Action]]:
+        """vLLM's fault tolerance on a DEP pool whose processes all live: ranks go ``unhealthy``
+        while ``/health`` stays 200; once every rank is, ``retry`` goes to all of them (again
+        every :data:`FT_RETRY_AGAIN_S`); all ``healthy`` again is a recovery. Not healthy within
+        the engines' recovery timeout (+ :data:`FT_MARGIN_S`): a failure, and the group restarts."""
+        pool = self.ft[u.name]
+        states = [obs.ft.get(pid, "") for pid in u.processes]
+        now = obs.now
+        if m.state is UnitState.SERVING:
+            if not any(st and st != "healthy" for st in states):
+                return None, []
+            m.state, m.detected, m.ft_sent = UnitState.RECOVERING, now, None
+            bad = [pid for pid, st in zip(u.processes, states, strict=True) if st and st != "healthy"]
+            m.reason = f"{', '.join(bad)} {states[u.processes.index(bad[0])]} (vLLM fault tolerance; /health stays 200)"
+            events.append(self._event(now, "detected", u, process=bad[0], node=self._node(bad[0]), reason=m.reason))
+        if all(st == "healthy" for st in states):
+            took = now - (now if m.detected is None else m.detected)
+            m.state, m.detected, m.ft_sent = UnitState.SERVING, None, None
+            events.append(self._event(now, "recovered", u, reason=f"every rank healthy again after {took:.1f}s (vLLM fault tolerance)",
+                                      seconds=round(took, 3)))
+            return None, []
+        if now - (now if m.detected is None else m.detected) > pool.recovery_timeout_s + FT_MARGIN_S:
+            m.state = UnitState.SERVING  # the failure path takes it from here
+            return (f"vLLM fault tolerance did not recover {u.name} within {pool.recovery_timeout_s}s", u.http[0] if u.http else None, ""), []
+        if all(st == "unhealthy" for st in states) and (m.ft_sent is None or now - m.ft_sent >= FT_RETRY_AGAIN_S):
+            m.ft_sent = now
+            events.append(self._event(now, "ft-retry", u, reason=f"retry sent to {len(u.processes)} rank(s)"))
+            return None, [FtRetry(u, pool)]
+        return None, []
+
     def _serves(self, u: Unit, obs: Observation) -> bool:
         return all(obs.healthy.get(pid) is True for pid in u.http)
 
@@ -270,7 +320,7 @@ class Supervision:
         for name in restarted:
             m = self.memory[name]
             m.state, m.until = UnitState.STARTING, now + self.start_timeout
-            m.detected = m.detected or now
+            m.detected = now if m.detected is None else m.detected
             m.unhealthy_since.clear()
             self.restarts += 1
 

@@ -13,11 +13,13 @@ processes with the script ``up`` used (:func:`~k3launch.deploy.ssh.launch.start_
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +29,7 @@ from k3launch.deploy.ssh.observe import poll, tail_logs
 from k3launch.deploy.ssh.teardown import stop_left_behind, stop_processes, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan, Process, is_container
+from k3launch.models.plan import FaultTolerancePool, Plan, Process, is_container
 from k3launch.models.record import LeftBehind, SshRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.models.supervise import Unit
@@ -97,9 +99,51 @@ class SshWatcher:
         # a router's /health answers 503 while any of its workers is down: its own life is /liveness
         routers = {p.id: "/liveness" for p in rec.plan.processes if p.role == "router"}
         healthy = probe_all(urls, timeout=self.probe_timeout, paths=routers)
+        ft = self._ft_status([p for p in rec.plan.processes if p.id in urls], {pid for f in rec.plan.fault_tolerance for pid in f.processes})
         reclaimed = self._reclaim()
         unreachable = {**self._still_silent(), **pl.unreachable}
-        return Observation(now=now, dead=dead, unreachable=unreachable, healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed)
+        return Observation(now=now, dead=dead, unreachable=unreachable, healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed, ft=ft)
+
+    # ------------------------------------------------------------------ vLLM's fault tolerance
+    def _ft_status(self, procs: Sequence[Process], ranks: set[str]) -> dict[str, str]:
+        """Each fault-tolerant rank's engine state from its ``/fault_tolerance/status`` ("" when it
+        did not answer): the worst of its engines (one per API server with external load balancing)."""
+        path = next((f.status for f in self.rec.plan.fault_tolerance), "/fault_tolerance/status")
+        asked = [p for p in procs if p.id in ranks]
+        if not asked:
+            return {}
+
+        def one(p: Process) -> str:
+            try:
+                with urllib.request.urlopen(f"http://{p.address}:{p.http_port}{path}", timeout=self.probe_timeout) as r:
+                    data = json.loads(r.read())
+                states = [str(e.get("status", "")) for e in data.get("engines", [])]
+            except (urllib.error.URLError, OSError, ValueError, AttributeError):
+                return ""
+            return next((st for st in states if st != "healthy"), "healthy" if states else "")
+
+        with ThreadPoolExecutor(max_workers=min(32, len(asked))) as pool:
+            return dict(zip((p.id for p in asked), pool.map(one, asked), strict=True))
+
+    def ft_retry(self, pool: FaultTolerancePool) -> str | None:
+        """POST ``retry`` to every rank of ``pool`` at once (recovery completes only when every rank got it)."""
+        procs = [p for p in self.rec.plan.processes if p.id in pool.processes]
+        body = json.dumps({"instruction": "retry", "params": {}}).encode()
+
+        def one(p: Process) -> str | None:
+            req = urllib.request.Request(f"http://{p.address}:{p.http_port}{pool.apply}", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.probe_timeout) as r:
+                    return None if r.status == 202 else f"{p.id}: HTTP {r.status}"
+            except urllib.error.HTTPError as exc:
+                return f"{p.id}: HTTP {exc.code} {exc.read()[:200].decode(errors='replace')}"
+            except (urllib.error.URLError, OSError) as exc:
+                return f"{p.id}: {getattr(exc, 'reason', exc)}"
+
+        with ThreadPoolExecutor(max_workers=min(32, len(procs) or 1)) as ex:
+            errors = [e for e in ex.map(one, procs) if e]
+        return "; ".join(errors) or None
 
     # ------------------------------------------------------------------ lost nodes
     def _reclaim(self) -> dict[str, list[str]]:
