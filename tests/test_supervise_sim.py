@@ -119,7 +119,7 @@ def test_replicas_a_killed_and_a_hung_engine_are_restarted_under_load_and_down_s
           f"client: {load.ok} ok, {load.failed} failed]")
     for t, why in load.failures[:5]:
         print(f"  failed {t - t_kill:+.2f}s after the kill: {why}")
-    assert load.ok > 50
+    assert load.ok > 50 and load.failed == 0, load.failures[:5]  # the router retried what the dead engine dropped
     tl = cli.json("timeline", name)
     assert [e["kind"] for e in tl["events"]].count("restarted") == 2, tl["events"]
     shown = cli.run("timeline", name).stdout
