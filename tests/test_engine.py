@@ -210,3 +210,57 @@ def test_a_dead_enginecore_shows_as_degraded_at_once_and_down_leaves_nothing(k3:
     assert down["clean"] is True, down
     time.sleep(0.5)
     assert not _alive(tree), _names(_alive(tree))
+
+
+def test_an_engine_that_fails_at_every_restart_is_given_up_with_vllms_own_words_and_nothing_left(k3: K3, vllm_cpu: VllmCpu) -> None:
+    """The real engine serves from a copy of the model; the copy goes, the engine is killed: every
+    restart now fails in vLLM's own start-up, and after --max-restarts the supervisor gives up —
+    state failed with vLLM's error, its last lines kept, nothing left running."""
+    import shutil
+
+    from e2e_helpers import Cli, events
+
+    model = k3.tmp / "model"
+    shutil.copytree(vllm_cpu.model, model)
+    recipes = k3.tmp / "recipes"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "recipes", recipes)
+    spec = recipes / "models" / "k3launch" / "tiny-llama.yaml"
+    spec.write_text(spec.read_text().replace(f'model_id: "{vllm_cpu.model}"', f'model_id: "{model}"'))
+    name = f"eng-{uuid.uuid4().hex[:6]}"
+    up = k3("up", "-i", str(k3.inventory), "--recipe", RECIPE, "--recipes-dir", str(recipes), "--name", name, "--json", timeout=UP_TIMEOUT_S)
+    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
+    rec = _record(k3, name)
+    serve = rec["plan"]["processes"][0]  # type: ignore[index]
+    assert serve["argv"][2] == str(model)
+    api_pid = int(rec["processes"]["serve-0"]["handle"])  # type: ignore[index]
+    tree = _descendants(api_pid)
+    shutil.rmtree(model)
+    sup = subprocess.Popen([sys.executable, "-m", "k3launch", "supervise", name, "--poll", "1", "--max-restarts", "2", "--backoff", "1"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=k3.env, stdin=subprocess.DEVNULL)
+    cli = Cli(k3.tmp / "state")
+    deadline = time.monotonic() + 60
+    while not [e for e in events(cli, name) if e["kind"] == "watching"]:
+        assert time.monotonic() < deadline and sup.poll() is None, sup.communicate()
+        time.sleep(0.2)
+    t_kill = time.monotonic()
+    os.kill(api_pid, signal.SIGKILL)
+    try:
+        out, err = sup.communicate(timeout=UP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        sup.kill()
+        raise
+    took = time.monotonic() - t_kill
+    assert sup.returncode == 1, out[-3000:] + err[-3000:]
+    kinds = [e["kind"] for e in events(cli, name)]
+    assert kinds.count("restarting") == 2 and kinds.count("restart-failed") == 2 and kinds[-3:] == ["gave-up", "failed", "stopped-watching"], kinds
+    after = _record(k3, name)
+    assert after["state"] == "failed", after["state"]
+    assert "2 restarts within" in str(after["error"]) and str(model) in str(after["error"]), after["error"]  # vLLM's own words name the path
+    kept = k3.tmp / "state" / "logs" / name / "serve-0.log"
+    assert "HFValidationError" in kept.read_text() or "does not" in kept.read_text(), kept.read_text()[-2000:]
+    time.sleep(0.5)
+    assert not _alive(tree), _names(_alive(tree))
+    assert _port_free(serve["address"], serve["http_port"])
+    down = k3.json("down", name, timeout=180)
+    assert down["clean"] is True, down
+    print(f"\n[real engine failing at every start: given up {took:.1f}s after the kill, after 2 restarts]")
