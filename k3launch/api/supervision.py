@@ -35,7 +35,9 @@ def restart_policy(name: str, overrides: Mapping[str, Any] | None = None, *, sta
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
-        raise K3Error("bad-policy", f"restart policy: {field}: {err['msg']}", "see `k3launch supervise --help` for each setting's range") from None
+        flag = "--restart" if field == "policy" else "--" + field.replace("_", "-")
+        raise K3Error("bad-policy", f"restart policy {field} ({flag}, or restart.{field} in the inventory): {err['msg']}",
+                      "see `k3launch supervise --help` for each setting's range") from None
 
 
 def _inventory_policy(rec: DeploymentRecord) -> RestartPolicy:
