@@ -146,7 +146,7 @@ def test_supervise_is_refused_where_the_backend_lacks_it(tmp_path: Path) -> None
                            slurm=SlurmJob(job_id="1", log_dir="/tmp", script="/tmp/s")))
     with pytest.raises(K3Error) as exc:
         api.supervise("on-slurm", state_dir=tmp_path)
-    assert exc.value.code == "not-supported" and "k3launch status" in exc.value.hint
+    assert exc.value.code == "not-supported" and "the job supervises itself" in exc.value.hint and "`k3launch up --supervise`" in exc.value.hint
 
 
 def test_the_policy_is_the_inventorys_with_flags_over_it(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ Each call picks the backend from the registry by the inventory's or the record's
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -23,13 +24,16 @@ if TYPE_CHECKING:
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, StageFn, Status
     from k3launch.models.reports import DoctorReport, LaunchFailed, TeardownReport
+    from k3launch.models.supervise import RestartPolicy
+    from k3launch.planning.inventory import Inventory
 
 
 def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None,
        ready_timeout: float | None = None, keep_on_failure: bool = False, force: bool = False, skip_doctor: bool = False,
        accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, extra_sbatch: Sequence[str] = (),
-       queue_timeout: float | None = None, on_stage: StageFn | None = None, on_doctor: Callable[[DoctorReport], None] | None = None,
-       on_failure: Callable[[LaunchFailed], None] | None = None, on_progress: Callable[[BringUp], None] | None = None) -> DeploymentRecord:
+       queue_timeout: float | None = None, supervise: bool | Mapping[str, Any] = False, on_stage: StageFn | None = None,
+       on_doctor: Callable[[DoctorReport], None] | None = None, on_failure: Callable[[LaunchFailed], None] | None = None,
+       on_progress: Callable[[BringUp], None] | None = None) -> DeploymentRecord:
     """Start ``plan`` on the inventory's nodes and return once it serves (a real completion
     came back through its endpoint). Raises K3Error / LaunchFailed; on failure everything
     started is torn down unless ``keep_on_failure``. ``on_progress`` gets every process's phase
@@ -37,7 +41,10 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
 
     Slurm: ``extra_sbatch`` lines are passed through as ``#SBATCH`` directives, ``queue_timeout``
     bounds the time in the queue (default: wait), ``skip_doctor`` leaves out the job's doctor
-    step and the automatic exclusion of nodes it refused in the last day."""
+    step and the automatic exclusion of nodes it refused in the last day. ``supervise``: the job
+    supervises itself — it restarts failed steps inside its allocation under the inventory's
+    ``restart:`` policy (a mapping overrides its fields); backends supervised from a login node
+    refuse it (start :func:`supervise_detached` after ``up`` there)."""
     from k3launch.api.cordons import refuse_cordoned
     from k3launch.deploy.base import Events, no_op
     from k3launch.deploy.options import SlurmOptions, UpOptions
@@ -54,7 +61,7 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
     if st.exists(plan.name):
         raise K3Error("deployment-exists", f"a deployment named {plan.name!r} already exists", f"`k3launch down {plan.name}` first, or pass --name")
     opts = UpOptions(ready_timeout=None if ready_timeout is None else bounds.READY_TIMEOUT.parse("ready_timeout", ready_timeout),
-                     keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor)
+                     keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor, supervise=self_policy(inv, supervise))
     slurm = SlurmOptions(tuple(extra_sbatch), None if queue_timeout is None else bounds.QUEUE_TIMEOUT.parse("queue_timeout", queue_timeout))
     b = backend(inv.backend, [access(accept_unknown_hosts, connect_timeout), slurm])
     events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op, on_progress or no_op)
@@ -76,6 +83,18 @@ def deployed(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Pat
     finally:
         down(rec.name, state_dir=state_dir, grace=grace, accept_unknown_hosts=up_options.get("accept_unknown_hosts", False),
              connect_timeout=up_options.get("connect_timeout", 10.0))
+
+
+def self_policy(inv: Inventory, supervise: bool | Mapping[str, Any]) -> RestartPolicy | None:
+    """The policy a self-supervising deployment follows (None: not asked for): the inventory's
+    ``restart:``, then the fields ``supervise`` overrides; refused by a backend without the feature."""
+    from k3launch.api.supervision import merged_policy
+    from k3launch.models.backends import Feature, require
+
+    if supervise is False:
+        return None
+    require(inv.backend, Feature.SELF_SUPERVISE, "supervision built into the deployment (up --supervise)")
+    return merged_policy(inv.restart, supervise if isinstance(supervise, Mapping) else None)
 
 
 def ready_timeout(plan: Plan, override: float | None = None) -> float:
@@ -118,11 +137,19 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
     from k3launch.deploy.supervisors import alive
     from k3launch.models.record import SupervisorStatus
 
-    rec = store(state_dir).load(name)
+    st = store(state_dir)
+    rec = st.load(name)
     snap = backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec)
     sv = rec.supervisor
     if sv is not None and alive(sv):
         snap.supervisor = SupervisorStatus(host=sv.host, pid=sv.pid, since=sv.since, restarts=sv.restarts, detached=sv.detached)
+    if snap.state == "failed" and rec.state == "ready":  # it failed on its own (a self-supervising job gave up): say so in the record
+        with contextlib.suppress(K3Error), st.lock(name):  # another command acting on it (a `down`) has the last word
+            cur = st.try_load(name)
+            if cur is not None and cur.state == "ready":
+                cur.state, cur.error = "failed", snap.error
+                st.save(cur)
+    snap.error = snap.error or (rec.error if rec.state == "failed" else None)
     return snap
 
 

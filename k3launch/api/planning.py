@@ -76,10 +76,11 @@ def check_port_base(base: int) -> int:
 
 
 def dry_run(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None,
-            extra_sbatch: Sequence[str] = ()) -> DryRun:
+            extra_sbatch: Sequence[str] = (), supervise: bool | Mapping[str, Any] = False) -> DryRun:
     """What ``up`` would run for ``plan`` (per-node scripts, or the sbatch script), and the same as
     files for ``render``; starts nothing. Without an inventory, a plan on placeholder nodes gets
-    the SSH backend's scripts."""
+    the SSH backend's scripts. ``supervise``: as :func:`k3launch.api.up`'s (Slurm: the job script
+    that supervises itself)."""
     from k3launch.deploy.options import SlurmOptions, UpOptions
     from k3launch.deploy.registry import backend
 
@@ -91,7 +92,12 @@ def dry_run(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path
         refuse_cordoned(plan, loaded, state_dir)  # `up` would refuse it: its dry run shows nothing that would run
     name = inv.backend if inv is not None else plan.backend if plan.backend != "none" else "ssh"
     b = backend(name, [SlurmOptions(extra_sbatch=tuple(extra_sbatch))])
-    return b.dry_run(plan, inv, store(state_dir), UpOptions())
+    policy = None
+    if supervise is not False and inv is not None:
+        from k3launch.api.lifecycle import self_policy
+
+        policy = self_policy(inv, supervise)
+    return b.dry_run(plan, inv, store(state_dir), UpOptions(supervise=policy))
 
 
 def explain(plan: Plan, flag: str, process: str | None = None) -> tuple[str, list[FlagHistory]]:

@@ -24,14 +24,19 @@ if TYPE_CHECKING:
 
 def restart_policy(name: str, overrides: Mapping[str, Any] | None = None, *, state_dir: str | Path | None = None) -> RestartPolicy:
     """The policy a supervisor of ``name`` follows: the inventory's ``restart:``, then ``overrides``."""
+    rec = store(state_dir).load(name)
+    return merged_policy(_inventory_policy(rec), overrides)
+
+
+def merged_policy(base: RestartPolicy | None, overrides: Mapping[str, Any] | None) -> RestartPolicy:
+    """``base`` (an inventory's ``restart:``; None: the defaults) with the fields ``overrides`` sets (None values: not set)."""
     from pydantic import ValidationError
 
     from k3launch.models.supervise import RestartPolicy
 
-    rec = store(state_dir).load(name)
-    base = _inventory_policy(rec)
     try:
-        return RestartPolicy.model_validate({**base.model_dump(), **{k: v for k, v in (overrides or {}).items() if v is not None}})
+        return RestartPolicy.model_validate({**(base or RestartPolicy()).model_dump(),
+                                             **{k: v for k, v in (overrides or {}).items() if v is not None}})
     except ValidationError as exc:
         err = exc.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
@@ -65,6 +70,7 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
 
     st = store(state_dir)
     rec = st.load(name)
+    refuse_self_supervised(rec)
     pol = policy if isinstance(policy, RestartPolicy) else restart_policy(name, policy, state_dir=state_dir)
     ops = supervise_ops(rec.backend, "supervise", [access(accept_unknown_hosts, connect_timeout)])
     stop = stop or threading.Event()
@@ -103,6 +109,14 @@ def _places(rec: DeploymentRecord, state_dir: str | Path | None) -> supervisor_m
     return Places(cordon, replan)
 
 
+def refuse_self_supervised(rec: DeploymentRecord) -> None:
+    """A deployment that supervises itself (a Slurm job brought up with ``--supervise``) needs no supervisor."""
+    job = rec.job
+    if job is not None and job.supervised is not None:
+        raise K3Error("self-supervised", f"{rec.name} supervises itself: job {job.job_id} restarts failed steps inside its allocation",
+                      f"`k3launch events {rec.name}` shows what it did, `k3launch status {rec.name}` its restarts")
+
+
 def _on_signals(stop: threading.Event) -> Callable[[], None]:
     """SIGINT and SIGTERM set ``stop`` (a clean end between two looks), when called on the main thread."""
     if threading.current_thread() is not threading.main_thread():
@@ -131,6 +145,7 @@ def supervise_detached(name: str, args: list[str] | None = None, *, state_dir: s
     rec = st.load(name)
     from k3launch.models.backends import Feature, require
 
+    refuse_self_supervised(rec)
     require(rec.backend, Feature.SUPERVISE, "supervise")
     return supervisors.detach(st, name, list(args or []))
 
@@ -143,14 +158,24 @@ def stop_supervisor(name: str, *, state_dir: str | Path | None = None) -> str | 
 
 
 def events(name: str, *, state_dir: str | Path | None = None) -> list[Event]:
-    """Every event of ``name``'s event log (kept after ``down``), oldest first."""
+    """Every event of ``name``'s event log (kept after ``down``), oldest first; for a Slurm job that
+    supervises itself, merged with the job's own (``<log dir>/events.jsonl``)."""
     from k3launch.deploy import eventlog
 
-    return eventlog.read(store(state_dir), name)
+    st = store(state_dir)
+    return eventlog.read(st, name, _job_events(st.try_load(name)))
 
 
 def follow_events(name: str, stop: Callable[[], bool], *, state_dir: str | Path | None = None) -> Iterator[Event]:
-    """The events of ``name``, then each new one as it comes, until ``stop()``."""
+    """The events of ``name`` (and of its job, as :func:`events`), then each new one as it comes, until ``stop()``."""
     from k3launch.deploy import eventlog
 
-    return eventlog.follow(store(state_dir), name, stop)
+    st = store(state_dir)
+    return eventlog.follow(st, name, stop, also=_job_events(st.try_load(name)))
+
+
+def _job_events(rec: DeploymentRecord | None) -> list[Path]:
+    from k3launch.deploy.eventlog import JOB_EVENTS
+
+    job = rec.job if rec is not None else None
+    return [Path(job.log_dir) / JOB_EVENTS] if job is not None and job.log_dir else []

@@ -224,7 +224,7 @@ COMMANDS: dict[str, Lazy] = {
     "supervise": Lazy("k3launch.cli.supervise", "Keep a deployment serving until it is taken down: restart what died or hung, give up cleanly."),
     "events": Lazy(
         "k3launch.cli.supervise",
-        "What supervisors saw and did: detections, restarts, backoffs, cordons, give-ups (time, unit, process, node, reason).",
+        "What supervisors (on Slurm, the job itself) saw and did: detections, restarts, backoffs, cordons, give-ups (time, unit, process, node, reason).",
     ),
     "list": Lazy("k3launch.cli.deploy", "Deployments in the state directory."),
     "chat": Lazy("k3launch.cli.deploy", "Send one chat completion to a deployment's public endpoint and print the reply."),

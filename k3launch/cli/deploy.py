@@ -35,7 +35,7 @@ def up(
     keep_on_failure: Annotated[bool, typer.Option("--keep-on-failure", help="Leave processes running when up fails (for debugging).")] = False,
     force: Annotated[bool, typer.Option("--force", help="Use nodes another live deployment holds.")] = False,
     skip_doctor: Annotated[bool, typer.Option("--skip-doctor", help="Do not run the pre-flight checks.")] = False,
-    supervise: Annotated[bool, typer.Option("--supervise", help="Once it serves, keep it serving: a detached `k3launch supervise` (policy: the inventory's restart:).")] = False,
+    supervise: Annotated[bool, typer.Option("--supervise", help="Keep it serving (policy: the inventory's restart:): once it serves, a detached `k3launch supervise`; on Slurm the job restarts failed steps itself.")] = False,
     extra_sbatch: Annotated[list[str] | None, typer.Option("--extra-sbatch", help="Slurm: one more #SBATCH directive, verbatim (repeatable), e.g. --extra-sbatch=--mail-type=END.")] = None,
     queue_timeout: Annotated[float | None, number_option("--queue-timeout", bounds.QUEUE_TIMEOUT,
                                                          "Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
@@ -57,14 +57,17 @@ def up(
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
         plan = args.build()
         state_dir = args.state_dir  # a placement option: planning read the inventory's cordoned nodes there
+        in_job = supervise and _supervises_itself(plan.backend)  # Slurm: the job script watches its own steps
         if dry_run:
-            _dry_run(con, plan, api.dry_run(plan, args.inventory, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ())), json_out)
+            _dry_run(con, plan, api.dry_run(plan, args.inventory, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ()),
+                                            supervise=in_job), json_out)
             return
         t0 = time.monotonic()
         with show_progress.UpView(con, quiet=json_out) as view:  # stages, and each process's phase while it waits
             rec = api.up(plan, args.inventory, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
                          force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
-                         extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, on_stage=view.stage, on_progress=view.progress,
+                         extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, supervise=in_job,
+                         on_stage=view.stage, on_progress=view.progress,
                          on_doctor=lambda report: None if json_out else show_deploy.doctor(con, report.checks),
                          on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None)
     except K3Error as err:
@@ -75,7 +78,7 @@ def up(
         raise typer.Exit(INTERRUPTED) from None
     seconds = round(time.monotonic() - t0, 2)
     sv = None
-    if supervise:
+    if supervise and not in_job:
         try:
             sv = api.supervise_detached(rec.name, ["--accept-unknown-hosts"] * accept_unknown_hosts + ["--connect-timeout", str(connect_timeout)],
                                         state_dir=state_dir)
@@ -89,11 +92,23 @@ def up(
             out["job"] = {"id": rec.job.job_id, "hosts": rec.job.hosts, "log_dir": rec.job.log_dir, "attempts": rec.job.attempts}
         if sv is not None:
             out["supervisor"] = {"host": sv.host, "pid": sv.pid}
+        elif in_job and rec.job is not None:
+            out["supervisor"] = {"job": rec.job.job_id}
         typer.echo(json.dumps(out))
     else:
         show_deploy.ready(con, rec)
         if sv is not None:
             con.print(f"supervised in the background: pid {sv.pid} on {sv.host}; `k3launch events {rec.name} -f` follows it")
+        elif in_job and rec.job is not None:
+            con.print(f"supervised by job {rec.job.job_id} itself: it restarts failed steps inside its allocation; "
+                      f"`k3launch events {rec.name} -f` follows it", markup=False)
+
+
+def _supervises_itself(backend: str) -> bool:
+    """Whether ``up --supervise`` builds supervision into what runs (Slurm) rather than starting a supervisor here."""
+    from k3launch.models.backends import Feature, names, spec
+
+    return backend in names() and spec(backend).supports(Feature.SELF_SUPERVISE)
 
 
 def _dry_run(con: Console, plan: Plan, dry: DryRun, json_out: bool) -> None:

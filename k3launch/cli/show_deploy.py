@@ -6,6 +6,7 @@ import time
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -96,11 +97,16 @@ def status(con: Console, snap: Status) -> None:
     con.print(t)
     for u in snap.unreachable:
         con.print(f"[red]unreachable[/]: {u}")
+    if snap.error:
+        con.print(f"[red]failed[/]: {escape(snap.error)}")
     sv = snap.supervisor
     if sv is not None:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sv.since))
-        con.print(f"supervised by pid {sv.pid} on {sv.host}{' (detached)' if sv.detached else ''} since {since}; "
-                  f"{sv.restarts} restart(s); `k3launch events {snap.name}`", markup=False)
+        who = f"job {sv.job} itself ({'on ' + sv.host if sv.host else 'not running yet'})" if sv.job is not None else \
+            f"pid {sv.pid} on {sv.host}{' (detached)' if sv.detached else ''}"
+        con.print(f"supervised by {who} since {since}; {sv.restarts} restart(s); `k3launch events {snap.name}`", markup=False)
+    elif snap.job is not None:
+        con.print("[dim]not supervised: `k3launch up --supervise` makes the job restart failed steps itself[/]")
     else:
         con.print(f"[dim]not supervised: `k3launch supervise {snap.name} --detach` keeps it serving[/]")
 

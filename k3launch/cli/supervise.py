@@ -97,7 +97,7 @@ def events(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new events (Ctrl-C stops).")] = False,
     state_dir: StateDir = None, json_out: JsonOut = False,
 ) -> None:
-    """What supervisors saw and did: detections, restarts, backoffs, cordons, give-ups (time, unit, process, node, reason)."""
+    """What supervisors (on Slurm, the job itself) saw and did: detections, restarts, backoffs, cordons, give-ups (time, unit, process, node, reason)."""
     STATE.json = json_out
     from k3launch import api
 

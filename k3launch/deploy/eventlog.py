@@ -5,6 +5,11 @@ writers never interleave within a line), kept after ``down`` so a failure can be
 next ``up`` of the same name moves it to ``NAME.jsonl.1``. A line that cannot be read (a disk
 that filled mid-write) is skipped, never fatal.
 
+A Slurm job that supervises itself writes its events to ``<job log dir>/events.jsonl``
+(:data:`JOB_EVENTS`, the same fields, written by ``slurm/k3launch-watch.sh``): readers merge it
+with the state directory's log (``also``), and ``down`` adopts it into that log, which outlives
+the record.
+
 ``--on-event CMD`` runs a user command per event (for paging) with the event as JSON on stdin,
 through ``bash -c`` on the login node — the user's own command, as a git hook is — bounded by
 :data:`HOOK_TIMEOUT_S`; a hook that fails or hangs is itself an event, never a crash.
@@ -17,7 +22,8 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -25,6 +31,7 @@ from k3launch.deploy.state import StateStore, io_error
 from k3launch.models.supervise import Event
 
 HOOK_TIMEOUT_S = 10.0
+JOB_EVENTS = "events.jsonl"  # a self-supervising Slurm job's own event log, in its log directory
 
 
 def append(store: StateStore, event: Event) -> None:
@@ -43,7 +50,11 @@ def append(store: StateStore, event: Event) -> None:
 
 def rotate(store: StateStore, name: str) -> None:
     """A new life for ``name``: the previous deployment's events become ``NAME.jsonl.1``."""
-    path = store.events_path(name)
+    rotate_file(store.events_path(name))
+
+
+def rotate_file(path: Path) -> None:
+    """``path`` becomes ``path.1`` (nothing to do when it does not exist)."""
     try:
         os.replace(path, path.with_name(path.name + ".1"))
     except FileNotFoundError:
@@ -62,30 +73,62 @@ def _parse(lines: list[bytes]) -> list[Event]:
     return out
 
 
-def read(store: StateStore, name: str) -> list[Event]:
+def read_file(path: Path) -> list[Event]:
     try:
-        return _parse(store.events_path(name).read_bytes().splitlines())
+        return _parse(path.read_bytes().splitlines())
     except FileNotFoundError:
         return []
     except OSError as exc:
-        raise io_error(exc, store.events_path(name), "read") from None
+        raise io_error(exc, path, "read") from None
 
 
-def follow(store: StateStore, name: str, stop: Callable[[], bool], poll_s: float = 0.5) -> Iterator[Event]:
-    """Every event, then each new one as it is appended, until ``stop()`` says so."""
-    path = store.events_path(name)
-    offset = 0
-    rest = b""
+def _key(e: Event) -> str:
+    return e.model_dump_json(exclude_defaults=True)
+
+
+def read(store: StateStore, name: str, also: Sequence[Path] = ()) -> list[Event]:
+    """The events of ``name``, oldest first: its log, merged with the logs ``also`` names (a job's own), each event once."""
+    seen: set[str] = set()
+    out = []
+    for path in (store.events_path(name), *also):
+        for e in read_file(path):
+            if _key(e) not in seen:
+                seen.add(_key(e))
+                out.append(e)
+    return sorted(out, key=lambda e: e.time)
+
+
+def adopt(store: StateStore, name: str, path: Path) -> int:
+    """Append the events of ``path`` (a job's own log) the state directory's log lacks: it outlives
+    the record and the job's log directory. How many were added."""
+    have = {_key(e) for e in read(store, name)}
+    new = [e for e in read_file(path) if _key(e) not in have]
+    for e in new:
+        append(store, e)
+    return len(new)
+
+
+def follow(store: StateStore, name: str, stop: Callable[[], bool], poll_s: float = 0.5, also: Sequence[Path] = ()) -> Iterator[Event]:
+    """Every event (of the log and of those ``also`` names), then each new one as it is appended, until ``stop()`` says so."""
+    paths = [store.events_path(name), *also]
+    offsets = [0] * len(paths)
+    rests = [b""] * len(paths)
+    seen: set[str] = set()
     while True:
-        try:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                data = f.read()
-        except FileNotFoundError:
-            data = b""
-        offset += len(data)
-        *lines, rest = (rest + data).split(b"\n")
-        yield from _parse(lines)
+        new: list[Event] = []
+        for i, path in enumerate(paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(offsets[i])
+                    data = f.read()
+            except FileNotFoundError:
+                data = b""
+            offsets[i] += len(data)
+            *lines, rests[i] = (rests[i] + data).split(b"\n")
+            new += [e for e in _parse(lines) if _key(e) not in seen]
+        for e in sorted(new, key=lambda e: e.time):
+            seen.add(_key(e))
+            yield e
         if stop():
             return
         time.sleep(poll_s)

@@ -12,7 +12,10 @@ the registry, one ``not-supported`` line naming the flag.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from k3launch.models.supervise import RestartPolicy
 
 
 class BackendOptions(Protocol):
@@ -31,6 +34,7 @@ class UpOptions:
     keep_on_failure: bool = False
     force: bool = False  # use nodes another live deployment holds (backends whose nodes k3launch arbitrates)
     skip_doctor: bool = False
+    supervise: RestartPolicy | None = None  # the deployment supervises itself under this policy (feature self-supervise)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ class Feature(StrEnum):
     FLEET = "fleet"  # run commands on a live deployment's nodes (`bench --client engine` there)
     POWER = "power"  # sample GPU power during a benchmark (campaign energy)
     ARRAYS = "arrays"  # one allocation per plan as a job array (`campaign run --slurm-array`)
-    SUPERVISE = "supervise"  # keep a deployment serving (restart, cordon, re-place)
+    SUPERVISE = "supervise"  # keep a deployment serving from a login node (`k3launch supervise`: restart, cordon, re-place)
+    SELF_SUPERVISE = "self-supervise"  # the deployment keeps itself serving (`up --supervise` builds the restart policy into it)
     ROLLOUT = "rollout"  # change a live deployment unit by unit
 
 
@@ -61,19 +62,22 @@ class BackendSpec:
 
 
 _SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER, Feature.SUPERVISE})
+_SSH_INSTEAD = ((Feature.SELF_SUPERVISE, "here a supervisor on the login node keeps it serving: `k3launch up --supervise`, "
+                                         "or `k3launch supervise NAME --detach` once it is up"),)
 
 _BACKENDS: dict[str, BackendSpec] = {
     "ssh": BackendSpec("ssh", "k3launch.deploy.ssh.backend:SshBackend", _SSH_FEATURES, "processes or containers over SSH",
-                       reads_ssh_config=True),
+                       reads_ssh_config=True, instead=_SSH_INSTEAD),
     "local": BackendSpec("local", "k3launch.deploy.ssh.backend:SshBackend", _SSH_FEATURES, "processes on this machine",
-                         default_runtime="bare", this_machine=True),
-    "slurm": BackendSpec("slurm", "k3launch.deploy.slurm.backend:SlurmBackend", frozenset({Feature.POWER, Feature.ARRAYS}),
+                         default_runtime="bare", this_machine=True, instead=_SSH_INSTEAD),
+    "slurm": BackendSpec("slurm", "k3launch.deploy.slurm.backend:SlurmBackend", frozenset({Feature.POWER, Feature.ARRAYS, Feature.SELF_SUPERVISE}),
                          "one sbatch job per deployment", router_home="allocation", needs_nodes=False, scheduler_nodes=True,
                          holds_nodes=False,
                          instead=((Feature.DOCTOR, "on Slurm the job's own doctor step checks each node when `up` submits it"),
                                   (Feature.WEIGHTS, "on Slurm check weights inside an allocation (srun), or from an ssh inventory of the same nodes"),
                                   (Feature.FLEET, "use --client local (the benchmark client on the login node)"),
-                                  (Feature.SUPERVISE, "watch it with `k3launch status`; a failed job is `down` and `up` again"))),
+                                  (Feature.SUPERVISE, "on Slurm the job supervises itself: bring it up with `k3launch up --supervise` "
+                                                      "(policy: the inventory's restart:); `k3launch events NAME` shows what it did"))),
 }
 
 

@@ -90,6 +90,7 @@ class SlurmJob(Record):
     attempts: int = 1  # submissions (a node refused by the job's doctor step is excluded next time)
     hosts: dict[str, str] = {}  # plan node -> allocated host
     addresses: dict[str, str] = {}  # plan node -> that host's NodeAddr
+    supervised: RestartPolicy | None = None  # `up --supervise`: the job restarts failed steps itself under this policy
 
 
 class Supervisor(Record):
@@ -256,13 +257,14 @@ class JobStatus(Record):
 
 
 class SupervisorStatus(Record):
-    """``status``: the supervisor watching the deployment."""
+    """``status``: who keeps the deployment serving — a supervisor on a login node, or (Slurm) the job itself."""
 
-    host: str
-    pid: int
+    host: str  # where it runs (the job: its batch host, "" until it runs)
+    pid: int | None  # None: the job supervises itself
     since: float
     restarts: int
     detached: bool
+    job: str | None = None  # Slurm: the id of the job that supervises itself
 
 
 class Status(Record):
@@ -275,11 +277,13 @@ class Status(Record):
     unreachable: list[str] = []  # nodes that did not answer, with the reason
     job: JobStatus | None = None  # Slurm deployments only
     supervisor: SupervisorStatus | None = None  # who keeps it serving (None: nobody)
+    error: str | None = None  # why it failed (state "failed")
 
     def as_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
-        if data["job"] is None:
-            del data["job"]  # ssh/local status has no job
+        for key in ("job", "error"):
+            if data[key] is None:
+                del data[key]  # ssh/local status has no job; a deployment that did not fail, no error
         return data
 
     def to_json(self) -> str:

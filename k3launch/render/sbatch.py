@@ -13,7 +13,10 @@ inside the allocation on plan node 0. Each process is one ``srun`` step on its n
 pyxis/enroot (``--container-image``), apptainer (``exec --nv``/``--rocm``) or bare — with its
 output in its own log. A doctor step first checks every node (GPUs visible, engine found,
 planned ports free). The job fails fast: the first step to exit ends the job (the others are
-stopped) and the script names the process and node.
+stopped) and the script names the process and node. A supervised job (``up --supervise``) watches
+its steps instead (``slurm/k3launch-watch.sh``, appended to the library): a step that exits restarts
+its recovery unit inside the allocation under the restart policy, and a crash loop ends the job
+(docs/slurm.md, "The job supervises itself").
 
 Job arrays (:func:`make_array_string`): one task per deployment, all of one shape (node count and
 GPUs per node: Slurm gives every task of an array the same request); each task starts its
@@ -32,6 +35,7 @@ from collections.abc import Iterable, Sequence
 
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
+from k3launch.models.supervise import RestartPolicy, units
 from k3launch.planning.inventory import SlurmSection
 from k3launch.planning.porttable import process_ports
 from k3launch.render.scripts import (
@@ -48,18 +52,23 @@ from k3launch.render.scripts import (
 
 SECRET_ENV = ("HF_TOKEN",)
 LIBRARY = "k3launch-job.sh"
+WATCH_LIBRARY = "k3launch-watch.sh"  # appended for a supervised job
 DOCTOR_FAILED_EXIT = 3  # the job's exit code when its doctor step refused a node
 
 
 @functools.cache
-def job_library() -> str:
-    """The bash library every job script carries (bundled as ``k3launch/_slurm``; ``slurm/`` in a checkout)."""
+def job_library(supervised: bool = False) -> str:
+    """The bash library every job script carries (bundled as ``k3launch/_slurm``; ``slurm/`` in a checkout),
+    with the watch library after it when the job supervises itself."""
     from k3launch.util.resources import bundled
 
-    path = bundled("slurm", LIBRARY)
-    if path is not None:
-        return path.read_text()
-    raise K3Error("missing-slurm-template", f"the job library {LIBRARY} is missing from the installation", "reinstall k3launch")
+    text = ""
+    for name in (LIBRARY, WATCH_LIBRARY) if supervised else (LIBRARY,):
+        path = bundled("slurm", name)
+        if path is None:
+            raise K3Error("missing-slurm-template", f"the job library {name} is missing from the installation", "reinstall k3launch")
+        text += path.read_text()
+    return text
 
 
 def node_order(plan: Plan) -> list[str]:
@@ -123,9 +132,38 @@ def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
     return home_path(f"{host.venv.rstrip('/')}/bin/{program}") if host.venv and "/" not in program else program
 
 
+def _ms(seconds: float) -> str:
+    return str(round(seconds * 1000))
+
+
+def policy_lines(plan: Plan, policy: RestartPolicy) -> list[str]:
+    """The watch library's settings: the deployment's name and the restart policy, times in milliseconds
+    (``start_timeout`` None: 1800 s; ``up`` fills in the plan's ready timeout)."""
+    p = policy
+    return ["# supervised: a step that ends restarts its unit inside the allocation (policy: the inventory's restart:)",
+            f"K3_DEPLOYMENT={shlex.quote(plan.name)}",
+            f"K3_RS_POLICY={p.policy} K3_RS_MAX={p.max_restarts} K3_RS_WINDOW_MS={_ms(p.window)} K3_RS_BACKOFF_MS={_ms(p.backoff)}"
+            f" K3_RS_BACKOFF_MAX_MS={_ms(p.backoff_max)}",
+            f"K3_RS_START_TIMEOUT_MS={_ms(p.start_timeout or 1800)} K3_RS_POLL_MS={_ms(p.poll)}"]
+
+
+def unit_lines(plan: Plan, addrs: dict[str, int]) -> list[str]:
+    """One ``k3_unit NAME ROLE PROCESS[=HEALTH_URL]...`` per recovery unit (:func:`k3launch.models.supervise.units`)."""
+    pat = address_pattern(addrs)
+    procs = {p.id: p for p in plan.processes}
+    out = []
+    for u in units(plan):
+        # a router's /health is 503 while any worker is down (a restarting engine): its own life is /liveness
+        words = [f"{pid}=http://{procs[pid].address}:{procs[pid].http_port}{'/liveness' if procs[pid].role == 'router' else '/health'}"
+                 if pid in u.http else pid for pid in u.processes]
+        out.append(shell_join(["k3_unit", u.name, u.role, *(_bind(w, addrs, pat) for w in words)]))
+    return out
+
+
 def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bool = True, work: Sequence[str] = (),
-                    hf_token_file: str | None = None) -> list[str]:
-    """The calls of the job library that start ``plan`` in the current allocation."""
+                    hf_token_file: str | None = None, supervise: RestartPolicy | None = None) -> list[str]:
+    """The calls of the job library that start ``plan`` in the current allocation (and, with
+    ``supervise``, keep it serving: the watch library's calls)."""
     order = node_order(plan)
     index = {n: i for i, n in enumerate(order)}
     addrs = {h.address: index[h.name] for h in plan.hosts if h.name in index}
@@ -139,15 +177,21 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
             ports = sorted({q for p in plan.processes if p.node == n for q, _ in process_ports(p)})
             specs.append(f"{index[n]}:{','.join(map(str, ports))}")
         lines.append(shell_join(["k3_doctor", str(gpus_requested(plan)), _doctor_program(plan, slurm, image), *specs]))
+    if supervise is not None:
+        lines += policy_lines(plan, supervise)
     engines = [p for p in plan.processes if p.role != "router"]
     routers = [p for p in plan.processes if p.role == "router"]
     for proc in (*engines, *routers):
         node_i = index.get(proc.node, 0)
         lines.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on plan node {node_i} ({proc.node})")
-        lines.append(shell_join(["k3_step", proc.id, str(node_i), *_step(plan, proc, slurm, addrs, image)]))
+        start = "k3_step" if supervise is None else "k3_start"
+        lines.append(shell_join([start, proc.id, str(node_i), *_step(plan, proc, slurm, addrs, image)]))
     if work:
         lines.append(shell_join(["k3_work", *work]))
-    lines.append("k3_supervise")
+    if supervise is not None:
+        lines += [*unit_lines(plan, addrs), "k3_watch"]
+    else:
+        lines.append("k3_supervise")
     return lines
 
 
@@ -186,13 +230,14 @@ def directives(plan: Plan, slurm: SlurmSection, output: str, extra_sbatch: Seque
 
 
 def make_sbatch_string(plan: Plan, slurm: SlurmSection, log_dir: str, extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (),
-                       *, doctor: bool = True, hf_token_file: str | None = None) -> str:
-    """The job script of one deployment: it serves until cancelled, a step ends, or the time limit."""
+                       *, doctor: bool = True, hf_token_file: str | None = None, supervise: RestartPolicy | None = None) -> str:
+    """The job script of one deployment: it serves until cancelled, a step ends (with ``supervise``: until
+    its restart policy gives up), or the time limit."""
     head = ["#!/bin/bash", f"# Generated by k3launch: deployment {plan.name} ({plan.recipe}, {plan.strategy} on {plan.nodes} x {plan.hardware}).",
             f"# By hand: mkdir -p {shlex.quote(log_dir)} && sbatch THIS_FILE (slurmd opens --output before the script runs)."]
     head += directives(plan, slurm, f"{log_dir}/slurm-%j.out", extra_sbatch, [*plan.exclude, *exclude])
-    body = deployment_body(plan, slurm, log_dir, doctor=doctor, hf_token_file=hf_token_file)
-    return "\n".join([*head, job_library().rstrip("\n"), "", *body, ""])
+    body = deployment_body(plan, slurm, log_dir, doctor=doctor, hf_token_file=hf_token_file, supervise=supervise)
+    return "\n".join([*head, job_library(supervise is not None).rstrip("\n"), "", *body, ""])
 
 
 def make_array_string(tasks: Sequence[tuple[Plan, Sequence[str]]], slurm: SlurmSection, log_dir: str, *, concurrency: int | None = None,

@@ -10,8 +10,10 @@ Besides the lifecycle: power sampling as a step of the job, and job arrays (its 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import ClassVar
 
+from k3launch.deploy import eventlog
 from k3launch.deploy.base import Emit, Events, own, run_up
 from k3launch.deploy.options import SlurmOptions, UpOptions
 from k3launch.deploy.power import engine_nodes
@@ -19,7 +21,7 @@ from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.slurm import array
 from k3launch.deploy.slurm.client import ACTIVE, SlurmClient
 from k3launch.deploy.slurm.job import attached_record
-from k3launch.deploy.slurm.launch import SlurmLaunch, log_dir_for
+from k3launch.deploy.slurm.launch import SlurmLaunch, job_policy, log_dir_for
 from k3launch.deploy.slurm.ops import cancel_job, cancel_named, follow_files, observe_job, tail_logs
 from k3launch.deploy.slurm.power import SrunSampler
 from k3launch.deploy.state import StateStore
@@ -44,7 +46,8 @@ class SlurmBackend:
     # ------------------------------------------------------------------ lifecycle
     def up(self, plan: Plan, inv: Inventory, inv_path: str, store: StateStore, opts: UpOptions, events: Events) -> SlurmRecord:
         launch = SlurmLaunch(plan, inv, store, inventory=inv_path, on_stage=events.on_stage, extra_sbatch=self.options.extra_sbatch,
-                             queue_timeout=self.options.queue_timeout, doctor=not opts.skip_doctor, use_bad_nodes=not opts.skip_doctor)
+                             queue_timeout=self.options.queue_timeout, doctor=not opts.skip_doctor, use_bad_nodes=not opts.skip_doctor,
+                             supervise=opts.supervise)
         run_up(launch, store, ready_timeout(plan, opts.ready_timeout), opts.keep_on_failure, events.on_failure, events.on_progress)
         return launch.record
 
@@ -62,7 +65,11 @@ class SlurmBackend:
             follow_files(r, ids, emit)
 
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float) -> TeardownReport:
-        return cancel_job(own(rec, SlurmRecord), store, grace_s=grace_s)
+        r = own(rec, SlurmRecord)
+        report = cancel_job(r, store, grace_s=grace_s)
+        if report.clean and r.slurm.log_dir:  # the job's own events outlive the record in the state directory's log
+            eventlog.adopt(store, r.name, Path(r.slurm.log_dir) / eventlog.JOB_EVENTS)
+        return report
 
     def sweep(self, name: str, inv: Inventory, grace_s: float) -> TeardownReport:
         return cancel_named(name)
@@ -72,7 +79,7 @@ class SlurmBackend:
         if inv is None or inv.slurm is None:  # the inventory model requires a slurm section for backend slurm
             raise K3Error("not-slurm", "a Slurm dry run needs the slurm inventory", "pass --inventory FILE")
         text = make_sbatch_string(plan, inv.slurm, log_dir_for(store, inv, plan.name), self.options.extra_sbatch,
-                                  hf_token_file=inv.hf_token_file)
+                                  hf_token_file=inv.hf_token_file, supervise=job_policy(plan, opts.supervise))
         return DryRun(plan.name, sbatch=text, files=((f"{plan.name}.sbatch", text),))
 
     # ------------------------------------------------------------------ power

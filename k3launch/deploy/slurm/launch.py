@@ -19,6 +19,10 @@ submissions for a day. Nodes where a rank died are recorded too (shown, not excl
 
 The log directory must be on a filesystem the login node shares with the compute nodes (home
 directories usually are): ``up`` reads the job's output there, ``logs`` reads the process logs.
+
+``supervise`` (``up --supervise``): the job script watches its own steps instead of failing fast
+(``slurm/k3launch-watch.sh``) and writes its events to ``<log dir>/events.jsonl``; a previous job's
+file there is moved to ``events.jsonl.1`` first.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from k3launch.deploy import eventlog
 from k3launch.deploy.base import Progress, run_up
 from k3launch.deploy.logtail import LogCursor
 from k3launch.deploy.logtail import read_file as read_log
@@ -41,6 +46,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SlurmJob, SlurmRecord, Stage, StageFn
 from k3launch.models.reports import PEER_LOSS, LaunchFailed, TeardownReport, error_line
+from k3launch.models.supervise import RestartPolicy
 from k3launch.planning.inventory import Inventory
 from k3launch.render.sbatch import make_sbatch_string, node_order
 from k3launch.util.polling import poll_until
@@ -72,6 +78,14 @@ def log_dir_for(store: StateStore, inv: Inventory, name: str) -> str:
     return str(d)
 
 
+def job_policy(plan: Plan, policy: RestartPolicy | None) -> RestartPolicy | None:
+    """The policy the job follows: a restarted unit must serve within ``start_timeout``, by default the
+    plan's ready timeout (as for a supervisor on a login node)."""
+    if policy is None or policy.start_timeout is not None:
+        return policy
+    return policy.model_copy(update={"start_timeout": ready_timeout(plan, None)})
+
+
 @dataclass
 class SlurmLaunch:
     """One ``up`` on Slurm: submit, then watch the job from the login node (the shared skeleton's hooks)."""
@@ -88,6 +102,7 @@ class SlurmLaunch:
     max_attempts: int = DEFAULT_MAX_ATTEMPTS
     doctor: bool = True  # the job's doctor step (and, with it, the automatic exclusion of refused nodes)
     use_bad_nodes: bool = True  # exclude nodes the job's doctor refused in the last day
+    supervise: RestartPolicy | None = None  # the job restarts failed steps itself (`up --supervise`)
     record: SlurmRecord = field(init=False)
     # what the polls have seen of the current submission
     _exclude: list[str] = field(default_factory=list, init=False)
@@ -102,8 +117,10 @@ class SlurmLaunch:
 
     def __post_init__(self) -> None:
         now = time.time()
+        self.supervise = job_policy(self.plan, self.supervise)
         self.record = SlurmRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
-                                  endpoint=self.plan.endpoint, plan=self.plan, slurm=SlurmJob(job_id="", log_dir="", script=""))
+                                  endpoint=self.plan.endpoint, plan=self.plan,
+                                  slurm=SlurmJob(job_id="", log_dir="", script="", supervised=self.supervise))
 
     @property
     def slurm(self) -> SlurmJob:
@@ -112,7 +129,7 @@ class SlurmLaunch:
     def script(self, log_dir: str, exclude: Sequence[str]) -> str:
         assert self.inv.slurm is not None
         return make_sbatch_string(self.plan, self.inv.slurm, log_dir, self.extra_sbatch, exclude, doctor=self.doctor,
-                                  hf_token_file=self.inv.hf_token_file)
+                                  hf_token_file=self.inv.hf_token_file, supervise=self.supervise)
 
     def submit(self, rec: SlurmRecord, exclude: Sequence[str]) -> str:
         log_dir = Path(rec.slurm.log_dir)
@@ -130,6 +147,7 @@ class SlurmLaunch:
         assert self.inv.slurm is not None
         log_dir = log_dir_for(self.store, self.inv, self.plan.name)
         self.slurm.log_dir, self.slurm.script = log_dir, str(Path(log_dir) / "job.sbatch")
+        eventlog.rotate_file(Path(log_dir) / eventlog.JOB_EVENTS)  # a previous job's events are not this one's
         exclude = list(dict.fromkeys([*self.plan.exclude, *self.client.outside(self.inv.slurm.partition, self.inv.slurm.nodelist)]))
         if self.use_bad_nodes:
             auto = sorted(h for h, v in bad_nodes(self.store).items() if v.get("kind") == "doctor" and h not in exclude)

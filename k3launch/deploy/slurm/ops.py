@@ -1,15 +1,22 @@
-"""``status``, ``logs`` and ``down`` of a Slurm deployment (its job), from the login node."""
+"""``status``, ``logs`` and ``down`` of a Slurm deployment (its job), from the login node.
+
+A job that supervises itself (``up --supervise``) says what it does in ``<log dir>/events.jsonl``:
+``status`` reads its restarts there, and the reason when it gave up (state ``failed``).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from k3launch.deploy import eventlog
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import bind_plan, tail_file
 from k3launch.deploy.state import StateStore
-from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status, observed_state
+from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status, SupervisorStatus, observed_state
 from k3launch.models.reports import TeardownReport
+from k3launch.models.supervise import restarts_of
 from k3launch.transport.http import probe_all
 from k3launch.util.polling import poll_until, ticks
 
@@ -30,14 +37,30 @@ def observe_job(rec: SlurmRecord, client: SlurmClient | None = None) -> Status:
     procs = [ProcessStatus(id=p.id, node=rec.slurm.hosts.get(p.node, p.node), role=p.role, alive=alive[p.id],
                            healthy=None if p.http_port is None else ok.get(p.id, False)) for p in bound.processes]
     state: str = rec.state
-    if info.state == "PENDING":
+    sv, gave_up = self_supervision(rec)
+    if gave_up is not None:
+        state = "failed"
+    elif info.state == "PENDING":
         state = "queued"
     elif not info.active:
         state = f"ended ({info.state})"
     else:
         state = observed_state(state, procs)
-    return Status(name=rec.name, state=state, endpoint=rec.endpoint, processes=procs, unreachable=[],
+    return Status(name=rec.name, state=state, endpoint=rec.endpoint, processes=procs, unreachable=[], supervisor=sv, error=gave_up,
                   job=JobStatus(id=rec.slurm.job_id, state=info.state, nodes=info.nodes, reason=info.reason, log_dir=rec.slurm.log_dir))
+
+
+def self_supervision(rec: SlurmRecord) -> tuple[SupervisorStatus | None, str | None]:
+    """A self-supervising job, from its events: who watches (its batch host, since when, restarts so
+    far), and why it gave up if it did (None while it keeps serving)."""
+    if rec.slurm.supervised is None:
+        return None, None
+    events = eventlog.read_file(Path(rec.slurm.log_dir) / eventlog.JOB_EVENTS) if rec.slurm.log_dir else []
+    watching = next((e for e in events if e.kind == "watching"), None)
+    sv = SupervisorStatus(host=(watching.node or "") if watching else "", pid=None, since=watching.time if watching else rec.created,
+                          restarts=restarts_of(events), detached=True, job=rec.slurm.job_id)
+    failed = next((e for e in reversed(events) if e.kind == "failed"), None)
+    return sv, None if failed is None else f"the job gave up: {failed.reason}; logs in {rec.slurm.log_dir}"
 
 
 def tail_logs(rec: SlurmRecord, ids: Sequence[str], lines: int) -> dict[str, str]:
@@ -55,6 +78,8 @@ def follow_files(rec: SlurmRecord, ids: Sequence[str], emit: Callable[[str], Non
         for i, p in paths.items():
             try:
                 with p.open("rb") as f:
+                    if os.fstat(f.fileno()).st_size < offsets[i]:
+                        offsets[i] = 0  # a new log: the job restarted the step (the old one is NAME.log.1)
                     f.seek(offsets[i])
                     data = f.read()
             except OSError:
