@@ -1,16 +1,17 @@
 """``k3launch supervise``: keep a deployment serving until it is taken down.
 
 The loop (every ``poll`` seconds): one look through the backend's :class:`~k3launch.deploy.base.Watcher`,
-the decisions of :class:`~k3launch.models.supervise.Supervision` (pure), then its actions —
-restart a unit, give a unit up, or stop everything — and every event appended to the
+the decisions of :class:`~k3launch.models.supervision.Supervision` (pure), then its actions —
+restart a unit, give a unit up, re-place a lost node's units (:class:`Places`), send vLLM's
+fault-tolerance ``retry``, or stop everything — and every event appended to the
 deployment's event log (:mod:`k3launch.deploy.eventlog`) and handed to ``on_event`` and the
 ``--on-event`` command (on a thread of its own: a slow hook never delays a detection).
 
 One supervisor per deployment: it holds ``<state>/supervise/NAME.lock`` while it runs (a second
 one is refused) and names itself in the record (``supervisor``: host, pid, since, restarts), so
 ``status`` shows it. It watches, it never owns: stopping it (Ctrl-C, SIGTERM) leaves the
-deployment as it is. ``down`` stops it first (:func:`k3launch.deploy.supervisors.stop`: a stop request file any login node
-sharing the state directory sees, and SIGTERM when on this host), so it never revives what
+deployment as it is. ``down`` stops it first (:func:`k3launch.deploy.supervisors.stop`: a stop
+request file any login node sharing the state directory sees, and SIGTERM when on this host), so it never revives what
 ``down`` is stopping; a request that arrives during a restart is honoured before the unit's
 start, and the restart's processes, if any started, are ``down``'s to stop.
 """
