@@ -174,7 +174,7 @@ class Logged:
                 if e["kind"] == kind and (unit is None or e.get("unit") == unit) and e["time"] >= after:
                     return t
             time.sleep(0.02)
-        return float(wait_event(self.cli, self.name, kind, unit, after=after, within=0)["time"])  # raises, with the events so far
+        raise AssertionError(f"no {kind} event{f' for {unit}' if unit else ''} within {within:g}s")
 
 
 def _local_inventory(ctx: Ctx, tag: str) -> Path:
@@ -310,6 +310,20 @@ def _engine() -> dict[str, str]:
     return _read_env(Path(out.strip().splitlines()[-1]))
 
 
+def _why(cli: Cli, name: str, exc: BaseException) -> None:
+    """A run that did not complete: the error, the supervisor's events, the processes' last lines."""
+    print(f"  {name}: run did not complete: {str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__}", flush=True)
+    for e in events(cli, name):
+        print(f"      {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['kind']:<16} {e.get('unit') or e.get('node') or ''} "
+              f"{(e.get('reason') or '')[:140]}")
+    if (cli.state_dir / "deployments" / f"{name}.json").exists():
+        try:
+            logs = cli.run("logs", name, "-n", "15", timeout=60).stdout
+        except AssertionError as err:
+            logs = str(err)
+        print("\n".join(f"      | {ln[:200]}" for ln in logs.splitlines()))
+
+
 def _fmt(xs: list[float]) -> str:
     return f"{min(xs):8.2f}s {statistics.median(xs):8.2f}s"
 
@@ -335,6 +349,7 @@ def main() -> None:
     print(f"load average at start: {load_avg[0]:.2f} {load_avg[1]:.2f} {load_avg[2]:.2f} on {os.cpu_count()} CPUs; "
           f"{runs} run(s) per scenario; sim load {a.load:g}s", flush=True)
     results: dict[str, list[Run]] = {s: [] for s in chosen}
+    failed_runs = dict.fromkeys(chosen, 0)
     with tempfile.TemporaryDirectory(prefix="k3launch-bench-sv-") as tmp_s:
         tmp = Path(tmp_s)
         ctx = Ctx(tmp, a.load)
@@ -355,6 +370,10 @@ def main() -> None:
                     name = f"bsv-{scen}-{i}-{os.getpid() % 10000}"
                     try:
                         r = SCENARIOS[scen][1](ctx, cli, name, PORTS[scen] + 10 * (i % 10))
+                    except (AssertionError, SystemExit) as exc:  # an event that never came, an up that failed: say why, go on
+                        failed_runs[scen] += 1
+                        _why(cli, name, exc)
+                        continue
                     finally:
                         cleanup(cli, [name])
                     results[scen].append(r)
@@ -370,6 +389,8 @@ def main() -> None:
     print(f"\n{'scenario':<15} {'figure (s from the failure)':<28} {'best':>9} {'median':>9} {'runs':>5}")
     for scen in chosen:
         done = results[scen]
+        if failed_runs[scen]:
+            print(f"{scen:<15} ({failed_runs[scen]} of {runs} run(s) did not complete: see above)")
         for fig in done[0].figures if done else []:
             xs = [r.figures[fig] for r in done]
             print(f"{scen:<15} {fig:<28} {_fmt(xs)} {len(xs):>5}")
