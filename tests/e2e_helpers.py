@@ -473,6 +473,7 @@ class Load:
     model: str
     workers: int = 4
     limit: int = 3000
+    pause: float = 0.02  # seconds each client waits between two requests
     ok: int = 0
     failed: int = 0
     failures: list[tuple[float, str]] = field(default_factory=list)  # (time, what went wrong) of each failed request
@@ -491,7 +492,7 @@ class Load:
                 self.failed += why is not None
                 if why is not None:
                     self.failures.append((time.time(), why))
-            time.sleep(0.02)
+            self.stop.wait(self.pause)
 
     def __enter__(self) -> Load:
         self._threads = [threading.Thread(target=self._work, daemon=True) for _ in range(self.workers)]

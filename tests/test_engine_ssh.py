@@ -91,6 +91,12 @@ def pair(ssh_hosts: Hosts, vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[Pair]:
         "defaults": {"venv": str(vllm_cpu.bin.parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
                      "env": shipped["defaults"]["env"]},
     })
+    # the test hosts share this machine's cores: vLLM's automatic binding would put both engines on
+    # core 0 (a restarting engine then waits for the other's load); each host gets a core of its own
+    doc = yaml.safe_load(inv.read_text())
+    for i, node in enumerate(doc["nodes"]):
+        node["env"] = {"VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, os.cpu_count() or 1))}
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     sfx, off = session(ssh_hosts)
     cli = Cli(tmp_path / "state")
     p = Pair(ssh_hosts, names, inv, cli, vllm_cpu.model, off, sfx)
@@ -333,7 +339,8 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     # supervision under a steady load through the real router: one engine killed, then the other hung
     sv = pair.cli.json("supervise", name, "--detach", "--poll", "1", "--unhealthy-after", "10")
     sv_pid = sv["supervisor"]["pid"]
-    with Load(rec["endpoint"], pair.model, workers=2, limit=20000) as load:
+    # paced (~8 requests/s): on this machine's 2 shared cores an unpaced load starves the restarting engine of CPU
+    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load:
         time.sleep(3)
         killed = int(pair.cli.record(name)["processes"]["serve-1"]["handle"])
         t_kill = time.time()

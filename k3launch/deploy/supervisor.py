@@ -107,7 +107,9 @@ class _Run:
             cur = self.store.try_load(self.rec.name)
             if cur is None or cur.state not in ("ready",):
                 return "gone" if cur is None else cur.state
-            events, actions = self.sup.step(self.watcher.observe(time.time()))
+            obs = self.watcher.observe(time.time())
+            obs.now = time.time()  # events are stamped when the look saw them, not when it began (a silent node costs seconds)
+            events, actions = self.sup.step(obs)
             self.emit(events)
             self._add_workers([e.unit for e in events if e.kind == "restarted" and e.unit])
             for a in actions:
