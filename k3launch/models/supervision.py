@@ -113,6 +113,7 @@ class Supervision:
         self.policy = policy
         self.start_timeout = policy.start_timeout or start_timeout
         self.units = units(plan)
+        self.node_of = {p.id: p.node for p in plan.processes}
         self.memory = {u.name: _Memory() for u in self.units}
         self.node_down: dict[str, float] = {}  # node -> since when it does not answer
         self.lost: set[str] = set()
@@ -182,10 +183,7 @@ class Supervision:
         return events, actions
 
     def _node(self, proc: str | None) -> str | None:
-        if proc is None:
-            return None
-        return next((u.nodes[u.processes.index(proc)] if len(u.nodes) == len(u.processes) else None
-                     for u in self.units if proc in u.processes), None)
+        return self.node_of.get(proc) if proc else None
 
     def _replace(self, node: str, why: str) -> Replace:
         waiting = tuple(u for u in self.units if node in u.nodes and self.memory[u.name].state is UnitState.WAITING_NODE)
@@ -315,6 +313,7 @@ class Supervision:
         """The executor re-placed units onto a new plan and restarted ``restarted`` (unit names):
         they have ``start_timeout`` to serve; every unit keeps its restart history by name."""
         self.units = units(plan)
+        self.node_of = {p.id: p.node for p in plan.processes}
         old = self.memory
         self.memory = {u.name: old.get(u.name) or _Memory() for u in self.units}
         for name in restarted:

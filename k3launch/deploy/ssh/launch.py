@@ -38,7 +38,7 @@ from pathlib import Path
 from k3launch.deploy.base import Progress, run_up
 from k3launch.deploy.logtail import LogCursor
 from k3launch.deploy.readiness import ready_timeout
-from k3launch.deploy.ssh.observe import Poll, poll, tail_logs
+from k3launch.deploy.ssh.observe import Poll, keep_tails, poll, tail_logs
 from k3launch.deploy.ssh.teardown import teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
@@ -268,19 +268,7 @@ class Launch:
         texts = tail_logs(rec, self.fleet, started, KEPT_LOG_LINES) if started else {}
         if exc.failing and exc.failing not in rec.processes and exc.log_tail:
             texts[exc.failing] = exc.log_tail
-        dest = self.store.logs_dir(rec.name)
-        try:
-            if dest.is_dir():
-                for old in dest.glob("*.log"):
-                    old.unlink()
-            dest.mkdir(parents=True, exist_ok=True)
-            out = []
-            for pid, text in texts.items():
-                (dest / f"{pid}.log").write_text(text, encoding="utf-8")
-                out.append(dest / f"{pid}.log")
-            return out
-        except OSError:
-            return []
+        return keep_tails(self.store.logs_dir(rec.name), texts, clear=True)
 
     def teardown(self, exc: BaseException) -> TeardownReport:
         rec = self.record

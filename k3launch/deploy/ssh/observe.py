@@ -10,6 +10,7 @@ import shlex
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from k3launch.deploy.logtail import LogCursor, cut_sections
 from k3launch.errors import K3Error
@@ -199,3 +200,20 @@ def follow_logs(rec: SshRecord, fleet: Fleet, ids: Iterable[str], emit: Callable
 def _int(text: str) -> int:
     words = text.split()
     return int(words[0]) if words and words[0].isdigit() else 0
+
+
+def keep_tails(dest: Path, texts: Mapping[str, str], clear: bool = False) -> list[Path]:
+    """Write each process's last log lines to ``dest/<process>.log`` (``clear``: the previous
+    ``*.log`` there go first); the files written. A full disk writes none: the logs stay on the nodes."""
+    out = []
+    try:
+        if clear and dest.is_dir():
+            for old in dest.glob("*.log"):
+                old.unlink()
+        dest.mkdir(parents=True, exist_ok=True)
+        for pid, text in texts.items():
+            (dest / f"{pid}.log").write_text(text, encoding="utf-8")
+            out.append(dest / f"{pid}.log")
+    except OSError:
+        return []
+    return out

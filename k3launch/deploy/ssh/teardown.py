@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import is_container
-from k3launch.models.record import SshRecord
+from k3launch.models.record import ProcessRecord, SshRecord
 from k3launch.models.reports import TeardownReport
 from k3launch.render import snippets as remote
 from k3launch.transport.fleet import Fleet
@@ -79,12 +79,7 @@ def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, re
     node_of = {p.id: p.node for p in rec.plan.processes}
     _stop_containers(rec, fleet, ids, grace_s, report)
     # On a shared machine (local backend) every "node" sees every process: act only on this phase's process ids.
-    sessions: dict[str, dict[str, str]] = {}
-    for i in ids:
-        pr = rec.processes.get(i)
-        if pr is not None and not is_container(pr.runtime) and pr.handle.isdigit():
-            sessions.setdefault(pr.node, {})[pr.handle] = i  # the engine leads its session (setsid)
-    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report, sessions)
+    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report, _sessions(rec.processes, ids))
     report.stopped += ids
 
 
@@ -97,6 +92,16 @@ def stop_processes(rec: SshRecord, fleet: Fleet, ids: Iterable[str], grace_s: fl
             _stop_phase(rec, fleet, mine, grace_s, report)
 
 
+def _sessions(processes: Mapping[str, ProcessRecord], ids: Iterable[str]) -> dict[str, dict[str, str]]:
+    """node -> {recorded pid: process id} of the bare processes among ``ids``: each leads its session (setsid)."""
+    out: dict[str, dict[str, str]] = {}
+    for i in ids:
+        pr = processes.get(i)
+        if pr is not None and not is_container(pr.runtime) and pr.handle.isdigit():
+            out.setdefault(pr.node, {})[pr.handle] = i
+    return out
+
+
 def stop_left_behind(rec: SshRecord, fleet: Fleet, node: str, grace_s: float, report: TeardownReport) -> None:
     """Stop what a re-placement left on ``node`` (by marker and session there, never by the plan:
     the same process ids now run elsewhere)."""
@@ -104,8 +109,7 @@ def stop_left_behind(rec: SshRecord, fleet: Fleet, node: str, grace_s: float, re
     ids = sorted(lb.processes)
     view = rec.model_copy(update={"processes": lb.processes, "left_behind": {}})
     _stop_containers(view, fleet, ids, grace_s, report)  # by the recorded node of each container
-    sessions = {pr.handle: pid for pid, pr in lb.processes.items() if not is_container(pr.runtime) and pr.handle.isdigit()}
-    _signal_until_gone(fleet, rec.name, ids, [node], grace_s, report, {node: sessions})
+    _signal_until_gone(fleet, rec.name, ids, [node], grace_s, report, _sessions(lb.processes, ids))
     if node not in report.unreachable:
         report.stopped += [f"{pid} on {node} (left there when the node was lost)" for pid in ids]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import start_group, start_steps
-from k3launch.deploy.ssh.observe import poll, tail_logs
+from k3launch.deploy.ssh.observe import keep_tails, poll, tail_logs
 from k3launch.deploy.ssh.teardown import stop_left_behind, stop_processes, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
@@ -289,16 +289,7 @@ class SshWatcher:
         """``<state-dir>/logs/<deployment>/<process>.log``: the last lines of each of ``ids``."""
         started = [i for i in ids if i in self.rec.processes]
         texts = tail_logs(self.rec, self.fleet, started, KEPT_LOG_LINES) if started else {}
-        dest = self.store.logs_dir(self.rec.name)
-        out = []
-        try:
-            dest.mkdir(parents=True, exist_ok=True)
-            for pid, text in texts.items():
-                (dest / f"{pid}.log").write_text(text, encoding="utf-8")
-                out.append(dest / f"{pid}.log")
-        except OSError:
-            pass  # a full disk: the logs stay on the nodes
-        return out
+        return keep_tails(self.store.logs_dir(self.rec.name), texts)
 
     def close(self) -> None:
         self.fleet.close()
