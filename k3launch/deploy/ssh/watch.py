@@ -102,7 +102,25 @@ class SshWatcher:
         ft = self._ft_status([p for p in rec.plan.processes if p.id in urls], {pid for f in rec.plan.fault_tolerance for pid in f.processes})
         reclaimed = self._reclaim()
         unreachable = {**self._still_silent(), **pl.unreachable}
-        return Observation(now=now, dead=dead, unreachable=unreachable, healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed, ft=ft)
+        # only while an engine does not serve (a restart is starting): nothing extra while all is well
+        cpu = self._session_cpu(set(dead), set(unreachable)) if not all(healthy.values()) else {}
+        return Observation(now=now, dead=dead, unreachable=unreachable, healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed, ft=ft,
+                           cpu=cpu)
+
+    def _session_cpu(self, dead: set[str], silent: set[str]) -> dict[str, tuple[int, str]]:
+        """Process id -> (CPU ticks of its session, the leader's state) of every live bare process."""
+        by_node: dict[str, dict[str, str]] = {}
+        for pid, pr in self.rec.processes.items():
+            if pid not in dead and pr.node not in silent and not is_container(pr.runtime) and pr.handle.isdigit():
+                by_node.setdefault(pr.node, {})[pr.handle] = pid
+        got = self.fleet.run_many({n: remote.session_cpu(s) for n, s in by_node.items()}, timeout=10) if by_node else {}
+        out: dict[str, tuple[int, str]] = {}
+        for node, o in got.items():
+            if not isinstance(o, K3Error) and o.exit_code == 0:
+                for sid, seen in remote.parse_session_cpu(o.stdout).items():
+                    if sid in by_node[node]:
+                        out[by_node[node][sid]] = seen
+        return out
 
     # ------------------------------------------------------------------ vLLM's fault tolerance
     def _ft_status(self, procs: Sequence[Process], ranks: set[str]) -> dict[str, str]:
