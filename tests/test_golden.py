@@ -33,6 +33,8 @@ CASES: dict[str, Selection] = {
     "b300_multi_node_dep_2": Selection(hardware="b300", strategy="multi_node_dep", nodes=2),
     "b300_multi_node_dep_2_fault_tolerance": Selection(hardware="b300", strategy="multi_node_dep", nodes=2, fault_tolerance=True),
     "gb300_multi_node_dep_4": Selection(hardware="gb300", strategy="multi_node_dep", nodes=4),
+    "h200_multi_node_tp_2_replicas_2": Selection(hardware="h200", strategy="multi_node_tp", nodes=2, replicas=2),
+    "b300_multi_node_dep_2_replicas_2": Selection(hardware="b300", strategy="multi_node_dep", nodes=2, replicas=2),
     "mi355x_spec_decoding_advanced_all": Selection(hardware="mi355x", features=("spec_decoding",), advanced=ADVANCED_ALL),
     "pd_cluster_default": Selection(strategy="pd_cluster"),
     "pd_cluster_h200_prefill_tp2_decode_dep2": Selection(

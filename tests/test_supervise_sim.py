@@ -1,5 +1,6 @@
 """``k3launch supervise`` against real processes: the simulated engine on this machine (``local``
-backend), the real ``vllm-router`` in front of replicas. Failures are caused for real (``kill -9``,
+backend), the real ``vllm-router`` in front of replicas (of ``multi_node_replicas``, and copies of
+multi-node TP: ``--replicas``). Failures are caused for real (``kill -9``,
 ``SIGSTOP``, an engine that crashes after every start) under a bounded client load, and what the
 client saw is counted.
 
@@ -229,3 +230,43 @@ def test_a_restarted_engine_that_uses_no_cpu_is_hung_after_stall_after_and_start
     kinds = [e["kind"] for e in events(cli, name) if e["time"] >= t_kill]
     assert kinds.count("restart-failed") == 1, kinds  # the second, longer load was not taken for a stall
     _gone(cli, name, rec, sv["supervisor"]["pid"])
+
+
+def test_two_copies_of_multi_node_tp_serve_behind_one_router_and_restart_one_copy_at_a_time(cli: Cli, tmp_path: Path) -> None:
+    inv = yaml.safe_load((ROOT / "inventories" / "local.yaml").read_text())
+    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "1"}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    name = "rep-tp"
+    r = cli.run("up", "-i", str(path), "--recipe", RECIPE, "--strategy", "multi_node_tp", "--nodes", "2", "--replicas", "2",
+                "--name", name, "--port-base", "23520", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    rec = cli.record(name)
+    procs = {p["id"]: p for p in rec["plan"]["processes"]}
+    assert sorted(procs) == ["r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1", "router"]
+    assert len({procs[i]["node"] for i in procs if i != "router"}) == 4
+    snap = cli.json("status", name)
+    assert snap["state"] == "ready" and all(p["alive"] for p in snap["processes"]), snap
+    pids = {i: int(rec["processes"][i]["handle"]) for i in procs}
+
+    sv = cli.json("supervise", name, "--detach", "--poll", "0.5")
+    with Load(out["endpoint"], rec["plan"]["model"], workers=2, limit=3000, pause=0.02) as load:
+        time.sleep(1.5)
+        t_kill = time.time()
+        os.kill(pids["r1-serve-1"], signal.SIGKILL)
+        restarting = wait_event(cli, name, "restarting", "r1-serve", after=t_kill - 1, within=30)
+        back = wait_event(cli, name, "restarted", "r1-serve", after=t_kill, within=60)
+        time.sleep(1.5)
+    after = {i: int(p["handle"]) for i, p in cli.record(name)["processes"].items()}
+    print(f"\n[replicas x2 of TP over 2 nodes: r1-serve-1 killed -> copy r1 restarting {restarting['time'] - t_kill:.1f}s, "
+          f"serving {back['time'] - t_kill:.1f}s; client {load.ok} ok, {load.failed} failed]")
+    kinds = {(e["kind"], e.get("unit")) for e in events(cli, name) if e["time"] >= t_kill - 1}
+    assert not any(unit == "r0-serve" for _, unit in kinds), kinds  # the other copy was never touched ...
+    assert after["r0-serve-0"] == pids["r0-serve-0"] and after["r0-serve-1"] == pids["r0-serve-1"] and after["router"] == pids["router"]
+    assert after["r1-serve-0"] != pids["r1-serve-0"] and after["r1-serve-1"] != pids["r1-serve-1"]  # ... the killed one restarted whole
+    assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])  # the router sent everything to r0 meanwhile
+
+    d = cli.json("down", name, timeout=120)
+    assert d["clean"] is True and str(sv["supervisor"]["pid"]) in d["supervisor"], d
+    assert local_leftovers(rec) == ({}, [])

@@ -40,7 +40,7 @@ def plan(console: Console, p: Plan) -> None:
     cpu = p.platform == "cpu"
     ranks = f"{p.gpus_per_node} engine rank(s) each (CPU)" if cpu else f"{p.gpus_per_node} GPUs each"
     summary.add_row("hardware", f"{p.hardware} x {p.nodes} nodes, {ranks}" + ("  [green]verified[/]" if p.verified else "  [yellow]unverified[/]"))
-    summary.add_row("strategy", p.strategy + "".join(f"  {c.role}: {c.parallelism} on {c.nodes} (TP {c.tp} DP {c.dp}{f' PP {c.pp}' if c.pp > 1 else ''})" for c in p.capacity.pools))
+    summary.add_row("strategy", p.strategy + (f" x {p.replicas} copies" if p.replicas > 1 else "") + "".join(f"  {c.role}: {c.parallelism} on {c.nodes} (TP {c.tp} DP {c.dp}{f' PP {c.pp}' if c.pp > 1 else ''})" for c in p.capacity.pools))
     fit = "[green]fits[/]" if p.capacity.fits else "[red]does not fit[/]"
     summary.add_row("capacity", f"weights {p.capacity.weights_gb:g} GB ({p.capacity.formula}) vs {p.capacity.gpu_memory_gb:g} GB {'host' if cpu else 'GPU'} memory per pool: {fit}")
     if p.capacity.kv_offload:

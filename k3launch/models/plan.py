@@ -206,6 +206,7 @@ class Plan(Frozen):
     exclude: list[str] = []  # nodes the selection excluded, then those cordoned (Slurm: passed on as sbatch --exclude)
     fault_tolerance: list[FaultTolerancePool] = []  # DEP pools run with vLLM's fault tolerance (none: the key is left out)
     origin: PlanOrigin | None = None  # set by k3launch.api.plan on an inventory; absent from the JSON otherwise
+    replicas: int = 1  # independent copies of the engine (process ids r<k>-<role>-<i>); 1: the key is left out
 
     @model_serializer(mode="wrap")
     def _omit_unused_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -217,6 +218,8 @@ class Plan(Frozen):
                 data.pop("fault_tolerance", None)
             if data.get("origin") is None:
                 data.pop("origin", None)
+            if data.get("replicas") == 1:
+                data.pop("replicas", None)
         return data
 
     def to_json(self) -> str:

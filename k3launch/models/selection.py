@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from k3launch.defaults import ADVANCED_ALL, DEFAULT_RECIPE, DEFAULT_VLLM_VERSION
 from k3launch.models.plan import EngineRole, Parallelism
 from k3launch.models.recipe import HardwareProfile, Recipe, Strategy, Variant
-from k3launch.util.bounds import NODES, Bound
+from k3launch.util.bounds import NODES, REPLICAS, Bound
 
 KV_OFFLOAD_OFF = "off"
 MAX_POOL_NODES = 16
@@ -52,7 +52,7 @@ class Notice:
 # axes take it (`--nodes 0`, `nodes: [0]` are refused at once, with the option or the line); the
 # model itself refuses values above it (the API: no plan of a million nodes), while counts below 1
 # stay planning's refusal (`bad-nodes`, a K3Error next to the strategy floors it belongs with).
-FIELD_BOUNDS: dict[str, Bound] = {"nodes": NODES, "prefill_nodes": NODES, "decode_nodes": NODES}
+FIELD_BOUNDS: dict[str, Bound] = {"nodes": NODES, "prefill_nodes": NODES, "decode_nodes": NODES, "replicas": REPLICAS}
 
 
 def _opt(cli: str, help: str, bound: Bound | None = None, **kw: Any) -> Any:
@@ -72,6 +72,10 @@ class Selection(BaseModel):
         "--strategy", "single_node_tp, multi_node_tp, multi_node_tep, multi_node_dep, pd_cluster, ...", default=None
     )
     nodes: int | None = _opt("--nodes", "Node count (raised to the strategy floor with a notice).", NODES, default=None)
+    replicas: int | None = _opt(
+        "--replicas", "Independent copies of the engine, each on nodes of its own (--nodes is per copy), behind one vllm-router "
+        "(default 1; not with pd_cluster or multi_node_replicas).", REPLICAS, default=None,
+    )
     prefill_strategy: str | None = _opt(
         "--prefill-strategy", "P/D prefill pool: tp, tep or dep (default: the recipe's, else tp).", default=None
     )
@@ -190,10 +194,11 @@ class Resolved:
     notices: list[Notice] = field(default_factory=list)
     node_memory_gb: float = 0.0  # what one node holds weights in: GPU memory, or host memory on a CPU profile
     feature_modes: dict[str, str] = field(default_factory=dict)  # modal feature -> the mode that runs
+    replicas: int = 1  # independent copies of the pools, each on nodes of its own
 
     @property
     def nodes(self) -> int:
-        return sum(p.nodes for p in self.pools)
+        return self.replicas * sum(p.nodes for p in self.pools)
 
     @property
     def is_pd(self) -> bool:

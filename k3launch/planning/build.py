@@ -142,6 +142,9 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         notices.append(Notice("placeholder-nodes", f"placed on placeholder nodes ({', '.join(n.name for n in placed)}) with NIC {PLACEHOLDER_IFACE}; pass --inventory for real machines"))
     ft = None
     if (origin := faulttol.requested(sel, inventory)) is not None:
+        if r.replicas > 1:
+            raise K3Error("replicas", f"--replicas {r.replicas} with vLLM's fault tolerance is not supported yet: each copy's DEP pool "
+                          "would need its own fault-tolerance group", "drop --replicas, or --no-fault-tolerance")
         ft, ft_notices = faulttol.check(r, schema, origin, inventory.engine if inventory is not None else "vllm")
         notices.extend(ft_notices)
     reserved = dict(RESERVED)
@@ -154,21 +157,32 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     pools: list[Pool] = []
     ft_pools: list[FaultTolerancePool] = []
     mem = NodeMemory(r.node_memory_gb)
+    # Each copy (``--replicas``) is composed alone on nodes of its own: the same commands but for
+    # its own addresses (--master-addr, --data-parallel-address), its ids r<k>-<role>-<i> and its
+    # pool r<k>-<role> (one recovery unit per copy). Sizes and capacity are the same for every copy.
     for pool in r.pools:
         pool_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
         shared = _pool_shared(tree, r, pool, schema, ports, kv)
         pool = _sized(shared, r, pool, mem, pool_nodes[0], schema, ports, reserved, inventory, notices)
         pool_ft = ft if ft is not None and pool.role in ft.roles else None
         composed = _compose_pool(shared, pool, pool_nodes, schema, ports, locks, reserved, inventory, model_id, pool_ft, r.hardware.vendor_platform)
+        copies: list[tuple[str, list[Placed]]] = [(pool.role, composed)]
+        if r.replicas > 1:
+            copies = [(f"r0-{pool.role}", [one._replace(pid=f"r0-{one.pid}") for one in composed])]
+            for k in range(1, r.replicas):
+                copy_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
+                again = _compose_pool(shared, pool, copy_nodes, schema, ports, locks, reserved, inventory, model_id, None, r.hardware.vendor_platform)
+                copies.append((f"r{k}-{pool.role}", [one._replace(pid=f"r{k}-{one.pid}") for one in again]))
         pools.append(pool)
-        for one in composed:
-            c, node = one.composed, one.node
-            notices.extend(c.notices)
-            notices.extend(strip_nvl4_env(r, c))
-            procs.append(_process(one.pid, pool.role, node, one.head, one.http if one.serves else None, c, _image(r, node),
-                                  one.node_rank, one.dp_start, one.gpus))
-            if not any(h.name == node.name for h in hosts):
-                hosts.append(_host(node, pool.role, pool.gpus_per_node))
+        for pool_name, placed_copy in copies:
+            for one in placed_copy:
+                c, node = one.composed, one.node
+                notices.extend(c.notices)
+                notices.extend(strip_nvl4_env(r, c))
+                procs.append(_process(one.pid, pool.role, node, one.head, one.http if one.serves else None, c, _image(r, node),
+                                      one.node_rank, one.dp_start, one.gpus, pool_name))
+                if not any(h.name == node.name for h in hosts):
+                    hosts.append(_host(node, pool.role, pool.gpus_per_node))
         if pool_ft is not None:
             ft_pools.append(FaultTolerancePool(pool=pool.role, processes=[one.pid for one in composed],
                                                recovery_timeout_s=composed[0].recovery_timeout or 0, origin=pool_ft.origin))
@@ -198,6 +212,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     front = next((p for p in procs if p.role == "router"), None) or next(p for p in procs if p.http_port is not None)
     digest = hashlib.sha256(json.dumps([[p.node, p.argv, p.env] for p in procs], sort_keys=True).encode()).hexdigest()[:6]
     short = {"pd_cluster": "pd"}.get(r.strategy.name, r.strategy.name.replace("single_node_", "").replace("multi_node_", "").replace("_", ""))
+    short += f"x{r.replicas}" if r.replicas > 1 else ""
     slug = (r.recipe.meta.slug or r.recipe_id.split("/")[-1]).lower()
     return Plan(
         name=name or f"{slug}-{short}-{r.hardware_id}-{digest}", recipe=r.recipe_id, recipe_file=rf, model=model_id,
@@ -206,7 +221,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
         processes=procs, ports=table, inventory=inventory.name if inventory else None,
         backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
-        platform=r.hardware.vendor_platform, exclude=kept_out, fault_tolerance=ft_pools,
+        platform=r.hardware.vendor_platform, exclude=kept_out, fault_tolerance=ft_pools, replicas=r.replicas,
     )
 
 
@@ -343,10 +358,10 @@ def _host(node: NodeSpec, role: Role, gpus: int) -> Host:
 
 
 def _process(pid: str, role: Role, node: NodeSpec, head: bool, port: int | None, c: Composed, image: str | None,
-             node_rank: int | None, dp_start: int | None, gpus: int) -> Process:
+             node_rank: int | None, dp_start: int | None, gpus: int, pool: str) -> Process:
     prov = {k: [ProvenanceEntry(layer=e.layer, value=e.value, origin=e.origin) for e in v] for k, v in c.provenance.items()}
     return Process(id=pid, role=role, node=node.name, address=node.address, head=head, http_port=port, argv=c.argv,
-                   env=c.env, image=image, provenance=prov, pool=role, node_rank=node_rank, dp_start_rank=dp_start, gpus=gpus)
+                   env=c.env, image=image, provenance=prov, pool=pool, node_rank=node_rank, dp_start_rank=dp_start, gpus=gpus)
 
 
 def _kv_capacity(r: Resolved, gib: float | None, nodes: Sequence[NodeSpec], notices: list[Notice]) -> KvOffloadCapacity | None:

@@ -195,6 +195,7 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
                 f"{pool.nodes} x {hw_id} = {mem.text(pool.nodes)} cannot hold the {w.gb:g} GB of weights of {where}",
                 f"use {flag} {need} or more (smallest that fits: {need}); KV offload moves KV cache, never weights",
             )
+    replicas = _replicas(sel, strategy, pools)
     features, modes = options.features(recipe, sel, sname, variant, vname, hw_id, hw, notices)
     kv = options.kv_offload(tree, recipe, sel.kv_offload, strategy, hw_id, hw, notices)
     used = [sname, *(POOL_FLOOR_STRATEGY[p.parallelism] for p in pools if strategy.deploy_type == "pd_cluster" and p.parallelism in POOL_FLOOR_STRATEGY)]
@@ -203,8 +204,21 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
         recipe_id=recipe_id, recipe=recipe, variant_name=vname, variant=variant, hardware_id=hw_id,
         hardware=hw, strategy=strategy, pools=pools, features=features, kv_offload=kv,
         weights_gb=w.gb, weights_formula=w.formula, verified=verified, selection=sel, notices=notices, node_memory_gb=mem.gb,
-        feature_modes=modes,
+        feature_modes=modes, replicas=replicas,
     )
+
+
+def _replicas(sel: Selection, strategy: Strategy, pools: list[Pool]) -> int:
+    """``--replicas``: copies of an aggregated engine of any layout. P/D scales each pool by its own
+    instances, and ``multi_node_replicas`` is one copy per node already."""
+    n = sel.replicas or 1
+    if n > 1 and strategy.deploy_type == "pd_cluster":
+        raise K3Error("replicas", "--replicas does not apply to pd_cluster: its pools are sized with --prefill-nodes/--decode-nodes",
+                      "drop --replicas, or serve an aggregated strategy (multi_node_tep, multi_node_dep, ...) as copies")
+    if n > 1 and any(p.parallelism == "replicas" for p in pools):
+        raise K3Error("replicas", f"{strategy.name} runs one copy per node already: --replicas {n} would copy the copies",
+                      f"use --nodes {n} with {strategy.name}, or --replicas {n} with single_node_tp")
+    return n
 
 
 def _default_strategy(tree: RecipeTree, recipe: Recipe, hw_id: str, hw: HardwareProfile, sel: Selection, fit: int,

@@ -67,6 +67,9 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
         if fault_tolerant:
             notices.append(Notice("router-added", f"every {r.strategy.name} DP rank serves HTTP (one API server per rank, for fault tolerance); "
                                                   f"a vllm-router on {node.name} fronts all {len(serving)}"))
+        elif r.replicas > 1:
+            notices.append(Notice("router-added", f"{r.replicas} copies of the {r.strategy.name} engine (--replicas): a vllm-router on {node.name} "
+                                                  f"fronts their {len(serving)} HTTP servers"))
         else:
             how = "independent replicas" if any(p.parallelism == "replicas" for p in r.pools) else "hybrid load balancing"
             notices.append(Notice("router-added", f"every {r.strategy.name} node serves HTTP ({how}); a vllm-router on {node.name} fronts all {len(serving)}"))

@@ -88,6 +88,7 @@ def _show(x: float) -> str:
 # Nodes of one deployment (every plan strategy; a P/D pool is further limited to 16 by planning).
 # 4096 nodes of 8 GPUs is past any single deployment of today, and plans that size in ~1 s.
 NODES = Bound(1, 4096, "nodes", integer=True)
+REPLICAS = Bound(1, 256, "replicas", integer=True)  # independent copies of one engine behind one router
 # Timeouts and waits, in seconds.
 CONNECT_TIMEOUT = Bound(0, 600, "seconds", above=True)
 READY_TIMEOUT = Bound(0, 7 * DAY_S, "seconds", above=True)  # a giant model's first load takes hours, not weeks
