@@ -1,10 +1,16 @@
+from __future__ import annotations
+
 import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import yaml
+
+if TYPE_CHECKING:
+    from e2e_helpers import Cli
 
 # tests import their helpers (plan_checks, sshhosts, ...) as top-level modules; the fakes are k3launch.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -84,3 +90,16 @@ def local_inventory(tmp_path: Path) -> Path:
 def local_cpu_inventory(tmp_path: Path) -> Path:
     """inventories/local-cpu.yaml (the real engine) on the test range: 127.0.77.21-24, router 127.0.77.20."""
     return isolated_inventory("local-cpu", tmp_path)
+
+
+@pytest.fixture
+def state_cli(tmp_path: Path) -> Iterator[Cli]:
+    """The CLI with a state directory of its own; whatever the test left up is taken down after it."""
+    from e2e_helpers import Cli, cleanup
+
+    c = Cli(tmp_path / "state")
+    try:
+        yield c
+    finally:
+        recs = c.state_dir / "deployments"
+        cleanup(c, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])

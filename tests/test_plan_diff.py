@@ -72,3 +72,19 @@ def test_more_copies_rename_the_processes_and_change_the_router_urls() -> None:
     assert {d.process for d in got if d.added} == {"r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1"}
     (router,) = [d for d in got if d.process == "router"]
     assert [c.key for c in router.changes] == ["--worker-urls"] and router.changes[0].new and router.changes[0].new.count("http://") == 4
+
+
+def test_rollout_sets_replace_in_place_and_unset_drops() -> None:
+    from k3launch.api.rollout import merged_sets
+    from k3launch.errors import K3Error
+
+    given = ["max-num-seqs=64", "--enable-prefix-caching=true", "gpu-memory-utilization=0.9"]
+    assert merged_sets(given, ["--max-num-seqs=32", "block-size=16"], ["gpu-memory-utilization"]) == [
+        "--max-num-seqs=32", "--enable-prefix-caching=true", "block-size=16"]
+    assert merged_sets(given, [], []) == given
+    try:
+        merged_sets(given, ["max-num-seqs"], [])
+    except K3Error as exc:
+        assert exc.code == "bad-set" and "FLAG=VALUE" in exc.message
+    else:
+        raise AssertionError("a --set without = was taken")

@@ -14,13 +14,12 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from e2e_helpers import Cli, Load, cleanup, events, local_leftovers, try_complete, wait_event
+from e2e_helpers import Cli, Load, events, local_leftovers, try_complete, wait_event
 
 pytestmark = [pytest.mark.e2e]
 
@@ -30,13 +29,8 @@ POLL_S = 0.5
 
 
 @pytest.fixture
-def cli(tmp_path: Path) -> Iterator[Cli]:
-    c = Cli(tmp_path / "state")
-    try:
-        yield c
-    finally:
-        recs = c.state_dir / "deployments"
-        cleanup(c, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])
+def cli(state_cli: Cli) -> Cli:
+    return state_cli
 
 
 def _inventory(tmp_path: Path, env: dict[str, str], restart: dict[str, Any] | None = None) -> Path:

@@ -64,6 +64,7 @@ if TYPE_CHECKING:
         recipes,
         schema_dump,
     )
+    from k3launch.api.rollout import rollout, rollout_preview
     from k3launch.api.supervision import events, follow_events, restart_policy, stop_supervisor, supervise, supervise_detached
 
 # Each name's module, imported on first use: `plan` then loads only the planning part of the API
@@ -99,6 +100,8 @@ _HOMES: dict[str, str] = {
     "power_sampler": "nodes",
     "ready_timeout": "lifecycle",
     "restart_policy": "supervision",
+    "rollout": "rollout",
+    "rollout_preview": "rollout",
     "recipe": "planning",
     "recipes": "planning",
     "record": "lifecycle",
@@ -164,6 +167,8 @@ __all__ = [
     "recipes",
     "record",
     "restart_policy",
+    "rollout",
+    "rollout_preview",
     "schema_dump",
     "state_root",
     "status",

@@ -226,6 +226,10 @@ COMMANDS: dict[str, Lazy] = {
         "k3launch.cli.supervise",
         "What supervisors (on Slurm, the job itself) saw and did: detections, restarts, backoffs, cordons, give-ups (time, unit, process, node, reason).",
     ),
+    "rollout": Lazy(
+        "k3launch.cli.rollout",
+        "Change a live deployment one unit at a time: out of the router, drained, restarted on the new plan, gated, back in.",
+    ),
     "list": Lazy("k3launch.cli.deploy", "Deployments in the state directory."),
     "chat": Lazy("k3launch.cli.deploy", "Send one chat completion to a deployment's public endpoint and print the reply."),
     "cordon": Lazy(

@@ -22,15 +22,11 @@ def _opt(flag: str, what: str) -> Any:
     return typer.Option(flag, help=what, show_default=False)
 
 
-# policy field -> supervise's flag (a detached supervisor gets the flags given, nothing more)
-FLAGS = {"policy": "--restart", "max_restarts": "--max-restarts", "window": "--window", "backoff": "--backoff",
-         "backoff_max": "--backoff-max", "unhealthy_after": "--unhealthy-after", "node_lost_after": "--node-lost-after",
-         "poll": "--poll", "start_timeout": "--start-timeout", "stall_after": "--stall-after"}
-
-
 def policy_args(overrides: dict[str, Any]) -> list[str]:
     """The flags given, as ``supervise`` takes them (handed to a detached supervisor)."""
-    return [x for key, flag in FLAGS.items() if overrides.get(key) is not None for x in (flag, str(overrides[key]))]
+    from k3launch.models.supervise import POLICY_FLAGS
+
+    return [x for key, flag in POLICY_FLAGS.items() if overrides.get(key) is not None for x in (flag, str(overrides[key]))]
 
 
 def line(e: Event) -> str:

@@ -22,6 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from k3launch.models.plan import Plan, Process
 
+# policy field -> supervise's flag
+POLICY_FLAGS = {"policy": "--restart", "max_restarts": "--max-restarts", "window": "--window", "backoff": "--backoff",
+                "backoff_max": "--backoff-max", "unhealthy_after": "--unhealthy-after", "node_lost_after": "--node-lost-after",
+                "poll": "--poll", "start_timeout": "--start-timeout", "stall_after": "--stall-after"}
+
 
 class RestartPolicy(BaseModel):
     """The inventory's ``restart:`` section (and ``supervise``'s flags): how a supervisor restarts.
@@ -47,6 +52,10 @@ class RestartPolicy(BaseModel):
     # Plans of DEP pools on this inventory use vLLM's own fault tolerance (planning reads it: `--fault-tolerance`
     # / `--no-fault-tolerance` override it per plan; docs/supervise.md ("vLLM's own fault tolerance")).
     fault_tolerance: bool = False
+
+    def args(self) -> list[str]:
+        """This policy as ``supervise``'s flags (a supervisor paused by a rollout is started again with it)."""
+        return [x for key, flag in POLICY_FLAGS.items() if (v := getattr(self, key)) is not None for x in (flag, str(v))]
 
     def delay(self, restarts_in_window: int) -> float:
         """Seconds to wait before the next restart, after ``restarts_in_window`` earlier ones."""

@@ -1,0 +1,65 @@
+"""``k3launch rollout NAME``: change a live deployment one unit at a time, behind its router."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, app, console, fail
+from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
+from k3launch.errors import K3Error
+
+
+@app.command()
+def rollout(
+    name: Annotated[str, typer.Argument(help="Deployment name.")],
+    sets: Annotated[list[str] | None, typer.Option("--set", help="FLAG=VALUE for every engine (repeatable); replaces an earlier --set of FLAG.")] = None,
+    unsets: Annotated[list[str] | None, typer.Option("--unset", help="Drop a flag the deployment was planned with --set (repeatable).")] = None,
+    vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="Plan for this vLLM version (its flag schema).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the new plan's changes per process and the units to roll; touch nothing.")] = False,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to wait for a unit's in-flight requests before stopping it.")] = 120.0,
+    start_timeout: Annotated[float | None, typer.Option("--start-timeout", help="Seconds a restarted unit has to pass its gate (default: the plan's ready timeout).")] = None,
+    allow_downtime: Annotated[bool, typer.Option("--allow-downtime", help="Roll a deployment that is one engine (it stops serving meanwhile).")] = False,
+    state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
+) -> None:
+    """Change a live deployment one unit at a time: out of the router, drained, restarted on the new plan, gated, back in.
+
+    The new plan is the deployment's own (same inventory, nodes and ports) with the changes; a unit that fails its gate (health and a real completion) is rolled back and the rollout stops there."""
+    STATE.json = json_out
+    from k3launch.api.rollout import rollout as do_rollout
+    from k3launch.api.rollout import rollout_preview
+
+    con = console()
+    try:
+        preview = rollout_preview(name, sets=sets or [], unsets=unsets or [], vllm_version=vllm_version, state_dir=state_dir)
+        if dry_run or not json_out:
+            diffs = [{"process": d.process, "changes": [c.line() for c in d.changes]} for d in preview.diffs if d.changed]
+            if json_out:
+                typer.echo(json.dumps({"name": name, "processes": diffs, "units": [u.name for u in preview.units]}))
+            else:
+                for d in diffs:
+                    con.print(f"{d['process']}:", *[f"  {c}" for c in d["changes"]], sep="\n")
+                con.print(f"units to roll, in order: {', '.join(u.name for u in preview.units) or 'none'}")
+            if dry_run:
+                return
+        result = do_rollout(name, sets=sets or [], unsets=unsets or [], vllm_version=vllm_version, drain_timeout=drain_timeout,
+                            start_timeout=start_timeout, allow_downtime=allow_downtime, say=lambda s: None if json_out else con.print(s),
+                            state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    except K3Error as err:
+        fail(err)
+    except KeyboardInterrupt:
+        raise typer.Exit(INTERRUPTED) from None
+    rolled = [{"unit": r.unit, "seconds": round(r.seconds, 3), "drained_s": round(r.drained_s, 3)} for r in result.rolled]
+    if json_out:
+        typer.echo(json.dumps({"name": name, "ok": result.ok, "rolled": rolled, "failed": result.failed, "reason": result.reason,
+                               "logs": result.logs}))
+    elif result.ok:
+        con.print(f"{name} rolled: {len(rolled)} unit(s) in {sum(r.seconds for r in result.rolled):.1f}s")
+    else:
+        con.print(f"rollout stopped at {result.failed} (rolled back): {result.reason}")
+        for path in result.logs:
+            con.print(f"  its last lines: {path}")
+    if not result.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,81 @@
+"""``k3launch rollout`` against real processes: two copies of a simulated engine (``--replicas 2``,
+``local`` backend) behind the real vllm-router, supervised, under a steady bounded client load.
+One deployment serves every assertion: bad input changes nothing; a flag change rolls both copies
+one at a time with no failed request; a value the engine refuses at start rolls the first copy
+back and stops, the other copy untouched, again with no failed request."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_helpers import Cli, Load, local_leftovers
+
+pytestmark = [pytest.mark.e2e]
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def _running(cli: Cli, name: str) -> dict[str, list[str]]:
+    """Each engine's argv as the running process has it."""
+    return {i: _cmdline(int(p["handle"])) for i, p in cli.record(name)["processes"].items() if i != "router"}
+
+
+def _seqs(argv: list[str]) -> str | None:
+    return argv[argv.index("--max-num-seqs") + 1] if "--max-num-seqs" in argv else None
+
+
+def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory: Path, tmp_path: Path) -> None:
+    cli = state_cli
+    inv = yaml.safe_load(local_inventory.read_text())
+    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "1"}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    name = "ro-sim"
+    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "2",
+                "--name", name, "--port-base", "23540", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = json.loads(r.stdout)
+    rec = cli.record(name)
+    before = json.dumps([rec["plan"], rec["processes"]], sort_keys=True)
+    cli.json("supervise", name, "--detach", "--poll", "0.5")
+    sv0 = cli.record(name)["supervisor"]["pid"]
+
+    # bad input: one line, exit 2, nothing changed
+    for args, words in ((["--set", "max-num-seqz=8"], "not a flag of vllm serve"), (["--set", "max-num-seqs=many"], "not a valid int"),
+                        (["--unset", "max-num-seqs"], "was not planned with --set"), ([], "nothing to roll out"),
+                        (["--set", "max-num-seqs=8", "--name-typo"], "no such option")):
+        bad = cli.run("rollout", name, *args)
+        assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
+    assert cli.run("rollout", "nope", "--set", "max-num-seqs=8").returncode == 2
+    after_bad = cli.record(name)
+    assert json.dumps([after_bad["plan"], after_bad["processes"]], sort_keys=True) == before  # same plan, same processes
+    preview = cli.json("rollout", name, "--set", "max-num-seqs=8", "--dry-run")
+    assert preview["units"] == ["r0-serve-0", "r1-serve-0"] and preview["processes"] == [
+        {"process": "r0-serve-0", "changes": ["+ --max-num-seqs 8"]}, {"process": "r1-serve-0", "changes": ["+ --max-num-seqs 8"]}]
+    assert all(_seqs(a) is None for a in _running(cli, name).values())  # a dry run touches nothing
+
+    with Load(out["endpoint"], rec["plan"]["model"], workers=2, limit=4000, pause=0.02) as load:
+        ok = cli.json("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", timeout=180)
+        refused = cli.run("rollout", name, "--set", "max-num-seqs=0", "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
+    print(f"\n[rollout of 2 copies: {[(u['unit'], u['seconds']) for u in ok['rolled']]}; refused value: exit {refused.returncode}; "
+          f"client {load.ok} ok, {load.failed} failed]")
+    assert ok["ok"] is True and [u["unit"] for u in ok["rolled"]] == ["r0-serve-0", "r1-serve-0"], ok
+    bad_roll: dict[str, Any] = json.loads(refused.stdout)
+    assert refused.returncode == 1 and bad_roll["failed"] == "r0-serve-0" and "max_num_seqs must be >= 1" in bad_roll["reason"], bad_roll
+    assert bad_roll["logs"] and all(Path(p).is_file() for p in bad_roll["logs"])
+    assert {i: _seqs(a) for i, a in _running(cli, name).items()} == {"r0-serve-0": "8", "r1-serve-0": "8"}  # rolled back / untouched
+    assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
+    snap = cli.json("status", name)
+    assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+    assert snap["supervisor"] and snap["supervisor"]["pid"] != sv0  # paused for each rollout, then watching again
+    assert "max-num-seqs=8" in cli.record(name)["plan"]["origin"]["selection"]["sets"]  # the next rollout starts from here
+
+    d = cli.json("down", name, timeout=120)
+    assert d["clean"] is True, d
+    assert local_leftovers(rec) == ({}, [])
