@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # on the same last octets in 127.0.77.0/24 instead, so the two never share an address or a port.
 # All of 127/8 is loopback on Linux: no setup needed.
 TEST_NET = "127.0.77."
+
+# A suite started in the background by a non-interactive shell (`nohup ... &`, some CI runners)
+# inherits SIGINT ignored, and so would every process it starts: the tests that press Ctrl-C on
+# `up`, `campaign run` or `supervise` would see it ignored. A handler (not SIG_IGN) is reset to
+# the default in each child at exec, so this one line gives them the terminal's Ctrl-C back.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: every collected test is checked

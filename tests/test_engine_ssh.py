@@ -110,6 +110,10 @@ def _shm() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "vllm"))} if os.path.isdir("/dev/shm") else set()
 
 
+def _argv_of(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
 def _live(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -301,7 +305,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     name = f"eng-rep-{pair.suffix}"
     shm_before = _shm()
     t0 = time.monotonic()
-    r = _up(pair, name, 22304, "--strategy", "multi_node_replicas")
+    r = _up(pair, name, 22304, "--strategy", "single_node_tp", "--replicas", "2")
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for stage in STAGES:
@@ -340,17 +344,17 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     # paced (~8 requests/s): on this machine's 2 shared cores an unpaced load starves the restarting engine of CPU
     with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load:
         time.sleep(3)
-        killed = int(pair.cli.record(name)["processes"]["serve-1"]["handle"])
+        killed = int(pair.cli.record(name)["processes"]["r1-serve-0"]["handle"])
         t_kill = time.time()
         os.kill(killed, signal.SIGKILL)
-        detected = wait_event(pair.cli, name, "detected", "serve-1", after=t_kill - 1, within=30)
-        back = wait_event(pair.cli, name, "restarted", "serve-1", after=t_kill, within=UP_TIMEOUT_S)
+        detected = wait_event(pair.cli, name, "detected", "r1-serve-0", after=t_kill - 1, within=30)
+        back = wait_event(pair.cli, name, "restarted", "r1-serve-0", after=t_kill, within=UP_TIMEOUT_S)
         time.sleep(3)
-        hung = int(pair.cli.record(name)["processes"]["serve-0"]["handle"])
+        hung = int(pair.cli.record(name)["processes"]["r0-serve-0"]["handle"])
         t_stop = time.time()
         os.kill(hung, signal.SIGSTOP)
-        stuck = wait_event(pair.cli, name, "detected", "serve-0", after=t_stop, within=60)
-        back2 = wait_event(pair.cli, name, "restarted", "serve-0", after=t_stop, within=UP_TIMEOUT_S)
+        stuck = wait_event(pair.cli, name, "detected", "r0-serve-0", after=t_stop, within=60)
+        back2 = wait_event(pair.cli, name, "restarted", "r0-serve-0", after=t_stop, within=UP_TIMEOUT_S)
         time.sleep(3)
     for e in events(pair.cli, name):
         print(f"  event +{e['time'] - t_kill:7.1f}s {e['kind']:<16} {e.get('unit') or ''} {e.get('reason', '')[:140]}")
@@ -366,6 +370,29 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     for t, why in load.failures[:5]:
         print(f"  failed {t - t_kill:+.1f}s after the kill: {why}")
     assert load.failed == 0 and load.ok > 100, (load.ok, load.failures[:5])  # the router retried on the other engine
+
+    # rollouts under the same load: a flag change rolls both copies one at a time; a value vLLM
+    # refuses at start rolls the first copy back and stops, the other copy untouched
+    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load2:
+        t_roll = time.monotonic()
+        rolled = pair.cli.json("rollout", name, "--set", "max-num-seqs=4", "--drain-timeout", "60", timeout=2 * UP_TIMEOUT_S)
+        took_roll = time.monotonic() - t_roll
+        refused = pair.cli.run("rollout", name, "--set", "max-model-len=100000", "--drain-timeout", "60", "--start-timeout", "300",
+                               "--json", timeout=2 * UP_TIMEOUT_S)
+    running = {i: _argv_of(int(p["handle"])) for i, p in pair.cli.record(name)["processes"].items() if i != "router"}
+    refusal = json.loads(refused.stdout)
+    print(f"\n[rollout of 2 real copies: {[(u['unit'], u['seconds'], u['drained_s']) for u in rolled['rolled']]} in {took_roll:.1f}s; "
+          f"refused value -> exit {refused.returncode}, {refusal['failed']} rolled back: {refusal['reason'][:120]}; "
+          f"client: {load2.ok} ok, {load2.failed} failed]")
+    assert rolled["ok"] is True and [u["unit"] for u in rolled["rolled"]] == ["r0-serve-0", "r1-serve-0"], rolled
+    assert refused.returncode == 1 and refusal["failed"] == "r0-serve-0", refusal
+    assert "is greater than the derived max_model_len" in refusal["reason"], refusal  # vLLM's own words
+    for i, argv in running.items():  # both on the rolled argv, read from the running processes
+        assert argv[argv.index("--max-num-seqs") + 1] == "4" and argv[argv.index("--max-model-len") + 1] == "512", (i, argv)
+    assert load2.failed == 0 and load2.ok > 50, (load2.ok, load2.failures[:5])
+    snap = pair.cli.json("status", name)
+    assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+    sv_pid = snap["supervisor"]["pid"]  # paused for each rollout and started again
     tree = set(processes(name))  # the engines as they run now
 
     t1 = time.monotonic()

@@ -7,6 +7,7 @@ back and stops, the other copy untouched, again with no failed request."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     out = json.loads(r.stdout)
     rec = cli.record(name)
     before = json.dumps([rec["plan"], rec["processes"]], sort_keys=True)
-    cli.json("supervise", name, "--detach", "--poll", "0.5")
+    hook = tmp_path / "hook.jsonl"
+    cli.json("supervise", name, "--detach", "--poll", "0.5", "--on-event", f"cat >> {hook}; echo >> {hook}")
     sv0 = cli.record(name)["supervisor"]["pid"]
 
     # bad input: one line, exit 2, nothing changed
@@ -61,6 +63,7 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert all(_seqs(a) is None for a in _running(cli, name).values())  # a dry run touches nothing
 
     with Load(out["endpoint"], rec["plan"]["model"], workers=2, limit=4000, pause=0.02) as load:
+        t_roll = time.time()
         ok = cli.json("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", timeout=180)
         refused = cli.run("rollout", name, "--set", "max-num-seqs=0", "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
     print(f"\n[rollout of 2 copies: {[(u['unit'], u['seconds']) for u in ok['rolled']]}; refused value: exit {refused.returncode}; "
@@ -75,7 +78,11 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
     assert snap["supervisor"] and snap["supervisor"]["pid"] != sv0  # paused for each rollout, then watching again
     assert "max-num-seqs=8" in cli.record(name)["plan"]["origin"]["selection"]["sets"]  # the next rollout starts from here
+    # the supervisor came back as it was started: its --on-event hook still gets the events
+    watching = [e for e in map(json.loads, filter(None, hook.read_text().splitlines())) if e["kind"] == "watching" and e["time"] > t_roll]
+    assert len(watching) == 2, hook.read_text()
 
     d = cli.json("down", name, timeout=120)
     assert d["clean"] is True, d
+    assert list((cli.state_dir / "supervise").glob("*.args.json")) == []  # nothing of the supervisor's start is kept
     assert local_leftovers(rec) == ({}, [])

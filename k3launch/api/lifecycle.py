@@ -181,6 +181,7 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
     ``inventory`` if it ran elsewhere). Idempotent: a clean report when nothing of ``name`` is
     left (``report.verified`` says where that was checked)."""
     from k3launch.deploy.registry import backend
+    from k3launch.deploy.supervisors import forget
     from k3launch.deploy.supervisors import stop as stop_supervisor
     from k3launch.util import bounds
 
@@ -195,6 +196,7 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
             report.supervisor = stopped
             if report.clean:
                 st.delete(name)
+                forget(st, name)
             return report
         unreadable = st.exists(name)
         if inventory is None and unreadable:

@@ -134,6 +134,10 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
     finally:
         watcher.close()
         if sv is not None:
-            supervise_detached(name, sv.policy.args(), state_dir=state_dir)
+            from k3launch.deploy.supervisors import last_args
+
+            # as it was started (policy, --on-event, SSH options); a foreground one by its policy
+            args = (last_args(st, name) if sv.detached else None) or sv.policy.args()
+            supervise_detached(name, args, state_dir=state_dir)
             say("supervisor started again")
     return result

@@ -10,6 +10,7 @@ is :mod:`k3launch.deploy.supervisor`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -38,6 +39,26 @@ def stop_path(store: StateStore, name: str) -> Path:
 
 def log_path(store: StateStore, name: str) -> Path:
     return store.supervise_dir() / f"{name}.log"
+
+
+def args_path(store: StateStore, name: str) -> Path:
+    return store.supervise_dir() / f"{name}.args.json"
+
+
+def last_args(store: StateStore, name: str) -> list[str] | None:
+    """The flags the last detached supervisor of ``name`` was started with (a rollout that paused
+    it starts it again with them: its policy, hook and SSH options), None if unknown."""
+    try:
+        got = json.loads(args_path(store, name).read_text())
+    except (OSError, ValueError):
+        return None
+    return [str(a) for a in got] if isinstance(got, list) else None
+
+
+def forget(store: StateStore, name: str) -> None:
+    """What a detached supervisor of ``name`` left to start it again (``down`` of the deployment)."""
+    with contextlib.suppress(OSError):
+        args_path(store, name).unlink()
 
 
 def who(info: Supervisor | None) -> str:
@@ -92,6 +113,10 @@ def detach(store: StateStore, name: str, args: Sequence[str]) -> Supervisor:
     except OSError as exc:
         raise K3Error("state-dir", f"cannot write {log_path(store, name)}: {exc.strerror or exc}", "pass --state-dir DIR") from None
     cmd = [sys.executable, "-m", "k3launch", "supervise", name, "--state-dir", str(store.root), "--as-detached", *args]
+    # owner-only: an --on-event command may carry a webhook's token
+    fd = os.open(args_path(store, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(list(args), f)
     with out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     t_end = time.monotonic() + DETACH_WAIT_S
