@@ -64,10 +64,19 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
 
     with Load(out["endpoint"], rec["plan"]["model"], workers=2, limit=4000, pause=0.02) as load:
         t_roll = time.time()
-        ok = cli.json("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", timeout=180)
+        first = cli.start("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", "--json")
+        lock = cli.state_dir / "deployments" / f"{name}.lock"
+        deadline = time.monotonic() + 30
+        while not lock.exists() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        second = cli.run("rollout", name, "--set", "max-num-seqs=16")  # while the first one rolls
+        downed = cli.run("down", name)
+        ok = json.loads(cli.wait(first, 180, ("rollout",)).stdout)
         refused = cli.run("rollout", name, "--set", "max-num-seqs=0", "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
     print(f"\n[rollout of 2 copies: {[(u['unit'], u['seconds']) for u in ok['rolled']]}; refused value: exit {refused.returncode}; "
           f"client {load.ok} ok, {load.failed} failed]")
+    assert second.returncode == 2 and "deployment-busy" not in second.stdout and "another k3launch command" in second.stderr, second.stderr
+    assert downed.returncode == 2 and "another k3launch command" in downed.stderr, downed.stderr  # down waits for the rollout
     assert ok["ok"] is True and [u["unit"] for u in ok["rolled"]] == ["r0-serve-0", "r1-serve-0"], ok
     bad_roll: dict[str, Any] = json.loads(refused.stdout)
     assert refused.returncode == 1 and bad_roll["failed"] == "r0-serve-0" and "max_num_seqs must be >= 1" in bad_roll["reason"], bad_roll

@@ -101,7 +101,8 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
     """Apply :func:`rollout_preview`'s plan one unit at a time (:mod:`k3launch.deploy.rollout`).
     A running supervisor is stopped for the rollout and started again after it with its policy.
     A deployment with one engine unit (nothing to route around it) is refused unless
-    ``allow_downtime``. The record holds the plan each process runs on throughout."""
+    ``allow_downtime``. The record holds the plan each process runs on throughout, and the
+    deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``."""
     from k3launch.api._common import access
     from k3launch.api.lifecycle import ready_timeout
     from k3launch.api.supervision import stop_supervisor, supervise_detached
@@ -123,16 +124,20 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
     if sv is not None:
         say(stop_supervisor(name, state_dir=state_dir) or "supervisor stopped for the rollout")
     ops = supervise_ops(rec.backend, "rollout", [access(accept_unknown_hosts, connect_timeout)])
-    watcher = ops.watcher(st.load(name), st)
     try:
-        roller = Roller(watcher, preview.old, preview.new, drain_timeout=drain_timeout,
-                        start_timeout=start_timeout or ready_timeout(preview.new), say=say)
-        result = roller.run(preview.units)
-        if result.ok:
-            watcher.adopt(preview.new, "")  # the new plan whole: its origin, for the next rollout
-            result.plan = preview.new
+        # held throughout: a second rollout, a `down` or a restarting supervisor is refused meanwhile
+        with st.lock(name):
+            watcher = ops.watcher(st.load(name), st)
+            try:
+                roller = Roller(watcher, preview.old, preview.new, drain_timeout=drain_timeout,
+                                start_timeout=start_timeout or ready_timeout(preview.new), say=say)
+                result = roller.run(preview.units)
+                if result.ok:
+                    watcher.adopt(preview.new, "")  # the new plan whole: its origin, for the next rollout
+                    result.plan = preview.new
+            finally:
+                watcher.close()
     finally:
-        watcher.close()
         if sv is not None:
             from k3launch.deploy.supervisors import last_args
 
