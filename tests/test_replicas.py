@@ -95,3 +95,24 @@ def test_an_inventory_too_small_for_the_copies_says_how_many_nodes() -> None:
     with pytest.raises(K3Error) as exc:
         api.plan(str(LOCAL), recipe="k3launch/tiny-llama", strategy="multi_node_tp", nodes=2, replicas=3)
     assert "6" in exc.value.message, exc.value.message
+
+
+def test_an_inventory_default_of_copies_is_taken_unless_replicas_says_otherwise(tmp_path: Path) -> None:
+    import yaml
+
+    inv = yaml.safe_load(LOCAL.read_text())
+    inv["replicas"] = 2
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    two = api.plan(str(path), recipe="k3launch/tiny-llama", strategy="single_node_tp")
+    assert two.replicas == 2 and [p.id for p in two.processes] == ["r0-serve-0", "r1-serve-0", "router"]
+    assert any(n.code == "replicas-default" for n in two.notices)
+    assert api.plan(str(path), recipe="k3launch/tiny-llama", strategy="single_node_tp", replicas=1).replicas == 1
+    # a default, not an order: a layout that is not served as copies plans one, and says so
+    one = api.plan(str(path), recipe="k3launch/tiny-llama", strategy="multi_node_replicas", nodes=2)
+    assert one.replicas == 1 and any(n.code == "replicas-default" and "left out" in n.message for n in one.notices)
+    inv["replicas"] = 0
+    path.write_text(yaml.safe_dump(inv))
+    with pytest.raises(K3Error) as exc:
+        api.plan(str(path), recipe="k3launch/tiny-llama", strategy="single_node_tp")
+    assert "replicas" in exc.value.message

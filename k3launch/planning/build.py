@@ -118,7 +118,8 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         check_name(name, example="--name k3-tep-lab")
     if inventory is not None:
         sel = sel.model_copy(update={"hardware": inventory_hardware(inventory, sel.hardware)})
-    r = resolve(tree, sel, host_memory(inventory, exclude, cordoned) if inventory is not None else None)
+    r = resolve(tree, sel, host_memory(inventory, exclude, cordoned) if inventory is not None else None,
+                replicas_default=inventory.replicas if inventory is not None else None)
     schema = load_schema(sel.engine_version(inventory.vllm_version if inventory is not None else None))
     ports = Ports.shifted(port_base)
     rf = f"models/{r.recipe_id}.yaml"

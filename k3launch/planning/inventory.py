@@ -208,6 +208,7 @@ class Inventory(Strict):
     hardware: str | None = None
     engine: Literal["vllm", "sim"] = "vllm"
     vllm_version: str | None = None  # the vLLM its nodes run: plans use its flag schema unless --vllm-version says otherwise
+    replicas: int | None = Field(default=None, ge=1, le=256)  # copies of the engine plans on it serve, unless --replicas says otherwise
     description: str = ""
     # default factories, not instances: an instance here would build the model's validator at import
     defaults: NodeSettings = Field(default_factory=NodeSettings)

@@ -140,8 +140,9 @@ def _size(requested: int | None, floor: int, why: str, fit: int, label: str, not
     return requested
 
 
-def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = None) -> Resolved:
-    """``host_memory``: the inventory's node RAM, which a CPU profile's capacity is checked against."""
+def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = None, replicas_default: int | None = None) -> Resolved:
+    """``host_memory``: the inventory's node RAM, which a CPU profile's capacity is checked against;
+    ``replicas_default``: the inventory's copies, where ``--replicas`` does not say."""
     notices: list[Notice] = []
     recipe_id = _pick_recipe(tree, sel, notices)
     recipe = tree.model(recipe_id)
@@ -195,7 +196,7 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
                 f"{pool.nodes} x {hw_id} = {mem.text(pool.nodes)} cannot hold the {w.gb:g} GB of weights of {where}",
                 f"use {flag} {need} or more (smallest that fits: {need}); KV offload moves KV cache, never weights",
             )
-    replicas = _replicas(sel, strategy, pools)
+    replicas = _replicas(sel, strategy, pools, replicas_default, notices)
     features, modes = options.features(recipe, sel, sname, variant, vname, hw_id, hw, notices)
     kv = options.kv_offload(tree, recipe, sel.kv_offload, strategy, hw_id, hw, notices)
     used = [sname, *(POOL_FLOOR_STRATEGY[p.parallelism] for p in pools if strategy.deploy_type == "pd_cluster" and p.parallelism in POOL_FLOOR_STRATEGY)]
@@ -208,9 +209,16 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
     )
 
 
-def _replicas(sel: Selection, strategy: Strategy, pools: list[Pool]) -> int:
+def _replicas(sel: Selection, strategy: Strategy, pools: list[Pool], default: int | None, notices: list[Notice]) -> int:
     """``--replicas``: copies of an aggregated engine of any layout. P/D scales each pool by its own
-    instances, and ``multi_node_replicas`` is one copy per node already."""
+    instances, and ``multi_node_replicas`` is one copy per node already: asked for there, copies
+    are refused; an inventory's default is left out with a notice."""
+    if sel.replicas is None and default and default > 1:
+        if strategy.deploy_type == "pd_cluster" or any(p.parallelism == "replicas" for p in pools):
+            notices.append(Notice("replicas-default", f"the inventory's replicas: {default} left out: {strategy.name} is not served as copies"))
+            return 1
+        notices.append(Notice("replicas-default", f"{default} copies of the engine: the inventory's replicas (--replicas overrides it)"))
+        return default
     n = sel.replicas or 1
     if n > 1 and strategy.deploy_type == "pd_cluster":
         raise K3Error("replicas", "--replicas does not apply to pd_cluster: its pools are sized with --prefill-nodes/--decode-nodes",
