@@ -97,11 +97,12 @@ def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str
 def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), vllm_version: str | None = None,
             drain_timeout: float = 120.0, start_timeout: float | None = None, allow_downtime: bool = False,
             say: Callable[[str], None] = lambda _: None, state_dir: str | Path | None = None,
-            accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> RolloutResult:
+            accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, preview: RolloutPreview | None = None) -> RolloutResult:
     """Apply :func:`rollout_preview`'s plan one unit at a time (:mod:`k3launch.deploy.rollout`).
     A running supervisor is stopped for the rollout and started again after it with its policy.
     A deployment with one engine unit (nothing to route around it) is refused unless
-    ``allow_downtime``. The record holds the plan each process runs on throughout, and the
+    ``allow_downtime``. ``preview``: one the caller has shown already (else it is made here).
+    The record holds the plan each process runs on throughout, and the
     deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``."""
     from k3launch.api._common import access
     from k3launch.api.lifecycle import ready_timeout
@@ -110,7 +111,7 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
     from k3launch.deploy.rollout import Roller
     from k3launch.models.backends import Feature, require
 
-    preview = rollout_preview(name, sets=sets, unsets=unsets, vllm_version=vllm_version, state_dir=state_dir)
+    preview = preview or rollout_preview(name, sets=sets, unsets=unsets, vllm_version=vllm_version, state_dir=state_dir)
     if not preview.units:
         raise K3Error("no-change", "the change leaves every process as it is", "`k3launch rollout NAME ... --dry-run` shows the plan")
     st = store(state_dir)

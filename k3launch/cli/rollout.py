@@ -44,7 +44,7 @@ def rollout(
                 con.print(f"units to roll, in order: {', '.join(u.name for u in preview.units) or 'none'}")
             if dry_run:
                 return
-        result = do_rollout(name, sets=sets or [], unsets=unsets or [], vllm_version=vllm_version, drain_timeout=drain_timeout,
+        result = do_rollout(name, preview=preview, drain_timeout=drain_timeout,
                             start_timeout=start_timeout, allow_downtime=allow_downtime, say=lambda s: None if json_out else con.print(s),
                             state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     except K3Error as err:

@@ -38,8 +38,6 @@ class UnitRolled:
     unit: str
     seconds: float
     drained_s: float  # of which waiting for in-flight requests
-    ok: bool
-    reason: str = ""
 
 
 @dataclass
@@ -95,33 +93,29 @@ class Roller:
         result = RolloutResult(current)
         for u in units:
             t0 = self.clock()
-            http_procs = [p for p in current.processes if p.id in u.http and u.kind != "router"]
-            urls = [_url(p) for p in http_procs]
-            routed = self.router is not None and u.kind != "router" and bool(urls)
-            if routed:
-                assert self.router is not None
-                why = self.w.reroute(self.router, urls, [])
+            urls = [_url(p) for p in current.processes if p.id in u.http and u.kind != "router"]
+            router = self.router if urls else None  # the router in front of this unit, if any
+            if router is not None:
+                why = self.w.reroute(router, urls, [])
                 if why:
                     return self._stop(result, u, f"the router did not take {u.name} out: {why}")
-            self.say(f"{u.name}: out of the router, draining" if routed else f"{u.name}: restarting")
-            drained = self._drain(urls) if routed else 0.0
+            self.say(f"{u.name}: out of the router, draining" if router else f"{u.name}: restarting")
+            drained = self._drain(urls) if router else 0.0
             target = with_processes(current, self.new, u.processes)
             why = self._swap(target, u)
             if why:
                 self.say(f"{u.name}: {why}; rolling it back")
                 result.logs = [str(p) for p in self.w.keep_logs(u.processes)]
                 back = self._swap(current, u)
-                if routed and not back:
-                    assert self.router is not None
-                    self.w.reroute(self.router, [], urls)
+                if router is not None and not back:
+                    self.w.reroute(router, [], urls)
                 result.plan = current
                 return self._stop(result, u, why + (f"; rolling back failed too: {back}" if back else ""))
-            if routed:
-                assert self.router is not None
-                self.w.reroute(self.router, [], urls)
+            if router is not None:
+                self.w.reroute(router, [], urls)
             current = target
             result.plan = current
-            result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained, True))
+            result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained))
             self.say(f"{u.name}: rolled in {self.clock() - t0:.1f}s")
         return result
 
@@ -147,18 +141,21 @@ class Roller:
         return self._gate(plan, u)
 
     def _gate(self, plan: Plan, u: Unit) -> str:
-        procs = [p for p in plan.processes if p.id in u.http]
+        """Every HTTP server of ``u`` healthy (the watcher's look: it also sees a process that
+        exited) within ``start_timeout``, then a real completion from each engine; "" or why not."""
         deadline = self.clock() + self.start_timeout
-        for p in procs:
-            while not http.health(_url(p), timeout=3.0).ok:
-                if self.clock() > deadline:
-                    return f"{p.id} did not answer /health within {self.start_timeout:g}s"
-                dead = self.w.observe(self.clock()).dead
-                if any(pid in dead for pid in u.processes):
-                    pid = next(pid for pid in u.processes if pid in dead)
-                    return f"{pid} {dead[pid]}"
-                self.sleep(POLL_S)
-            if p.role != "router":
+        while True:
+            obs = self.w.observe(self.clock())
+            dead = next((pid for pid in u.processes if pid in obs.dead), None)
+            if dead is not None:
+                return f"{dead} {obs.dead[dead]}"
+            if all(obs.healthy.get(pid) for pid in u.http):
+                break
+            if self.clock() > deadline:
+                return f"{u.name} did not answer /health within {self.start_timeout:g}s"
+            self.sleep(POLL_S)
+        for p in plan.processes:
+            if p.id in u.http and p.role != "router":
                 c = http.completion(_url(p), plan.model, timeout=max(10.0, deadline - self.clock()))
                 if not c.ok:
                     return f"{p.id} serves /health but its completion failed: {c.detail}"

@@ -244,11 +244,11 @@ class Supervision:
         not at ``start_timeout``, which is sized for the slowest honest start. Every look with new
         ticks (or the first one) starts the clock again."""
         limit = self.policy.stall_after
-        if self._serves(u, obs):  # an engine may idle once it serves: that look makes it SERVING
+        if not limit or self._serves(u, obs):  # an engine may idle once it serves: that look makes it SERVING
             return None
         for pid in u.processes:
             got = obs.cpu.get(pid)
-            if got is None or not limit:
+            if got is None:
                 continue
             seen = m.progress.get(pid)
             if seen is None or seen[0] != got[0]:
@@ -315,20 +315,23 @@ class Supervision:
     def _restart(self, u: Unit, m: _Memory, now: float, events: list[Event], counted: bool = True) -> Restart:
         if counted:
             m.restarts.append(now)
-        m.state, m.until = UnitState.STARTING, now + self.start_timeout
-        m.unhealthy_since.clear()
-        m.progress.clear()
+        self._starting(m, now)
         self.restarts += 1
         attempt = len(m.restarts)
         events.append(self._event(now, "restarting", u, reason=m.reason, attempt=attempt))
         return Restart(u, attempt, m.reason, hung=" hung: " in m.reason)
 
+    def _starting(self, m: _Memory, now: float) -> None:
+        """A unit (re)started now: ``start_timeout`` to serve, and the hung and stall clocks start
+        again with its new processes."""
+        m.state, m.until = UnitState.STARTING, now + self.start_timeout
+        m.unhealthy_since.clear()
+        m.progress.clear()
+
     # ------------------------------------------------------------------ what the executor reports
     def started(self, unit: Unit, now: float) -> None:
         """The restart's start commands ran: the unit now has ``start_timeout`` to serve."""
-        m = self.memory[unit.name]
-        m.state, m.until = UnitState.STARTING, now + self.start_timeout
-        m.progress.clear()  # the clock starts with the new processes
+        self._starting(self.memory[unit.name], now)
 
     def start_failed(self, unit: Unit, now: float, why: str, proc: str | None = None, tail: str = "") -> tuple[list[Event], list[Action]]:
         """A restart could not even start the unit (a start command failed, a node refused)."""
@@ -347,10 +350,8 @@ class Supervision:
         self.memory = {u.name: old.get(u.name) or _Memory() for u in self.units}
         for name in restarted:
             m = self.memory[name]
-            m.state, m.until = UnitState.STARTING, now + self.start_timeout
+            self._starting(m, now)
             m.detected = now if m.detected is None else m.detected
-            m.unhealthy_since.clear()
-            m.progress.clear()
             self.restarts += 1
 
     # ------------------------------------------------------------------ the deployment as a whole

@@ -167,15 +167,15 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         pool = _sized(shared, r, pool, mem, pool_nodes[0], schema, ports, reserved, inventory, notices)
         pool_ft = ft if ft is not None and pool.role in ft.roles else None
         composed = _compose_pool(shared, pool, pool_nodes, schema, ports, locks, reserved, inventory, model_id, pool_ft, r.hardware.vendor_platform)
-        copies: list[tuple[str, list[Placed]]] = [(pool.role, composed)]
-        if r.replicas > 1:
-            copies = [(f"r0-{pool.role}", [one._replace(pid=f"r0-{one.pid}") for one in composed])]
-            for k in range(1, r.replicas):
-                copy_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
-                again = _compose_pool(shared, pool, copy_nodes, schema, ports, locks, reserved, inventory, model_id, None, r.hardware.vendor_platform)
-                copies.append((f"r{k}-{pool.role}", [one._replace(pid=f"r{k}-{one.pid}") for one in again]))
+        copies = [composed]
+        for _ in range(1, r.replicas):  # fault tolerance is refused with copies: none of them has a pool_ft
+            copy_nodes, cursor = placed[cursor:cursor + pool.nodes], cursor + pool.nodes
+            copies.append(_compose_pool(shared, pool, copy_nodes, schema, ports, locks, reserved, inventory, model_id, None,
+                                        r.hardware.vendor_platform))
+        named = ([(f"r{k}-{pool.role}", [one._replace(pid=f"r{k}-{one.pid}") for one in copy]) for k, copy in enumerate(copies)]
+                 if r.replicas > 1 else [(pool.role, composed)])
         pools.append(pool)
-        for pool_name, placed_copy in copies:
+        for pool_name, placed_copy in named:
             for one in placed_copy:
                 c, node = one.composed, one.node
                 notices.extend(c.notices)

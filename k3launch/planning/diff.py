@@ -16,7 +16,7 @@ from typing import Literal
 from k3launch.models.plan import Plan, Process
 from k3launch.planning.schema import FlagSchema, load_schema
 
-What = Literal["flag", "model", "env", "image", "node", "address", "process"]
+What = Literal["flag", "model", "env", "image", "node", "address"]
 
 
 @dataclass(frozen=True)
@@ -90,10 +90,9 @@ def _values(what: What, old: dict[str, str], new: dict[str, str]) -> list[Change
 def diff_process(old: Process, new: Process, old_version: str, new_version: str) -> ProcessDiff:
     om, of = _flags(old, old_version)
     nm, nf = _flags(new, new_version)
-    changes: list[Change] = []
-    for what, a, b in (("node", old.node, new.node), ("address", old.address, new.address), ("model", om, nm), ("image", old.image, new.image)):
-        if a != b:
-            changes.append(Change(what, what, a, b))  # type: ignore[arg-type]
+    values: tuple[tuple[What, str | None, str | None], ...] = (
+        ("node", old.node, new.node), ("address", old.address, new.address), ("model", om, nm), ("image", old.image, new.image))
+    changes = [Change(what, what, a, b) for what, a, b in values if a != b]
     changes += _values("flag", of, nf)
     changes += _values("env", old.env, new.env)
     return ProcessDiff(old.id, tuple(changes))

@@ -79,7 +79,7 @@ def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, re
     node_of = {p.id: p.node for p in rec.plan.processes}
     _stop_containers(rec, fleet, ids, grace_s, report)
     # On a shared machine (local backend) every "node" sees every process: act only on this phase's process ids.
-    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report, _sessions(rec.processes, ids))
+    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report, sessions(rec.processes, ids))
     report.stopped += ids
 
 
@@ -92,7 +92,7 @@ def stop_processes(rec: SshRecord, fleet: Fleet, ids: Iterable[str], grace_s: fl
             _stop_phase(rec, fleet, mine, grace_s, report)
 
 
-def _sessions(processes: Mapping[str, ProcessRecord], ids: Iterable[str]) -> dict[str, dict[str, str]]:
+def sessions(processes: Mapping[str, ProcessRecord], ids: Iterable[str]) -> dict[str, dict[str, str]]:
     """node -> {recorded pid: process id} of the bare processes among ``ids``: each leads its session (setsid)."""
     out: dict[str, dict[str, str]] = {}
     for i in ids:
@@ -109,7 +109,7 @@ def stop_left_behind(rec: SshRecord, fleet: Fleet, node: str, grace_s: float, re
     ids = sorted(lb.processes)
     view = rec.model_copy(update={"processes": lb.processes, "left_behind": {}})
     _stop_containers(view, fleet, ids, grace_s, report)  # by the recorded node of each container
-    _signal_until_gone(fleet, rec.name, ids, [node], grace_s, report, _sessions(lb.processes, ids))
+    _signal_until_gone(fleet, rec.name, ids, [node], grace_s, report, sessions(lb.processes, ids))
     if node not in report.unreachable:
         report.stopped += [f"{pid} on {node} (left there when the node was lost)" for pid in ids]
 

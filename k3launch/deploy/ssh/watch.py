@@ -26,7 +26,7 @@ from pathlib import Path
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import start_group, start_steps
 from k3launch.deploy.ssh.observe import keep_tails, poll, tail_logs
-from k3launch.deploy.ssh.teardown import stop_left_behind, stop_processes, teardown
+from k3launch.deploy.ssh.teardown import sessions, stop_left_behind, stop_processes, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import FaultTolerancePool, Plan, Process, is_container
@@ -109,10 +109,7 @@ class SshWatcher:
 
     def _session_cpu(self, dead: set[str], silent: set[str]) -> dict[str, tuple[int, str]]:
         """Process id -> (CPU ticks of its session, the leader's state) of every live bare process."""
-        by_node: dict[str, dict[str, str]] = {}
-        for pid, pr in self.rec.processes.items():
-            if pid not in dead and pr.node not in silent and not is_container(pr.runtime) and pr.handle.isdigit():
-                by_node.setdefault(pr.node, {})[pr.handle] = pid
+        by_node = {n: s for n, s in sessions(self.rec.processes, set(self.rec.processes) - dead).items() if n not in silent}
         got = self.fleet.run_many({n: remote.session_cpu(s) for n, s in by_node.items()}, timeout=10) if by_node else {}
         out: dict[str, tuple[int, str]] = {}
         for node, o in got.items():
