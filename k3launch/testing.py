@@ -33,6 +33,7 @@ from typing import TypeVar
 
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
 from k3launch.models.plan import Plan
+from k3launch.models.record import DeploymentRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport
 from k3launch.models.supervise import Unit
 from k3launch.models.supervision import Observation
@@ -325,6 +326,7 @@ class FakeWatcher:
         self.closed = False
         self.doctor_fails: list[str] = []  # what check() reports for spares
         self.plan: Plan | None = None  # the plan adopted last
+        self.rec: DeploymentRecord | None = None  # what note() changes, when a test gives one
         self._last: Observation | None = None
 
     def observe(self, now: float) -> Observation:
@@ -370,6 +372,11 @@ class FakeWatcher:
     def adopt(self, plan: Plan, lost: str) -> None:
         self.calls.append(("adopt", lost))
         self.plan = plan
+
+    def note(self, change: Callable[[DeploymentRecord], None]) -> None:
+        self.calls.append(("note",))
+        if self.rec is not None:
+            change(self.rec)
 
     def close(self) -> None:
         self.closed = True

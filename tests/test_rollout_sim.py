@@ -27,6 +27,11 @@ def _running(cli: Cli, name: str) -> dict[str, list[str]]:
     return {i: _cmdline(int(p["handle"])) for i, p in cli.record(name)["processes"].items() if i != "router"}
 
 
+def _environ(pid: int) -> dict[str, str]:
+    pairs = (kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if "=" in kv)
+    return {k: v for k, v in pairs}
+
+
 def _seqs(argv: list[str]) -> str | None:
     return argv[argv.index("--max-num-seqs") + 1] if "--max-num-seqs" in argv else None
 
@@ -51,7 +56,10 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     # bad input: one line, exit 2, nothing changed
     for args, words in ((["--set", "max-num-seqz=8"], "not a flag of vllm serve"), (["--set", "max-num-seqs=many"], "not a valid int"),
                         (["--unset", "max-num-seqs"], "was not planned with --set"), ([], "nothing to roll out"),
-                        (["--set", "max-num-seqs=8", "--name-typo"], "no such option")):
+                        (["--set", "max-num-seqs=8", "--name-typo"], "no such option"),
+                        (["--set", "max-num-seqs=8", "--max-unavailable", "2"], "stops serving"),
+                        (["--env", "HF_TOKEN=hf_abc"], "looks like a secret"), (["--image", "bad image;x"], "not a container image"),
+                        (["--continue"], "has no stopped rollout"), (["--continue", "--set", "max-num-seqs=8"], "take no change")):
         bad = cli.run("rollout", name, *args)
         assert bad.returncode == 2 and words in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
     assert cli.run("rollout", "nope", "--set", "max-num-seqs=8").returncode == 2
@@ -73,6 +81,16 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
         downed = cli.run("down", name)
         ok = json.loads(cli.wait(first, 180, ("rollout",)).stdout)
         refused = cli.run("rollout", name, "--set", "max-num-seqs=0", "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
+        stopped = cli.json("status", name)["rollout"]  # the record holds the stopped rollout until it is finished or undone
+        busy = cli.run("rollout", name, "--set", "max-num-seqs=16")
+        undone = cli.run("rollout", name, "--rollback", "--json", timeout=60)  # nothing rolled: it only drops the rollout
+        # an env change the second copy fails to start with: r0 rolls, r1 is rolled back, and the rollout stops between
+        fail_env = ["--env", "K3LAUNCH_SIM_FAIL=exit-during-load", "--env", "K3LAUNCH_SIM_FAIL_PROCESS=r1-serve-0"]
+        half = cli.run("rollout", name, *fail_env, "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
+        half_rec = cli.record(name)
+        half_env = {i: _environ(int(p["handle"])) for i, p in half_rec["processes"].items() if i != "router"}
+        again = cli.run("rollout", name, "--continue", "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
+        back = cli.run("rollout", name, "--rollback", "--drain-timeout", "10", "--json", timeout=180)
     print(f"\n[rollout of 2 copies: {[(u['unit'], u['seconds']) for u in ok['rolled']]}; refused value: exit {refused.returncode}; "
           f"client {load.ok} ok, {load.failed} failed]")
     assert second.returncode == 2 and "deployment-busy" not in second.stdout and "another k3launch command" in second.stderr, second.stderr
@@ -82,14 +100,31 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert refused.returncode == 1 and bad_roll["failed"] == "r0-serve-0" and "max_num_seqs must be >= 1" in bad_roll["reason"], bad_roll
     assert bad_roll["logs"] and all(Path(p).is_file() for p in bad_roll["logs"])
     assert {i: _seqs(a) for i, a in _running(cli, name).items()} == {"r0-serve-0": "8", "r1-serve-0": "8"}  # rolled back / untouched
+    assert stopped["units"][0]["name"] == "r0-serve-0" and "max_num_seqs must be >= 1" in stopped["units"][0]["failed"], stopped
+    assert [u["on"] for u in stopped["units"]] == ["old", "old"] and "r0-serve-0 failed its gate" in stopped["stopped"], stopped
+    assert stopped["changes"] == ["--set max-num-seqs=0"], stopped
+    assert busy.returncode == 2 and "--continue" in busy.stderr and "Traceback" not in busy.stderr, busy.stderr
+    assert undone.returncode == 0 and json.loads(undone.stdout)["ok"] is True, undone.stdout + undone.stderr
+    assert json.loads(half.stdout)["failed"] == "r1-serve-0" and half.returncode == 1, half.stdout
+    ro = half_rec["rollout"]
+    assert [(u["name"], u["on"]) for u in ro["units"]] == [("r0-serve-0", "new"), ("r1-serve-0", "old")] and ro["stopped"], ro
+    assert {p["id"]: p["env"].get("K3LAUNCH_SIM_FAIL") for p in ro["new"]["processes"] if p["role"] != "router"} == {
+        "r0-serve-0": "exit-during-load", "r1-serve-0": "exit-during-load"}  # both plans, whole
+    assert not any("K3LAUNCH_SIM_FAIL" in p["env"] for p in ro["old"]["processes"])
+    assert half_env["r0-serve-0"].get("K3LAUNCH_SIM_FAIL") == "exit-during-load" and "K3LAUNCH_SIM_FAIL" not in half_env["r1-serve-0"]
+    assert again.returncode == 1 and json.loads(again.stdout)["failed"] == "r1-serve-0", again.stdout  # --continue tried r1 again
+    assert back.returncode == 0 and [u["unit"] for u in json.loads(back.stdout)["rolled"]] == ["r0-serve-0"], back.stdout
     assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
+    assert "rollout" not in cli.json("status", name) and cli.record(name).get("rollout") is None  # undone: one plan again
+    assert not any("K3LAUNCH_SIM_FAIL" in _environ(int(p["handle"])) for i, p in cli.record(name)["processes"].items() if i != "router")
+    assert cli.run("rollout", name, "--continue").returncode == 2  # nothing to continue
     snap = cli.json("status", name)
     assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
     assert snap["supervisor"] and snap["supervisor"]["pid"] != sv0  # paused for each rollout, then watching again
     assert "max-num-seqs=8" in cli.record(name)["plan"]["origin"]["selection"]["sets"]  # the next rollout starts from here
     # the supervisor came back as it was started: its --on-event hook still gets the events
     watching = [e for e in map(json.loads, filter(None, hook.read_text().splitlines())) if e["kind"] == "watching" and e["time"] > t_roll]
-    assert len(watching) == 2, hook.read_text()
+    assert len(watching) == 6, hook.read_text()  # once after each of the six rollout commands that rolled
 
     d = cli.json("down", name, timeout=120)
     assert d["clean"] is True, d

@@ -64,7 +64,7 @@ if TYPE_CHECKING:
         recipes,
         schema_dump,
     )
-    from k3launch.api.rollout import rollout, rollout_preview
+    from k3launch.api.rollout import rollout, rollout_continue, rollout_preview
     from k3launch.api.supervision import events, follow_events, restart_policy, stop_supervisor, supervise, supervise_detached
 
 # Each name's module, imported on first use: `plan` then loads only the planning part of the API
@@ -101,6 +101,7 @@ _HOMES: dict[str, str] = {
     "ready_timeout": "lifecycle",
     "restart_policy": "supervision",
     "rollout": "rollout",
+    "rollout_continue": "rollout",
     "rollout_preview": "rollout",
     "recipe": "planning",
     "recipes": "planning",
@@ -168,6 +169,7 @@ __all__ = [
     "record",
     "restart_policy",
     "rollout",
+    "rollout_continue",
     "rollout_preview",
     "schema_dump",
     "state_root",

@@ -150,6 +150,10 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
                 cur.state, cur.error = "failed", snap.error
                 st.save(cur)
     snap.error = snap.error or (rec.error if rec.state == "failed" else None)
+    if rec.rollout is not None:
+        from k3launch.models.rollout import RolloutStatus
+
+        snap.rollout = RolloutStatus.of(rec.rollout)
     return snap
 
 

@@ -1,24 +1,31 @@
-"""``k3launch rollout NAME``: the plan a live deployment would change to, and what changes.
+"""``k3launch rollout NAME``: the plan a live deployment would change to, what changes, and the rollout.
 
 The new plan is the deployment's own plan asked again (its ``origin``: the selection as given, on
 the inventory it came from, with its name and port base) plus the changes: ``--set FLAG=V``
-(replacing an earlier ``--set`` of the same flag), ``--unset FLAG`` (dropping an earlier ``--set``;
-a flag the recipe composes is the recipe's to change) and ``--vllm-version``. Planning checks the
-values against that vLLM's flag schema, so a typo or a refused value is one line and nothing
-changes. A rollout keeps every process on its node and port: a change that would move, add or
-drop processes (other nodes, another copy count) is refused.
+(replacing an earlier ``--set`` of the same flag), ``--env NAME=V`` (likewise), ``--unset X``
+(dropping an earlier ``--set X=...`` or ``--env X=...``; a flag the recipe composes is the
+recipe's to change), ``--image`` and ``--vllm-version``. Planning checks the values against that
+vLLM's flag schema, so a typo or a refused value is one line and nothing changes. A rollout keeps
+every process on its node and port: a change that would move, add or drop processes (other
+nodes, another copy count) is refused.
+
+While it rolls, and after it stopped, the record holds both plans and which unit runs which
+(:mod:`k3launch.models.rollout`); a stopped rollout is resumed (:func:`rollout_continue`) or
+undone (:func:`rollout_continue` with ``rollback``), and a new one is refused until then.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3launch.api._common import load, store
-from k3launch.deploy.rollout import RolloutResult
+from k3launch.deploy.rollout import Gate, RolloutResult
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.rollout import On, RolloutState, RolloutUnit, changes_typed
 from k3launch.models.supervise import Unit, units
 from k3launch.planning.diff import ProcessDiff, diff_plans
 
@@ -34,19 +41,21 @@ class RolloutPreview:
     new: Plan
     diffs: list[ProcessDiff]
     units: list[Unit]
+    changes: tuple[str, ...] = ()  # the options, as typed
 
 
 def _flag(word: str) -> str:
     return word.split("=", 1)[0].strip().lstrip("-")
 
 
-def merged_sets(sets: Sequence[str], add: Sequence[str], drop: Sequence[str]) -> list[str]:
-    """``sets`` (``FLAG=VALUE`` as typed) with ``drop``'s flags removed and ``add`` applied, a
-    flag set again replacing its earlier value in place."""
+def merged_sets(sets: Sequence[str], add: Sequence[str], drop: Sequence[str], option: str = "--set") -> list[str]:
+    """``sets`` (``FLAG=VALUE`` as typed; ``NAME=VALUE`` for ``--env``) with ``drop``'s names
+    removed and ``add`` applied, a name set again replacing its earlier value in place."""
     out = [s for s in sets if _flag(s) not in {_flag(d) for d in drop}]
     for s in add:
         if "=" not in s:
-            raise K3Error("bad-set", f"--set {s!r} needs FLAG=VALUE", "e.g. --set max-num-seqs=64")
+            form = "FLAG=VALUE" if option == "--set" else "NAME=VALUE"
+            raise K3Error("bad-set", f"{option} {s!r} needs {form}", "e.g. --set max-num-seqs=64 or --env VLLM_LOGGING_LEVEL=DEBUG")
         same = [i for i, old in enumerate(out) if _flag(old) == _flag(s)]
         if same:
             out[same[0]] = s
@@ -55,28 +64,41 @@ def merged_sets(sets: Sequence[str], add: Sequence[str], drop: Sequence[str]) ->
     return out
 
 
-def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), vllm_version: str | None = None,
-                    state_dir: str | Path | None = None) -> RolloutPreview:
+def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), env: Sequence[str] = (),
+                    image: str | None = None, vllm_version: str | None = None, state_dir: str | Path | None = None) -> RolloutPreview:
     """What ``rollout`` would do to ``name``; nothing is touched. Raises K3Error for a deployment
-    that is not ready, cannot be planned again, or a change a rollout cannot make."""
+    that is not ready, is in a stopped rollout, cannot be planned again, or a change a rollout
+    cannot make."""
     st = store(state_dir)
     rec = st.load(name)
     if rec.state not in ROLLABLE:
         raise K3Error("not-ready", f"{name} is {rec.state}: only a ready deployment is rolled", f"`k3launch status {name}`")
+    if rec.rollout is not None:
+        if not rec.rollout.stopped:
+            with st.lock(name):  # deployment-busy while the rollout's command holds it; else that command died
+                pass
+        raise K3Error("rollout-stopped", f"{name} is in a rollout ({' '.join(rec.rollout.changes)}) that stopped: "
+                      f"{rec.rollout.stopped or 'its command ended before it finished'}",
+                      f"`k3launch rollout {name} --continue` to finish it, or `--rollback` to undo it")
     origin = rec.plan.origin
     if origin is None or not rec.inventory or not Path(rec.inventory).is_file():
         raise K3Error("no-origin", f"{name} cannot be planned again: its record has no origin or its inventory file "
                       f"({rec.inventory or 'none'}) is gone", f"bring it up again with this k3launch (`k3launch down {name}`, then `up`)")
-    if not (sets or unsets or vllm_version):
-        raise K3Error("no-change", "nothing to roll out", "give --set FLAG=VALUE, --unset FLAG or --vllm-version")
+    if not (sets or unsets or env or image or vllm_version):
+        raise K3Error("no-change", "nothing to roll out", "give --set FLAG=VALUE, --env NAME=VALUE, --unset X, --image or --vllm-version")
     given = [str(s) for s in origin.selection.get("sets") or ()]
-    missing = [u for u in unsets if _flag(u) not in {_flag(s) for s in given}]
+    given_env = [str(e) for e in origin.selection.get("env") or ()]
+    missing = [u for u in unsets if _flag(u) not in {_flag(s) for s in [*given, *given_env]}]
     if missing:
-        raise K3Error("bad-unset", f"--unset {missing[0]}: {name} was not planned with --set {_flag(missing[0])}=...",
-                      f"its --set flags: {', '.join(given) or 'none'}; a recipe's own flag changes with --set FLAG=VALUE")
-    selection = {**origin.selection, "sets": merged_sets(given, sets, unsets)}
+        raise K3Error("bad-unset", f"--unset {missing[0]}: {name} was not planned with --set or --env {_flag(missing[0])}=...",
+                      f"its --set/--env: {', '.join([*given, *given_env]) or 'none'}; a recipe's own flag changes with --set FLAG=VALUE")
+    selection = {**origin.selection, "sets": merged_sets(given, sets, unsets), "env": merged_sets(given_env, env, unsets, "--env")}
+    if not selection["env"]:
+        del selection["env"]  # a selection as `up` would have written it
     if vllm_version:
         selection["vllm_version"] = vllm_version
+    if image:
+        selection["image"] = image
     from k3launch.api.planning import plan
 
     held = st.nodes_in_use(exclude=name)  # other deployments' nodes; this one's own are its to keep
@@ -91,52 +113,115 @@ def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str
         raise K3Error("rollout-moves", f"the change would move processes: {what}; a rollout keeps each process on its node",
                       "`k3launch down` then `up` for a new layout")
     changed = {d.process for d in diffs if d.changed}
-    return RolloutPreview(rec.plan, new, diffs, [u for u in units(new) if changed & set(u.processes)])
+    return RolloutPreview(rec.plan, new, diffs, [u for u in units(new) if changed & set(u.processes)],
+                          tuple(changes_typed(sets, unsets, env, image, vllm_version)))
 
 
-def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), vllm_version: str | None = None,
-            drain_timeout: float = 120.0, start_timeout: float | None = None, allow_downtime: bool = False,
-            say: Callable[[str], None] = lambda _: None, state_dir: str | Path | None = None,
-            accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, preview: RolloutPreview | None = None) -> RolloutResult:
-    """Apply :func:`rollout_preview`'s plan one unit at a time (:mod:`k3launch.deploy.rollout`).
-    A running supervisor is stopped for the rollout and started again after it with its policy.
-    A deployment with one engine unit (nothing to route around it) is refused unless
-    ``allow_downtime``. ``preview``: one the caller has shown already (else it is made here).
-    The record holds the plan each process runs on throughout, and the
-    deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``."""
+def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), env: Sequence[str] = (), image: str | None = None,
+            vllm_version: str | None = None, drain_timeout: float = 120.0, start_timeout: float | None = None,
+            max_unavailable: int = 1, allow_downtime: bool = False, say: Callable[[str], None] = lambda _: None,
+            state_dir: str | Path | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0,
+            preview: RolloutPreview | None = None, gate: Gate | None = None) -> RolloutResult:
+    """Apply :func:`rollout_preview`'s plan ``max_unavailable`` units at a time
+    (:mod:`k3launch.deploy.rollout`). A running supervisor is stopped for the rollout and started
+    again after it with its policy. A rollout that would leave no engine in the router (one engine
+    unit, or ``max_unavailable`` as many as there are) is refused unless ``allow_downtime``.
+    ``preview``: one the caller has shown already (else it is made here); ``gate``: an extra check
+    of each restarted unit. The record holds both plans and where each unit is throughout, and
+    the deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``."""
+    preview = preview or rollout_preview(name, sets=sets, unsets=unsets, env=env, image=image, vllm_version=vllm_version,
+                                         state_dir=state_dir)
+    if not preview.units:
+        raise K3Error("no-change", "the change leaves every process as it is", "`k3launch rollout NAME ... --dry-run` shows the plan")
+    engines = [u for u in units(preview.old) if u.kind != "router"]
+    if max_unavailable < 1:
+        raise K3Error("bad-max-unavailable", f"--max-unavailable {max_unavailable}: at least 1 unit rolls at a time", "e.g. --max-unavailable 1")
+    if len(engines) <= max_unavailable and not allow_downtime:
+        what = f"one engine ({engines[0].name if engines else 'none'})" if len(engines) < 2 else f"{len(engines)} engine units"
+        raise K3Error("rollout-downtime", f"{name} is {what}: rolling {max_unavailable} at a time stops serving",
+                      "--allow-downtime to restart anyway, a smaller --max-unavailable, or serve copies (--replicas 2) behind the router")
+    now = time.time()
+    state = RolloutState(old=preview.old, new=preview.new, changes=list(preview.changes), started=now, updated=now,
+                         units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in preview.units])
+    return _roll(name, preview.old, preview.new, preview.units, state, lambda on: on, max_unavailable=max_unavailable,
+                 drain_timeout=drain_timeout, start_timeout=start_timeout, say=say, state_dir=state_dir,
+                 accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, gate=gate)
+
+
+def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float = 120.0, start_timeout: float | None = None,
+                     max_unavailable: int = 1, say: Callable[[str], None] = lambda _: None, state_dir: str | Path | None = None,
+                     accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, gate: Gate | None = None) -> RolloutResult:
+    """Resume ``name``'s stopped rollout: roll the units that do not run the new plan yet (a unit
+    that failed its gate is tried again). ``rollback``: take the units that run the new plan back
+    to the old one instead, last rolled first. Either way the record drops the rollout once every
+    unit runs one plan. ``nothing-to-continue`` (exit 2) when no rollout stopped."""
+    st = store(state_dir)
+    rec = st.load(name)
+    state = rec.rollout
+    if state is None:
+        raise K3Error("nothing-to-continue", f"{name} has no stopped rollout", f"`k3launch rollout {name} --set FLAG=VALUE ...` starts one")
+    if rec.state not in ROLLABLE:
+        raise K3Error("not-ready", f"{name} is {rec.state}: only a ready deployment is rolled", f"`k3launch status {name}`")
+    todo = list(reversed(state.rolled())) if rollback else state.pending()
+    target = state.old if rollback else state.new
+    order = {n: i for i, n in enumerate(todo)}
+    picked = sorted((u for u in units(target) if u.name in order), key=lambda u: order[u.name])
+    # back to the old plan, "new" means "old": the record names plans, the roller only its target
+    flip: Callable[[On], On] = (lambda on: "old" if on == "new" else "new" if on == "old" else on) if rollback else (lambda on: on)
+    return _roll(name, rec.plan, target, picked, state, flip, max_unavailable=max_unavailable, drain_timeout=drain_timeout,
+                 start_timeout=start_timeout, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
+                 connect_timeout=connect_timeout, gate=gate)
+
+
+def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: RolloutState, flip: Callable[[On], On], *,
+          max_unavailable: int, drain_timeout: float, start_timeout: float | None, say: Callable[[str], None],
+          state_dir: str | Path | None, accept_unknown_hosts: bool, connect_timeout: float, gate: Gate | None) -> RolloutResult:
     from k3launch.api._common import access
     from k3launch.api.lifecycle import ready_timeout
     from k3launch.api.supervision import stop_supervisor, supervise_detached
     from k3launch.deploy.registry import supervise_ops
     from k3launch.deploy.rollout import Roller
     from k3launch.models.backends import Feature, require
+    from k3launch.models.record import DeploymentRecord
 
-    preview = preview or rollout_preview(name, sets=sets, unsets=unsets, vllm_version=vllm_version, state_dir=state_dir)
-    if not preview.units:
-        raise K3Error("no-change", "the change leaves every process as it is", "`k3launch rollout NAME ... --dry-run` shows the plan")
     st = store(state_dir)
     rec = st.load(name)
     require(rec.backend, Feature.SUPERVISE, "rollout")
-    engines = [u for u in units(preview.old) if u.kind != "router"]
-    if len(engines) < 2 and not allow_downtime:
-        raise K3Error("rollout-downtime", f"{name} is one engine ({engines[0].name if engines else 'none'}): restarting it stops serving",
-                      "--allow-downtime to restart it anyway, or serve copies (--replicas 2) behind the router")
     sv = rec.supervisor
     if sv is not None:
         say(stop_supervisor(name, state_dir=state_dir) or "supervisor stopped for the rollout")
     ops = supervise_ops(rec.backend, "rollout", [access(accept_unknown_hosts, connect_timeout)])
+    state.stopped = ""
+    stopped = "interrupted: the rollout command ended"  # unless it gets further
     try:
         # held throughout: a second rollout, a `down` or a restarting supervisor is refused meanwhile
         with st.lock(name):
             watcher = ops.watcher(st.load(name), st)
+
+            def keep(r: DeploymentRecord) -> None:
+                r.rollout = state
+
+            def mark(unit: str, on: On, why: str) -> None:
+                state.mark(unit, flip(on), why, time.time())
+                watcher.note(keep)
+
             try:
-                roller = Roller(watcher, preview.old, preview.new, drain_timeout=drain_timeout,
-                                start_timeout=start_timeout or ready_timeout(preview.new), say=say)
-                result = roller.run(preview.units)
-                if result.ok:
-                    watcher.adopt(preview.new, "")  # the new plan whole: its origin, for the next rollout
-                    result.plan = preview.new
+                watcher.note(keep)
+                roller = Roller(watcher, current, target, drain_timeout=drain_timeout, say=say, mark=mark, gate=gate,
+                                start_timeout=start_timeout or ready_timeout(target))
+                result = roller.run(todo, batch=max_unavailable)
+                stopped = "" if result.ok else f"{result.failed} failed its gate: {result.reason}"
+                one_plan = result.ok and (not state.pending() or not state.rolled())
+                if one_plan:
+                    watcher.adopt(target, "")  # the target plan whole: its origin, for the next rollout
+                    result.plan = target
             finally:
+                state.stopped = stopped
+
+                def settle(r: DeploymentRecord) -> None:
+                    r.rollout = None if not stopped and (not state.pending() or not state.rolled()) else state
+
+                watcher.note(settle)
                 watcher.close()
     finally:
         if sv is not None:

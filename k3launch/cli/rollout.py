@@ -16,37 +16,52 @@ from k3launch.errors import K3Error
 def rollout(
     name: Annotated[str, typer.Argument(help="Deployment name.")],
     sets: Annotated[list[str] | None, typer.Option("--set", help="FLAG=VALUE for every engine (repeatable); replaces an earlier --set of FLAG.")] = None,
-    unsets: Annotated[list[str] | None, typer.Option("--unset", help="Drop a flag the deployment was planned with --set (repeatable).")] = None,
+    env: Annotated[list[str] | None, typer.Option("--env", help="NAME=VALUE in every engine's environment (repeatable); replaces an earlier --env NAME.")] = None,
+    unsets: Annotated[list[str] | None, typer.Option("--unset", help="Drop a flag or env the deployment was given with --set/--env (repeatable).")] = None,
+    image: Annotated[str | None, typer.Option("--image", help="Container image for every engine.")] = None,
     vllm_version: Annotated[str | None, typer.Option("--vllm-version", help="Plan for this vLLM version (its flag schema).")] = None,
+    resume: Annotated[bool, typer.Option("--continue", help="Finish a stopped rollout (the units not on its new plan yet).")] = False,
+    rollback: Annotated[bool, typer.Option("--rollback", help="Undo a stopped rollout (its rolled units back to the old plan).")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the new plan's changes per process and the units to roll; touch nothing.")] = False,
+    max_unavailable: Annotated[int, typer.Option("--max-unavailable", help="Units out of the router and restarting at a time.")] = 1,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to wait for a unit's in-flight requests before stopping it.")] = 120.0,
     start_timeout: Annotated[float | None, typer.Option("--start-timeout", help="Seconds a restarted unit has to pass its gate (default: the plan's ready timeout).")] = None,
-    allow_downtime: Annotated[bool, typer.Option("--allow-downtime", help="Roll a deployment that is one engine (it stops serving meanwhile).")] = False,
+    allow_downtime: Annotated[bool, typer.Option("--allow-downtime", help="Roll even when no engine is left in the router meanwhile (one engine, or --max-unavailable as many).")] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
 ) -> None:
     """Change a live deployment one unit at a time: out of the router, drained, restarted on the new plan, gated, back in.
 
-    The new plan is the deployment's own (same inventory, nodes and ports) with the changes; a unit that fails its gate (health and a real completion) is rolled back and the rollout stops there."""
+    The new plan is the deployment's own (same inventory, nodes and ports) with the changes; a unit that fails its gate (health and a real completion) is rolled back and the rollout stops there: `--continue` resumes it, `--rollback` undoes it."""
     STATE.json = json_out
     from k3launch.api.rollout import rollout as do_rollout
-    from k3launch.api.rollout import rollout_preview
+    from k3launch.api.rollout import rollout_continue, rollout_preview
 
     con = console()
+    say = (lambda s: None) if json_out else con.print
     try:
-        preview = rollout_preview(name, sets=sets or [], unsets=unsets or [], vllm_version=vllm_version, state_dir=state_dir)
-        if dry_run or not json_out:
-            diffs = [{"process": d.process, "changes": [c.line() for c in d.changes]} for d in preview.diffs if d.changed]
-            if json_out:
-                typer.echo(json.dumps({"name": name, "processes": diffs, "units": [u.name for u in preview.units]}))
-            else:
-                for d in diffs:
-                    con.print(f"{d['process']}:", *[f"  {c}" for c in d["changes"]], sep="\n")
-                con.print(f"units to roll, in order: {', '.join(u.name for u in preview.units) or 'none'}")
-            if dry_run:
-                return
-        result = do_rollout(name, preview=preview, drain_timeout=drain_timeout,
-                            start_timeout=start_timeout, allow_downtime=allow_downtime, say=lambda s: None if json_out else con.print(s),
-                            state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+        if resume or rollback:
+            if (resume and rollback) or sets or env or unsets or image or vllm_version or dry_run:
+                raise K3Error("bad-option", "--continue and --rollback take no change, no --dry-run and not each other",
+                              f"`k3launch status {name}` shows the stopped rollout")
+            result = rollout_continue(name, rollback=rollback, drain_timeout=drain_timeout, start_timeout=start_timeout,
+                                      max_unavailable=max_unavailable, say=say, state_dir=state_dir,
+                                      accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+        else:
+            preview = rollout_preview(name, sets=sets or [], unsets=unsets or [], env=env or [], image=image,
+                                          vllm_version=vllm_version, state_dir=state_dir)
+            if dry_run or not json_out:
+                diffs = [{"process": d.process, "changes": [c.line() for c in d.changes]} for d in preview.diffs if d.changed]
+                if json_out:
+                    typer.echo(json.dumps({"name": name, "processes": diffs, "units": [u.name for u in preview.units]}))
+                else:
+                    for d in diffs:
+                        con.print(f"{d['process']}:", *[f"  {c}" for c in d["changes"]], sep="\n", markup=False)
+                    con.print(f"units to roll, in order: {', '.join(u.name for u in preview.units) or 'none'}")
+                if dry_run:
+                    return
+            result = do_rollout(name, preview=preview, drain_timeout=drain_timeout, start_timeout=start_timeout,
+                                max_unavailable=max_unavailable, allow_downtime=allow_downtime, say=say, state_dir=state_dir,
+                                accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     except K3Error as err:
         fail(err)
     except KeyboardInterrupt:
@@ -58,8 +73,9 @@ def rollout(
     elif result.ok:
         con.print(f"{name} rolled: {len(rolled)} unit(s) in {sum(r.seconds for r in result.rolled):.1f}s")
     else:
-        con.print(f"rollout stopped at {result.failed} (rolled back): {result.reason}")
+        con.print(f"rollout stopped at {result.failed} (rolled back): {result.reason}", markup=False)
         for path in result.logs:
-            con.print(f"  its last lines: {path}")
+            con.print(f"  its last lines: {path}", markup=False)
+        con.print(f"`k3launch rollout {name} --continue` tries again; `--rollback` undoes what rolled", markup=False)
     if not result.ok:
         raise typer.Exit(1)

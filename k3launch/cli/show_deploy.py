@@ -109,6 +109,14 @@ def status(con: Console, snap: Status) -> None:
         con.print("[dim]not supervised: `k3launch up --supervise` makes the job restart failed steps itself[/]")
     else:
         con.print(f"[dim]not supervised: `k3launch supervise {snap.name} --detach` keeps it serving[/]")
+    ro = snap.rollout
+    if ro is not None:
+        head = f"rollout ({' '.join(ro.changes)}) " + (f"stopped: {ro.stopped}" if ro.stopped else "under way")
+        con.print(head, markup=False)
+        con.print("  units: " + ", ".join(f"{u.name} on the {u.on} plan" + (f" (failed: {u.failed})" if u.failed else "") for u in ro.units),
+                  markup=False)
+        if ro.stopped:
+            con.print(f"  `k3launch rollout {snap.name} --continue` finishes it; `--rollback` undoes it", markup=False)
 
 
 def down(con: Console, name: str, report: TeardownReport) -> None:

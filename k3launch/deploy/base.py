@@ -185,6 +185,11 @@ class Watcher(Protocol):
         """Run on ``plan`` from now on; what ran on ``lost`` is left behind (stopped when it answers)."""
         ...
 
+    def note(self, change: Callable[[DeploymentRecord], None]) -> None:
+        """Apply ``change`` to the record the watcher keeps, and save it (what a rollout records
+        beside the processes: the watcher's own saves must not write an older copy over it)."""
+        ...
+
     def close(self) -> None: ...
 
 

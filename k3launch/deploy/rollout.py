@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from k3launch.deploy.base import Watcher
 from k3launch.models.plan import Plan, Process
+from k3launch.models.rollout import On
 from k3launch.models.supervise import Unit
 from k3launch.transport import http
 
@@ -40,11 +41,15 @@ class UnitRolled:
     drained_s: float  # of which waiting for in-flight requests
 
 
+Gate = Callable[[Plan, Sequence[Process]], str]
+"""An extra check of restarted engines (the canary): "" when they pass, else why not."""
+
+
 @dataclass
 class RolloutResult:
-    plan: Plan  # what runs now (the new plan if every unit rolled)
+    plan: Plan  # what runs now (the target plan if every unit rolled)
     rolled: list[UnitRolled] = field(default_factory=list)
-    failed: str = ""  # the unit that failed its gate ("" if none)
+    failed: str = ""  # the units that failed their gate, comma separated ("" if none)
     reason: str = ""
     logs: list[str] = field(default_factory=list)  # kept log tails of the failed unit
 
@@ -78,49 +83,67 @@ def running_requests(url: str, timeout: float = 3.0) -> float | None:
 
 
 class Roller:
-    """One rollout's steps over ``watcher`` (already running on ``old``)."""
+    """One rollout's steps over ``watcher``, from ``current`` (what runs now) to ``target``.
 
-    def __init__(self, watcher: Watcher, old: Plan, new: Plan, *, drain_timeout: float, start_timeout: float, grace_s: float = GRACE_S,
-                 say: Callable[[str], None] = lambda _: None, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.w, self.old, self.new = watcher, old, new
+    ``batch`` units at a time (``--max-unavailable``): out of the router together, drained
+    together, started together and gated together. ``mark(unit, on, why)`` is told each unit's
+    progress (the record's rollout state); ``gate`` is an extra check of restarted engines."""
+
+    def __init__(self, watcher: Watcher, current: Plan, target: Plan, *, drain_timeout: float, start_timeout: float,
+                 grace_s: float = GRACE_S, say: Callable[[str], None] = lambda _: None,
+                 mark: Callable[[str, On, str], None] = lambda *_: None, gate: Gate | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.w, self.current, self.target = watcher, current, target
         self.drain_timeout, self.start_timeout, self.grace_s = drain_timeout, start_timeout, grace_s
-        self.say, self.clock, self.sleep = say, clock, sleep
-        self.router = next((p for p in old.processes if p.role == "router"), None)
+        self.say, self.mark, self.extra_gate, self.clock, self.sleep = say, mark, gate, clock, sleep
+        self.router = next((p for p in current.processes if p.role == "router"), None)
 
-    def run(self, units: Sequence[Unit]) -> RolloutResult:
-        current = self.old
+    def run(self, units: Sequence[Unit], batch: int = 1) -> RolloutResult:
+        current = self.current
         result = RolloutResult(current)
-        for u in units:
+        for i in range(0, len(units), max(1, batch)):
+            group = list(units[i:i + max(1, batch)])
             t0 = self.clock()
-            urls = [_url(p) for p in current.processes if p.id in u.http and u.kind != "router"]
-            router = self.router if urls else None  # the router in front of this unit, if any
+            urls = {u.name: [_url(p) for p in current.processes if p.id in u.http and u.kind != "router"] for u in group}
+            every = [x for u in group for x in urls[u.name]]
+            router = self.router if every else None  # the router in front of these units, if any
+            names = ", ".join(u.name for u in group)
             if router is not None:
-                why = self.w.reroute(router, urls, [])
+                why = self.w.reroute(router, every, [])
                 if why:
-                    return self._stop(result, u, f"the router did not take {u.name} out: {why}")
-            self.say(f"{u.name}: out of the router, draining" if router else f"{u.name}: restarting")
-            drained = self._drain(urls) if router else 0.0
-            target = with_processes(current, self.new, u.processes)
-            why = self._swap(target, u)
-            if why:
-                self.say(f"{u.name}: {why}; rolling it back")
-                result.logs = [str(p) for p in self.w.keep_logs(u.processes)]
-                back = self._swap(current, u)
-                if router is not None and not back:
-                    self.w.reroute(router, [], urls)
-                result.plan = current
-                return self._stop(result, u, why + (f"; rolling back failed too: {back}" if back else ""))
+                    return self._stop(result, names, f"the router did not take {names} out: {why}")
+            for u in group:
+                self.mark(u.name, "rolling", "")
+            self.say(f"{names}: out of the router, draining" if router else f"{names}: restarting")
+            drained = self._drain(every) if router else 0.0
+            target = with_processes(current, self.target, [p for u in group for p in u.processes])
+            failed = self._swap(target, group)
+            if failed:
+                bad = [u for u in group if u.name in failed]
+                for u in bad:
+                    self.say(f"{u.name}: {failed[u.name]}; rolling it back")
+                result.logs = [str(p) for p in self.w.keep_logs([p for u in bad for p in u.processes])]
+                target = with_processes(target, current, [p for u in bad for p in u.processes])
+                back = self._swap(target, bad)
+                if router is not None:
+                    self.w.reroute(router, [], [x for u in group if u.name not in back for x in urls[u.name]])
+                for u in group:
+                    self.mark(u.name, "old" if u.name in failed else "new", failed.get(u.name, ""))
+                result.plan = target
+                why = "; ".join(f"{n}: {w}" + (f" (rolling back failed too: {back[n]})" if n in back else "") for n, w in failed.items())
+                return self._stop(result, ", ".join(failed), why)
             if router is not None:
-                self.w.reroute(router, [], urls)
+                self.w.reroute(router, [], every)
             current = target
             result.plan = current
-            result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained))
-            self.say(f"{u.name}: rolled in {self.clock() - t0:.1f}s")
+            for u in group:
+                self.mark(u.name, "new", "")
+                result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained))
+            self.say(f"{names}: rolled in {self.clock() - t0:.1f}s")
         return result
 
-    def _stop(self, result: RolloutResult, u: Unit, why: str) -> RolloutResult:
-        result.failed, result.reason = u.name, why
+    def _stop(self, result: RolloutResult, names: str, why: str) -> RolloutResult:
+        result.failed, result.reason = names, why
         return result
 
     def _drain(self, urls: Sequence[str]) -> float:
@@ -132,31 +155,49 @@ class Roller:
             self.sleep(POLL_S)
         return self.clock() - t0
 
-    def _swap(self, plan: Plan, u: Unit) -> str:
-        """Run ``u`` on ``plan``; "" once it passes the gate, else why not."""
+    def _swap(self, plan: Plan, group: Sequence[Unit]) -> dict[str, str]:
+        """Run ``group`` on ``plan``: unit name -> why it did not pass the gate (empty: all did)."""
         self.w.adopt(plan, "")
-        failed = self.w.restart(u, self.grace_s, lambda: True)
-        if failed:
-            return failed[0].message
-        return self._gate(plan, u)
+        failed: dict[str, str] = {}
+        for u in group:
+            broken = self.w.restart(u, self.grace_s, lambda: True)
+            if broken:
+                failed[u.name] = broken[0].message
+        started = [u for u in group if u.name not in failed]
+        return failed | self._gate(plan, started)
 
-    def _gate(self, plan: Plan, u: Unit) -> str:
-        """Every HTTP server of ``u`` healthy (the watcher's look: it also sees a process that
-        exited) within ``start_timeout``, then a real completion from each engine; "" or why not."""
+    def _gate(self, plan: Plan, group: Sequence[Unit]) -> dict[str, str]:
+        """Every HTTP server of each unit healthy (the watcher's look: it also sees a process that
+        exited) within ``start_timeout``, then a real completion from each engine and the extra
+        gate; unit name -> why not."""
         deadline = self.clock() + self.start_timeout
-        while True:
+        failed: dict[str, str] = {}
+        waiting = list(group)
+        while waiting:
             obs = self.w.observe(self.clock())
-            dead = next((pid for pid in u.processes if pid in obs.dead), None)
-            if dead is not None:
-                return f"{dead} {obs.dead[dead]}"
-            if all(obs.healthy.get(pid) for pid in u.http):
+            for u in list(waiting):
+                dead = next((pid for pid in u.processes if pid in obs.dead), None)
+                if dead is not None:
+                    failed[u.name] = f"{dead} {obs.dead[dead]}"
+                    waiting.remove(u)
+                elif all(obs.healthy.get(pid) for pid in u.http):
+                    waiting.remove(u)
+            if waiting and self.clock() > deadline:
+                failed.update({u.name: f"{u.name} did not answer /health within {self.start_timeout:g}s" for u in waiting})
                 break
-            if self.clock() > deadline:
-                return f"{u.name} did not answer /health within {self.start_timeout:g}s"
-            self.sleep(POLL_S)
-        for p in plan.processes:
-            if p.id in u.http and p.role != "router":
+            if waiting:
+                self.sleep(POLL_S)
+        for u in group:
+            engines = [p for p in plan.processes if p.id in u.http and p.role != "router"]
+            if u.name in failed or not engines:
+                continue
+            for p in engines:
                 c = http.completion(_url(p), plan.model, timeout=max(10.0, deadline - self.clock()))
                 if not c.ok:
-                    return f"{p.id} serves /health but its completion failed: {c.detail}"
-        return ""
+                    failed[u.name] = f"{p.id} serves /health but its completion failed: {c.detail}"
+                    break
+            if u.name not in failed and self.extra_gate is not None:
+                why = self.extra_gate(plan, engines)
+                if why:
+                    failed[u.name] = why
+        return failed

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, mod
 
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import Host, Plan
+from k3launch.models.rollout import RolloutState, RolloutStatus
 from k3launch.models.supervise import RestartPolicy
 
 
@@ -121,6 +122,7 @@ class RecordBase(Record):
     owner: Owner | None = None  # set while the state is transient (TRANSIENT_STATES)
     timeline: Timeline | None = None  # the bring-up, per process and phase (`k3launch timeline`); None before it ran
     supervisor: Supervisor | None = None  # set while a supervisor watches it
+    rollout: RolloutState | None = None  # a rollout under way or stopped: both plans, which unit runs which
 
     @property
     def job(self) -> SlurmJob | None:
@@ -278,10 +280,11 @@ class Status(Record):
     job: JobStatus | None = None  # Slurm deployments only
     supervisor: SupervisorStatus | None = None  # who keeps it serving (None: nobody)
     error: str | None = None  # why it failed (state "failed")
+    rollout: RolloutStatus | None = None  # a rollout under way or stopped: which unit runs which plan
 
     def as_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
-        for key in ("job", "error"):
+        for key in ("job", "error", "rollout"):
             if data[key] is None:
                 del data[key]  # ssh/local status has no job; a deployment that did not fail, no error
         return data

@@ -14,6 +14,7 @@ notice.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -37,6 +38,10 @@ MULTI_NODE_SIBLING = {
     "single_node_dep": "multi_node_dep",
 }
 # The strategy whose floor applies to a P/D pool of a given parallelism.
+IMAGE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Names that carry credentials: a plan is written to records, scripts and logs, so none may hold one.
+SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|API_KEY", re.IGNORECASE)
 POOL_FLOOR_STRATEGY = {"tp": "multi_node_tp", "tep": "multi_node_tep", "dep": "multi_node_dep"}
 
 
@@ -103,6 +108,13 @@ class Selection(BaseModel):
         "all-to-all (default: the inventory's restart.fault_tolerance, else off).",
         default=None,
     )
+    image: str | None = _opt(
+        "--image", "Container image for every engine (over the inventory's and the recipe's; a bare runtime ignores it).", default=None,
+    )
+    env: tuple[str, ...] = _opt(
+        "--env", "NAME=VALUE in every engine's environment, over the recipe's (repeatable; never a secret: tokens come from "
+        "the inventory's hf_token_file).", default=(),
+    )
     vllm_version: str | None = _opt(
         "--vllm-version",
         "vLLM version the plan is written for and checked against (its flag schema): "
@@ -110,11 +122,31 @@ class Selection(BaseModel):
         default=None,
     )
 
-    @field_validator("features", "no_features", "sets", "advanced", mode="before")
+    @field_validator("features", "no_features", "sets", "advanced", "env", mode="before")
     @classmethod
     def _seq(cls, v: Any) -> Any:
         """A bare string is one value, None none; lists become tuples (the model is frozen and hashable)."""
         return () if v is None else (v,) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: str | None) -> str | None:
+        # it becomes a word of a remote `docker run`: a reference's own characters only
+        if v is not None and not IMAGE_REF.fullmatch(v):
+            raise ValueError(f"image {v!r} is not a container image reference")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for item in v:
+            name, eq, _ = item.partition("=")
+            if not eq or not ENV_NAME.fullmatch(name):
+                raise ValueError(f"env {item!r}: use NAME=VALUE with NAME of letters, digits and _")
+            if SECRET_ENV.search(name):
+                raise ValueError(f"env {name} looks like a secret, and plans and records are not secret: "
+                                 "give the token file as the inventory's hf_token_file")
+        return v
 
     @field_validator("advanced")
     @classmethod

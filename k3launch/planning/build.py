@@ -90,6 +90,8 @@ def _resolve_source(src: Source, values: dict[str, str]) -> Source:
 
 
 def _image(r: Resolved, node: NodeSpec) -> str | None:
+    if r.selection.image:  # a user's --image (a rollout's too) is over the inventory's
+        return r.selection.image
     if node.image:
         return node.image
     return rules.docker_image(r.recipe, r.variant, r.hardware_id, r.hardware) or r.hardware.image

@@ -22,6 +22,7 @@ from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
 from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
+from k3launch.models.selection import IMAGE_REF
 from k3launch.models.supervise import RestartPolicy
 from k3launch.util.bounds import MEMORY_GB
 from k3launch.util.hosts import check_host, expand_hostlist
@@ -105,7 +106,7 @@ class NodeSettings(Strict):
     @field_validator("image")
     @classmethod
     def _image(cls, v: str | None) -> str | None:
-        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*", v):
+        if v is not None and not IMAGE_REF.fullmatch(v):
             raise ValueError(f"image {v!r} is not a container image reference")
         return v
 

@@ -164,6 +164,8 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
             raise K3Error("unknown-advanced", f"unknown Advanced preset {name!r}", "choose one of: " + ", ".join(presets))
         post.append(Source("advanced", f"advanced preset {name}", tuple(presets[name].args)))
     user = [Source("advanced", f"--set {s}", set_tokens(s, schema), user=True) for s in r.selection.sets]
+    user += [Source("advanced", f"--env {name}", (), ((name, value),), user=True)
+             for name, _, value in (e.partition("=") for e in r.selection.env)]
 
     feats: list[Source] = []
     for name in r.features:

@@ -30,7 +30,7 @@ from k3launch.deploy.ssh.teardown import sessions, stop_left_behind, stop_proces
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import FaultTolerancePool, Plan, Process, is_container
-from k3launch.models.record import LeftBehind, SshRecord
+from k3launch.models.record import DeploymentRecord, LeftBehind, SshRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.models.supervise import Unit
 from k3launch.models.supervision import Observation
@@ -201,6 +201,10 @@ class SshWatcher:
         self.store.save(rec)
         self.fleet.close()
         self.fleet = self.connect(rec)
+
+    def note(self, change: Callable[[DeploymentRecord], None]) -> None:
+        change(self.rec)
+        self.store.save(self.rec)
 
     def reroute(self, router: Process, remove: Sequence[str], add: Sequence[str]) -> str | None:
         """Tell the running router of moved engines: its worker routes (vllm-router's
