@@ -130,3 +130,20 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert d["clean"] is True, d
     assert list((cli.state_dir / "supervise").glob("*.args.json")) == []  # nothing of the supervisor's start is kept
     assert local_leftovers(rec) == ({}, [])
+
+
+def test_one_engine_rolls_only_with_allow_downtime_and_reports_it(state_cli: Cli, local_inventory: Path) -> None:
+    cli = state_cli
+    name = "ro-one"
+    r = cli.run("up", "-i", str(local_inventory), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp",
+                "--name", name, "--port-base", "23580", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    refused = cli.run("rollout", name, "--set", "max-num-seqs=8")
+    assert refused.returncode == 2 and "--allow-downtime" in refused.stderr and "stops serving" in refused.stderr, refused.stderr
+    done = cli.json("rollout", name, "--set", "max-num-seqs=8", "--allow-downtime", timeout=120)
+    rolled = done["rolled"]
+    assert done["ok"] and [u["unit"] for u in rolled] == ["serve-0"] and rolled[0]["downtime_s"] > 0, done
+    assert rolled[0]["drained_s"] == 0  # nothing to drain behind: no router
+    assert _seqs(_running(cli, name)["serve-0"]) == "8"
+    print(f"\n[one engine, --allow-downtime: not serving for {rolled[0]['downtime_s']:.1f}s]")
+    assert cli.json("down", name, timeout=60)["clean"] is True

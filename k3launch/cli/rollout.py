@@ -66,12 +66,15 @@ def rollout(
         fail(err)
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
-    rolled = [{"unit": r.unit, "seconds": round(r.seconds, 3), "drained_s": round(r.drained_s, 3)} for r in result.rolled]
+    rolled = [{"unit": r.unit, "seconds": round(r.seconds, 3), "drained_s": round(r.drained_s, 3), "downtime_s": round(r.downtime_s, 3)}
+              for r in result.rolled]
     if json_out:
         typer.echo(json.dumps({"name": name, "ok": result.ok, "rolled": rolled, "failed": result.failed, "reason": result.reason,
                                "logs": result.logs}))
     elif result.ok:
-        con.print(f"{name} rolled: {len(rolled)} unit(s) in {sum(r.seconds for r in result.rolled):.1f}s")
+        down = sum(r.downtime_s for r in result.rolled)
+        con.print(f"{name} rolled: {len(rolled)} unit(s) in {sum(r.seconds for r in result.rolled):.1f}s"
+                  + (f"; not serving for {down:.1f}s (no router in front)" if down else ""))
     else:
         con.print(f"rollout stopped at {result.failed} (rolled back): {result.reason}", markup=False)
         for path in result.logs:

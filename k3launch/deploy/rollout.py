@@ -39,6 +39,7 @@ class UnitRolled:
     unit: str
     seconds: float
     drained_s: float  # of which waiting for in-flight requests
+    downtime_s: float = 0.0  # no router in front (--allow-downtime): from its stop until it served again
 
 
 Gate = Callable[[Plan, Sequence[Process]], str]
@@ -138,7 +139,7 @@ class Roller:
             result.plan = current
             for u in group:
                 self.mark(u.name, "new", "")
-                result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained))
+                result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained, 0.0 if router else self.clock() - t0))
             self.say(f"{names}: rolled in {self.clock() - t0:.1f}s")
         return result
 
