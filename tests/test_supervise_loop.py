@@ -41,9 +41,9 @@ def _record(store: StateStore, strategy: str = "multi_node_replicas", state: str
 
 
 def _run(store: StateStore, name: str, watcher: FakeWatcher, stop: threading.Event, policy: RestartPolicy = FAST,
-         hook: str | None = None) -> tuple[str, list[Event]]:
+         hook: str | None = None, canary: supervisor.CanaryFn | None = None) -> tuple[str, list[Event]]:
     seen: list[Event] = []
-    out = supervisor.supervise(name, store, FakeOps(watcher), policy, on_event=seen.append, hook=hook, stop=stop)
+    out = supervisor.supervise(name, store, FakeOps(watcher), policy, on_event=seen.append, hook=hook, stop=stop, canary=canary)
     return out, seen
 
 
@@ -225,3 +225,41 @@ def test_no_spare_means_waiting_for_the_node(tmp_path: Path) -> None:
     assert "no spare node fits" in failed.reason and "waiting for local-2" in failed.reason
     assert ("restart", "serve-1") in w.calls  # the node answered again: its unit restarted where it was
     assert not any(c[0] == "adopt" for c in w.calls)
+
+
+def test_the_canary_is_replayed_while_everything_serves_and_a_mismatch_is_an_event(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    stop = threading.Event()
+    answers: list[list[str] | None] = [None, ["serve-1: 'Hello' expected [5, 6] got [5, 9]"], [], []]
+    asked: list[str] = []
+
+    def canary(plan: Plan) -> list[str] | None:
+        asked.append(plan.name)
+        out = answers.pop(0) if answers else []
+        if not answers:
+            stop.set()
+        return out
+
+    down = Observation(0, dead={"serve-1": "exited with code 137"}, healthy=OK)
+    looks = [Observation(0, healthy=OK)] * 3 + [down] + [Observation(0, healthy=OK)] * 60
+    w = FakeWatcher(looks, stop=stop)
+    out, seen = _run(store, rec.name, w, stop, RestartPolicy(poll=0.1, backoff=0, canary_interval=0.15), canary=canary)
+    kinds = [e.kind for e in seen if e.kind.startswith("canary")]
+    assert out == "stopped" and asked and set(asked) == {rec.name}
+    assert kinds[:2] == ["canary-mismatch", "canary-ok"], kinds  # None (no baseline) is no event; then mismatch, then matches again
+    bad = next(e for e in seen if e.kind == "canary-mismatch")
+    assert "expected [5, 6] got [5, 9]" in bad.reason
+    # never while a unit restarts: each replay began after the restart's events
+    assert seen.index(next(e for e in seen if e.kind == "restarted")) < seen.index(bad)
+
+
+def test_no_canary_when_its_interval_is_zero(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    stop = threading.Event()
+    asked: list[str] = []
+    w = FakeWatcher([Observation(0, healthy=OK)] * 10, stop=stop)
+    out = supervisor.supervise(rec.name, store, FakeOps(w), RestartPolicy(poll=0.1, canary_interval=0), on_event=lambda e: None,
+                               stop=stop, canary=lambda p: asked.append(p.name) or [])
+    assert out == "stopped" and asked == []

@@ -50,6 +50,7 @@ def supervise(
     poll: Annotated[Seconds, _opt("--poll", "Seconds between looks (default 2).")] = None,
     start_timeout: Annotated[Seconds, _opt("--start-timeout", "Seconds a restarted unit has to serve (default: the plan's ready timeout).")] = None,
     stall_after: Annotated[Seconds, _opt("--stall-after", "Seconds a restarting engine may use no CPU at all before it counts as hung (default 120; 0: never).")] = None,
+    canary_interval: Annotated[Seconds, _opt("--canary-interval", "Seconds between replays of the correctness canary while every engine serves (default 600; 0: never).")] = None,
     on_event: Annotated[str | None, _opt("--on-event", "A command run (bash -c, on this machine) with each event as JSON on stdin, e.g. to page someone.")] = None,
     as_detached: Annotated[bool, typer.Option("--as-detached", hidden=True)] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
@@ -64,7 +65,7 @@ def supervise(
 
     overrides = {"policy": restart, "max_restarts": max_restarts, "window": window, "backoff": backoff, "backoff_max": backoff_max,
                  "unhealthy_after": unhealthy_after, "node_lost_after": node_lost_after, "poll": poll, "start_timeout": start_timeout,
-                 "stall_after": stall_after}
+                 "stall_after": stall_after, "canary_interval": canary_interval}
     con = console()
     try:
         policy = api.restart_policy(name, overrides, state_dir=state_dir)

@@ -22,7 +22,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from k3launch.deploy import eventlog
@@ -34,7 +34,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord, Supervisor
 from k3launch.models.supervise import Event, RestartPolicy, reroutable, units, worker_urls
-from k3launch.models.supervision import Action, FtRetry, GiveUp, Replace, Restart, StopAll, Supervision
+from k3launch.models.supervision import Action, FtRetry, GiveUp, Observation, Replace, Restart, StopAll, Supervision
 from k3launch.util.locks import locked
 
 GRACE_S = 10.0  # SIGTERM to SIGKILL when a unit restarts
@@ -42,6 +42,9 @@ HUNG_GRACE_S = 2.0  # the same for a unit restarted because it hung (a stopped o
 LOCK_WAIT_S = 30.0  # a restart waits this long for another k3launch command on the deployment
 
 EventFn = Callable[[Event], None]
+CanaryFn = Callable[[Plan], "list[str] | None"]
+"""The correctness canary on a plan: one line per mismatch (target, prompt, expected, got), or
+None when there is nothing to compare with (no baseline recorded)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ class _Run:
     """One supervisor's watch over one deployment."""
 
     def __init__(self, rec: DeploymentRecord, store: StateStore, watcher: Watcher, policy: RestartPolicy, on_event: EventFn,
-                 hook: str | None, stop: threading.Event, places: Places | None = None) -> None:
+                 hook: str | None, stop: threading.Event, places: Places | None = None, canary: CanaryFn | None = None) -> None:
         self.rec = rec
         self.places = places
         self.store = store
@@ -71,6 +74,10 @@ class _Run:
         self.hooks = ThreadPoolExecutor(max_workers=1) if hook else None
         self.kept: set[str] = set()  # processes whose last log lines are kept already
         self.pending_adds: dict[str, list[tuple[Process, str]]] = {}  # unit -> (router, URL) to add once it serves
+        # the canary replays in a thread of its own: a slow engine must not hold up the looks
+        self.canary, self.canary_last, self.canary_bad = canary, time.monotonic(), False
+        self.canary_job: Future[list[str] | None] | None = None
+        self.canaries = ThreadPoolExecutor(max_workers=1) if canary is not None and policy.canary_interval else None
 
     def stopping(self) -> bool:
         if self.stop.is_set() or stop_path(self.store, self.rec.name).exists():
@@ -117,8 +124,37 @@ class _Run:
                     break
                 if self._guarded(a) == "failed":
                     return "failed"
+            self._canary(obs, busy=bool(actions) or any(e.kind != "rerouted" for e in events))
             self.stop.wait(max(0.0, self.policy.poll - (time.monotonic() - t0)))
         return "stopped"
+
+    def _canary(self, obs: Observation, busy: bool) -> None:
+        """Collect a finished replay (its mismatches are events), and start the next one every
+        ``canary_interval`` while every HTTP process serves and nothing is being restarted."""
+        if self.canaries is None or self.canary is None:
+            return
+        job = self.canary_job
+        if job is not None:
+            if not job.done():
+                return
+            self.canary_job, self.canary_last = None, time.monotonic()
+            try:
+                found = job.result()
+            except Exception as exc:  # a bug: said, and the watch goes on
+                self.emit([Event(time=time.time(), kind="supervisor-error", deployment=self.rec.name,
+                                 reason=f"canary failed: {type(exc).__name__}: {exc}")])
+                return
+            if found:
+                self.emit([Event(time=time.time(), kind="canary-mismatch", deployment=self.rec.name, reason=line) for line in found])
+            elif found is not None and self.canary_bad:
+                self.emit([Event(time=time.time(), kind="canary-ok", deployment=self.rec.name, reason="every target matches its baseline again")])
+            if found is not None:  # None: nothing to compare with (no baseline)
+                self.canary_bad = bool(found)
+            return
+        serving = all(obs.healthy.get(p.id) for p in self.rec.plan.processes if p.http_port) and not obs.dead
+        if busy or not serving or time.monotonic() - self.canary_last < self.policy.canary_interval:
+            return
+        self.canary_job = self.canaries.submit(self.canary, self.rec.plan)
 
     def _add_workers(self, served: Sequence[str]) -> None:
         for unit in served:
@@ -277,12 +313,16 @@ class _Run:
     def close(self) -> None:
         if self.hooks is not None:
             self.hooks.shutdown(wait=True)
+        if self.canaries is not None:
+            self.canaries.shutdown(wait=False, cancel_futures=True)  # a replay in flight ends by its own timeouts
 
 
 def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPolicy, *, on_event: EventFn,
-              hook: str | None = None, detached: bool = False, stop: threading.Event | None = None, places: Places | None = None) -> str:
+              hook: str | None = None, detached: bool = False, stop: threading.Event | None = None, places: Places | None = None,
+              canary: CanaryFn | None = None) -> str:
     """Watch ``name`` until stopped: ``"stopped"`` (asked to), ``"failed"`` (gave up: nothing left
-    running), ``"gone"`` (taken down), or the state it left ``ready`` for."""
+    running), ``"gone"`` (taken down), or the state it left ``ready`` for. ``canary``: the
+    correctness check replayed every ``policy.canary_interval`` while everything serves."""
     stop = stop or threading.Event()
     sdir = store.supervise_dir()
     try:
@@ -301,7 +341,7 @@ def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPo
         watcher = ops.watcher(rec, store)
         ident = me()
         rec.supervisor = Supervisor(host=ident.host, pid=ident.pid, started=ident.started, since=time.time(), detached=detached, policy=policy)
-        run = _Run(rec, store, watcher, policy, on_event, hook, stop, places)
+        run = _Run(rec, store, watcher, policy, on_event, hook, stop, places, canary)
         with store.lock(name):
             run.save()
         run.emit([Event(time=time.time(), kind="watching", deployment=name,

@@ -25,7 +25,8 @@ from k3launch.models.plan import Plan, Process
 # policy field -> supervise's flag
 POLICY_FLAGS = {"policy": "--restart", "max_restarts": "--max-restarts", "window": "--window", "backoff": "--backoff",
                 "backoff_max": "--backoff-max", "unhealthy_after": "--unhealthy-after", "node_lost_after": "--node-lost-after",
-                "poll": "--poll", "start_timeout": "--start-timeout", "stall_after": "--stall-after"}
+                "poll": "--poll", "start_timeout": "--start-timeout", "stall_after": "--stall-after",
+                "canary_interval": "--canary-interval"}
 
 
 class RestartPolicy(BaseModel):
@@ -49,6 +50,8 @@ class RestartPolicy(BaseModel):
     start_timeout: float | None = Field(default=None, gt=0, le=86400)  # a restarted unit must serve within (None: the plan's ready timeout)
     # a restarted process whose session used no CPU this long is hung (0: never); bare processes only
     stall_after: float = Field(default=120.0, ge=0, le=86400)
+    # the correctness canary is replayed this often while every engine serves (0: never); a mismatch is an event
+    canary_interval: float = Field(default=600.0, ge=0, le=30 * 86400)
     # Plans of DEP pools on this inventory use vLLM's own fault tolerance (planning reads it: `--fault-tolerance`
     # / `--no-fault-tolerance` override it per plan; docs/supervise.md ("vLLM's own fault tolerance")).
     fault_tolerance: bool = False
@@ -85,6 +88,8 @@ EventKind = Literal[
     "hook-failed",  # the --on-event command failed or timed out
     "ft-retry",  # vLLM's fault tolerance: every rank of a DEP pool went unhealthy; retry sent to all
     "recovered",  # ... and every rank is healthy again, without a restart
+    "canary-mismatch",  # a canary replay got other tokens than the baseline (prompt, expected, got in the reason)
+    "canary-ok",  # a replay matched again after a mismatch
     "supervisor-error",  # an action failed in a way k3launch did not foresee (a bug): reported, and the watch goes on
 ]
 
