@@ -3,9 +3,13 @@ own behind one vllm-router (planning; tests/test_supervise_sim.py runs two copie
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+from collections.abc import Collection
 from functools import cache
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -13,6 +17,7 @@ import pytest
 from k3launch import api
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.record import ProcessStatus, Status, observed_state, with_replicas
 from k3launch.models.selection import Selection
 from k3launch.models.supervise import units, worker_urls
 from k3launch.planning.build import build_plan
@@ -116,3 +121,112 @@ def test_an_inventory_default_of_copies_is_taken_unless_replicas_says_otherwise(
     with pytest.raises(K3Error) as exc:
         api.plan(str(path), recipe="k3launch/tiny-llama", strategy="single_node_tp")
     assert "replicas" in exc.value.message
+
+
+# ------------------------------------------------------------------ status, per copy
+def _snap(plan: Plan, dead: Collection[str] = (), sick: Collection[str] = ()) -> Status:
+    procs = [ProcessStatus(id=p.id, node=p.node, role=p.role, alive=p.id not in dead,
+                           healthy=None if p.http_port is None or p.id in dead else p.id not in sick) for p in plan.processes]
+    return Status(name=plan.name, state=observed_state("ready", procs), endpoint=plan.endpoint, processes=procs)
+
+
+def test_status_of_copies_names_each_processs_copy_and_each_copys_state() -> None:
+    plan = _plan("multi_node_dep", "b300", 2, 2)
+    ok = with_replicas(_snap(plan), plan)
+    assert [(p.id, p.replica) for p in ok.processes] == [("r0-serve-0", 0), ("r0-serve-1", 0), ("r1-serve-0", 1), ("r1-serve-1", 1),
+                                                         ("router", None)]
+    assert [(r.replica, r.state, r.processes) for r in ok.replicas] == [(0, "serving", ["r0-serve-0", "r0-serve-1"]),
+                                                                        (1, "serving", ["r1-serve-0", "r1-serve-1"])]
+    # one rank of copy 1 answers /health with an error: that copy is degraded, the other still serves
+    sick = with_replicas(_snap(plan, sick={"r1-serve-1"}), plan)
+    assert [r.state for r in sick.replicas] == ["serving", "degraded"] and sick.state == "degraded"
+    # every process of copy 0 gone: down; one of copy 1 gone: degraded
+    gone = with_replicas(_snap(plan, dead={"r0-serve-0", "r0-serve-1", "r1-serve-0"}), plan)
+    assert [r.state for r in gone.replicas] == ["down", "degraded"]
+    data = gone.as_dict()
+    assert [p.get("replica") for p in data["processes"]] == [0, 0, 1, 1, None] and "replica" not in data["processes"][-1]
+    assert data["replicas"][0] == {"replica": 0, "state": "down", "processes": ["r0-serve-0", "r0-serve-1"]}
+    assert Status.model_validate(data).as_dict() == data  # the published shape, read back as written
+
+
+def test_status_of_one_copy_is_as_it_was() -> None:
+    plan = _plan("multi_node_dep", "b300", 2, 1)
+    snap = _snap(plan, dead={"serve-1"})
+    assert with_replicas(snap, plan) is snap
+    data = snap.as_dict()
+    assert set(data) == {"name", "state", "endpoint", "processes", "unreachable", "supervisor"}
+    assert all(set(p) == {"id", "node", "role", "alive", "healthy"} for p in data["processes"])
+
+
+class _Health(BaseHTTPRequestHandler):
+    code = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.code if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *_: object) -> None:
+        return None
+
+
+def test_k3launch_status_groups_a_slurm_deployments_processes_per_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two single-node copies in one Slurm job (squeue answered by FakeSlurm; each process's /health
+    by a small server on its bound address): the table has a copy column and a line per copy, and
+    --json carries the same, first with copy 1's step gone, then with it running but unhealthy."""
+    import random
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from typer.testing import CliRunner
+
+    import k3launch.deploy.slurm.ops as ops
+    from k3launch.cli import app
+    from k3launch.deploy.slurm.client import JobInfo
+    from k3launch.deploy.state import StateStore
+    from k3launch.models.record import SlurmJob, SlurmRecord
+    from k3launch.planning.inventory import Inventory
+    from k3launch.testing import FakeSlurm
+
+    inv = Inventory.model_validate({"name": "u", "backend": "slurm", "hardware": "b300", "engine": "sim", "slurm": {"container": "bare"}})
+    plan = build_plan(TREE, Selection(strategy="single_node_tp", replicas=2), inventory=inv, name="u-copies",
+                      port_base=random.randrange(30000, 40000, 100))
+    addr = {"slurm-node-0": "127.0.77.161", "slurm-node-1": "127.0.77.162"}
+    hosts = {"slurm-node-0": "k3n1", "slurm-node-1": "k3n2"}
+    store = StateStore(tmp_path / "state")
+    store.save(SlurmRecord(name=plan.name, state="ready", created=1.0, updated=1.0, endpoint=plan.endpoint, plan=plan,
+                           slurm=SlurmJob(job_id="42", log_dir=str(tmp_path), script="", hosts=hosts, addresses=addr)))
+    sick = type("Sick", (_Health,), {"code": 503})
+    servers = [ThreadingHTTPServer((addr[p.node], p.http_port or 0), sick if p.id == "r1-serve-0" else _Health) for p in plan.processes]
+    for s in servers:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    try:
+        steps = {"r0-serve-0": "k3n1", "router": "k3n1"}
+        fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1", "k3n2"])], steps=steps)
+        monkeypatch.setattr(ops, "SlurmClient", lambda: fake)
+
+        def status(*args: str) -> str:
+            res = CliRunner().invoke(app, ["status", plan.name, "--state-dir", str(store.root), *args], catch_exceptions=False)
+            assert res.exit_code == 0, res.stdout + res.stderr
+            return res.stdout
+
+        text = status()
+        cells = [[c.strip() for c in re.split("[│┃]", ln)[1:-1]] for ln in text.splitlines() if ln[:1] in "│┃"]
+        rows = {c[0]: c[1:] for c in cells}
+        assert rows["process"][0] == "copy" and rows["r0-serve-0"][:2] == ["r0", "k3n1"] and rows["r1-serve-0"][:2] == ["r1", "k3n2"]
+        assert rows["router"][0] == "-" and rows["r1-serve-0"][3] == "no"  # not alive
+        assert "copy r0: serving (1 process(es))" in text and "copy r1: down: no process alive" in text
+        assert "state degraded" in text
+        snap = json.loads(status("--json"))
+        assert [(r["replica"], r["state"]) for r in snap["replicas"]] == [(0, "serving"), (1, "down")]
+        assert {p["id"]: p.get("replica") for p in snap["processes"]} == {"r0-serve-0": 0, "r1-serve-0": 1, "router": None}
+
+        fake.running_steps["r1-serve-0"] = "k3n2"  # the step runs, but its engine answers /health 503
+        text = status()
+        assert "copy r1: degraded: r1-serve-0 not healthy" in text and "copy r0: serving" in text
+        assert [r["state"] for r in json.loads(status("--json"))["replicas"]] == ["serving", "degraded"]
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
