@@ -21,6 +21,7 @@ from k3launch.models.record import ProcessStatus, Status, observed_state, with_r
 from k3launch.models.selection import Selection
 from k3launch.models.supervise import units, worker_urls
 from k3launch.planning.build import build_plan
+from k3launch.planning.inventory import Inventory
 from k3launch.planning.recipes import RecipeTree
 
 TREE = RecipeTree()
@@ -230,3 +231,93 @@ def test_k3launch_status_groups_a_slurm_deployments_processes_per_copy(tmp_path:
             s.shutdown()
             s.server_close()
 
+
+# ------------------------------------------------------------------ a recipe's default
+K3_FILE = Path("models/moonshotai/Kimi-K3.yaml")
+TINY_FILE = Path("models/k3launch/tiny-llama.yaml")
+
+
+def _tree(tmp_path: Path, recipe: str = "", variant: str = "", rel: Path = K3_FILE) -> Path:
+    """The bundled tree with ``recipe`` appended to one recipe's top level and ``variant`` to its default variant."""
+    import shutil
+
+    from k3launch.planning.recipes import default_recipes_dir
+
+    root = tmp_path / "recipes"
+    if not root.exists():
+        shutil.copytree(default_recipes_dir(), root)
+    path = root / rel
+    text = path.read_text()
+    if variant:
+        anchor = "variants:\n  default:\n"
+        assert anchor in text
+        text = text.replace(anchor, f"{anchor}    {variant}\n", 1)
+    path.write_text(text + (f"\n{recipe}\n" if recipe else ""))
+    return root
+
+
+def _slurm_inventory(replicas: int | None = None) -> Inventory:  # no nodelist: as many b300 nodes as a plan needs
+    return Inventory.model_validate({"name": "s", "backend": "slurm", "hardware": "b300", "slurm": {"container": "pyxis"},
+                                     **({"replicas": replicas} if replicas is not None else {})})
+
+
+def _default_notices(plan: Plan) -> list[str]:
+    return [n.message for n in plan.notices if n.code == "replicas-default"]
+
+
+def test_a_recipes_default_of_copies_comes_after_the_flag_and_the_inventory(tmp_path: Path) -> None:
+    tree = RecipeTree(_tree(tmp_path, recipe="replicas: 2"))
+    dep = Selection(strategy="multi_node_dep", hardware="b300")
+    two = build_plan(tree, dep)
+    assert two.replicas == 2 and [p.id for p in two.processes][:2] == ["r0-serve-0", "r0-serve-1"] and two.nodes == 4
+    assert _default_notices(two) == ["2 copies of the engine: the recipe's replicas (--replicas or the inventory's replicas: override it)"]
+    # --replicas first, then the inventory's replicas: (even 1), then the recipe's
+    assert build_plan(tree, dep.model_copy(update={"replicas": 1})).replicas == 1
+    assert build_plan(tree, dep.model_copy(update={"replicas": 3})).replicas == 3
+    three = build_plan(tree, dep, inventory=_slurm_inventory(3))
+    assert three.replicas == 3 and _default_notices(three) == ["3 copies of the engine: the inventory's replicas (--replicas overrides it)"]
+    one = build_plan(tree, dep, inventory=_slurm_inventory(1))
+    assert one.replicas == 1 and not _default_notices(one)
+    assert build_plan(tree, dep, inventory=_slurm_inventory()).replicas == 2  # an inventory that says nothing
+    # without the recipe's default: one copy, no notice (the bundled tree)
+    assert _plan("multi_node_dep", "b300", None, 1).replicas == 1 and not _default_notices(build_plan(TREE, dep))
+
+
+def test_a_variants_default_of_copies_wins_over_its_recipes(tmp_path: Path) -> None:
+    tree = RecipeTree(_tree(tmp_path, recipe="replicas: 2", variant="replicas: 3"))
+    plan = build_plan(tree, Selection(strategy="single_node_tp", hardware="b300"))
+    assert plan.replicas == 3 and [p.id for p in plan.processes] == ["r0-serve-0", "r1-serve-0", "r2-serve-0", "router"]
+    assert _default_notices(plan) == ["3 copies of the engine: the recipe's variants.default.replicas "
+                                      "(--replicas or the inventory's replicas: override it)"]
+
+
+def test_a_recipes_default_is_left_out_where_copies_do_not_apply_as_the_inventorys_is(tmp_path: Path) -> None:
+    root = _tree(tmp_path, recipe="replicas: 2")
+    _tree(tmp_path, recipe="replicas: 2", rel=TINY_FILE)
+    tree = RecipeTree(root)
+    pd = build_plan(tree, Selection(strategy="pd_cluster", hardware="b300"))
+    assert pd.replicas == 1 and _default_notices(pd) == ["the recipe's replicas: 2 left out: pd_cluster is not served as copies"]
+    rep = api.plan(str(LOCAL), recipe="k3launch/tiny-llama", strategy="multi_node_replicas", nodes=2, recipes_dir=str(root))
+    assert rep.replicas == 1 and _default_notices(rep) == ["the recipe's replicas: 2 left out: multi_node_replicas is not served as copies"]
+    # asked for with the flag, the same plans are refused, as ever
+    with pytest.raises(K3Error, match="does not apply to pd_cluster"):
+        build_plan(tree, Selection(strategy="pd_cluster", hardware="b300", replicas=2))
+    # fault tolerance cannot run copies yet: the refusal names the recipe's default, and the hint how to ask for one copy
+    with pytest.raises(K3Error) as exc:
+        build_plan(tree, Selection(strategy="multi_node_dep", hardware="b300", fault_tolerance=True))
+    assert exc.value.code == "replicas" and exc.value.message.startswith("2 copies (the recipe's replicas) with vLLM's fault tolerance")
+    assert exc.value.hint.startswith("--replicas 1")
+    assert build_plan(tree, Selection(strategy="multi_node_dep", hardware="b300", fault_tolerance=True, replicas=1)).fault_tolerance
+
+
+@pytest.mark.parametrize(("recipe", "variant", "words"), [
+    ("replicas: 0", "", "replicas"), ("replicas: 257", "", "replicas"), ("replicas: two", "", "replicas"),
+    ("", "replicas: 0", "variants.default.replicas"), ("replica: 2", "", "replica"),  # a typo: k3launch's own tree refuses unknown keys
+])
+def test_a_bad_recipe_replicas_is_refused_with_its_file_and_line(recipe: str, variant: str, words: str, tmp_path: Path) -> None:
+    root = _tree(tmp_path, recipe=recipe, variant=variant)
+    with pytest.raises(K3Error) as exc:
+        build_plan(RecipeTree(root), Selection())
+    line = next(i for i, ln in enumerate((root / K3_FILE).read_text().splitlines(), 1) if ln.strip() == (recipe or variant))
+    assert exc.value.code == "bad-recipe" and f"{root / K3_FILE}:{line}:" in exc.value.message and words in exc.value.message, exc.value.message
+    assert "\n" not in exc.value.message and exc.value.hint
