@@ -4,7 +4,8 @@ Three levels, like the ssh renderer's tests:
 
 * goldens: one script per strategy in ``tests/golden/slurm/<case>.sbatch``, built from slurm
   inventories without a nodelist (plan nodes are ``slurm-node-i`` placeholders), across the pyxis,
-  apptainer and bare container modes. Regenerate with
+  apptainer and bare container modes, and two copies (``--replicas 2``) of K3 DEP and multi-node TP
+  in one job. Regenerate with
   ``K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py`` and read the diff.
 * execution with fakes: the whole script runs under bash with a fake ``scontrol`` (prints the
   "allocated" host names) and a fake ``srun`` (records its argv NUL-separated and its environment,
@@ -160,6 +161,12 @@ CASES: dict[str, Case] = {
                              {"partition": "gb300", "time_limit": "2-00:00:00"}, {"hf_cache": "/lustre/hf-cache"}),
     "pd_cluster": Case("b300", "pyxis", Selection(strategy="pd_cluster"), {"partition": "gpu", "account": "research"},
                        {"hf_cache": "/lustre/hf-cache"}),
+    # Copies (--replicas 2) of a multi-node engine: one job, one allocation of 2 x 2 nodes, each copy's
+    # ranks meeting at their own head (checked beyond the golden below).
+    "multi_node_dep_2_replicas_2": Case("b300", "pyxis", Selection(strategy="multi_node_dep", nodes=2, replicas=2),
+                                        {"partition": "gpu", "account": "research"}, {"hf_cache": "/lustre/hf-cache"}),
+    "multi_node_tp_2_replicas_2": Case("h200", "apptainer", Selection(strategy="multi_node_tp", nodes=2, replicas=2),
+                                       {"partition": "h200", "time_limit": "12:00:00"}, {"hf_cache": "/scratch/hf"}),
     # Hostile values in every free-form field that reaches the script: they must stay data.
     "hostile_values": Case("b300", "apptainer", Selection(strategy="multi_node_tp", nodes=2),
                            {"partition": "gpu", "account": "lab$(touch${IFS}/tmp/k3-golden-pwned-account)",
@@ -320,6 +327,62 @@ def test_multi_node_tp_2_golden_binds_addresses_inside_urls_and_env_values() -> 
     assert "K3_PEER_URL=http://$K3_ADDR_1:9000/metrics?from=$K3_ADDR_0" in words
     assert "VLLM_HOST_IP=$K3_ADDR_0" in words and "--master-addr" in words
     assert words[words.index("--master-addr") + 1] == "$K3_ADDR_0"
+
+
+# Copies in one job: the flag where a copy's ranks meet, and (by position in its copy) which engines serve HTTP.
+COPIES = {"multi_node_dep_2_replicas_2": ("--data-parallel-address", (0, 1)),  # hybrid LB: every node of a copy serves
+          "multi_node_tp_2_replicas_2": ("--master-addr", (0,))}  # TP: the head alone
+
+
+def _arg(words: list[str], flag: str) -> str | None:
+    return words[words.index(flag) + 1] if flag in words else None
+
+
+def _worker_urls(words: list[str]) -> list[str]:
+    i = words.index("--worker-urls") + 1
+    return words[i:next(j for j in range(i, len(words)) if words[j].startswith("--"))]
+
+
+@pytest.mark.parametrize("case", sorted(COPIES))
+def test_each_copy_in_the_one_job_meets_at_its_own_head_and_the_router_lists_every_copy(case: str, tmp_path: Path) -> None:
+    """Two copies of a two-node engine share one job of four nodes: copy 0 on allocation nodes 0-1,
+    copy 1 on 2-3. Each copy's ranks rendezvous at their own head (never the other copy's), the
+    doctor checks each head's rendezvous port on that head's node, and the router, on node 0,
+    fronts every copy's HTTP servers; under the fakes the same holds with the bound addresses."""
+    flag, serving = COPIES[case]
+    plan, _, c = case_plan(case)
+    text = case_script(case)
+    st = steps(text)
+    assert plan.replicas == 2 and node_order(plan) == [f"slurm-node-{i}" for i in range(4)]
+    assert directives(text).count("--nodes=4") == 1
+    port = next(p.http_port for p in plan.processes if p.id == "r0-serve-0")
+    rendezvous = {"--master-addr": "29501", "--data-parallel-address": "13345"}[flag]
+    want = []  # allocation nodes of the HTTP servers the router must list, in copy order
+    for k, head in ((0, 0), (1, 2)):
+        for i in range(2):
+            pid, node = f"r{k}-serve-{i}", head + i
+            words = st[pid]
+            assert words[:3] == ["k3_step", pid, str(node)]
+            assert _arg(words, flag) == f"$K3_ADDR_{head}", pid  # its own copy's head
+            assert f"VLLM_HOST_IP=$K3_ADDR_{node}" in words, pid
+            if i in serving:  # binds its own node, on the port every copy uses (the copies share no node)
+                assert _arg(words, "--host") == f"$K3_ADDR_{node}" and _arg(words, "--port") == str(port), pid
+                want.append(node)
+            else:
+                assert "--headless" in words and "--host" not in words, pid
+    assert st["router"][:3] == ["k3_step", "router", "0"]
+    assert _worker_urls(st["router"]) == [f"http://$K3_ADDR_{n}:{port}" for n in want]
+    doctor = next(ln.split() for ln in text.splitlines() if ln.startswith("k3_doctor "))
+    checked = {int(e.split(":")[0]): e.split(":")[1].split(",") for e in doctor[3:]}
+    assert sorted(checked) == [0, 1, 2, 3] and [n for n in checked if rendezvous in checked[n]] == [0, 2], doctor
+
+    run = run_fake(case_script(case, str(tmp_path / "logs")), tmp_path, len(plan.processes), list(FAKE_HOSTS))
+    check_steps(run, plan, c.container, c.defaults["hf_cache"])
+    for k, head in ((0, 0), (1, 2)):
+        for i in range(2):
+            cmd = run.calls[f"r{k}-serve-{i}"].command
+            assert _arg(cmd, flag) == FAKE_ADDRS[head] and f"VLLM_HOST_IP={FAKE_ADDRS[head + i]}" in cmd
+    assert _worker_urls(run.calls["router"].command) == [f"http://{FAKE_ADDRS[n]}:{port}" for n in want]
 
 
 # ------------------------------------------------------------------ running scripts with fakes

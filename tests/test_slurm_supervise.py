@@ -1,6 +1,6 @@
 """A Slurm job that supervises itself (``up --supervise``): the watch library ``slurm/k3launch-watch.sh``.
 
-* goldens: a supervised K3 DEP and a P/D job script in ``tests/golden/slurm/supervised/``
+* goldens: a supervised K3 DEP, a P/D and a two-copy DEP job script in ``tests/golden/slurm/supervised/``
   (``K3LAUNCH_UPDATE_GOLDEN=1`` rewrites them); the unsupervised goldens stay as they are
   (tests/test_slurm_render.py).
 * parity: the bash decisions (``k3_rs_*``) and :class:`k3launch.models.supervise.Supervision` are fed
@@ -53,7 +53,7 @@ from k3launch.util.resources import bundled
 GOLDEN = Path(__file__).parent / "golden" / "slurm" / "supervised"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
 POLICY = RestartPolicy(max_restarts=3, window=1800, backoff=5, backoff_max=60, poll=1, start_timeout=900)
-SUPERVISED = ("multi_node_dep_4", "pd_cluster")
+SUPERVISED = ("multi_node_dep_4", "pd_cluster", "multi_node_dep_2_replicas_2")  # copies: one unit each, restarted inside the one job
 
 
 def watch_library() -> str:

@@ -132,14 +132,15 @@ def bench_dir(name: str, state_dir: str | Path | None = None) -> Path:
 
 def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
            connect_timeout: float = 10.0) -> Status:
-    """The deployment now: per process alive and healthy, its state and endpoint (``status --json``)."""
+    """The deployment now: per process alive and healthy, its state and endpoint (``status --json``);
+    with copies (``--replicas``), each process's copy and each copy's state."""
     from k3launch.deploy.registry import backend
     from k3launch.deploy.supervisors import alive
-    from k3launch.models.record import SupervisorStatus
+    from k3launch.models.record import SupervisorStatus, with_replicas
 
     st = store(state_dir)
     rec = st.load(name)
-    snap = backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec)
+    snap = with_replicas(backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec), rec.plan)
     sv = rec.supervisor
     if sv is not None and alive(sv):
         snap.supervisor = SupervisorStatus(host=sv.host, pid=sv.pid, since=sv.since, restarts=sv.restarts, detached=sv.detached)

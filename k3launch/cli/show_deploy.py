@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from k3launch.models.plan import Plan
-from k3launch.models.record import DeploymentRecord, Status
+from k3launch.models.record import DeploymentRecord, ReplicaStatus, Status
 from k3launch.models.reports import Check, DoctorReport, DryRun, TeardownReport
 
 # How a check's or a node's result reads on a terminal (doctor and weights tables alike).
@@ -89,12 +89,17 @@ def status(con: Console, snap: Status) -> None:
         reason = f" ({job.reason})" if job.reason else ""
         con.print(f"Slurm job {job.id}: {job.state}{reason} on {','.join(job.nodes) or '-'}; logs in {job.log_dir}", markup=False)
     t = Table(show_header=True, header_style="bold")
-    for col in ("process", "node", "role", "alive", "healthy"):
+    copies = bool(snap.replicas)  # a column and a section per copy; a one-copy table stays as it was
+    for col in ("process", *(("copy",) if copies else ()), "node", "role", "alive", "healthy"):
         t.add_column(col)
-    for p in snap.processes:
+    for i, p in enumerate(snap.processes):
         healthy = "-" if p.healthy is None else ("yes" if p.healthy else "[red]no[/]")
-        t.add_row(p.id, p.node, p.role, "yes" if p.alive else "[red]no[/]", healthy)
+        copy = (("-" if p.replica is None else f"r{p.replica}"),) if copies else ()
+        last = copies and (i + 1 == len(snap.processes) or snap.processes[i + 1].replica != p.replica)
+        t.add_row(p.id, *copy, p.node, p.role, "yes" if p.alive else "[red]no[/]", healthy, end_section=last)
     con.print(t)
+    for r in snap.replicas:
+        con.print(f"copy r{r.replica}: {REPLICA_STATE[r.state]}{escape(_replica_detail(r, snap))}", highlight=False)
     for u in snap.unreachable:
         con.print(f"[red]unreachable[/]: {u}")
     if snap.error:
@@ -117,6 +122,20 @@ def status(con: Console, snap: Status) -> None:
                   markup=False)
         if ro.stopped:
             con.print(f"  `k3launch rollout {snap.name} --continue` finishes it; `--rollback` undoes it", markup=False)
+
+
+REPLICA_STATE = {"serving": "[green]serving[/]", "degraded": "[yellow]degraded[/]", "down": "[red]down[/]"}
+
+
+def _replica_detail(r: ReplicaStatus, snap: Status) -> str:
+    """What keeps a copy from serving: its processes not alive, then those alive but not healthy."""
+    procs = [p for p in snap.processes if p.id in r.processes]
+    if r.state == "serving":
+        return f" ({len(procs)} process(es))"
+    if r.state == "down":
+        return ": no process alive"
+    why = [f"{p.id} not alive" for p in procs if not p.alive] + [f"{p.id} not healthy" for p in procs if p.alive and p.healthy is False]
+    return ": " + ", ".join(why)
 
 
 def down(con: Console, name: str, report: TeardownReport) -> None:

@@ -8,6 +8,7 @@ keys are additive.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, model_serializer
@@ -222,5 +223,14 @@ class Plan(Frozen):
                 data.pop("replicas", None)
         return data
 
+    def replica_of(self, proc: Process) -> int | None:
+        """The copy (``--replicas``) ``proc`` belongs to: k of its pool ``r<k>-<role>``; None in a
+        one-copy plan and for the router, which fronts every copy."""
+        m = _COPY_POOL.fullmatch(proc.pool or "") if self.replicas > 1 else None
+        return int(m.group(1)) if m else None
+
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)
+
+
+_COPY_POOL = re.compile(r"r(\d+)-[a-z]+")  # a copy's pool, as planning names it (planning.build)

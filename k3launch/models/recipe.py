@@ -282,6 +282,8 @@ class Variant(Strict):
     tp: HwKeyedInt | None = None  # single_node_tp's TP for this variant (clamped to the node's GPUs)
     default_modes: dict[str, str] = {}  # feature -> mode; turns the feature on by default
     docker_image: str | None = None
+    # k3launch extension: copies of the engine this variant serves by default (wins over the recipe's)
+    replicas: int | None = Field(default=None, ge=1, le=256)
 
 
 class HardwareOverride(Strict):
@@ -349,3 +351,5 @@ class Recipe(Strict):
     # k3launch extensions
     locked: dict[str, list[Lock]] = {}
     advanced: dict[str, AdvancedPreset] = {}
+    # copies of the engine (--replicas) a plan serves when neither --replicas nor the inventory says
+    replicas: int | None = Field(default=None, ge=1, le=256)

@@ -246,6 +246,19 @@ class ProcessStatus(Record):
     role: str
     alive: bool
     healthy: bool | None  # None: the process serves no HTTP (headless ranks)
+    replica: int | None = None  # the copy (--replicas) it belongs to, k of r<k>-...; left out for one copy and for the router
+
+
+ReplicaState = Literal["serving", "degraded", "down"]
+
+
+class ReplicaStatus(Record):
+    """One copy of the engine (``--replicas``): serving when every process of it is alive and every
+    HTTP endpoint healthy, down when none of them is alive, degraded in between."""
+
+    replica: int  # k of its processes' r<k>- ids
+    state: ReplicaState
+    processes: list[str]
 
 
 class JobStatus(Record):
@@ -280,6 +293,7 @@ class Status(Record):
     job: JobStatus | None = None  # Slurm deployments only
     supervisor: SupervisorStatus | None = None  # who keeps it serving (None: nobody)
     error: str | None = None  # why it failed (state "failed")
+    replicas: list[ReplicaStatus] = []  # each copy of the engine (--replicas 2 or more); one copy: left out
     rollout: RolloutStatus | None = None  # a rollout under way or stopped: which unit runs which plan
 
     def as_dict(self) -> dict[str, Any]:
@@ -287,6 +301,11 @@ class Status(Record):
         for key in ("job", "error", "rollout"):
             if data[key] is None:
                 del data[key]  # ssh/local status has no job; a deployment that did not fail, no error
+        if not data["replicas"]:  # a one-copy deployment's status reads as before copies existed
+            del data["replicas"]
+        for proc in data["processes"]:
+            if proc["replica"] is None:
+                del proc["replica"]
         return data
 
     def to_json(self) -> str:
@@ -300,6 +319,21 @@ class Status(Record):
 
 def _all_well(processes: list[ProcessStatus]) -> bool:
     return all(p.alive and p.healthy is not False for p in processes)
+
+
+def with_replicas(snap: Status, plan: Plan) -> Status:
+    """``snap`` with each process's copy and each copy's state, for a plan of copies; a one-copy
+    plan's as it is. Copies come from the plan, not from a backend: every backend reports them alike."""
+    if plan.replicas < 2:
+        return snap
+    copy = {p.id: plan.replica_of(p) for p in plan.processes}
+    procs = [p.model_copy(update={"replica": copy.get(p.id)}) for p in snap.processes]
+    replicas = []
+    for k in range(plan.replicas):
+        mine = [p for p in procs if p.replica == k]
+        state: ReplicaState = "down" if not any(p.alive for p in mine) else "serving" if _all_well(mine) else "degraded"
+        replicas.append(ReplicaStatus(replica=k, state=state, processes=[p.id for p in mine]))
+    return snap.model_copy(update={"processes": procs, "replicas": replicas})
 
 
 def observed_state(record_state: str, processes: list[ProcessStatus]) -> str:

@@ -146,8 +146,10 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     ft = None
     if (origin := faulttol.requested(sel, inventory)) is not None:
         if r.replicas > 1:
-            raise K3Error("replicas", f"--replicas {r.replicas} with vLLM's fault tolerance is not supported yet: each copy's DEP pool "
-                          "would need its own fault-tolerance group", "drop --replicas, or --no-fault-tolerance")
+            asked = f"--replicas {r.replicas}" if r.replicas_from == "--replicas" else f"{r.replicas} copies ({r.replicas_from})"
+            raise K3Error("replicas", f"{asked} with vLLM's fault tolerance is not supported yet: each copy's DEP pool "
+                          "would need its own fault-tolerance group",
+                          "drop --replicas, or --no-fault-tolerance" if r.replicas_from == "--replicas" else "--replicas 1, or --no-fault-tolerance")
         ft, ft_notices = faulttol.check(r, schema, origin, inventory.engine if inventory is not None else "vllm")
         notices.extend(ft_notices)
     reserved = dict(RESERVED)

@@ -142,7 +142,8 @@ def _size(requested: int | None, floor: int, why: str, fit: int, label: str, not
 
 def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = None, replicas_default: int | None = None) -> Resolved:
     """``host_memory``: the inventory's node RAM, which a CPU profile's capacity is checked against;
-    ``replicas_default``: the inventory's copies, where ``--replicas`` does not say."""
+    ``replicas_default``: the inventory's copies, where ``--replicas`` does not say (the recipe's
+    come after it)."""
     notices: list[Notice] = []
     recipe_id = _pick_recipe(tree, sel, notices)
     recipe = tree.model(recipe_id)
@@ -196,7 +197,11 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
                 f"{pool.nodes} x {hw_id} = {mem.text(pool.nodes)} cannot hold the {w.gb:g} GB of weights of {where}",
                 f"use {flag} {need} or more (smallest that fits: {need}); KV offload moves KV cache, never weights",
             )
-    replicas = _replicas(sel, strategy, pools, replicas_default, notices)
+    # The first default given wins: the inventory's, then the variant's, then the recipe's.
+    below = "--replicas or the inventory's replicas: override it"
+    defaults = [(replicas_default, "the inventory's replicas", "--replicas overrides it"),
+                (variant.replicas, f"the recipe's variants.{vname}.replicas", below), (recipe.replicas, "the recipe's replicas", below)]
+    replicas, replicas_from = _replicas(sel, strategy, pools, defaults, notices)
     features, modes = options.features(recipe, sel, sname, variant, vname, hw_id, hw, notices)
     kv = options.kv_offload(tree, recipe, sel.kv_offload, strategy, hw_id, hw, notices)
     used = [sname, *(POOL_FLOOR_STRATEGY[p.parallelism] for p in pools if strategy.deploy_type == "pd_cluster" and p.parallelism in POOL_FLOOR_STRATEGY)]
@@ -205,20 +210,24 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
         recipe_id=recipe_id, recipe=recipe, variant_name=vname, variant=variant, hardware_id=hw_id,
         hardware=hw, strategy=strategy, pools=pools, features=features, kv_offload=kv,
         weights_gb=w.gb, weights_formula=w.formula, verified=verified, selection=sel, notices=notices, node_memory_gb=mem.gb,
-        feature_modes=modes, replicas=replicas,
+        feature_modes=modes, replicas=replicas, replicas_from=replicas_from,
     )
 
 
-def _replicas(sel: Selection, strategy: Strategy, pools: list[Pool], default: int | None, notices: list[Notice]) -> int:
-    """``--replicas``: copies of an aggregated engine of any layout. P/D scales each pool by its own
-    instances, and ``multi_node_replicas`` is one copy per node already: asked for there, copies
-    are refused; an inventory's default is left out with a notice."""
-    if sel.replicas is None and default and default > 1:
-        if strategy.deploy_type == "pd_cluster" or any(p.parallelism == "replicas" for p in pools):
-            notices.append(Notice("replicas-default", f"the inventory's replicas: {default} left out: {strategy.name} is not served as copies"))
-            return 1
-        notices.append(Notice("replicas-default", f"{default} copies of the engine: the inventory's replicas (--replicas overrides it)"))
-        return default
+def _replicas(sel: Selection, strategy: Strategy, pools: list[Pool], defaults: list[tuple[int | None, str, str]],
+              notices: list[Notice]) -> tuple[int, str]:
+    """``--replicas``: copies of an aggregated engine of any layout, and who asked for them. P/D
+    scales each pool by its own instances, and ``multi_node_replicas`` is one copy per node already:
+    asked for there, copies are refused; a default (``defaults``: (count, whose, what overrides it),
+    the first given wins) is left out with a notice."""
+    if sel.replicas is None:
+        default, source, over = next(((n, src, o) for n, src, o in defaults if n is not None), (None, "", ""))
+        if default is not None and default > 1:
+            if strategy.deploy_type == "pd_cluster" or any(p.parallelism == "replicas" for p in pools):
+                notices.append(Notice("replicas-default", f"{source}: {default} left out: {strategy.name} is not served as copies"))
+                return 1, source
+            notices.append(Notice("replicas-default", f"{default} copies of the engine: {source} ({over})"))
+            return default, source
     n = sel.replicas or 1
     if n > 1 and strategy.deploy_type == "pd_cluster":
         raise K3Error("replicas", "--replicas does not apply to pd_cluster: its pools are sized with --prefill-nodes/--decode-nodes",
@@ -226,7 +235,7 @@ def _replicas(sel: Selection, strategy: Strategy, pools: list[Pool], default: in
     if n > 1 and any(p.parallelism == "replicas" for p in pools):
         raise K3Error("replicas", f"{strategy.name} runs one copy per node already: --replicas {n} would copy the copies",
                       f"use --nodes {n} with {strategy.name}, or --replicas {n} with single_node_tp")
-    return n
+    return n, "--replicas"
 
 
 def _default_strategy(tree: RecipeTree, recipe: Recipe, hw_id: str, hw: HardwareProfile, sel: Selection, fit: int,
