@@ -186,7 +186,7 @@ def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: R
 
     st = store(state_dir)
     rec = st.load(name)
-    require(rec.backend, Feature.SUPERVISE, "rollout")
+    require(rec.backend, Feature.ROLLOUT, "rollout")
     sv = rec.supervisor
     if sv is not None:
         say(stop_supervisor(name, state_dir=state_dir) or "supervisor stopped for the rollout")

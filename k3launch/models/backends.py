@@ -61,7 +61,7 @@ class BackendSpec:
         return feature in self.features
 
 
-_SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER, Feature.SUPERVISE})
+_SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER, Feature.SUPERVISE, Feature.ROLLOUT})
 _SSH_INSTEAD = ((Feature.SELF_SUPERVISE, "here a supervisor on the login node keeps it serving: `k3launch up --supervise`, "
                                          "or `k3launch supervise NAME --detach` once it is up"),)
 
@@ -77,7 +77,9 @@ _BACKENDS: dict[str, BackendSpec] = {
                                   (Feature.WEIGHTS, "on Slurm check weights inside an allocation (srun), or from an ssh inventory of the same nodes"),
                                   (Feature.FLEET, "use --client local (the benchmark client on the login node)"),
                                   (Feature.SUPERVISE, "on Slurm the job supervises itself: bring it up with `k3launch up --supervise` "
-                                                      "(policy: the inventory's restart:); `k3launch events NAME` shows what it did"))),
+                                                      "(policy: the inventory's restart:); `k3launch events NAME` shows what it did"),
+                                  (Feature.ROLLOUT, "on Slurm a change is a new job: `k3launch down NAME`, then `up` with the change "
+                                                    "(docs/rollout.md, \"On Slurm\", says why)"))),
 }
 
 
