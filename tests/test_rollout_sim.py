@@ -140,6 +140,8 @@ def test_one_engine_rolls_only_with_allow_downtime_and_reports_it(state_cli: Cli
     assert r.returncode == 0, r.stdout + r.stderr
     refused = cli.run("rollout", name, "--set", "max-num-seqs=8")
     assert refused.returncode == 2 and "--allow-downtime" in refused.stderr and "stops serving" in refused.stderr, refused.stderr
+    no_router = cli.run("rollout", name, "--set", "max-num-seqs=8", "--surge")
+    assert no_router.returncode == 2 and "has no router" in no_router.stderr, no_router.stderr
     done = cli.json("rollout", name, "--set", "max-num-seqs=8", "--allow-downtime", timeout=120)
     rolled = done["rolled"]
     assert done["ok"] and [u["unit"] for u in rolled] == ["serve-0"] and rolled[0]["downtime_s"] > 0, done
@@ -147,3 +149,51 @@ def test_one_engine_rolls_only_with_allow_downtime_and_reports_it(state_cli: Cli
     assert _seqs(_running(cli, name)["serve-0"]) == "8"
     print(f"\n[one engine, --allow-downtime: not serving for {rolled[0]['downtime_s']:.1f}s]")
     assert cli.json("down", name, timeout=60)["clean"] is True
+
+
+def test_surge_rolls_a_one_unit_dep_onto_spare_nodes_without_a_failed_request(state_cli: Cli, local_inventory: Path,
+                                                                                tmp_path: Path) -> None:
+    """K3 DEP over two nodes is one recovery unit behind the router: nothing to route around it.
+    ``--surge`` starts the new set on the two spare nodes, gates it, switches the router and stops
+    the old set; a new set that fails its gate is stopped and the old one never stopped serving."""
+    cli = state_cli
+    inv = yaml.safe_load(local_inventory.read_text())
+    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "1"}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    name = "ro-surge"
+    r = cli.run("up", "-i", str(path), "--strategy", "multi_node_dep", "--nodes", "2", "--name", name, "--port-base", "23620",
+                "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    endpoint, model = json.loads(r.stdout)["endpoint"], cli.record(name)["plan"]["model"]
+    before = cli.record(name)
+    old_nodes = sorted({p["node"] for p in before["plan"]["processes"] if p["role"] != "router"})
+    refused = cli.run("rollout", name, "--set", "max-num-seqs=8")
+    assert refused.returncode == 2 and "--surge" in refused.stderr and "stops serving" in refused.stderr, refused.stderr
+    preview = cli.json("rollout", name, "--set", "max-num-seqs=8", "--surge", "--dry-run")
+    assert preview["units"] == ["serve-g1"], preview
+    with Load(endpoint, model, workers=2, limit=3000, pause=0.02) as load:
+        bad = cli.run("rollout", name, "--surge", "--env", "K3LAUNCH_SIM_FAIL=exit-during-load", "--start-timeout", "30", "--json",
+                      timeout=120)
+        kept = cli.record(name)
+        done = cli.run("rollout", name, "--surge", "--set", "max-num-seqs=8", "--drain-timeout", "10", "--json", timeout=120)
+    print(f"\n[surge of a 2-node DEP: {json.loads(done.stdout).get('rolled')}; failed new set: exit {bad.returncode}; "
+          f"client {load.ok} ok, {load.failed} failed]")
+    failed = json.loads(bad.stdout)
+    assert bad.returncode == 1 and failed["failed"] == "serve-g1" and "not touched" in failed["reason"], failed
+    assert kept["processes"] == before["processes"] and kept.get("rollout") is None  # the old set as it was, nothing to continue
+    ok = json.loads(done.stdout)
+    assert done.returncode == 0 and ok["ok"] and [u["unit"] for u in ok["rolled"]] == ["serve-g1"], ok
+    after = cli.record(name)
+    engines = {i: p for i, p in after["processes"].items() if i != "router"}
+    assert sorted(engines) == ["serve-0-g1", "serve-1-g1"] and after["processes"]["router"] == before["processes"]["router"]
+    assert not {p["node"] for p in engines.values()} & set(old_nodes)  # on the spares
+    assert all(_seqs(_cmdline(int(p["handle"]))) == "8" for p in engines.values())
+    assert not any(Path(f"/proc/{p['handle']}").exists() for i, p in before["processes"].items() if i != "router")  # old set stopped
+    assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
+    snap = cli.json("status", name)
+    assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]) and "rollout" not in snap, snap
+    rec = cli.record(name)
+    d = cli.json("down", name, timeout=120)
+    assert d["clean"] is True, d
+    assert local_leftovers(rec) == ({}, [])

@@ -84,3 +84,46 @@ def test_the_extra_gate_fails_a_unit_with_its_words() -> None:
     result = _roller(w, old, new, [], gate=gate).run([u for u in units(new) if u.kind != "router"])
     assert result.failed == "r0-serve-0" and "expected [1, 2] got [1, 3]" in result.reason
     assert seen == [["r0-serve-0"], ["r0-serve-0"]]  # the roll-back is gated too; r1 never rolled
+
+
+def test_surge_plans_rename_engines_into_the_next_generation_and_keep_the_router() -> None:
+    from k3launch.planning.surge import beside, generation, renamed
+
+    old = plan(INV, selection={"strategy": "multi_node_dep", "nodes": 2})
+    assert generation(old) == 0
+    g1 = renamed(old, 1)
+    assert [p.id for p in g1.processes] == ["serve-0-g1", "serve-1-g1", "router"] and generation(g1) == 1
+    assert {p.pool for p in g1.processes if p.role != "router"} == {"serve-g1"}
+    assert {u.process for u in g1.ports} == {"serve-0-g1", "serve-1-g1", "router"}
+    g2 = renamed(g1, 2)
+    assert [p.id for p in g2.processes][:2] == ["serve-0-g2", "serve-1-g2"]  # replaced, not nested
+    both = beside(old, g1)
+    assert [p.id for p in both.processes] == ["serve-0", "serve-1", "router", "serve-0-g1", "serve-1-g1"]
+    assert [u.name for u in units(both)] == ["serve", "serve-g1", "router"]  # each set its own recovery unit
+    assert units(renamed(plan(INV, selection={"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp", "replicas": 2}), 1))[0].name \
+        == "r0-serve-0-g1"
+
+
+def test_surge_preview_refusals() -> None:
+    from k3launch.api.rollout import _surge_preview
+    from k3launch.errors import K3Error
+
+    lone = plan(INV, selection={"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp"})
+    with pytest.raises(K3Error) as e:
+        _surge_preview(lone, lambda busy: lone, ())
+    assert e.value.code == "surge-no-router" and "--allow-downtime" in e.value.hint
+    dep = plan(INV, selection={"strategy": "multi_node_dep", "nodes": 3})
+    seen: list[Sequence[str]] = []
+
+    def replan(busy: Sequence[str]) -> Plan:
+        seen.append(busy)
+        return plan(INV, selection={"strategy": "multi_node_dep", "nodes": 3}, exclude=list(busy))
+
+    with pytest.raises(K3Error) as e:
+        _surge_preview(dep, replan, ())
+    assert e.value.code == "surge-no-spares" and "local-1, local-2, local-3" in e.value.message, e.value.message
+    assert seen == [["local-1", "local-2", "local-3"]]
+    two = plan(INV, selection={"strategy": "multi_node_dep", "nodes": 2})
+    p = _surge_preview(two, lambda busy: plan(INV, selection={"strategy": "multi_node_dep", "nodes": 2}, exclude=list(busy)), ("--surge",))
+    assert p.surge and [u.name for u in p.units] == ["serve-g1"]
+    assert {x.node for x in p.new.processes if x.role != "router"} == {"local-3", "local-4"}

@@ -25,6 +25,7 @@ from k3launch.api._common import load, store
 from k3launch.deploy.rollout import Gate, RolloutResult
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
+from k3launch.models.record import DeploymentRecord
 from k3launch.models.rollout import On, RolloutState, RolloutUnit, changes_typed
 from k3launch.models.supervise import Unit, units
 from k3launch.planning.diff import ProcessDiff, diff_plans
@@ -42,6 +43,7 @@ class RolloutPreview:
     diffs: list[ProcessDiff]
     units: list[Unit]
     changes: tuple[str, ...] = ()  # the options, as typed
+    surge: bool = False  # the new engines start on spare nodes beside the old ones (``--surge``)
 
 
 def _flag(word: str) -> str:
@@ -65,10 +67,11 @@ def merged_sets(sets: Sequence[str], add: Sequence[str], drop: Sequence[str], op
 
 
 def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), env: Sequence[str] = (),
-                    image: str | None = None, vllm_version: str | None = None, state_dir: str | Path | None = None) -> RolloutPreview:
+                    image: str | None = None, vllm_version: str | None = None, surge: bool = False,
+                    state_dir: str | Path | None = None) -> RolloutPreview:
     """What ``rollout`` would do to ``name``; nothing is touched. Raises K3Error for a deployment
     that is not ready, is in a stopped rollout, cannot be planned again, or a change a rollout
-    cannot make."""
+    cannot make. ``surge``: the new engines go on spare nodes (:func:`surge_plan`)."""
     st = store(state_dir)
     rec = st.load(name)
     if rec.state not in ROLLABLE:
@@ -104,6 +107,11 @@ def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str
     held = st.nodes_in_use(exclude=name)  # other deployments' nodes; this one's own are its to keep
     inv = load(rec.inventory)
     taken = [n.name for n in inv.inventory.nodes if (n.address or n.name) in held]
+    typed = tuple(changes_typed(sets, unsets, env, image, vllm_version))
+    if surge:
+        return _surge_preview(rec.plan, lambda busy: plan(inv, selection=selection, name=name, exclude=[*origin.exclude, *taken, *busy],
+                                                          port_base=origin.port_base, recipes_dir=origin.recipes_dir,
+                                                          state_dir=state_dir), (*typed, "--surge"))
     new = plan(inv, selection=selection, name=name, exclude=[*origin.exclude, *taken], port_base=origin.port_base,
                recipes_dir=origin.recipes_dir, state_dir=state_dir)
     diffs = diff_plans(rec.plan, new)
@@ -113,35 +121,65 @@ def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str
         raise K3Error("rollout-moves", f"the change would move processes: {what}; a rollout keeps each process on its node",
                       "`k3launch down` then `up` for a new layout")
     changed = {d.process for d in diffs if d.changed}
-    return RolloutPreview(rec.plan, new, diffs, [u for u in units(new) if changed & set(u.processes)],
-                          tuple(changes_typed(sets, unsets, env, image, vllm_version)))
+    return RolloutPreview(rec.plan, new, diffs, [u for u in units(new) if changed & set(u.processes)], typed)
+
+
+def _surge_preview(old: Plan, replan: Callable[[Sequence[str]], Plan], typed: tuple[str, ...]) -> RolloutPreview:
+    """The new plan with every engine on nodes the deployment does not use (``replan`` excludes
+    them), in the next generation of process ids (:mod:`k3launch.planning.surge`)."""
+    from k3launch.planning.surge import generation, renamed
+
+    router = next((p for p in old.processes if p.role == "router"), None)
+    if router is None:
+        raise K3Error("surge-no-router", f"{old.name} has no router: its endpoint is the engine itself, and engines on other nodes "
+                      "would have another address", "--allow-downtime restarts it in place; copies (--replicas 2) get a router")
+    if old.fault_tolerance:
+        raise K3Error("surge-fault-tolerance", f"{old.name} runs vLLM's fault tolerance, whose pools a surge does not rename yet",
+                      "--allow-downtime restarts it in place")
+    busy = sorted({p.node for p in old.processes if p.role != "router"})
+    try:
+        new = replan(busy)
+    except K3Error as exc:
+        raise K3Error("surge-no-spares", f"--surge needs spare nodes for a whole new set of engines besides {', '.join(busy)}: "
+                      f"{exc.message}", "free or add nodes of the same kind in the inventory, or roll copies one at a time") from None
+    gen = generation(old) + 1
+    new = renamed(new, gen)
+    same = next((p for p in new.processes if p.role == "router"), None)
+    if same is None or (same.node, same.address, same.http_port) != (router.node, router.address, router.http_port):
+        raise K3Error("surge-router-moves", "the new plan puts the router elsewhere; a surge keeps it serving where it is",
+                      "`k3launch down` then `up` for a new layout")
+    diffs = diff_plans(renamed(old, gen), new)  # the same process in both generations, compared
+    return RolloutPreview(old, new, diffs, [u for u in units(new) if u.kind != "router"], typed, surge=True)
 
 
 def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), env: Sequence[str] = (), image: str | None = None,
             vllm_version: str | None = None, drain_timeout: float = 120.0, start_timeout: float | None = None,
             max_unavailable: int = 1, allow_downtime: bool = False, say: Callable[[str], None] = lambda _: None,
             state_dir: str | Path | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0,
-            preview: RolloutPreview | None = None, gate: Gate | None = None) -> RolloutResult:
+            preview: RolloutPreview | None = None, gate: Gate | None = None, surge: bool = False) -> RolloutResult:
     """Apply :func:`rollout_preview`'s plan ``max_unavailable`` units at a time
     (:mod:`k3launch.deploy.rollout`). A running supervisor is stopped for the rollout and started
     again after it with its policy. A rollout that would leave no engine in the router (one engine
     unit, or ``max_unavailable`` as many as there are) is refused unless ``allow_downtime``.
     ``preview``: one the caller has shown already (else it is made here); ``gate``: an extra check
     of each restarted unit. The record holds both plans and where each unit is throughout, and
-    the deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``."""
+    the deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``.
+    ``surge``: start the whole new set of engines on spare nodes beside the old one, gate it,
+    switch the router over, then drain and stop the old set (no unit is ever out of service)."""
     preview = preview or rollout_preview(name, sets=sets, unsets=unsets, env=env, image=image, vllm_version=vllm_version,
-                                         state_dir=state_dir)
+                                         surge=surge, state_dir=state_dir)
     if not preview.units:
         raise K3Error("no-change", "the change leaves every process as it is", "`k3launch rollout NAME ... --dry-run` shows the plan")
     engines = [u for u in units(preview.old) if u.kind != "router"]
     if max_unavailable < 1:
         raise K3Error("bad-max-unavailable", f"--max-unavailable {max_unavailable}: at least 1 unit rolls at a time", "e.g. --max-unavailable 1")
-    if len(engines) <= max_unavailable and not allow_downtime:
+    if len(engines) <= max_unavailable and not allow_downtime and not preview.surge:
         what = f"one engine ({engines[0].name if engines else 'none'})" if len(engines) < 2 else f"{len(engines)} engine units"
         raise K3Error("rollout-downtime", f"{name} is {what}: rolling {max_unavailable} at a time stops serving",
-                      "--allow-downtime to restart anyway, a smaller --max-unavailable, or serve copies (--replicas 2) behind the router")
+                      "--surge starts the new engines on spare nodes first; --allow-downtime restarts them anyway; "
+                      "or a smaller --max-unavailable, or copies (--replicas 2) behind the router")
     now = time.time()
-    state = RolloutState(old=preview.old, new=preview.new, changes=list(preview.changes), started=now, updated=now,
+    state = RolloutState(old=preview.old, new=preview.new, changes=list(preview.changes), started=now, updated=now, surge=preview.surge,
                          units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in preview.units])
     return _roll(name, preview.old, preview.new, preview.units, state, lambda on: on, max_unavailable=max_unavailable,
                  drain_timeout=drain_timeout, start_timeout=start_timeout, say=say, state_dir=state_dir,
@@ -162,6 +200,12 @@ def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float 
         raise K3Error("nothing-to-continue", f"{name} has no stopped rollout", f"`k3launch rollout {name} --set FLAG=VALUE ...` starts one")
     if rec.state not in ROLLABLE:
         raise K3Error("not-ready", f"{name} is {rec.state}: only a ready deployment is rolled", f"`k3launch status {name}`")
+    if state.surge:
+        if not rollback:
+            raise K3Error("surge-stopped", f"{name}'s surge stopped midway ({state.stopped or 'its command ended'}); it is not resumed",
+                          f"`k3launch rollout {name} --rollback` stops the new engines, then `rollout --surge` again")
+        return _surge_back(name, state, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
+                           connect_timeout=connect_timeout)
     todo = list(reversed(state.rolled())) if rollback else state.pending()
     target = state.old if rollback else state.new
     order = {n: i for i, n in enumerate(todo)}
@@ -173,6 +217,41 @@ def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float 
                  connect_timeout=connect_timeout, gate=gate)
 
 
+def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], state_dir: str | Path | None,
+                accept_unknown_hosts: bool, connect_timeout: float) -> RolloutResult:
+    """Undo a surge that stopped midway: stop the new set, run on the old plan again (its
+    engines must still be running: a surge stops them only after the router switched)."""
+    from k3launch.api._common import access
+    from k3launch.deploy.registry import supervise_ops
+    from k3launch.deploy.rollout import GRACE_S
+
+    st = store(state_dir)
+    with st.lock(name):
+        rec = st.load(name)
+        old_ids = {p.id for p in state.old.processes}
+        missing = sorted(old_ids - set(rec.processes))
+        if missing:
+            raise K3Error("surge-switched", f"{name}'s old engines are stopped already ({', '.join(missing[:3])}): the switch is done",
+                          f"`k3launch status {name}`; `down` then `up` brings it back to one plan")
+        ops = supervise_ops(rec.backend, "rollout", [access(accept_unknown_hosts, connect_timeout)])
+        watcher = ops.watcher(rec, st)
+        try:
+            extra = [i for i in rec.processes if i not in old_ids]
+            say(f"stopping the new engines: {', '.join(extra) or 'none'}")
+            watcher.stop(extra, GRACE_S)
+
+            def back(r: DeploymentRecord) -> None:
+                for i in extra:
+                    r.processes.pop(i, None)
+                r.rollout = None
+
+            watcher.note(back)
+            watcher.adopt(state.old, "")
+        finally:
+            watcher.close()
+    return RolloutResult(state.old)
+
+
 def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: RolloutState, flip: Callable[[On], On], *,
           max_unavailable: int, drain_timeout: float, start_timeout: float | None, say: Callable[[str], None],
           state_dir: str | Path | None, accept_unknown_hosts: bool, connect_timeout: float, gate: Gate | None) -> RolloutResult:
@@ -182,7 +261,6 @@ def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: R
     from k3launch.deploy.registry import supervise_ops
     from k3launch.deploy.rollout import Roller
     from k3launch.models.backends import Feature, require
-    from k3launch.models.record import DeploymentRecord
 
     st = store(state_dir)
     rec = st.load(name)
@@ -209,7 +287,12 @@ def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: R
                 watcher.note(keep)
                 roller = Roller(watcher, current, target, drain_timeout=drain_timeout, say=say, mark=mark, gate=gate,
                                 start_timeout=start_timeout or ready_timeout(target))
-                result = roller.run(todo, batch=max_unavailable)
+                if state.surge:
+                    from k3launch.planning.surge import beside
+
+                    result = roller.surge(beside(current, target), target, todo, [u for u in units(current) if u.kind != "router"])
+                else:
+                    result = roller.run(todo, batch=max_unavailable)
                 stopped = "" if result.ok else f"{result.failed} failed its gate: {result.reason}"
                 one_plan = result.ok and (not state.pending() or not state.rolled())
                 if one_plan:
@@ -219,7 +302,9 @@ def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: R
                 state.stopped = stopped
 
                 def settle(r: DeploymentRecord) -> None:
-                    r.rollout = None if not stopped and (not state.pending() or not state.rolled()) else state
+                    # a surge that failed left the old engines as they were: nothing to continue or undo
+                    done = not stopped and (not state.pending() or not state.rolled())
+                    r.rollout = None if done or (state.surge and stopped and not state.rolled()) else state
 
                 watcher.note(settle)
                 watcher.close()

@@ -26,6 +26,7 @@ def rollout(
     max_unavailable: Annotated[int, typer.Option("--max-unavailable", help="Units out of the router and restarting at a time.")] = 1,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to wait for a unit's in-flight requests before stopping it.")] = 120.0,
     start_timeout: Annotated[float | None, typer.Option("--start-timeout", help="Seconds a restarted unit has to pass its gate (default: the plan's ready timeout).")] = None,
+    surge: Annotated[bool, typer.Option("--surge", help="Start the whole new set of engines on spare nodes, gate it, switch the router to it, then drain and stop the old set.")] = False,
     allow_downtime: Annotated[bool, typer.Option("--allow-downtime", help="Roll even when no engine is left in the router meanwhile (one engine, or --max-unavailable as many).")] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
 ) -> None:
@@ -40,7 +41,7 @@ def rollout(
     say = (lambda s: None) if json_out else con.print
     try:
         if resume or rollback:
-            if (resume and rollback) or sets or env or unsets or image or vllm_version or dry_run:
+            if (resume and rollback) or sets or env or unsets or image or vllm_version or dry_run or surge:
                 raise K3Error("bad-option", "--continue and --rollback take no change, no --dry-run and not each other",
                               f"`k3launch status {name}` shows the stopped rollout")
             result = rollout_continue(name, rollback=rollback, drain_timeout=drain_timeout, start_timeout=start_timeout,
@@ -48,7 +49,7 @@ def rollout(
                                       accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
         else:
             preview = rollout_preview(name, sets=sets or [], unsets=unsets or [], env=env or [], image=image,
-                                          vllm_version=vllm_version, state_dir=state_dir)
+                                          vllm_version=vllm_version, surge=surge, state_dir=state_dir)
             if dry_run or not json_out:
                 diffs = [{"process": d.process, "changes": [c.line() for c in d.changes]} for d in preview.diffs if d.changed]
                 if json_out:

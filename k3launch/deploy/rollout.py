@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from k3launch.deploy.base import Watcher
 from k3launch.models.plan import Plan, Process
+from k3launch.models.record import DeploymentRecord
 from k3launch.models.rollout import On
 from k3launch.models.supervise import Unit
 from k3launch.transport import http
@@ -142,6 +143,66 @@ class Roller:
                 result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained, 0.0 if router else self.clock() - t0))
             self.say(f"{names}: rolled in {self.clock() - t0:.1f}s")
         return result
+
+    def surge(self, both: Plan, final: Plan, new: Sequence[Unit], old: Sequence[Unit]) -> RolloutResult:
+        """``--surge``: start the ``new`` units (on spare nodes; ``both`` is the plan with both
+        sets) while the ``old`` ones serve, gate them, add them to the router, take the old ones
+        out, drain and stop them; the watcher then runs on ``final``. A new set that fails the
+        doctor or its gate is stopped and the old one never left the router."""
+        result = RolloutResult(self.current)
+        t0 = self.clock()
+        names = ", ".join(u.name for u in new)
+        new_ids = [p for u in new for p in u.processes]
+        spares = sorted({n for u in new for n in u.nodes})
+        self.w.adopt(both, "")
+        for u in new:
+            self.mark(u.name, "rolling", "")
+        self.say(f"{names}: starting beside the running engines on {', '.join(spares)}")
+        refused = self.w.check(both, spares)
+        failed = {new[0].name: "the doctor refused a spare: " + "; ".join(refused[:3])} if refused else {}
+        if not failed:
+            for u in new:
+                broken = self.w.restart(u, self.grace_s, lambda: True)
+                if broken:
+                    failed[u.name] = broken[0].message
+            failed |= self._gate(both, [u for u in new if u.name not in failed])
+        if failed:
+            result.logs = [str(p) for p in self.w.keep_logs(new_ids)]
+            self.w.stop(new_ids, self.grace_s)
+            self._forget(new_ids)
+            self.w.adopt(self.current, "")
+            for u in new:
+                self.mark(u.name, "old", failed.get(u.name, ""))
+            return self._stop(result, ", ".join(failed), "; ".join(f"{n}: {w}" for n, w in failed.items()) + "; the running engines were not touched")
+        old_urls = [_url(p) for p in self.current.processes if p.role != "router" and p.http_port]
+        new_urls = [_url(p) for p in both.processes if p.id in new_ids and p.http_port]
+        if self.router is not None:
+            why = self.w.reroute(self.router, [], new_urls) or self.w.reroute(self.router, old_urls, [])
+            if why:
+                self.w.reroute(self.router, new_urls, old_urls)  # as it was: the old set serves on
+                self.w.stop(new_ids, self.grace_s)
+                self._forget(new_ids)
+                self.w.adopt(self.current, "")
+                return self._stop(result, names, f"the router did not switch to {names}: {why}")
+        self.say(f"{names}: serving; the old engines are out of the router, draining")
+        drained = self._drain(old_urls)
+        old_ids = [p for u in old for p in u.processes]
+        self.w.stop(old_ids, self.grace_s)
+        self._forget(old_ids)
+        self.w.adopt(final, "")
+        for u in new:
+            self.mark(u.name, "new", "")
+            result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained))
+        result.plan = final
+        self.say(f"{names}: surged in {self.clock() - t0:.1f}s")
+        return result
+
+    def _forget(self, ids: Sequence[str]) -> None:
+        """Stopped processes leave the record (a unit's restart would otherwise find them)."""
+        def drop(rec: DeploymentRecord) -> None:
+            for i in ids:
+                rec.processes.pop(i, None)
+        self.w.note(drop)
 
     def _stop(self, result: RolloutResult, names: str, why: str) -> RolloutResult:
         result.failed, result.reason = names, why

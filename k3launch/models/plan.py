@@ -233,4 +233,4 @@ class Plan(Frozen):
         return self.model_dump_json(indent=2)
 
 
-_COPY_POOL = re.compile(r"r(\d+)-[a-z]+")  # a copy's pool, as planning names it (planning.build)
+_COPY_POOL = re.compile(r"r(\d+)-[a-z]+(?:-g\d+)?")  # a copy's pool, as planning names it (planning.build; -g<n>: planning.surge)

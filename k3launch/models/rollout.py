@@ -45,6 +45,7 @@ class RolloutState(_Rec):
     started: float
     updated: float
     stopped: str = ""  # why it stopped; "" while a rollout command runs it
+    surge: bool = False  # --surge: the new set started beside the old one (units: the new set's)
 
     def pending(self) -> list[str]:
         """The units that do not run the new plan yet, in rollout order."""

@@ -29,6 +29,7 @@ from k3launch.deploy.ssh.observe import keep_tails, poll, tail_logs
 from k3launch.deploy.ssh.teardown import sessions, stop_left_behind, stop_processes, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.backends import spec as backend_spec
 from k3launch.models.plan import FaultTolerancePool, Plan, Process, is_container
 from k3launch.models.record import DeploymentRecord, LeftBehind, SshRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
@@ -235,7 +236,11 @@ class SshWatcher:
         live = [r.name for r in self.store.list() if r.name != self.rec.name]
         with self.connect(self.rec.model_copy(update={"plan": sub, "left_behind": {}})) as fleet:  # the spares are not in our fleet yet
             report = doctor(sub, fleet, live)
-        return [f"{c.node}: {c.name}: {c.detail}" for c in report.checks if c.status == "fail"]
+        # every node of a this-machine backend is this machine: the deployment's own running
+        # engines are seen from the spares too, and are not leftovers there
+        ours = backend_spec(self.rec.backend).this_machine
+        return [f"{c.node}: {c.name}: {c.detail}" for c in report.checks if c.status == "fail"
+                and not (ours and c.name == "leftovers" and c.detail == f"engines of {self.rec.name} still run")]
 
     def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
         """Stop the unit, then — if ``proceed()`` still says so — start it as ``up`` did (engines,
