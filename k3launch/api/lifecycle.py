@@ -33,7 +33,7 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
        accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, extra_sbatch: Sequence[str] = (),
        queue_timeout: float | None = None, supervise: bool | Mapping[str, Any] = False, on_stage: StageFn | None = None,
        on_doctor: Callable[[DoctorReport], None] | None = None, on_failure: Callable[[LaunchFailed], None] | None = None,
-       on_progress: Callable[[BringUp], None] | None = None) -> DeploymentRecord:
+       on_progress: Callable[[BringUp], None] | None = None, canary: bool = True) -> DeploymentRecord:
     """Start ``plan`` on the inventory's nodes and return once it serves (a real completion
     came back through its endpoint). Raises K3Error / LaunchFailed; on failure everything
     started is torn down unless ``keep_on_failure``. ``on_progress`` gets every process's phase
@@ -44,7 +44,11 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
     step and the automatic exclusion of nodes it refused in the last day. ``supervise``: the job
     supervises itself — it restarts failed steps inside its allocation under the inventory's
     ``restart:`` policy (a mapping overrides its fields); backends supervised from a login node
-    refuse it (start :func:`supervise_detached` after ``up`` there)."""
+    refuse it (start :func:`supervise_detached` after ``up`` there).
+
+    ``canary``: once it serves, record the correctness canary's baseline (docs/canary.md) on a
+    backend that has the canary; how that went is ``record.canary`` — a failure to record is said
+    there, never a failed ``up``."""
     from k3launch.api.cordons import refuse_cordoned
     from k3launch.deploy.base import Events, no_op
     from k3launch.deploy.options import SlurmOptions, UpOptions
@@ -66,10 +70,18 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
     b = backend(inv.backend, [access(accept_unknown_hosts, connect_timeout), slurm])
     events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op, on_progress or no_op)
     with st.lock(plan.name):
+        from k3launch.deploy import canary as canary_io
         from k3launch.deploy import eventlog
+        from k3launch.models.backends import Feature, spec
 
         eventlog.rotate(st, plan.name)  # a new life: the previous deployment of the name keeps its events as NAME.jsonl.1
-        return b.up(plan, inv, inv_path, st, opts, events)
+        canary_io.forget(st, plan.name)  # ... and no baseline of the previous one (a `down` that never finished)
+        rec = b.up(plan, inv, inv_path, st, opts, events)
+        if canary and spec(inv.backend).supports(Feature.CANARY):
+            from k3launch.api.canaries import record_at_ready
+
+            record_at_ready(rec, st)
+        return rec
 
 
 @contextmanager
@@ -200,8 +212,11 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
             report = backend(rec.backend, [conn]).down(rec, st, grace)
             report.supervisor = stopped
             if report.clean:
+                from k3launch.deploy import canary
+
                 st.delete(name)
                 forget(st, name)
+                canary.forget(st, name)
             return report
         unreadable = st.exists(name)
         if inventory is None and unreadable:
@@ -210,6 +225,10 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
         inv = load(inventory).inventory  # None: the bundled local inventory, this machine
         aside = str(st.set_aside(name)) if unreadable else None
         report = backend(inv.backend, [conn]).sweep(name, inv, grace)
+        if report.clean:
+            from k3launch.deploy import canary
+
+            canary.forget(st, name)
         report.set_aside = aside
         if here:
             report.hint = f"only this machine was searched: `k3launch down {name} --inventory FILE` searches the nodes of an inventory"

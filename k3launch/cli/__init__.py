@@ -230,6 +230,10 @@ COMMANDS: dict[str, Lazy] = {
         "k3launch.cli.rollout",
         "Change a live deployment one unit at a time: out of the router, drained, restarted on the new plan, gated, back in.",
     ),
+    "canary": Lazy(
+        "k3launch.cli.canary",
+        "Replay the deployment's recorded greedy answers on every engine, P/D pairing and the router, and compare (exit 1 on a difference).",
+    ),
     "list": Lazy("k3launch.cli.deploy", "Deployments in the state directory."),
     "chat": Lazy("k3launch.cli.deploy", "Send one chat completion to a deployment's public endpoint and print the reply."),
     "cordon": Lazy(

@@ -39,6 +39,7 @@ def up(
     extra_sbatch: Annotated[list[str] | None, typer.Option("--extra-sbatch", help="Slurm: one more #SBATCH directive, verbatim (repeatable), e.g. --extra-sbatch=--mail-type=END.")] = None,
     queue_timeout: Annotated[float | None, number_option("--queue-timeout", bounds.QUEUE_TIMEOUT,
                                                          "Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
+    no_canary: Annotated[bool, typer.Option("--no-canary", help="Record no correctness canary once it serves (see `k3launch canary`).")] = False,
     accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
     *, args: PlanArgs,
 ) -> None:
@@ -67,7 +68,7 @@ def up(
             rec = api.up(plan, args.inventory, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
                          force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
                          extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, supervise=in_job,
-                         on_stage=view.stage, on_progress=view.progress,
+                         canary=not no_canary, on_stage=view.stage, on_progress=view.progress,
                          on_doctor=lambda report: None if json_out else show_deploy.doctor(con, report.checks),
                          on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None)
     except K3Error as err:
@@ -90,6 +91,8 @@ def up(
         out: dict[str, object] = {"name": rec.name, "state": rec.state, "endpoint": rec.endpoint, "seconds": seconds}
         if rec.job is not None:
             out["job"] = {"id": rec.job.job_id, "hosts": rec.job.hosts, "log_dir": rec.job.log_dir, "attempts": rec.job.attempts}
+        if rec.canary is not None:
+            out["canary"] = rec.canary.model_dump()
         if sv is not None:
             out["supervisor"] = {"host": sv.host, "pid": sv.pid}
         elif in_job and rec.job is not None:
@@ -97,6 +100,8 @@ def up(
         typer.echo(json.dumps(out))
     else:
         show_deploy.ready(con, rec)
+        if rec.canary is not None:  # a canary that did not record, or a target that disagrees, is a notice: it serves
+            con.print(("" if rec.canary.agree else "notice: ") + rec.canary.message, style=None if rec.canary.agree else "yellow", markup=False)
         if sv is not None:
             con.print(f"supervised in the background: pid {sv.pid} on {sv.host}; `k3launch events {rec.name} -f` follows it")
         elif in_job and rec.job is not None:

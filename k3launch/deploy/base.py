@@ -193,6 +193,15 @@ class Watcher(Protocol):
     def close(self) -> None: ...
 
 
+class CanaryOps(Protocol):
+    """Feature ``canary``: where a live deployment's HTTP servers answer, as this machine reaches
+    them (the correctness canary asks each of them: :mod:`k3launch.deploy.canary`)."""
+
+    def served_plan(self, rec: DeploymentRecord) -> Plan:
+        """``rec``'s plan with the addresses its processes really bind (a Slurm job's allocated hosts)."""
+        ...
+
+
 class SuperviseOps(Protocol):
     """Feature ``supervise``: keep a deployment serving (:mod:`k3launch.deploy.supervisor` drives it)."""
 

@@ -21,7 +21,7 @@ from k3launch.errors import K3Error
 from k3launch.models.backends import Feature, require, spec
 
 if TYPE_CHECKING:
-    from k3launch.deploy.base import ArrayOps, Backend, NodeOps, PowerOps, SuperviseOps
+    from k3launch.deploy.base import ArrayOps, Backend, CanaryOps, NodeOps, PowerOps, SuperviseOps
     from k3launch.deploy.options import BackendOptions
 
 
@@ -61,3 +61,7 @@ def array_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> A
 
 def supervise_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> SuperviseOps:
     return cast("SuperviseOps", _build(name, Feature.SUPERVISE, what, options))
+
+
+def canary_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> CanaryOps:
+    return cast("CanaryOps", _build(name, Feature.CANARY, what, options))

@@ -111,7 +111,8 @@ class StateStore:
     inventory's ``slurm.log_dir`` says otherwise), ``slurm/arrays/`` (job arrays),
     ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused), ``cordons.json`` (cordoned nodes
     per inventory: :mod:`k3launch.deploy.cordons`), ``events/NAME.jsonl`` (what supervisors saw
-    and did), ``supervise/`` (their locks, stop requests and output).
+    and did), ``supervise/`` (their locks, stop requests and output), ``canary/NAME.json`` (the
+    canary's baseline, owner-only: :mod:`k3launch.deploy.canary`).
     """
 
     def __init__(self, root: Path | None = None) -> None:
@@ -141,6 +142,10 @@ class StateStore:
     def supervise_dir(self) -> Path:
         """Supervisors' lock files (held while one runs), stop requests and detached ones' output."""
         return self.root / "supervise"
+
+    def canary_path(self, name: str) -> Path:
+        """A deployment's canary baseline (written by ``up`` and ``canary --rebaseline``, removed by ``down``)."""
+        return self.root / "canary" / f"{check_name(name)}.json"
 
     def cordons_path(self) -> Path:
         return self.root / "cordons.json"

@@ -32,6 +32,7 @@ class Feature(StrEnum):
     SUPERVISE = "supervise"  # keep a deployment serving from a login node (`k3launch supervise`: restart, cordon, re-place)
     SELF_SUPERVISE = "self-supervise"  # the deployment keeps itself serving (`up --supervise` builds the restart policy into it)
     ROLLOUT = "rollout"  # change a live deployment unit by unit
+    CANARY = "canary"  # ask a live deployment's HTTP servers from this machine (the correctness canary)
 
 
 # Where the router of a P/D or DEP plan runs: ``inventory`` — the inventory's ``router.node``
@@ -61,7 +62,8 @@ class BackendSpec:
         return feature in self.features
 
 
-_SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER, Feature.SUPERVISE, Feature.ROLLOUT})
+_SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER, Feature.SUPERVISE, Feature.ROLLOUT,
+                           Feature.CANARY})
 _SSH_INSTEAD = ((Feature.SELF_SUPERVISE, "here a supervisor on the login node keeps it serving: `k3launch up --supervise`, "
                                          "or `k3launch supervise NAME --detach` once it is up"),)
 
@@ -70,7 +72,8 @@ _BACKENDS: dict[str, BackendSpec] = {
                        reads_ssh_config=True, instead=_SSH_INSTEAD),
     "local": BackendSpec("local", "k3launch.deploy.ssh.backend:SshBackend", _SSH_FEATURES, "processes on this machine",
                          default_runtime="bare", this_machine=True, instead=_SSH_INSTEAD),
-    "slurm": BackendSpec("slurm", "k3launch.deploy.slurm.backend:SlurmBackend", frozenset({Feature.POWER, Feature.ARRAYS, Feature.SELF_SUPERVISE}),
+    "slurm": BackendSpec("slurm", "k3launch.deploy.slurm.backend:SlurmBackend",
+                         frozenset({Feature.POWER, Feature.ARRAYS, Feature.SELF_SUPERVISE, Feature.CANARY}),
                          "one sbatch job per deployment", router_home="allocation", needs_nodes=False, scheduler_nodes=True,
                          holds_nodes=False,
                          instead=((Feature.DOCTOR, "on Slurm the job's own doctor step checks each node when `up` submits it"),

@@ -106,6 +106,15 @@ class Supervisor(Record):
     policy: RestartPolicy = RestartPolicy()
 
 
+class CanaryNote(Record):
+    """How ``up``'s correctness canary went (docs/canary.md): the baseline recorded or not, whether
+    every target agreed with it, and the line ``up`` printed."""
+
+    recorded: bool
+    agree: bool
+    message: str
+
+
 class RecordBase(Record):
     """What every deployment record holds, whatever its backend."""
 
@@ -123,6 +132,7 @@ class RecordBase(Record):
     timeline: Timeline | None = None  # the bring-up, per process and phase (`k3launch timeline`); None before it ran
     supervisor: Supervisor | None = None  # set while a supervisor watches it
     rollout: RolloutState | None = None  # a rollout under way or stopped: both plans, which unit runs which
+    canary: CanaryNote | None = None  # up's canary (None: not asked for, or a record older than the canary)
 
     @property
     def job(self) -> SlurmJob | None:

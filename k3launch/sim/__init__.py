@@ -41,5 +41,8 @@ Faults (``K3LAUNCH_SIM_FAIL``):
   request, not timed, so a probe can never land on the wrong side of the switch;
 * ``collective-timeout`` — serve, then K3LAUNCH_SIM_FAIL_AFTER_S later this rank's EP all-to-all
   stops completing with every process alive: with fault tolerance its DP group turns unhealthy
-  until ``retry`` reaches every rank; without, exit 1 (EngineDeadError).
+  until ``retry`` reaches every rank; without, exit 1 (EngineDeadError);
+* ``corrupt-pd`` — serve; a decode whose request came over the P/D path (its KV cache pulled from
+  a prefill) answers with wrong tokens after the first, 200 and /health 200 throughout; the same
+  decode asked directly is right. Only the correctness canary catches it.
 """

@@ -13,6 +13,8 @@ round-robin otherwise.
 P/D: a ``kv_producer`` given ``do_remote_decode`` prefills (one token), holds the request's KV
 blocks and answers with ``kv_transfer_params`` naming its side channel; a ``kv_consumer``
 given ``do_remote_prefill`` must reach that side channel (:func:`nixl.fetch`) before decoding.
+Under the ``corrupt-pd`` fault such a decode (and only such a decode: not a request it prefills
+itself) answers with wrong tokens after the first, as a decode reading a garbled KV cache would.
 
 Fault tolerance (:mod:`k3launch.sim.ft`): while the engine is unhealthy a new request waits
 before admission; a fault aborts every request admitted before it (finish reason ``abort``,
@@ -33,26 +35,8 @@ from k3launch.sim.logs import Logger
 from k3launch.sim.metrics import Metrics, render
 from k3launch.sim.openai import GenRequest
 from k3launch.sim.options import Knobs, ServeOptions
+from k3launch.sim.tokens import token
 from k3launch.sim.wire import Json
-
-FILLER = (
-    " Kimi",
-    " is",
-    " a",
-    " simulated",
-    " mixture",
-    " of",
-    " experts",
-    " answering",
-    " with",
-    " filler",
-    " words",
-    " while",
-    " the",
-    " real",
-    " engine",
-    " sleeps.",
-)
 
 
 class Rank:
@@ -71,7 +55,7 @@ class Session:
     """
 
     def __init__(self, engine: Engine, rank: Rank, req: GenRequest, arrival: float, length: int, kv_out: Json | None,
-                 epoch: int = 0) -> None:
+                 epoch: int = 0, corrupt: bool = False) -> None:
         self.engine = engine
         self.epoch = epoch  # the fault epoch it was admitted in: a later fault aborts it
         self.aborted = False
@@ -80,6 +64,7 @@ class Session:
         self.arrival = arrival
         self.length = length
         self.kv_out = kv_out
+        self.corrupt = corrupt  # the corrupt-pd fault hit this request: wrong tokens after the first
         self.produced = 0  # tokens of each choice so far
         self._first: float | None = None
         self._closed = False
@@ -96,8 +81,8 @@ class Session:
             self.aborted = True
         return self.aborted
 
-    def steps(self) -> Iterator[list[str]]:
-        """Yield each decode step's tokens, one per choice, at the model's pace."""
+    def steps(self) -> Iterator[list[tuple[str, int]]]:
+        """Yield each decode step's tokens (text, id), one per choice, at the model's pace."""
         e = self.engine
         time.sleep(e.ttft_s)  # prefill (or KV load) of the whole prompt
         self._first = time.monotonic()
@@ -107,15 +92,15 @@ class Session:
             if self._faulted():
                 return
             self.produced += 1
-            yield [_token(i, c) for c in range(self.req.n)]
+            yield [token(i, c, self.corrupt) for c in range(self.req.n)]
 
-    def texts(self) -> list[str]:
-        """Every choice's whole text, once generated."""
-        parts: list[list[str]] = [[] for _ in range(self.req.n)]
+    def outputs(self) -> list[tuple[str, list[int]]]:
+        """Every choice's whole text and token ids, once generated."""
+        parts: list[list[tuple[str, int]]] = [[] for _ in range(self.req.n)]
         for step in self.steps():
             for choice, tok in zip(parts, step, strict=True):
                 choice.append(tok)
-        return ["".join(p) for p in parts]
+        return [("".join(t for t, _ in p), [i for _, i in p]) for p in parts]
 
     def close(self) -> None:
         """Release the slot and record the request (also when the client went away)."""
@@ -137,12 +122,6 @@ class Session:
         self.rank.slots.release()
 
 
-def _token(i: int, choice: int) -> str:
-    """Token ``i`` of a choice: the filler words, each choice starting one word further, so choices differ."""
-    tok = FILLER[(i + choice) % len(FILLER)]
-    return tok.lstrip() if i == 0 else tok  # words keep their spaces when the filler wraps
-
-
 class Engine:
     """Admission, timing and the KV-transfer role of one API server's local DP ranks."""
 
@@ -160,6 +139,8 @@ class Engine:
         self.batch_cost = knobs.batch_cost
         self.zero_tokens = knobs.fault == "zero-tokens"
         self.empty_after_ready = knobs.fault == "empty-after-ready"
+        self.corrupt_pd = knobs.fault == "corrupt-pd"
+        self._corrupted = False  # the first corrupted answer is logged (once, as empty-after-ready's switch is)
         self._admitted = 0  # completion requests admitted so far (empty-after-ready answers the first one)
         self._admitted_lock = threading.Lock()
         self.label = f"{opts.host_ip or opts.nixl_host} ({knobs.process or 'vllm serve'})"
@@ -216,13 +197,24 @@ class Engine:
             m.running += 1
             m.prompt_tokens += req.prompt_tokens
         try:
-            length, kv_out = self._kv(req, rank)
+            length, kv_out, pulled = self._kv(req, rank)
         except BaseException:
             with m.lock:
                 m.running -= 1
             rank.slots.release()
             raise
-        return Session(self, rank, req, arrival, 0 if self._empty() else length, kv_out, epoch)
+        return Session(self, rank, req, arrival, 0 if self._empty() else length, kv_out, epoch, self._corrupts(pulled))
+
+    def _corrupts(self, pulled: bool) -> bool:
+        """Whether this answer is corrupted: the corrupt-pd fault, on a decode that pulled its KV cache."""
+        if not (self.corrupt_pd and pulled):
+            return False
+        with self._admitted_lock:
+            first, self._corrupted = not self._corrupted, True
+        if first:
+            self.log.warning("decoding P/D requests from a corrupted KV cache from now on, with 200 answers "
+                             "(simulated: K3LAUNCH_SIM_FAIL=corrupt-pd)", src="nixl_connector.py")
+        return True
 
     def _empty(self) -> bool:
         """Whether this request gets no tokens: always (zero-tokens), or after the first (empty-after-ready)."""
@@ -241,14 +233,15 @@ class Engine:
             )
         return empty
 
-    def _kv(self, req: GenRequest, rank: Rank) -> tuple[int, Json | None]:
+    def _kv(self, req: GenRequest, rank: Rank) -> tuple[int, Json | None, bool]:
+        """(tokens to generate, kv_transfer_params to answer with, whether the KV cache was pulled from a producer)."""
         kv, params = self.opts.kv, req.kv_params
         if kv is None or params is None:
-            return req.max_tokens, None
+            return req.max_tokens, None, False
         if kv.producer and params.get("do_remote_decode") is True and self.side is not None:
             # A remote decode will continue this request: prefill only, one token, keep the blocks.
             held = self.side.hold(req.request_id, req.prompt_tokens, rank.rank)
-            return min(req.max_tokens, 1), held.params()
+            return min(req.max_tokens, 1), held.params(), False
         if kv.consumer and params.get("do_remote_prefill") is True:
             try:
                 nixl.fetch(params, self.label, self.log)
@@ -265,7 +258,8 @@ class Engine:
                     f"(kv_load_failure_policy={kv.load_failure_policy}): {exc}",
                     src="nixl_connector.py",
                 )
-                return req.max_tokens, None
+                return req.max_tokens, None, False
             with rank.metrics.lock:
                 rank.metrics.kv_pulls += 1
-        return req.max_tokens, None
+            return req.max_tokens, None, True
+        return req.max_tokens, None, False

@@ -1,8 +1,8 @@
 """OpenAI-compatible request parsing and response bodies, in the shapes vLLM emits.
 
-Only the fields a benchmark, a router or a health probe reads are honoured (model, prompt or
-messages, max_tokens, n, stream, stream_options.include_usage, kv_transfer_params; temperature
-only for vLLM's greedy check); anything else — sampling knobs, and the SGLang-style fields
+Only the fields a benchmark, a router, a health probe or a canary reads are honoured (model,
+prompt or messages, max_tokens, n, stream, stream_options.include_usage, kv_transfer_params,
+return_token_ids; temperature only for vLLM's greedy check); anything else — sampling knobs, and the SGLang-style fields
 vllm-router injects (``no_stop_trim``, ``separate_reasoning``, ...) — is accepted and ignored, as
 vLLM ignores unknown extras. Requests are checked in vLLM's order, each refusal shaped as vLLM
 shapes it (:mod:`k3launch.sim.apierror`): the request model's "before" validators, the field
@@ -29,6 +29,7 @@ from k3launch.sim.apierror import (
     not_found,
     validation_error,
 )
+from k3launch.sim.tokens import chat_ids, prompt_ids
 from k3launch.sim.wire import Json
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's completions default; chat without one generates to EOS, which the sim has not: 16 too
@@ -50,6 +51,9 @@ class GenRequest:
     stream: bool
     include_usage: bool
     kv_params: Json | None
+    # return_token_ids: answers carry the output ids (``token_ids``) and the prompt's
+    # (``prompt_token_ids``), as vLLM's do; None unless asked
+    prompt_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,7 @@ _COMPLETION_FIELDS = (
     _Field("n", as_int, 1, nullable=False),
     _Field("stream", as_bool, False),
     _Field("temperature", as_float),
+    _Field("return_token_ids", as_bool),
 )
 _CHAT_FIELDS = (
     _Field("messages", as_list, required=True),
@@ -80,6 +85,7 @@ _CHAT_FIELDS = (
     _Field("n", as_int, 1),
     _Field("stream", as_bool, False),
     _Field("temperature", as_float),
+    _Field("return_token_ids", as_bool),
 )
 
 
@@ -136,6 +142,7 @@ def parse(body: object, chat: bool, served: tuple[str, ...], max_model_len: int 
         stream=f["stream"] is True,
         include_usage=isinstance(opts, dict) and _truthy(opts.get("include_usage")),
         kv_params=kv if isinstance(kv, dict) else None,
+        prompt_ids=None if f["return_token_ids"] is not True else tuple(chat_ids(f["messages"]) if chat else prompt_ids(body.get("prompt"))),
     )
 
 
@@ -246,11 +253,16 @@ def usage(req: GenRequest, completion_tokens: int) -> Json:
     }
 
 
-def full_body(req: GenRequest, texts: list[str], per_choice: int, finish: str, kv_out: Json | None) -> Json:
+def full_body(req: GenRequest, outputs: list[tuple[str, list[int]]], per_choice: int, finish: str, kv_out: Json | None) -> Json:
     """The non-streaming response, with the keys (and their order) of vLLM 0.32's own answers: one
-    choice per text, usage counting every choice's tokens."""
+    choice per (text, token ids) output, usage counting every choice's tokens. With
+    ``return_token_ids`` a choice carries its ``token_ids`` and the prompt's ids ride on the
+    completion choice, or on the chat response itself (vLLM 0.32's completion/serving.py and
+    chat_completion/serving.py ``request.return_token_ids``)."""
+    asked = req.prompt_ids is not None
+    prompt = list(req.prompt_ids) if req.prompt_ids is not None else None
     choices: list[Json] = []
-    for i, text in enumerate(texts):
+    for i, (text, ids) in enumerate(outputs):
         if req.chat:
             message = {
                 "role": "assistant",
@@ -268,7 +280,7 @@ def full_body(req: GenRequest, texts: list[str], per_choice: int, finish: str, k
                     "logprobs": None,
                     "finish_reason": finish,
                     "stop_reason": None,
-                    "token_ids": None,
+                    "token_ids": ids if asked else None,
                     "routed_experts": None,
                 }
             )
@@ -280,9 +292,9 @@ def full_body(req: GenRequest, texts: list[str], per_choice: int, finish: str, k
                     "logprobs": None,
                     "finish_reason": finish,
                     "stop_reason": None,
-                    "token_ids": None,
+                    "token_ids": ids if asked else None,
                     "prompt_logprobs": None,
-                    "prompt_token_ids": None,
+                    "prompt_token_ids": prompt,
                     "routed_experts": None,
                 }
             )
@@ -294,10 +306,10 @@ def full_body(req: GenRequest, texts: list[str], per_choice: int, finish: str, k
         "choices": choices,
         "service_tier": None,
         "system_fingerprint": FINGERPRINT,
-        "usage": usage(req, per_choice * len(texts)),
+        "usage": usage(req, per_choice * len(outputs)),
     }
     if req.chat:
-        body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+        body |= {"prompt_logprobs": None, "prompt_token_ids": prompt, "prompt_text": None}
     return body | {"kv_transfer_params": kv_out, "ec_transfer_params": None, "metrics": None}
 
 
@@ -312,20 +324,25 @@ def _chunk(req: GenRequest, choice: Json) -> Json:
 
 
 def role_chunk(req: GenRequest, index: int) -> Json:
-    """A chat stream's opening chunk of one choice (vLLM sends one per choice before any token)."""
+    """A chat stream's opening chunk of one choice (vLLM sends one per choice before any token),
+    with the prompt's ids when ``return_token_ids`` asked for them."""
     choice: Json = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    return _chunk(req, choice) | {"prompt_token_ids": None, "prompt_text": None}
+    ids = list(req.prompt_ids) if req.prompt_ids is not None else None
+    return _chunk(req, choice) | {"prompt_token_ids": ids, "prompt_text": None}
 
 
-def chunk(req: GenRequest, index: int, text: str | None, finish: str | None) -> Json:
+def chunk(req: GenRequest, index: int, text: str | None, finish: str | None, ids: list[int] | None = None, first: bool = False) -> Json:
     """One SSE ``data:`` object of a streaming response: choice ``index``'s next token (``text``
-    None: no content delta). vLLM dumps these with ``exclude_unset``, hence the keys differ between
-    a token chunk and the one with the finish reason; a terminal chunk carries the fingerprint
-    unless a usage chunk follows."""
+    None: no content delta; ``ids``: its token ids, sent when ``return_token_ids`` asked; ``first``:
+    the choice's first completion chunk, which carries the prompt's ids then). vLLM dumps these with
+    ``exclude_unset``, hence the keys differ between a token chunk and the one with the finish
+    reason; a terminal chunk carries the fingerprint unless a usage chunk follows."""
+    asked = req.prompt_ids is not None
+    token_ids = (ids or []) if asked else None
     finishing = {"finish_reason": finish, "stop_reason": None} if finish is not None else {"finish_reason": None}
     if req.chat:
         delta: Json = {} if text is None else {"content": text}
-        out = _chunk(req, {"index": index, "delta": delta, "logprobs": None, **finishing, "token_ids": None})
+        out = _chunk(req, {"index": index, "delta": delta, "logprobs": None, **finishing, "token_ids": token_ids})
     else:
         out = _chunk(
             req,
@@ -335,8 +352,8 @@ def chunk(req: GenRequest, index: int, text: str | None, finish: str | None) -> 
                 "logprobs": None,
                 "finish_reason": finish,
                 "stop_reason": None,
-                "prompt_token_ids": None,
-                "token_ids": None,
+                "prompt_token_ids": list(req.prompt_ids) if first and req.prompt_ids is not None else None,
+                "token_ids": token_ids,
             },
         )
     if finish is not None and not req.include_usage:

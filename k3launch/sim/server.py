@@ -240,8 +240,8 @@ class Handler(BaseHTTPRequestHandler):
             if req.stream:
                 self._stream(req, session)
             else:
-                texts = session.texts()
-                self._json(200, openai.full_body(req, texts, session.produced, session.finish_reason, session.kv_out))
+                outputs = session.outputs()
+                self._json(200, openai.full_body(req, outputs, session.produced, session.finish_reason, session.kv_out))
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True  # the client left; the slot is freed below
         finally:
@@ -272,18 +272,18 @@ class Handler(BaseHTTPRequestHandler):
         # finish chunk would still carry ``choices``, which vllm bench serve's client counts as
         # one more token arrival (one more ITL gap).
 
-        def send(choice: int, text: str | None, finish: str | None) -> None:
-            chunk = openai.chunk(req, choice, text, finish)
+        def send(choice: int, text: str | None, finish: str | None, ids: list[int] | None = None, first: bool = False) -> None:
+            chunk = openai.chunk(req, choice, text, finish, ids, first)
             if finish is not None and choice == req.n - 1 and session.kv_out is not None:
                 chunk["kv_transfer_params"] = session.kv_out  # a P/D prefill's answer rides on the very last chunk
             self._event(chunk)
 
         for i, step in enumerate(session.steps()):
-            for c, tok in enumerate(step):
-                send(c, tok, session.finish_reason if i == session.length - 1 else None)
+            for c, (tok, tid) in enumerate(step):
+                send(c, tok, session.finish_reason if i == session.length - 1 else None, [tid], first=i == 0)
         if session.length == 0 or session.aborted:  # no (further) token: the finish reasons come alone
             for c in range(req.n):
-                send(c, None if req.chat else "", session.finish_reason)
+                send(c, None if req.chat else "", session.finish_reason, first=session.produced == 0)
         if req.include_usage:
             self._event(openai.usage_chunk(req, session.produced * req.n))
         self._event("[DONE]")

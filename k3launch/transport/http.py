@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 PROBE_PROMPT = "k3launch readiness probe: say hello"
 PROBE_TIMEOUT_S = 1.0  # per /health probe in a readiness poll; the next poll asks again
@@ -53,10 +54,33 @@ class Completion:
     seconds: float
 
 
-def completion(base: str, model: str, max_tokens: int = 8, timeout: float = 60.0) -> Completion:
-    """One real ``/v1/completions`` request; ok only with 200, choices and completion tokens > 0."""
-    body = json.dumps({"model": model, "prompt": PROBE_PROMPT, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(base.rstrip("/") + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+@dataclass(frozen=True)
+class Reply:
+    """A JSON POST's outcome: ``status`` None when no answer came (refused, timed out, not HTTP);
+    ``data`` the JSON object of a 200, ``detail`` what went wrong otherwise."""
+
+    status: int | None
+    data: dict[str, Any]
+    detail: str
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200
+
+
+def post_json(url: str, body: Mapping[str, Any], timeout: float, headers: Mapping[str, str] | None = None) -> Reply:
+    """POST ``body`` as JSON; never raises for a network problem or an error answer."""
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json", **(headers or {})})
+    return _json_reply(req, timeout)
+
+
+def get_json(url: str, timeout: float) -> Reply:
+    """GET a JSON object (``/version``, ``/v1/models``); never raises, as :func:`post_json`."""
+    return _json_reply(urllib.request.Request(url), timeout)
+
+
+def _json_reply(req: urllib.request.Request, timeout: float) -> Reply:
     t0 = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -66,10 +90,21 @@ def completion(base: str, model: str, max_tokens: int = 8, timeout: float = 60.0
             msg = exc.read().decode(errors="replace")[:200]
         except OSError:
             msg = ""
-        return Completion(False, f"HTTP {exc.code}: {msg}".strip(), 0, "", time.monotonic() - t0)
+        return Reply(exc.code, {}, f"HTTP {exc.code}: {msg}".strip(), time.monotonic() - t0)
     except (urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
-        return Completion(False, str(getattr(exc, "reason", exc)), 0, "", time.monotonic() - t0)
-    dt = time.monotonic() - t0
+        return Reply(None, {}, str(getattr(exc, "reason", exc)), time.monotonic() - t0)
+    if not isinstance(data, dict):
+        return Reply(None, {}, f"not a JSON object: {str(data)[:100]}", time.monotonic() - t0)
+    return Reply(200, data, "", time.monotonic() - t0)
+
+
+def completion(base: str, model: str, max_tokens: int = 8, timeout: float = 60.0) -> Completion:
+    """One real ``/v1/completions`` request; ok only with 200, choices and completion tokens > 0."""
+    r = post_json(base.rstrip("/") + "/v1/completions", {"model": model, "prompt": PROBE_PROMPT, "max_tokens": max_tokens, "temperature": 0},
+                  timeout)
+    if not r.ok:
+        return Completion(False, r.detail, 0, "", r.seconds)
+    data, dt = r.data, r.seconds
     choices = data.get("choices") or []
     usage = data.get("usage") or {}
     tokens = int(usage.get("completion_tokens") or 0)

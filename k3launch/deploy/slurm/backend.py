@@ -20,7 +20,7 @@ from k3launch.deploy.power import engine_nodes
 from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.slurm import array
 from k3launch.deploy.slurm.client import ACTIVE, SlurmClient
-from k3launch.deploy.slurm.job import attached_record
+from k3launch.deploy.slurm.job import attached_record, bind_plan
 from k3launch.deploy.slurm.launch import SlurmLaunch, job_policy, log_dir_for
 from k3launch.deploy.slurm.ops import cancel_job, cancel_named, follow_files, observe_job, tail_logs
 from k3launch.deploy.slurm.power import SrunSampler
@@ -86,6 +86,11 @@ class SlurmBackend:
     def power_sampler(self, rec: DeploymentRecord) -> Sampler:
         r = own(rec, SlurmRecord)
         return SrunSampler(r.slurm.job_id, {n: r.slurm.hosts.get(n) or n for n in engine_nodes(r)})
+
+    # ------------------------------------------------------------------ the canary
+    def served_plan(self, rec: DeploymentRecord) -> Plan:
+        r = own(rec, SlurmRecord)
+        return bind_plan(r.plan, r.slurm.addresses)  # the plan's nodes are placeholders for the allocated hosts
 
     # ------------------------------------------------------------------ job arrays
     def submit_array(self, plans: Sequence[Plan], inv: Inventory, log_dir: str, work: Callable[[int, Plan], Sequence[str]] | None,

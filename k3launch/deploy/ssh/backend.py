@@ -150,6 +150,10 @@ class SshBackend:
     def power_sampler(self, rec: DeploymentRecord) -> Sampler:
         return FleetSampler(self.fleet(rec), engine_nodes(rec))
 
+    # ------------------------------------------------------------------ the canary
+    def served_plan(self, rec: DeploymentRecord) -> Plan:
+        return own(rec, SshRecord).plan  # processes bind the plan's own addresses
+
     # ------------------------------------------------------------------ supervision
     def watcher(self, rec: DeploymentRecord, store: StateStore) -> SshWatcher:
         r = own(rec, SshRecord)
