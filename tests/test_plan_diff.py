@@ -75,7 +75,7 @@ def test_more_copies_rename_the_processes_and_change_the_router_urls() -> None:
 
 
 def test_rollout_sets_replace_in_place_and_unset_drops() -> None:
-    from k3launch.api.rollout import merged_sets
+    from k3launch.api.rollouts import merged_sets
     from k3launch.errors import K3Error
 
     given = ["max-num-seqs=64", "--enable-prefix-caching=true", "gpu-memory-utilization=0.9"]

@@ -105,7 +105,7 @@ def test_surge_plans_rename_engines_into_the_next_generation_and_keep_the_router
 
 
 def test_surge_preview_refusals() -> None:
-    from k3launch.api.rollout import _surge_preview
+    from k3launch.api.rollouts import _surge_preview
     from k3launch.errors import K3Error
 
     lone = plan(INV, selection={"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp"})
@@ -127,3 +127,18 @@ def test_surge_preview_refusals() -> None:
     p = _surge_preview(two, lambda busy: plan(INV, selection={"strategy": "multi_node_dep", "nodes": 2}, exclude=list(busy)), ("--surge",))
     assert p.surge and [u.name for u in p.units] == ["serve-g1"]
     assert {x.node for x in p.new.processes if x.role != "router"} == {"local-3", "local-4"}
+
+
+def test_no_api_submodule_shadows_an_api_function() -> None:
+    # importing k3launch.api.X sets attribute X on the package: a module named like one of the
+    # functions the package exports would replace that function for every later caller
+    import importlib
+    import pkgutil
+    import types
+
+    from k3launch import api
+
+    for mod in pkgutil.iter_modules(api.__path__):
+        importlib.import_module(f"k3launch.api.{mod.name}")
+    shadowed = [n for n in api.__all__ if isinstance(getattr(api, n), types.ModuleType)]
+    assert shadowed == []

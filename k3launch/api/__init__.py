@@ -65,7 +65,7 @@ if TYPE_CHECKING:
         recipes,
         schema_dump,
     )
-    from k3launch.api.rollout import rollout, rollout_continue, rollout_preview
+    from k3launch.api.rollouts import rollout, rollout_continue, rollout_preview
     from k3launch.api.supervision import events, follow_events, restart_policy, stop_supervisor, supervise, supervise_detached
 
 # Each name's module, imported on first use: `plan` then loads only the planning part of the API
@@ -102,9 +102,9 @@ _HOMES: dict[str, str] = {
     "power_sampler": "nodes",
     "ready_timeout": "lifecycle",
     "restart_policy": "supervision",
-    "rollout": "rollout",
-    "rollout_continue": "rollout",
-    "rollout_preview": "rollout",
+    "rollout": "rollouts",
+    "rollout_continue": "rollouts",
+    "rollout_preview": "rollouts",
     "recipe": "planning",
     "recipes": "planning",
     "record": "lifecycle",

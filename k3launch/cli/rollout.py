@@ -34,8 +34,8 @@ def rollout(
 
     The new plan is the deployment's own (same inventory, nodes and ports) with the changes; a unit that fails its gate (health and a real completion) is rolled back and the rollout stops there: `--continue` resumes it, `--rollback` undoes it."""
     STATE.json = json_out
-    from k3launch.api.rollout import rollout as do_rollout
-    from k3launch.api.rollout import rollout_continue, rollout_preview
+    from k3launch.api.rollouts import rollout as do_rollout
+    from k3launch.api.rollouts import rollout_continue, rollout_preview
 
     con = console()
     say = (lambda s: None) if json_out else con.print
