@@ -91,6 +91,9 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
         half_env = {i: _environ(int(p["handle"])) for i, p in half_rec["processes"].items() if i != "router"}
         again = cli.run("rollout", name, "--continue", "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
         back = cli.run("rollout", name, "--rollback", "--drain-timeout", "10", "--json", timeout=180)
+        # other weights under the same name: health and a completion pass, the canary does not
+        wrong = cli.run("rollout", name, "--env", "K3LAUNCH_SIM_FAIL=other-weights", "--drain-timeout", "10", "--json", timeout=180)
+        unwrong = cli.run("rollout", name, "--rollback", "--json", timeout=60)
     print(f"\n[rollout of 2 copies: {[(u['unit'], u['seconds']) for u in ok['rolled']]}; refused value: exit {refused.returncode}; "
           f"client {load.ok} ok, {load.failed} failed]")
     assert second.returncode == 2 and "deployment-busy" not in second.stdout and "another k3launch command" in second.stderr, second.stderr
@@ -114,7 +117,13 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert half_env["r0-serve-0"].get("K3LAUNCH_SIM_FAIL") == "exit-during-load" and "K3LAUNCH_SIM_FAIL" not in half_env["r1-serve-0"]
     assert again.returncode == 1 and json.loads(again.stdout)["failed"] == "r1-serve-0", again.stdout  # --continue tried r1 again
     assert back.returncode == 0 and [u["unit"] for u in json.loads(back.stdout)["rolled"]] == ["r0-serve-0"], back.stdout
+    caught = json.loads(wrong.stdout)
+    print(f"[canary gate: {caught['reason'][:300]}]")
+    assert wrong.returncode == 1 and caught["failed"] == "r0-serve-0" and "canary:" in caught["reason"], caught
+    assert "expected" in caught["reason"] and "got" in caught["reason"], caught  # prompt, expected, got
+    assert unwrong.returncode == 0, unwrong.stdout + unwrong.stderr
     assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
+    assert cli.run("canary", name).returncode == 0  # every engine answers as recorded at up
     assert "rollout" not in cli.json("status", name) and cli.record(name).get("rollout") is None  # undone: one plan again
     assert not any("K3LAUNCH_SIM_FAIL" in _environ(int(p["handle"])) for i, p in cli.record(name)["processes"].items() if i != "router")
     assert cli.run("rollout", name, "--continue").returncode == 2  # nothing to continue
@@ -124,7 +133,7 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert "max-num-seqs=8" in cli.record(name)["plan"]["origin"]["selection"]["sets"]  # the next rollout starts from here
     # the supervisor came back as it was started: its --on-event hook still gets the events
     watching = [e for e in map(json.loads, filter(None, hook.read_text().splitlines())) if e["kind"] == "watching" and e["time"] > t_roll]
-    assert len(watching) == 6, hook.read_text()  # once after each of the six rollout commands that rolled
+    assert len(watching) == 8, hook.read_text()  # once after each of the eight rollout commands that rolled
 
     d = cli.json("down", name, timeout=120)
     assert d["clean"] is True, d

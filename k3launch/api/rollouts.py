@@ -23,8 +23,9 @@ from pathlib import Path
 
 from k3launch.api._common import load, store
 from k3launch.deploy.rollout import Gate, RolloutResult
+from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan
+from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.rollout import On, RolloutState, RolloutUnit, changes_typed
 from k3launch.models.supervise import Unit, units
@@ -44,6 +45,7 @@ class RolloutPreview:
     units: list[Unit]
     changes: tuple[str, ...] = ()  # the options, as typed
     surge: bool = False  # the new engines start on spare nodes beside the old ones (``--surge``)
+    rebaseline: tuple[str, ...] = ()  # why the canary's recorded answers no longer apply to the new plan (none: they do)
 
 
 def _flag(word: str) -> str:
@@ -109,9 +111,9 @@ def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str
     taken = [n.name for n in inv.inventory.nodes if (n.address or n.name) in held]
     typed = tuple(changes_typed(sets, unsets, env, image, vllm_version))
     if surge:
-        return _surge_preview(rec.plan, lambda busy: plan(inv, selection=selection, name=name, exclude=[*origin.exclude, *taken, *busy],
+        return _with_rebaseline(st, name, _surge_preview(rec.plan, lambda busy: plan(inv, selection=selection, name=name, exclude=[*origin.exclude, *taken, *busy],
                                                           port_base=origin.port_base, recipes_dir=origin.recipes_dir,
-                                                          state_dir=state_dir), (*typed, "--surge"))
+                                                          state_dir=state_dir), (*typed, "--surge")))
     new = plan(inv, selection=selection, name=name, exclude=[*origin.exclude, *taken], port_base=origin.port_base,
                recipes_dir=origin.recipes_dir, state_dir=state_dir)
     diffs = diff_plans(rec.plan, new)
@@ -121,7 +123,55 @@ def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str
         raise K3Error("rollout-moves", f"the change would move processes: {what}; a rollout keeps each process on its node",
                       "`k3launch down` then `up` for a new layout")
     changed = {d.process for d in diffs if d.changed}
-    return RolloutPreview(rec.plan, new, diffs, [u for u in units(new) if changed & set(u.processes)], typed)
+    return _with_rebaseline(st, name, RolloutPreview(rec.plan, new, diffs, [u for u in units(new) if changed & set(u.processes)], typed))
+
+
+def _with_rebaseline(st: StateStore, name: str, preview: RolloutPreview) -> RolloutPreview:
+    from dataclasses import replace
+
+    from k3launch.deploy import canary as io
+    from k3launch.models.canary import rebaseline_reasons
+
+    baseline = io.load(st, name)
+    return replace(preview, rebaseline=tuple(rebaseline_reasons(baseline, preview.new))) if baseline is not None else preview
+
+
+def canary_gate(st: StateStore, name: str, preview: RolloutPreview, rebaseline: bool) -> Gate | None:
+    """The canary as a rollout gate: each restarted unit's targets (its engines, its P/D pairings,
+    the router) replay the baseline. None when there is no baseline. A change that makes the
+    recorded answers stale (another model, vLLM or sampling-relevant flag: ``preview.rebaseline``)
+    is refused unless ``rebaseline``: then the first unit rolled records new answers, and every
+    later one is compared with them."""
+    from k3launch.deploy import canary as io
+
+    if io.load(st, name) is None:
+        return None
+    if preview.rebaseline and not rebaseline:
+        raise K3Error("canary-rebaseline", f"this change makes the canary's recorded answers stale ({preview.rebaseline[0]})",
+                      "add --rebaseline (the first unit rolled records new answers, the others are compared with them), "
+                      "or --no-canary")
+    fresh = [rebaseline]  # a new baseline is still to be recorded
+
+    def gate(plan: Plan, engines: Sequence[Process]) -> str:
+        ids = [e.id for e in engines]
+        if fresh[0]:
+            mine = plan.model_copy(update={"processes": list(engines)})
+            baseline, reports = io.record(mine, name)
+            bad = [r for r in reports if r.outcome != "ok"]
+            if bad:
+                return "canary: the unit's servers disagree: " + "; ".join(f"{r.target} {r.outcome} {r.reason}" for r in bad[:3])
+            io.save(st, baseline)
+            fresh[0] = False
+            return ""
+        report = io.check(st, name, plan, only=ids)
+        if report is None:
+            return ""
+        if report.mismatches:
+            return "canary: " + "; ".join(m.line() for m in report.mismatches[:3])
+        failed = [r for r in report.targets if r.outcome != "ok"]
+        return "canary: " + "; ".join(f"{r.target} {r.outcome}: {r.reason}" for r in failed[:3]) if failed else ""
+
+    return gate
 
 
 def _surge_preview(old: Plan, replan: Callable[[Sequence[str]], Plan], typed: tuple[str, ...]) -> RolloutPreview:
@@ -156,7 +206,8 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
             vllm_version: str | None = None, drain_timeout: float = 120.0, start_timeout: float | None = None,
             max_unavailable: int = 1, allow_downtime: bool = False, say: Callable[[str], None] = lambda _: None,
             state_dir: str | Path | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0,
-            preview: RolloutPreview | None = None, gate: Gate | None = None, surge: bool = False) -> RolloutResult:
+            preview: RolloutPreview | None = None, gate: Gate | None = None, surge: bool = False, canary: bool = True,
+            rebaseline: bool = False) -> RolloutResult:
     """Apply :func:`rollout_preview`'s plan ``max_unavailable`` units at a time
     (:mod:`k3launch.deploy.rollout`). A running supervisor is stopped for the rollout and started
     again after it with its policy. A rollout that would leave no engine in the router (one engine
@@ -165,7 +216,9 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
     of each restarted unit. The record holds both plans and where each unit is throughout, and
     the deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``.
     ``surge``: start the whole new set of engines on spare nodes beside the old one, gate it,
-    switch the router over, then drain and stop the old set (no unit is ever out of service)."""
+    switch the router over, then drain and stop the old set (no unit is ever out of service).
+    ``canary``: each restarted unit also replays the correctness canary (:func:`canary_gate`;
+    ``rebaseline`` when the change makes its answers stale), after ``gate`` if one is given."""
     preview = preview or rollout_preview(name, sets=sets, unsets=unsets, env=env, image=image, vllm_version=vllm_version,
                                          surge=surge, state_dir=state_dir)
     if not preview.units:
@@ -178,6 +231,8 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
         raise K3Error("rollout-downtime", f"{name} is {what}: rolling {max_unavailable} at a time stops serving",
                       "--surge starts the new engines on spare nodes first; --allow-downtime restarts them anyway; "
                       "or a smaller --max-unavailable, or copies (--replicas 2) behind the router")
+    if canary:
+        gate = _both(gate, canary_gate(store(state_dir), name, preview, rebaseline))
     now = time.time()
     state = RolloutState(old=preview.old, new=preview.new, changes=list(preview.changes), started=now, updated=now, surge=preview.surge,
                          units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in preview.units])
@@ -186,9 +241,17 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
                  accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, gate=gate)
 
 
+def _both(first: Gate | None, second: Gate | None) -> Gate | None:
+    if first is None or second is None:
+        return first or second
+    a, b = first, second
+    return lambda plan, engines: a(plan, engines) or b(plan, engines)
+
+
 def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float = 120.0, start_timeout: float | None = None,
                      max_unavailable: int = 1, say: Callable[[str], None] = lambda _: None, state_dir: str | Path | None = None,
-                     accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, gate: Gate | None = None) -> RolloutResult:
+                     accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, gate: Gate | None = None,
+                     canary: bool = True) -> RolloutResult:
     """Resume ``name``'s stopped rollout: roll the units that do not run the new plan yet (a unit
     that failed its gate is tried again). ``rollback``: take the units that run the new plan back
     to the old one instead, last rolled first. Either way the record drops the rollout once every
@@ -212,6 +275,9 @@ def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float 
     picked = sorted((u for u in units(target) if u.name in order), key=lambda u: order[u.name])
     # back to the old plan, "new" means "old": the record names plans, the roller only its target
     flip: Callable[[On], On] = (lambda on: "old" if on == "new" else "new" if on == "old" else on) if rollback else (lambda on: on)
+    if canary:  # answers recorded for the other plan are stale for this one: the first unit records anew
+        ahead = _with_rebaseline(st, name, RolloutPreview(rec.plan, target, [], picked))
+        gate = _both(gate, canary_gate(st, name, ahead, bool(ahead.rebaseline)))
     return _roll(name, rec.plan, target, picked, state, flip, max_unavailable=max_unavailable, drain_timeout=drain_timeout,
                  start_timeout=start_timeout, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
                  connect_timeout=connect_timeout, gate=gate)

@@ -17,6 +17,7 @@ from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
     from k3launch.deploy import supervisor as supervisor_mod
+    from k3launch.deploy.state import StateStore
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, Supervisor
     from k3launch.models.supervise import Event, RestartPolicy
@@ -55,6 +56,22 @@ def _inventory_policy(rec: DeploymentRecord) -> RestartPolicy:
     return RestartPolicy()
 
 
+def canary_lines(st: StateStore, name: str) -> Callable[[Plan], list[str] | None]:
+    """The supervisor's canary: ``name``'s baseline replayed on a plan, one line per mismatch
+    (target, prompt, expected, got); None without a baseline. A target that does not answer is
+    left to the health checks; a plan the baseline no longer describes (``rebaseline``) is not
+    compared: its answers may differ on purpose."""
+    from k3launch.deploy import canary as io
+
+    def lines(plan: Plan) -> list[str] | None:
+        report = io.check(st, name, plan)
+        if report is None or report.rebaseline:
+            return None
+        return [m.line() for m in report.mismatches]
+
+    return lines
+
+
 def supervise(name: str, *, state_dir: str | Path | None = None, policy: RestartPolicy | Mapping[str, Any] | None = None,
               on_event: Callable[[Event], None] | None = None, on_event_command: str | None = None, stop: threading.Event | None = None,
               accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, detached: bool = False) -> str:
@@ -77,7 +94,7 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
     restore = _on_signals(stop)
     try:
         return supervisor.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
-                                    detached=detached, stop=stop, places=_places(rec, state_dir))
+                                    detached=detached, stop=stop, places=_places(rec, state_dir), canary=canary_lines(st, name))
     finally:
         restore()
 

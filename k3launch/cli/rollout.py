@@ -27,6 +27,8 @@ def rollout(
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds to wait for a unit's in-flight requests before stopping it.")] = 120.0,
     start_timeout: Annotated[float | None, typer.Option("--start-timeout", help="Seconds a restarted unit has to pass its gate (default: the plan's ready timeout).")] = None,
     surge: Annotated[bool, typer.Option("--surge", help="Start the whole new set of engines on spare nodes, gate it, switch the router to it, then drain and stop the old set.")] = False,
+    no_canary: Annotated[bool, typer.Option("--no-canary", help="Gate restarted units on health and a completion only, not the correctness canary.")] = False,
+    rebaseline: Annotated[bool, typer.Option("--rebaseline", help="The change alters answers on purpose (model, sampling flags): the first unit rolled records the canary anew.")] = False,
     allow_downtime: Annotated[bool, typer.Option("--allow-downtime", help="Roll even when no engine is left in the router meanwhile (one engine, or --max-unavailable as many).")] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
 ) -> None:
@@ -41,11 +43,11 @@ def rollout(
     say = (lambda s: None) if json_out else con.print
     try:
         if resume or rollback:
-            if (resume and rollback) or sets or env or unsets or image or vllm_version or dry_run or surge:
+            if (resume and rollback) or sets or env or unsets or image or vllm_version or dry_run or surge or rebaseline:
                 raise K3Error("bad-option", "--continue and --rollback take no change, no --dry-run and not each other",
                               f"`k3launch status {name}` shows the stopped rollout")
             result = rollout_continue(name, rollback=rollback, drain_timeout=drain_timeout, start_timeout=start_timeout,
-                                      max_unavailable=max_unavailable, say=say, state_dir=state_dir,
+                                      max_unavailable=max_unavailable, say=say, state_dir=state_dir, canary=not no_canary,
                                       accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
         else:
             preview = rollout_preview(name, sets=sets or [], unsets=unsets or [], env=env or [], image=image,
@@ -53,15 +55,20 @@ def rollout(
             if dry_run or not json_out:
                 diffs = [{"process": d.process, "changes": [c.line() for c in d.changes]} for d in preview.diffs if d.changed]
                 if json_out:
-                    typer.echo(json.dumps({"name": name, "processes": diffs, "units": [u.name for u in preview.units]}))
+                    typer.echo(json.dumps({"name": name, "processes": diffs, "units": [u.name for u in preview.units],
+                                           "rebaseline": list(preview.rebaseline)}))
                 else:
                     for d in diffs:
                         con.print(f"{d['process']}:", *[f"  {c}" for c in d["changes"]], sep="\n", markup=False)
                     con.print(f"units to roll, in order: {', '.join(u.name for u in preview.units) or 'none'}")
+                    if preview.rebaseline:
+                        con.print("the canary's recorded answers do not apply to the new plan (--rebaseline records new ones): "
+                                  + "; ".join(preview.rebaseline), markup=False)
                 if dry_run:
                     return
             result = do_rollout(name, preview=preview, drain_timeout=drain_timeout, start_timeout=start_timeout,
                                 max_unavailable=max_unavailable, allow_downtime=allow_downtime, say=say, state_dir=state_dir,
+                                canary=not no_canary, rebaseline=rebaseline,
                                 accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     except K3Error as err:
         fail(err)

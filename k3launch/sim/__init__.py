@@ -45,4 +45,6 @@ Faults (``K3LAUNCH_SIM_FAIL``):
 * ``corrupt-pd`` — serve; a decode whose request came over the P/D path (its KV cache pulled from
   a prefill) answers with wrong tokens after the first, 200 and /health 200 throughout; the same
   decode asked directly is right. Only the correctness canary catches it.
+* ``other-weights`` — serve; every answer has wrong tokens after the first: another model served
+  under the same name, which only the canary catches.
 """

@@ -140,6 +140,7 @@ class Engine:
         self.zero_tokens = knobs.fault == "zero-tokens"
         self.empty_after_ready = knobs.fault == "empty-after-ready"
         self.corrupt_pd = knobs.fault == "corrupt-pd"
+        self.corrupt_all = knobs.fault == "other-weights"
         self._corrupted = False  # the first corrupted answer is logged (once, as empty-after-ready's switch is)
         self._admitted = 0  # completion requests admitted so far (empty-after-ready answers the first one)
         self._admitted_lock = threading.Lock()
@@ -206,7 +207,10 @@ class Engine:
         return Session(self, rank, req, arrival, 0 if self._empty() else length, kv_out, epoch, self._corrupts(pulled))
 
     def _corrupts(self, pulled: bool) -> bool:
-        """Whether this answer is corrupted: the corrupt-pd fault, on a decode that pulled its KV cache."""
+        """Whether this answer is corrupted: the corrupt-pd fault, on a decode that pulled its KV
+        cache; other-weights, every answer (a model that is not the one the name says)."""
+        if self.corrupt_all:
+            return True
         if not (self.corrupt_pd and pulled):
             return False
         with self._admitted_lock:
