@@ -122,6 +122,9 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert wrong.returncode == 1 and caught["failed"] == "r0-serve-0" and "canary:" in caught["reason"], caught
     assert "expected" in caught["reason"] and "got" in caught["reason"], caught  # prompt, expected, got
     assert unwrong.returncode == 0, unwrong.stdout + unwrong.stderr
+    listed = cli.run("events", name, "--json").stdout.splitlines()
+    mismatch = [e for e in map(json.loads, listed) if e["kind"] == "canary-mismatch"]
+    assert mismatch and mismatch[0]["reason"].startswith("rollout gate: r0-serve-0") and "expected" in mismatch[0]["reason"], mismatch
     assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
     assert cli.run("canary", name).returncode == 0  # every engine answers as recorded at up
     assert "rollout" not in cli.json("status", name) and cli.record(name).get("rollout") is None  # undone: one plan again

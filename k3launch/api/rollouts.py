@@ -167,6 +167,12 @@ def canary_gate(st: StateStore, name: str, preview: RolloutPreview, rebaseline: 
         if report is None:
             return ""
         if report.mismatches:
+            from k3launch.deploy import eventlog
+            from k3launch.models.supervise import Event
+
+            for m in report.mismatches:  # as a supervisor's replay would say it: `k3launch events`, and a hook's pager
+                eventlog.append(st, Event(time=time.time(), kind="canary-mismatch", deployment=name, process=ids[0] if ids else None,
+                                          reason=f"rollout gate: {m.line()}"))
             return "canary: " + "; ".join(m.line() for m in report.mismatches[:3])
         failed = [r for r in report.targets if r.outcome != "ok"]
         return "canary: " + "; ".join(f"{r.target} {r.outcome}: {r.reason}" for r in failed[:3]) if failed else ""
