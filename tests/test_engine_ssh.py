@@ -301,11 +301,48 @@ def test_dep_as_written_for_moe_models_is_refused_by_vllm_and_up_says_why(pair: 
 
 
 # ------------------------------------------------------------------ replicas: two real engines behind the real vllm-router
-def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
+OTHER_WEIGHTS = """
+import shutil, sys
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+src, dst = sys.argv[1], sys.argv[2]
+shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors"))
+torch.manual_seed(1)  # the model of vllm-cpu-up.sh with other random weights
+LlamaForCausalLM(LlamaConfig.from_pretrained(src)).save_pretrained(dst)
+"""
+
+
+def _named_model(pair: Pair, vllm_cpu: VllmCpu, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A recipes tree whose tiny-llama is served from a symlink, and a second model with other
+    weights: flipping the link is another model under the same name (a re-downloaded revision)."""
+    import subprocess
+
+    link, other = tmp_path / "weights" / "current", tmp_path / "weights" / "other"
+    link.parent.mkdir()
+    link.symlink_to(vllm_cpu.model)
+    subprocess.run([vllm_cpu.python, "-c", OTHER_WEIGHTS, vllm_cpu.model, str(other)], check=True, timeout=300,
+                   env={**os.environ, **vllm_cpu.env}, capture_output=True)
+    recipes = tmp_path / "recipes"
+    shutil.copytree(ROOT / "recipes", recipes)
+    path = recipes / "models" / "k3launch" / "tiny-llama.yaml"
+    path.write_text(path.read_text().replace(f'model_id: "{vllm_cpu.model}"', f'model_id: "{link}"'))
+    assert str(link) in path.read_text()
+    return recipes, link, other
+
+
+def _flip(link: Path, to: str | Path) -> None:
+    tmp = link.with_name("flip")
+    tmp.symlink_to(to)
+    tmp.replace(link)  # atomic: an engine starting meanwhile sees one model or the other
+
+
+def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair, vllm_cpu: VllmCpu, tmp_path: Path) -> None:
     name = f"eng-rep-{pair.suffix}"
+    recipes, link, other = _named_model(pair, vllm_cpu, tmp_path)
+    pair.model = str(link)  # the served name: what the recipe says, whatever the link points at
     shm_before = _shm()
     t0 = time.monotonic()
-    r = _up(pair, name, 22304, "--strategy", "single_node_tp", "--replicas", "2")
+    r = _up(pair, name, 22304, "--strategy", "single_node_tp", "--replicas", "2", "--recipes-dir", str(recipes))
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for stage in STAGES:
@@ -392,6 +429,33 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair) -> None:
     assert load2.failed == 0 and load2.ok > 50, (load2.ok, load2.failures[:5])
     snap = pair.cli.json("status", name)
     assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+    assert pair.cli.json("status", name)["rollout"]["stopped"]  # the refused rollout stays until it is undone
+    assert pair.cli.run("rollout", name, "--rollback", timeout=120).returncode == 0  # nothing rolled: it only drops it
+
+    # the canary: the link now points at other weights; a rollout restarts r0 on them, which serves
+    # /health and completions, and only the canary's recorded greedy answers tell it is not the model
+    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load3:
+        _flip(link, other)
+        t_c = time.monotonic()
+        caught = pair.cli.run("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "60", "--start-timeout", "300", "--json",
+                              timeout=2 * UP_TIMEOUT_S)
+        took_c = time.monotonic() - t_c
+        _flip(link, vllm_cpu.model)
+        resumed = pair.cli.json("rollout", name, "--continue", "--drain-timeout", "60", "--start-timeout", "300", timeout=3 * UP_TIMEOUT_S)
+    stop = json.loads(caught.stdout)
+    mismatch = [json.loads(x) for x in pair.cli.run("events", name, "--json").stdout.splitlines() if '"canary-mismatch"' in x]
+    print(f"\n[canary gate on other weights: exit {caught.returncode} after {took_c:.1f}s: {stop['reason'][:220]}; "
+          f"--continue rolled {[(u['unit'], u['seconds']) for u in resumed['rolled']]}; client: {load3.ok} ok, {load3.failed} failed]")
+    assert caught.returncode == 1 and stop["failed"] == "r0-serve-0" and "canary:" in stop["reason"], stop
+    assert "expected [" in stop["reason"] and "got [" in stop["reason"], stop  # the token ids, as recorded and as answered
+    assert mismatch and mismatch[0]["reason"].startswith("rollout gate: r0-serve-0"), mismatch
+    assert resumed["ok"] and [u["unit"] for u in resumed["rolled"]] == ["r0-serve-0", "r1-serve-0"], resumed
+    running = {i: _argv_of(int(p["handle"])) for i, p in pair.cli.record(name)["processes"].items() if i != "router"}
+    assert all(a[a.index("--max-num-seqs") + 1] == "8" for a in running.values()), running
+    assert pair.cli.run("canary", name).returncode == 0  # every engine and the router answer as at `up`
+    assert load3.failed == 0, (load3.ok, load3.failures[:5])
+    snap = pair.cli.json("status", name)
+    assert snap["state"] == "ready" and "rollout" not in snap and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
     sv_pid = snap["supervisor"]["pid"]  # paused for each rollout and started again
     tree = set(processes(name))  # the engines as they run now
 
