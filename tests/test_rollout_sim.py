@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from e2e_helpers import Cli, Load, local_leftovers
+from e2e_helpers import Cli, Load, local_leftovers, try_complete
 
 pytestmark = [pytest.mark.e2e]
 
@@ -208,4 +209,42 @@ def test_surge_rolls_a_one_unit_dep_onto_spare_nodes_without_a_failed_request(st
     rec = cli.record(name)
     d = cli.json("down", name, timeout=120)
     assert d["clean"] is True, d
+    assert local_leftovers(rec) == ({}, [])
+
+
+def test_pd_rolls_in_place_only_with_allow_downtime_and_the_router_keeps_every_instance(state_cli: Cli, local_inventory: Path,
+                                                                                        tmp_path: Path) -> None:
+    """vllm-router's P/D mode cannot add an instance back over HTTP: a P/D rollout is refused
+    unless --allow-downtime, then restarts each instance in place (never removed from the router's
+    lists), and the router still pairs with every instance afterwards; the failed requests (those
+    paired with an instance while it restarted) are counted, not hidden."""
+    cli = state_cli
+    inv = yaml.safe_load(local_inventory.read_text())
+    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "0.5"}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    name = "ro-pd"
+    r = cli.run("up", "-i", str(path), "--strategy", "pd_cluster", "--decode-strategy", "tp", "--decode-nodes", "1", "--name", name,
+                "--port-base", "23660", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    endpoint, model = json.loads(r.stdout)["endpoint"], cli.record(name)["plan"]["model"]
+    refused = cli.run("rollout", name, "--set", "max-num-seqs=8")
+    assert refused.returncode == 2 and "P/D" in refused.stderr and "--allow-downtime" in refused.stderr, refused.stderr
+    surge = cli.run("rollout", name, "--set", "max-num-seqs=8", "--surge")
+    assert surge.returncode == 2 and "cannot add instances" in surge.stderr, surge.stderr
+    with Load(endpoint, model, workers=2, limit=3000, pause=0.02) as load:
+        done = cli.json("rollout", name, "--set", "max-num-seqs=8", "--allow-downtime", "--drain-timeout", "5", timeout=180)
+        time.sleep(2)
+    print(f"\n[P/D rollout in place: {[(u['unit'], u['seconds']) for u in done['rolled']]}; client {load.ok} ok, {load.failed} failed]")
+    assert done["ok"] and sorted(u["unit"] for u in done["rolled"]) == ["decode-0", "prefill-0"], done["reason"]
+    assert all(_seqs(a) == "8" for a in _running(cli, name).values())
+    with urllib.request.urlopen(endpoint + "/workers", timeout=10) as resp:
+        stats = json.loads(resp.read())["stats"]
+    assert stats["prefill_count"] == 1 and stats["decode_count"] == 1, stats  # both still in the router's lists
+    assert cli.run("canary", name).returncode == 0  # and the pairing answers as recorded at up
+    # one prefill and one decode: each restart is an outage of the whole P/D path (what --allow-downtime
+    # accepts), and the router serves every request again once the rollout is done
+    assert load.ok > 20 and [try_complete(endpoint, model) for _ in range(5)] == [None] * 5, (load.ok, load.failures[:3])
+    rec = cli.record(name)
+    assert cli.json("down", name, timeout=120)["clean"] is True
     assert local_leftovers(rec) == ({}, [])

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3launch.api._common import load, store
-from k3launch.deploy.rollout import Gate, RolloutResult
+from k3launch.deploy.rollout import Gate, RolloutResult, pd_plan
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
@@ -189,6 +189,9 @@ def _surge_preview(old: Plan, replan: Callable[[Sequence[str]], Plan], typed: tu
     if router is None:
         raise K3Error("surge-no-router", f"{old.name} has no router: its endpoint is the engine itself, and engines on other nodes "
                       "would have another address", "--allow-downtime restarts it in place; copies (--replicas 2) get a router")
+    if pd_plan(old):
+        raise K3Error("surge-pd", "vllm-router's P/D mode cannot add instances over HTTP, so a new set cannot be switched to",
+                      "--allow-downtime rolls each instance in place")
     if old.fault_tolerance:
         raise K3Error("surge-fault-tolerance", f"{old.name} runs vLLM's fault tolerance, whose pools a surge does not rename yet",
                       "--allow-downtime restarts it in place")
@@ -232,6 +235,10 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
     engines = [u for u in units(preview.old) if u.kind != "router"]
     if max_unavailable < 1:
         raise K3Error("bad-max-unavailable", f"--max-unavailable {max_unavailable}: at least 1 unit rolls at a time", "e.g. --max-unavailable 1")
+    if pd_plan(preview.old) and not allow_downtime:
+        raise K3Error("rollout-pd", f"{name} is P/D: vllm-router's P/D mode can take an instance out of its lists but not add it "
+                      "back, so each instance must restart in place, and requests paired with it fail until the router's "
+                      "health check skips it (about a second)", "--allow-downtime rolls it so, one instance at a time")
     if len(engines) <= max_unavailable and not allow_downtime and not preview.surge:
         what = f"one engine ({engines[0].name if engines else 'none'})" if len(engines) < 2 else f"{len(engines)} engine units"
         raise K3Error("rollout-downtime", f"{name} is {what}: rolling {max_unavailable} at a time stops serving",

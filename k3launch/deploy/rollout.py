@@ -66,6 +66,11 @@ def with_processes(base: Plan, source: Plan, ids: Sequence[str]) -> Plan:
     return base.model_copy(update={"processes": [theirs.get(p.id, p) for p in base.processes]})
 
 
+def pd_plan(plan: Plan) -> bool:
+    """A P/D plan: prefill and decode instances behind vllm-router's P/D mode."""
+    return any(p.role in ("prefill", "decode") for p in plan.processes)
+
+
 def _url(p: Process) -> str:
     return f"http://{p.address}:{p.http_port}"
 
@@ -99,6 +104,10 @@ class Roller:
         self.drain_timeout, self.start_timeout, self.grace_s = drain_timeout, start_timeout, grace_s
         self.say, self.mark, self.extra_gate, self.clock, self.sleep = say, mark, gate, clock, sleep
         self.router = next((p for p in current.processes if p.role == "router"), None)
+        # vllm-router's P/D mode takes a worker out over HTTP but cannot add one back (only a
+        # restart of the router can): its instances roll in place, the router's health checks
+        # skipping each while it restarts (the caller refuses that without --allow-downtime)
+        self.routes = self.router is not None and not pd_plan(current)
 
     def run(self, units: Sequence[Unit], batch: int = 1) -> RolloutResult:
         current = self.current
@@ -108,7 +117,7 @@ class Roller:
             t0 = self.clock()
             urls = {u.name: [_url(p) for p in current.processes if p.id in u.http and u.kind != "router"] for u in group}
             every = [x for u in group for x in urls[u.name]]
-            router = self.router if every else None  # the router in front of these units, if any
+            router = self.router if every and self.routes else None  # the router in front of these units, if any
             names = ", ".join(u.name for u in group)
             if router is not None:
                 why = self.w.reroute(router, every, [])
@@ -135,7 +144,12 @@ class Roller:
                 why = "; ".join(f"{n}: {w}" + (f" (rolling back failed too: {back[n]})" if n in back else "") for n, w in failed.items())
                 return self._stop(result, ", ".join(failed), why)
             if router is not None:
-                self.w.reroute(router, [], every)
+                why = self.w.reroute(router, [], every)
+                if why:  # serving, but not in the router: said, and the rollout goes no further
+                    for u in group:
+                        self.mark(u.name, "new", "")
+                    result.plan = target
+                    return self._stop(result, names, f"{names} serves the new plan but the router did not take it back: {why}")
             current = target
             result.plan = current
             for u in group:
@@ -196,6 +210,16 @@ class Roller:
         result.plan = final
         self.say(f"{names}: surged in {self.clock() - t0:.1f}s")
         return result
+
+    def _router_serves(self, model: str, deadline: float) -> str:
+        assert self.router is not None
+        while True:
+            c = http.completion(_url(self.router), model, timeout=max(10.0, deadline - self.clock()))
+            if c.ok:
+                return ""
+            if self.clock() > deadline:
+                return f"the router did not serve again within {self.start_timeout:g}s: {c.detail}"
+            self.sleep(POLL_S)
 
     def _forget(self, ids: Sequence[str]) -> None:
         """Stopped processes leave the record (a unit's restart would otherwise find them)."""
@@ -258,6 +282,12 @@ class Roller:
                 if not c.ok:
                     failed[u.name] = f"{p.id} serves /health but its completion failed: {c.detail}"
                     break
+            if u.name not in failed and self.router is not None and not self.routes:
+                # restarted in place behind a router that was not told (P/D): it pairs with the
+                # unit again once its own health check passes; until then the router itself fails
+                why = self._router_serves(plan.model, deadline)
+                if why:
+                    failed[u.name] = why
             if u.name not in failed and self.extra_gate is not None:
                 why = self.extra_gate(plan, engines)
                 if why:
