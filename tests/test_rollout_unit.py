@@ -142,3 +142,15 @@ def test_no_api_submodule_shadows_an_api_function() -> None:
         importlib.import_module(f"k3launch.api.{mod.name}")
     shadowed = [n for n in api.__all__ if isinstance(getattr(api, n), types.ModuleType)]
     assert shadowed == []
+
+
+def test_the_stop_waits_out_vllms_own_shutdown_timeout() -> None:
+    old, _ = _plans(2)
+    slow = plan(INV, selection={"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp", "replicas": 2,
+                                "sets": ["shutdown-timeout=90"]})
+    w = FakeWatcher([_healthy(slow)] * 5)
+    r = _roller(w, old, slow, [])
+    unit = units(slow)[0]
+    assert ro.shutdown_timeout(next(p for p in slow.processes if p.id == unit.processes[0])) == 90
+    assert r._grace(slow, unit) == 90 + ro.SHUTDOWN_MARGIN_S  # SIGKILL only after vLLM's own drain on SIGTERM
+    assert r._grace(old, units(old)[0]) == ro.GRACE_S

@@ -32,6 +32,7 @@ from k3launch.models.supervise import Unit
 from k3launch.transport import http
 
 GRACE_S = 30.0
+SHUTDOWN_MARGIN_S = 10.0  # past a process's own --shutdown-timeout before SIGKILL
 POLL_S = 0.5
 
 
@@ -64,6 +65,19 @@ def with_processes(base: Plan, source: Plan, ids: Sequence[str]) -> Plan:
     """``base`` with the processes ``ids`` as ``source`` has them (a plan half rolled)."""
     theirs = {p.id: p for p in source.processes if p.id in ids}
     return base.model_copy(update={"processes": [theirs.get(p.id, p) for p in base.processes]})
+
+
+def shutdown_timeout(p: Process) -> float:
+    """``--shutdown-timeout S`` (or ``=S``) of an engine's argv; 0 when absent or unreadable."""
+    for i, word in enumerate(p.argv):
+        value = word.partition("=")[2] if word.startswith("--shutdown-timeout=") else \
+            (p.argv[i + 1] if word == "--shutdown-timeout" and i + 1 < len(p.argv) else None)
+        if value is not None:
+            try:
+                return max(0.0, float(value))
+            except ValueError:
+                return 0.0
+    return 0.0
 
 
 def pd_plan(plan: Plan) -> bool:
@@ -128,14 +142,15 @@ class Roller:
             self.say(f"{names}: out of the router, draining" if router else f"{names}: restarting")
             drained = self._drain(every) if router else 0.0
             target = with_processes(current, self.target, [p for u in group for p in u.processes])
-            failed = self._swap(target, group)
+            failed = self._swap(target, group, current)
             if failed:
                 bad = [u for u in group if u.name in failed]
                 for u in bad:
                     self.say(f"{u.name}: {failed[u.name]}; rolling it back")
                 result.logs = [str(p) for p in self.w.keep_logs([p for u in bad for p in u.processes])]
+                rolled = target
                 target = with_processes(target, current, [p for u in bad for p in u.processes])
-                back = self._swap(target, bad)
+                back = self._swap(target, bad, rolled)
                 if router is not None:
                     self.w.reroute(router, [], [x for u in group if u.name not in back for x in urls[u.name]])
                 for u in group:
@@ -201,7 +216,7 @@ class Roller:
         self.say(f"{names}: serving; the old engines are out of the router, draining")
         drained = self._drain(old_urls)
         old_ids = [p for u in old for p in u.processes]
-        self.w.stop(old_ids, self.grace_s)
+        self.w.stop(old_ids, max([self._grace(self.current, u) for u in old], default=self.grace_s))
         self._forget(old_ids)
         self.w.adopt(final, "")
         for u in new:
@@ -241,12 +256,20 @@ class Roller:
             self.sleep(POLL_S)
         return self.clock() - t0
 
-    def _swap(self, plan: Plan, group: Sequence[Unit]) -> dict[str, str]:
-        """Run ``group`` on ``plan``: unit name -> why it did not pass the gate (empty: all did)."""
+    def _grace(self, plan: Plan, u: Unit) -> float:
+        """SIGTERM to SIGKILL for ``u`` as ``plan`` runs it: vLLM's ``--shutdown-timeout S`` drains
+        in-flight requests for up to S seconds after SIGTERM, so the grace covers that, and more."""
+        asked = [shutdown_timeout(p) for p in plan.processes if p.id in u.processes]
+        return max([self.grace_s, *(s + SHUTDOWN_MARGIN_S for s in asked if s)])
+
+    def _swap(self, plan: Plan, group: Sequence[Unit], running: Plan) -> dict[str, str]:
+        """Run ``group`` (as ``running`` has it now) on ``plan``: unit name -> why it did not pass
+        the gate (empty: all did)."""
         self.w.adopt(plan, "")
         failed: dict[str, str] = {}
         for u in group:
-            broken = self.w.restart(u, self.grace_s, lambda: True)
+            # the stop is of what runs now: the grace its own --shutdown-timeout asks for
+            broken = self.w.restart(u, self._grace(running, u), lambda: True)
             if broken:
                 failed[u.name] = broken[0].message
         started = [u for u in group if u.name not in failed]
