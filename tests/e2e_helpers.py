@@ -465,6 +465,22 @@ def try_complete(endpoint: str, model: str, timeout: float = 60.0) -> str | None
         return f"{type(exc).__name__}: {exc}"
 
 
+def openai_completer(endpoint: str, model: str, timeout: float = 60.0) -> Callable[[], str | None]:
+    """One small completion at a time through the official OpenAI client (no retries of its own:
+    every failure the deployment lets through is counted); None when a choice came back."""
+    from openai import OpenAI, OpenAIError
+
+    client = OpenAI(base_url=endpoint + "/v1", api_key="k3launch-tests", max_retries=0, timeout=timeout)
+
+    def ask() -> str | None:
+        try:
+            return None if client.completions.create(model=model, prompt="hello", max_tokens=4).choices else "no choices"
+        except OpenAIError as exc:
+            return f"{type(exc).__name__}: {exc}"[:300]
+
+    return ask
+
+
 @dataclass
 class Load:
     """A steady, bounded client load: ``workers`` clients one request after another, at most ``limit`` requests."""
@@ -474,6 +490,7 @@ class Load:
     workers: int = 4
     limit: int = 3000
     pause: float = 0.02  # seconds each client waits between two requests
+    client: str = "urllib"  # or "openai": the official OpenAI client, as applications call a deployment
     ok: int = 0
     failed: int = 0
     failures: list[tuple[float, str]] = field(default_factory=list)  # (time, what went wrong) of each failed request
@@ -482,11 +499,12 @@ class Load:
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def _work(self) -> None:
+        ask = openai_completer(self.endpoint, self.model) if self.client == "openai" else lambda: try_complete(self.endpoint, self.model)
         while not self.stop.is_set():
             with self._lock:
                 if self.ok + self.failed >= self.limit:
                     return
-            why = try_complete(self.endpoint, self.model)
+            why = ask()
             with self._lock:
                 self.ok += why is None
                 self.failed += why is not None

