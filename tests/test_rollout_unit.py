@@ -154,3 +154,27 @@ def test_the_stop_waits_out_vllms_own_shutdown_timeout() -> None:
     assert ro.shutdown_timeout(next(p for p in slow.processes if p.id == unit.processes[0])) == 90
     assert r._grace(slow, unit) == 90 + ro.SHUTDOWN_MARGIN_S  # SIGKILL only after vLLM's own drain on SIGTERM
     assert r._grace(old, units(old)[0]) == ro.GRACE_S
+
+
+@pytest.mark.parametrize("state", ["starting", "failed", "interrupted", "stopping"])
+def test_a_deployment_that_is_not_ready_is_not_rolled_and_nothing_changes(tmp_path: Path, state: str) -> None:
+    import time
+
+    from k3launch.api.rollouts import rollout, rollout_continue
+    from k3launch.deploy.state import StateStore
+    from k3launch.errors import K3Error
+    from k3launch.models.record import ProcessRecord, SshRecord
+
+    p = _plans(2)[0]
+    store = StateStore(tmp_path)
+    rec = SshRecord(name=p.name, state=state, created=time.time(), updated=time.time(), backend="local", endpoint=p.endpoint, plan=p,
+                    inventory=str(INV), processes={x.id: ProcessRecord(id=x.id, node=x.node, runtime="bare", handle="1") for x in p.processes})
+    store.save(rec)
+    before = store.path(p.name).read_text()
+    with pytest.raises(K3Error) as e:
+        rollout(p.name, sets=["max-num-seqs=8"], state_dir=tmp_path)
+    assert e.value.code == "not-ready" and f"{p.name} is {state}" in e.value.message and "status" in e.value.hint
+    with pytest.raises(K3Error) as e:
+        rollout_continue(p.name, state_dir=tmp_path)
+    assert e.value.code == "nothing-to-continue"
+    assert store.path(p.name).read_text() == before
