@@ -17,15 +17,17 @@ undone (:func:`rollout_continue` with ``rollback``), and a new one is refused un
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3launch.api._common import load, store
+from k3launch.api._rollgate import both_gates, canary_gate
 from k3launch.deploy.rollout import Gate, RolloutResult, pd_plan
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan, Process
+from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.rollout import On, RolloutState, RolloutUnit, changes_typed
 from k3launch.models.supervise import Unit, units
@@ -136,50 +138,6 @@ def _with_rebaseline(st: StateStore, name: str, preview: RolloutPreview) -> Roll
     return replace(preview, rebaseline=tuple(rebaseline_reasons(baseline, preview.new))) if baseline is not None else preview
 
 
-def canary_gate(st: StateStore, name: str, preview: RolloutPreview, rebaseline: bool) -> Gate | None:
-    """The canary as a rollout gate: each restarted unit's targets (its engines, its P/D pairings,
-    the router) replay the baseline. None when there is no baseline. A change that makes the
-    recorded answers stale (another model, vLLM or sampling-relevant flag: ``preview.rebaseline``)
-    is refused unless ``rebaseline``: then the first unit rolled records new answers, and every
-    later one is compared with them."""
-    from k3launch.deploy import canary as io
-
-    if io.load(st, name) is None:
-        return None
-    if preview.rebaseline and not rebaseline:
-        raise K3Error("canary-rebaseline", f"this change makes the canary's recorded answers stale ({preview.rebaseline[0]})",
-                      "add --rebaseline (the first unit rolled records new answers, the others are compared with them), "
-                      "or --no-canary")
-    fresh = [rebaseline]  # a new baseline is still to be recorded
-
-    def gate(plan: Plan, engines: Sequence[Process]) -> str:
-        ids = [e.id for e in engines]
-        if fresh[0]:
-            mine = plan.model_copy(update={"processes": list(engines)})
-            baseline, reports = io.record(mine, name)
-            bad = [r for r in reports if r.outcome != "ok"]
-            if bad:
-                return "canary: the unit's servers disagree: " + "; ".join(f"{r.target} {r.outcome} {r.reason}" for r in bad[:3])
-            io.save(st, baseline)
-            fresh[0] = False
-            return ""
-        report = io.check(st, name, plan, only=ids)
-        if report is None:
-            return ""
-        if report.mismatches:
-            from k3launch.deploy import eventlog
-            from k3launch.models.supervise import Event
-
-            for m in report.mismatches:  # as a supervisor's replay would say it: `k3launch events`, and a hook's pager
-                eventlog.append(st, Event(time=time.time(), kind="canary-mismatch", deployment=name, process=ids[0] if ids else None,
-                                          reason=f"rollout gate: {m.line()}"))
-            return "canary: " + "; ".join(m.line() for m in report.mismatches[:3])
-        failed = [r for r in report.targets if r.outcome != "ok"]
-        return "canary: " + "; ".join(f"{r.target} {r.outcome}: {r.reason}" for r in failed[:3]) if failed else ""
-
-    return gate
-
-
 def _surge_preview(old: Plan, replan: Callable[[Sequence[str]], Plan], typed: tuple[str, ...]) -> RolloutPreview:
     """The new plan with every engine on nodes the deployment does not use (``replan`` excludes
     them), in the next generation of process ids (:mod:`k3launch.planning.surge`)."""
@@ -245,20 +203,13 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
                       "--surge starts the new engines on spare nodes first; --allow-downtime restarts them anyway; "
                       "or a smaller --max-unavailable, or copies (--replicas 2) behind the router")
     if canary:
-        gate = _both(gate, canary_gate(store(state_dir), name, preview, rebaseline))
+        gate = both_gates(gate, canary_gate(store(state_dir), name, preview, rebaseline))
     now = time.time()
     state = RolloutState(old=preview.old, new=preview.new, changes=list(preview.changes), started=now, updated=now, surge=preview.surge,
                          units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in preview.units])
     return _roll(name, preview.old, preview.new, preview.units, state, lambda on: on, max_unavailable=max_unavailable,
                  drain_timeout=drain_timeout, start_timeout=start_timeout, say=say, state_dir=state_dir,
                  accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, gate=gate)
-
-
-def _both(first: Gate | None, second: Gate | None) -> Gate | None:
-    if first is None or second is None:
-        return first or second
-    a, b = first, second
-    return lambda plan, engines: a(plan, engines) or b(plan, engines)
 
 
 def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float = 120.0, start_timeout: float | None = None,
@@ -290,7 +241,7 @@ def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float 
     flip: Callable[[On], On] = (lambda on: "old" if on == "new" else "new" if on == "old" else on) if rollback else (lambda on: on)
     if canary:  # answers recorded for the other plan are stale for this one: the first unit records anew
         ahead = _with_rebaseline(st, name, RolloutPreview(rec.plan, target, [], picked))
-        gate = _both(gate, canary_gate(st, name, ahead, bool(ahead.rebaseline)))
+        gate = both_gates(gate, canary_gate(st, name, ahead, bool(ahead.rebaseline)))
     return _roll(name, rec.plan, target, picked, state, flip, max_unavailable=max_unavailable, drain_timeout=drain_timeout,
                  start_timeout=start_timeout, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
                  connect_timeout=connect_timeout, gate=gate)
@@ -305,7 +256,7 @@ def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], s
     from k3launch.deploy.rollout import GRACE_S
 
     st = store(state_dir)
-    with st.lock(name):
+    with _supervisor_paused(st, name, say, state_dir), st.lock(name):
         rec = st.load(name)
         old_ids = {p.id for p in state.old.processes}
         missing = sorted(old_ids - set(rec.processes))
@@ -336,7 +287,6 @@ def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: R
           state_dir: str | Path | None, accept_unknown_hosts: bool, connect_timeout: float, gate: Gate | None) -> RolloutResult:
     from k3launch.api._common import access
     from k3launch.api.lifecycle import ready_timeout
-    from k3launch.api.supervision import stop_supervisor, supervise_detached
     from k3launch.deploy.registry import supervise_ops
     from k3launch.deploy.rollout import Roller
     from k3launch.models.backends import Feature, require
@@ -344,13 +294,10 @@ def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: R
     st = store(state_dir)
     rec = st.load(name)
     require(rec.backend, Feature.ROLLOUT, "rollout")
-    sv = rec.supervisor
-    if sv is not None:
-        say(stop_supervisor(name, state_dir=state_dir) or "supervisor stopped for the rollout")
     ops = supervise_ops(rec.backend, "rollout", [access(accept_unknown_hosts, connect_timeout)])
     state.stopped = ""
     stopped = "interrupted: the rollout command ended"  # unless it gets further
-    try:
+    with _supervisor_paused(st, name, say, state_dir):
         # held throughout: a second rollout, a `down` or a restarting supervisor is refused meanwhile
         with st.lock(name):
             watcher = ops.watcher(st.load(name), st)
@@ -387,12 +334,26 @@ def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: R
 
                 watcher.note(settle)
                 watcher.close()
+    return result
+
+
+@contextmanager
+def _supervisor_paused(st: StateStore, name: str, say: Callable[[str], None], state_dir: str | Path | None) -> Iterator[None]:
+    """A supervisor watching ``name`` is stopped meanwhile (it would restart a unit being
+    drained), then started again as it was started (policy, --on-event, SSH options)."""
+    from k3launch.api.supervision import stop_supervisor, supervise_detached
+    from k3launch.deploy.supervisors import last_args
+
+    sv = st.load(name).supervisor
+    if sv is not None:
+        say(stop_supervisor(name, state_dir=state_dir) or "supervisor stopped for the rollout")
+    try:
+        yield
     finally:
         if sv is not None:
-            from k3launch.deploy.supervisors import last_args
-
-            # as it was started (policy, --on-event, SSH options); a foreground one by its policy
-            args = (last_args(st, name) if sv.detached else None) or sv.policy.args()
-            supervise_detached(name, args, state_dir=state_dir)
-            say("supervisor started again")
-    return result
+            args = (last_args(st, name) if sv.detached else None) or sv.policy.args()  # a foreground one: by its policy
+            try:
+                supervise_detached(name, args, state_dir=state_dir)
+                say("supervisor started again")
+            except K3Error as exc:  # a `down` took the deployment meanwhile: nothing left to watch
+                say(f"supervisor not started again: {exc.message}")
