@@ -258,7 +258,7 @@ def host_cut(ctx: Ctx, cli: Cli, name: str, port_base: int) -> Run:
     finally:
         hosts.heal(cut)
     try:  # what was left on the healed host is stopped by the supervisor; down would do it otherwise
-        wait_event(cli, name, "reclaimed", since=t0, within=60)
+        wait_event(cli, name, "reclaimed", after=t0, within=60)
     except AssertionError:
         print(f"  ({name}: no reclaimed event within 60 s after the heal; down stops what was left)")
     return run

@@ -34,6 +34,7 @@ from k3launch.transport import http
 GRACE_S = 30.0
 SHUTDOWN_MARGIN_S = 10.0  # past a process's own --shutdown-timeout before SIGKILL
 POLL_S = 0.5
+DRAIN_POLL_S = 0.1  # a request that ends just after a look should not cost a whole POLL_S of drain
 
 
 @dataclass
@@ -253,7 +254,7 @@ class Roller:
             left = [running_requests(u) for u in urls]
             if all(n is None or n == 0 for n in left):
                 break
-            self.sleep(POLL_S)
+            self.sleep(DRAIN_POLL_S)
         return self.clock() - t0
 
     def _grace(self, plan: Plan, u: Unit) -> float:
