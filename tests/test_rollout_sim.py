@@ -83,6 +83,7 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
         ok = json.loads(cli.wait(first, 180, ("rollout",)).stdout)
         refused = cli.run("rollout", name, "--set", "max-num-seqs=0", "--drain-timeout", "10", "--start-timeout", "30", "--json", timeout=180)
         stopped = cli.json("status", name)["rollout"]  # the record holds the stopped rollout until it is finished or undone
+        shown = cli.run("status", name).stdout
         busy = cli.run("rollout", name, "--set", "max-num-seqs=16")
         undone = cli.run("rollout", name, "--rollback", "--json", timeout=60)  # nothing rolled: it only drops the rollout
         # an env change the second copy fails to start with: r0 rolls, r1 is rolled back, and the rollout stops between
@@ -107,6 +108,8 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
     assert stopped["units"][0]["name"] == "r0-serve-0" and "max_num_seqs must be >= 1" in stopped["units"][0]["failed"], stopped
     assert [u["on"] for u in stopped["units"]] == ["old", "old"] and "r0-serve-0 failed its gate" in stopped["stopped"], stopped
     assert stopped["changes"] == ["--set max-num-seqs=0"], stopped
+    assert "rollout (--set max-num-seqs=0) stopped: r0-serve-0 failed its gate" in shown and "r1-serve-0 on the old plan" in shown, shown
+    assert f"k3launch rollout {name} --continue" in shown, shown
     assert busy.returncode == 2 and "--continue" in busy.stderr and "Traceback" not in busy.stderr, busy.stderr
     assert undone.returncode == 0 and json.loads(undone.stdout)["ok"] is True, undone.stdout + undone.stderr
     assert json.loads(half.stdout)["failed"] == "r1-serve-0" and half.returncode == 1, half.stdout
