@@ -40,8 +40,34 @@ MULTI_NODE_SIBLING = {
 # The strategy whose floor applies to a P/D pool of a given parallelism.
 IMAGE_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]*")
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Names that carry credentials: a plan is written to records, scripts and logs, so none may hold one.
-SECRET_ENV = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)|API_KEY", re.IGNORECASE)
+SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "OPENAI_API_KEY"})
+NOT_SECRETS = frozenset({"TOKENIZERS_PARALLELISM"})
+PLACEMENT_ENV = frozenset(
+    {
+        "VLLM_HOST_IP",
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "K3LAUNCH_DEPLOYMENT",
+        "K3LAUNCH_PROCESS",
+    }
+)
+
+
+def env_refusal(name: str, where: str) -> str | None:
+    """Why ``name`` may not be set in ``where`` (an inventory, ``--env``): a credential (plans are
+    written to records, scripts and logs), or a variable placement sets per process; None: fine."""
+    up = name.upper()
+    if up in SECRET_NAMES or (
+        any(w in up for w in ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY"))
+        and up not in NOT_SECRETS
+        and not up.endswith(("_PATH", "_FILE", "_DIR"))
+    ):
+        return f"env {name} looks like a secret; secrets never go into inventories or plans (use hf_token_file)"
+    if up in PLACEMENT_ENV:
+        return f"env {name} is set by k3launch's placement for each process; it cannot be set in {where}"
+    return None
 POOL_FLOOR_STRATEGY = {"tp": "multi_node_tp", "tep": "multi_node_tep", "dep": "multi_node_dep"}
 
 
@@ -143,9 +169,9 @@ class Selection(BaseModel):
             name, eq, _ = item.partition("=")
             if not eq or not ENV_NAME.fullmatch(name):
                 raise ValueError(f"env {item!r}: use NAME=VALUE with NAME of letters, digits and _")
-            if SECRET_ENV.search(name):
-                raise ValueError(f"env {name} looks like a secret, and plans and records are not secret: "
-                                 "give the token file as the inventory's hf_token_file")
+            why = env_refusal(name, "--env")
+            if why:
+                raise ValueError(why)
         return v
 
     @field_validator("advanced")

@@ -22,7 +22,7 @@ from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
 from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
-from k3launch.models.selection import IMAGE_REF
+from k3launch.models.selection import IMAGE_REF, env_refusal
 from k3launch.models.supervise import RestartPolicy
 from k3launch.util.bounds import MEMORY_GB
 from k3launch.util.hosts import check_host, expand_hostlist
@@ -31,19 +31,6 @@ from k3launch.util.yamlio import load_yaml_model
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
 GPU_HOUR_PRICE_MAX = 100_000.0  # per GPU and hour, in any currency (yen included): a typo like 1e9 is caught
 
-SECRET_NAMES = frozenset({"HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "VLLM_API_KEY", "OPENAI_API_KEY"})
-NOT_SECRETS = frozenset({"TOKENIZERS_PARALLELISM"})
-PLACEMENT_ENV = frozenset(
-    {
-        "VLLM_HOST_IP",
-        "NCCL_SOCKET_IFNAME",
-        "GLOO_SOCKET_IFNAME",
-        "VLLM_NIXL_SIDE_CHANNEL_HOST",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT",
-        "K3LAUNCH_DEPLOYMENT",
-        "K3LAUNCH_PROCESS",
-    }
-)
 
 
 class NodeSettings(Strict):
@@ -69,15 +56,9 @@ class NodeSettings(Strict):
         for k in v or {}:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
                 raise ValueError(f"env name {k!r} is not a valid variable name")
-            up = k.upper()
-            if up in SECRET_NAMES or (
-                any(w in up for w in ("TOKEN", "SECRET", "PASSWORD", "API_KEY", "ACCESS_KEY", "PRIVATE_KEY"))
-                and up not in NOT_SECRETS
-                and not up.endswith(("_PATH", "_FILE", "_DIR"))
-            ):
-                raise ValueError(f"env {k} looks like a secret; secrets never go into inventories or plans (use hf_token_file)")
-            if up in PLACEMENT_ENV:
-                raise ValueError(f"env {k} is set by k3launch's placement for each process; it cannot be set in an inventory")
+            why = env_refusal(k, "an inventory")
+            if why:
+                raise ValueError(why)
         return v
 
     @field_validator("user")

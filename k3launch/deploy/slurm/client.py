@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
-from k3launch.planning.inventory import SECRET_NAMES
+from k3launch.models.selection import SECRET_NAMES
 from k3launch.transport.runners import CommandRunner, LocalRunner, Result, Target
 from k3launch.util.hosts import expand_hostlist
 
