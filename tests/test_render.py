@@ -28,7 +28,9 @@ from pathlib import Path
 import pytest
 from inventory_helpers import ROOT, example, plan_json, q, run_cli, write_yaml
 
+from k3launch.models.caches import CACHE_ENV
 from k3launch.models.plan import Plan, Process
+from k3launch.render.scripts import cache_dir
 
 GOLDEN = Path(__file__).parent / "golden" / "render"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
@@ -326,7 +328,8 @@ defaults:
   env: {{NCCL_DEBUG: {q(env1)}, K3_NOTE: {q(f"-v/:/host --privileged; touch {m}-9")}}}
 nodes:
   - {{name: n1, address: 10.0.0.1}}
-  - {{name: n2, address: 10.0.0.2, hf_cache: {q(cache2)}, image: {q(IMAGES[1])}, shm_size: {q(shm2)}, env: {{NCCL_DEBUG: {q(env2)}}}}}
+  - {{name: n2, address: 10.0.0.2, hf_cache: {q(cache2)}, image: {q(IMAGES[1])}, shm_size: {q(shm2)}, env: {{NCCL_DEBUG: {q(env2)}}},
+      compile_cache: {q(f"~/k3 cc/$(touch {m}-10)")}}}
 """)
 
 
@@ -366,19 +369,23 @@ def test_hostile_container_values_end_up_as_data(tmp_path: Path, pwned: str, dep
         host = hosts[proc.node]
         seen.add(proc.id)
         cache = host.hf_cache.replace("~", str(home), 1) if host.hf_cache and host.hf_cache.startswith("~/") else host.hf_cache
+        compiled = str(cache_dir(plan, proc, host)).replace("~", str(home), 1)  # n2's hostile compile_cache, as data
+        assert compiled.startswith(f"{home}/k3 cc/$(touch" if proc.node == "n2" else f"{home}/.cache/k3launch/compile/")
+        kept = {f"{k}=/root/.cache/k3launch-compile/{sub}" for k, sub in CACHE_ENV.items()}
         if runtime == "apptainer":
             assert argv[-len(proc.argv) - 1:] == [f"docker://{proc.image}", *proc.argv]
-            assert _after(argv, "--bind") == [f"{cache}:/root/.cache/huggingface"]
+            assert _after(argv, "--bind") == [f"{cache}:/root/.cache/huggingface", f"{compiled}:/root/.cache/k3launch-compile"]
+            assert kept <= set(_after(argv, "--env"))
             assert set(_after(argv, "--env")) >= {f"{k}={v}" for k, v in proc.env.items()}
             assert env.get("APPTAINERENV_HF_TOKEN") == SECRET
         else:
             i = argv.index("--entrypoint")
             assert argv[i + 1:] == [proc.argv[0], proc.image, *proc.argv[1:]]
             assert _after(argv, "--shm-size") == ([host.shm_size] if runtime == "docker" else [])  # podman: not with --ipc=host
-            assert _after(argv, "-v") == [f"{cache}:/root/.cache/huggingface"]
+            assert _after(argv, "-v") == [f"{cache}:/root/.cache/huggingface", f"{compiled}:/root/.cache/k3launch-compile"]
             token = {"HF_TOKEN"} if runtime == "docker" else {"HF_TOKEN_PATH=/run/secrets/hf_token"}
             assert set(_after(argv, "-e")) == {f"{k}={v}" for k, v in proc.env.items()} | {
-                f"K3LAUNCH_DEPLOYMENT={deployment}", f"K3LAUNCH_PROCESS={proc.id}"} | token
+                f"K3LAUNCH_DEPLOYMENT={deployment}", f"K3LAUNCH_PROCESS={proc.id}"} | token | kept
             if runtime == "docker":
                 assert env.get("HF_TOKEN") == SECRET  # passed by name from the caller's environment
             else:  # podman inspect would show an -e value: a secret file instead

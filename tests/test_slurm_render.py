@@ -40,12 +40,14 @@ from infrahelpers import pid_alive
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
+from k3launch.models.caches import CACHE_ENV
 from k3launch.models.plan import Plan, Process
 from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import Inventory, SlurmSection
 from k3launch.planning.recipes import RecipeTree
 from k3launch.render.sbatch import DOCTOR_FAILED_EXIT, job_library, make_array_string, make_sbatch_string
+from k3launch.render.scripts import cache_dir
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
@@ -460,14 +462,18 @@ def _kill(pid: int) -> None:
         pass
 
 
-def expected_step(plan: Plan, proc: Process, container: str, hf_cache: str, sub: Callable[[str], str]) -> tuple[set[str], list[str]]:
+def expected_step(plan: Plan, proc: Process, container: str, hf_cache: str, sub: Callable[[str], str],
+                  home: str = "") -> tuple[set[str], list[str]]:
     """(srun options, command) a step of ``proc`` must receive, from the plan alone."""
     host = FAKE_HOSTS[node_index(plan, proc)]
+    kept = cache_dir(plan, proc, next(h for h in plan.hosts if h.name == proc.node))
+    # a bare engine's compile/JIT caches: in the node's cache directory, ~ expanded there
+    caches = [f"{k}={kept.replace('~', home, 1)}/{d}" for k, d in CACHE_ENV.items()] if kept and container == "bare" else []
     env = {**{k: sub(v) for k, v in proc.env.items()}, "K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
     argv = [sub(w) for w in proc.argv]
     opts = {"--nodes=1", "--ntasks=1", f"--nodelist={host}", "--kill-on-bad-exit=1", f"--job-name={proc.id}", "--overlap"}
     if proc.role == "router" or container == "bare":
-        return opts, ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+        return opts, ["env", *caches, *(f"{k}={v}" for k, v in env.items()), *argv]
     if container == "pyxis":
         opts |= {f"--container-image={proc.image}", f"--container-mounts={hf_cache}:{HF}", "--container-env=" + ",".join([*env, "HF_TOKEN"])}
         return opts, ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
@@ -481,7 +487,7 @@ def check_steps(run: Run, plan: Plan, container: str, hf_cache: str) -> None:
     sub = substitute(plan, list(FAKE_ADDRS))
     for proc in plan.processes:
         call = run.calls[proc.id]
-        opts, command = expected_step(plan, proc, container, hf_cache, sub)
+        opts, command = expected_step(plan, proc, container, hf_cache, sub, call.env.get("HOME", ""))
         assert set(call.options) == opts and len(call.options) == len(opts), proc.id
         assert call.command == command, proc.id
         assert call.command[-len(proc.argv):] == [sub(w) for w in proc.argv]  # the plan's argv, addresses bound

@@ -123,6 +123,7 @@ class Host(Frozen):
     python: str | None = None
     ssh_host: str | None = None  # what ssh connects to (an ~/.ssh/config alias), when not the address
     venv: str | None = None  # a virtualenv whose bin/ holds the engine's `vllm` (bare runtimes); None: `vllm` on PATH
+    compile_cache: str | None = None  # the node's compile/JIT cache root (None: the default; "off"; models.caches)
 
     @model_serializer(mode="wrap")
     def _omit_unset_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -136,7 +137,7 @@ class Host(Frozen):
         return data
 
 
-OMIT_WHEN_UNSET = ("venv",)  # Host keys left out of a plan's JSON while None
+OMIT_WHEN_UNSET = ("venv", "compile_cache")  # Host keys left out of a plan's JSON while None
 
 
 class FaultTolerancePool(Frozen):

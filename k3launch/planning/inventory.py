@@ -48,6 +48,7 @@ class NodeSettings(Strict):
     workdir: str | None = None
     python: str | None = None  # interpreter for the simulated engine on bare runtimes
     venv: str | None = None  # bare runtimes: a virtualenv whose bin/ holds the engine's `vllm` (first on PATH); None: `vllm` on PATH
+    compile_cache: str | None = None  # where engines keep compile/JIT caches on the node (models.caches); "off": nowhere
     env: dict[str, str] | None = None  # extra environment of every engine process (e.g. NCCL_DEBUG)
 
     @field_validator("env")
@@ -68,12 +69,14 @@ class NodeSettings(Strict):
             raise ValueError(f"user {v!r} is not a valid login name")
         return v
 
-    @field_validator("hf_cache")
+    @field_validator("hf_cache", "compile_cache")
     @classmethod
-    def _hf_cache(cls, v: str | None) -> str | None:
+    def _mounted(cls, v: str | None, info: ValidationInfo) -> str | None:
         # docker -v, pyxis --container-mounts and apptainer --bind split on ':' and ','
         if v is not None and ("," in v or ":" in v or "\n" in v):
-            raise ValueError(f"hf_cache {v!r} contains ',' or ':' (container mount lists split on them)")
+            raise ValueError(f"{info.field_name} {v!r} contains ',' or ':' (container mount lists split on them)")
+        if info.field_name == "compile_cache" and v is not None and v != "off" and not (v.startswith("/") or v == "~" or v.startswith("~/")):
+            raise ValueError(f"compile_cache {v!r} must be an absolute path (or ~/...), or off")
         return v
 
     @field_validator("venv")

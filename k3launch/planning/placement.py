@@ -47,6 +47,7 @@ class NodeSpec:
     python: str | None = None
     ssh_host: str | None = None
     venv: str | None = None
+    compile_cache: str | None = None  # None: the default directory (models.caches)
     env: tuple[tuple[str, str], ...] = ()
 
 

@@ -42,6 +42,8 @@ from k3launch.render.scripts import (
     CONTAINER_HF_CACHE,
     Raw,
     apptainer_gpu,
+    cache_dir,
+    cache_env,
     engine_argv,
     home_path,
     markers,
@@ -109,9 +111,12 @@ def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int],
             return Raw(shlex.quote(prefix) + hf_word + shlex.quote(":" + CONTAINER_HF_CACHE))
         return f"{prefix}{hf_word}:{CONTAINER_HF_CACHE}"
 
+    # compile/JIT caches kept on the node (models.caches): bare steps only, whose tools make their
+    # directories themselves; a container step would need its bind source made on the node first
+    cache = cache_dir(plan, proc, host) if bare else None
     if bare:
         path = venv_path(host.venv) if proc.role != "router" else []
-        words = ["env", *path, *(f"{k}={v}" for k, v in env.items()), *argv]
+        words = ["env", *path, *(cache_env(cache) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
     elif slurm.container == "pyxis":
         words = [f"--container-image={image}", mount("--container-mounts="), "--container-env=" + ",".join([*env, *SECRET_ENV]),
                  "env", *(f"{k}={v}" for k, v in env.items()), *argv]

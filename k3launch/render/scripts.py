@@ -32,6 +32,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
+from k3launch.models import caches
 from k3launch.models.plan import Host, Plan, Process, is_container
 
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
@@ -56,6 +57,36 @@ def _mount(src: str, dst: str) -> str:
     if isinstance(word, Raw):
         return Raw(word + shlex.quote(":" + dst))
     return f"{src}:{dst}"
+
+
+def cache_dir(plan: Plan, proc: Process, host: Host) -> str | None:
+    """The node directory of ``proc``'s compile/JIT caches (``<root>/<key>``), None when it has
+    none: the router, caches off on the node, the simulated engine by default (models.caches)."""
+    root = caches.cache_root(host, plan.engine) if proc.role != "router" else None
+    return None if root is None else f"{root}/{caches.cache_key(plan, proc, host)}"
+
+
+def cache_env(where: str) -> list[str]:
+    """``NAME=<where>/<sub>`` for every cache (``where`` may be ``~/...``: it expands on the node)."""
+    out: list[str] = []
+    for name, sub in caches.CACHE_ENV.items():
+        word = home_path(f"{where}/{sub}")
+        out.append(Raw(f"{name}=" + word) if isinstance(word, Raw) else f"{name}={word}")
+    return out
+
+
+def cache_prep(plan: Plan, proc: Process, host: Host) -> str:
+    """Shell text before ``proc`` starts: its cache directory made (a bind source must exist) and
+    what its key stands for written beside (``k3launch cache ls``); "" without caches."""
+    d = cache_dir(plan, proc, host)
+    if d is None:
+        return ""
+    import json
+
+    q = home_path(d)
+    word = q if isinstance(q, Raw) else shlex.quote(q)
+    meta = shlex.quote(json.dumps(caches.cache_meta(plan, proc, host), sort_keys=True))
+    return f"mkdir -p {word} && printf '%s\\n' {meta} > {word}/{caches.META}\n"
 
 
 def run_dir(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> str:
@@ -133,6 +164,9 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
         if runtime == "docker":  # podman refuses --shm-size with the host IPC namespace
             cmd += ["--shm-size", host.shm_size or "64g"]
         cmd += ["-v", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        cache = cache_dir(plan, proc, host)
+        if cache is not None:  # kept on the node: the next start of this key compiles nothing again
+            cmd += ["-v", _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in ("-e", e))]
         for k, v in env.items():
             cmd += ["-e", f"{k}={v}"]
         if runtime == "podman":
@@ -142,20 +176,23 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
                 cmd += ["-e", k]  # by name: the value stays in the caller's environment
         return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
     log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
+    cache = cache_dir(plan, proc, host)
     if runtime == "apptainer":
         inner = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
+        if cache is not None:
+            inner += ["--bind", _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in ("--env", e))]
         for k, v in env.items():
             inner += ["--env", f"{k}={v}"]
         inner += [f"docker://{proc.image}", *argv]
     else:
         path = venv_path(host.venv if proc.role != "router" else None, tools)
-        inner = ["env", *path, *(f"{k}={v}" for k, v in env.items()), *argv]
+        inner = ["env", *path, *(cache_env(cache) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
     return ["k3launch_background", log, *inner]
 
 
 def start_line(plan: Plan, proc: Process, host: Host, log_dir: str = "", tools: str | None = None) -> str:
     """The shell text that starts ``proc``: :func:`start_command`, after what podman needs first."""
-    run = shell_join(start_command(plan, proc, host, log_dir, tools))
+    run = cache_prep(plan, proc, host) + shell_join(start_command(plan, proc, host, log_dir, tools))
     if proc.role == "router" or host.runtime != "podman":
         return run
     cache = home_path(host.hf_cache or "~/.cache/huggingface")

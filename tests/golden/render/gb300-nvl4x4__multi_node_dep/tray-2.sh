@@ -3,6 +3,7 @@
 set -euo pipefail
 
 # serve-1: serve on tray-2 (tray-2)
+mkdir -p "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-057dbd46296b && printf '%s\n' '{"layout": ["--data-parallel-size-local=4", "--data-parallel-size=16", "--enable-expert-parallel", "--kv-cache-dtype=fp8", "--moe-backend=auto", "--tensor-parallel-size=1"], "model": "moonshotai/Kimi-K3", "role": "serve", "runs": "vllm/vllm-openai:kimi-k3", "vllm_version": "0.33.0"}' > "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-057dbd46296b/k3launch.json
 docker run \
   -d \
   --name k3-kimi-k3-dep-gb300-d565b8-serve-1 \
@@ -14,6 +15,13 @@ docker run \
   --network host \
   --shm-size 32g \
   -v /mnt/lustre/hf-cache:/root/.cache/huggingface \
+  -v "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-057dbd46296b:/root/.cache/k3launch-compile \
+  -e VLLM_CACHE_ROOT=/root/.cache/k3launch-compile/vllm \
+  -e TORCHINDUCTOR_CACHE_DIR=/root/.cache/k3launch-compile/inductor \
+  -e TRITON_CACHE_DIR=/root/.cache/k3launch-compile/triton \
+  -e CUDA_CACHE_PATH=/root/.cache/k3launch-compile/cuda \
+  -e FLASHINFER_WORKSPACE_BASE=/root/.cache/k3launch-compile/flashinfer \
+  -e DG_JIT_CACHE_DIR=/root/.cache/k3launch-compile/deep_gemm \
   -e GLOO_SOCKET_IFNAME=enP22p3s0f0np0 \
   -e NCCL_SOCKET_IFNAME=enP22p3s0f0np0 \
   -e VLLM_HOST_IP=tray-2 \

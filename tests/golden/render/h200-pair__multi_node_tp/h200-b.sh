@@ -3,6 +3,7 @@
 set -euo pipefail
 
 # serve-1: serve on h200-b (10.2.0.12)
+mkdir -p "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-8650787ac7c1 && printf '%s\n' '{"layout": ["--moe-backend=marlin", "--tensor-parallel-size=16"], "model": "moonshotai/Kimi-K3", "role": "serve", "runs": "vllm/vllm-openai:kimi-k3", "vllm_version": "0.33.0"}' > "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-8650787ac7c1/k3launch.json
 docker run \
   -d \
   --name k3-kimi-k3-tp-h200-8c123e-serve-1 \
@@ -14,6 +15,13 @@ docker run \
   --network host \
   --shm-size 64g \
   -v /data/hf-cache:/root/.cache/huggingface \
+  -v "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-8650787ac7c1:/root/.cache/k3launch-compile \
+  -e VLLM_CACHE_ROOT=/root/.cache/k3launch-compile/vllm \
+  -e TORCHINDUCTOR_CACHE_DIR=/root/.cache/k3launch-compile/inductor \
+  -e TRITON_CACHE_DIR=/root/.cache/k3launch-compile/triton \
+  -e CUDA_CACHE_PATH=/root/.cache/k3launch-compile/cuda \
+  -e FLASHINFER_WORKSPACE_BASE=/root/.cache/k3launch-compile/flashinfer \
+  -e DG_JIT_CACHE_DIR=/root/.cache/k3launch-compile/deep_gemm \
   -e GLOO_SOCKET_IFNAME=ib0 \
   -e NCCL_SOCKET_IFNAME=ib0 \
   -e VLLM_HOST_IP=10.2.0.12 \

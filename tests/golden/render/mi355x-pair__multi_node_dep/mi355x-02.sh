@@ -7,6 +7,7 @@ mkdir -p /data/hf-cache
 podman secret rm k3-kimi-k3-dep-mi355x-a12f46-serve-1-hf-token >/dev/null 2>&1 || true
 K3_SECRET=()
 if [ -n "${HF_TOKEN:-}" ]; then printf %s "$HF_TOKEN" | podman secret create k3-kimi-k3-dep-mi355x-a12f46-serve-1-hf-token - >/dev/null && K3_SECRET=(--secret k3-kimi-k3-dep-mi355x-a12f46-serve-1-hf-token,type=mount,target=hf_token -e HF_TOKEN_PATH=/run/secrets/hf_token); fi
+mkdir -p "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-2523c4ea803b && printf '%s\n' '{"layout": ["--all2all-backend=allgather_reducescatter", "--data-parallel-size-local=8", "--data-parallel-size=16", "--enable-expert-parallel", "--moe-backend=auto", "--tensor-parallel-size=1"], "model": "moonshotai/Kimi-K3", "role": "serve", "runs": "vllm/vllm-openai-rocm:kimi-k3", "vllm_version": "0.33.0"}' > "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-2523c4ea803b/k3launch.json
 podman run \
   -d \
   --name k3-kimi-k3-dep-mi355x-a12f46-serve-1 \
@@ -20,6 +21,13 @@ podman run \
   --ipc=host \
   --network host \
   -v /data/hf-cache:/root/.cache/huggingface \
+  -v "$HOME"/.cache/k3launch/compile/Kimi-K3-0.33.0-2523c4ea803b:/root/.cache/k3launch-compile \
+  -e VLLM_CACHE_ROOT=/root/.cache/k3launch-compile/vllm \
+  -e TORCHINDUCTOR_CACHE_DIR=/root/.cache/k3launch-compile/inductor \
+  -e TRITON_CACHE_DIR=/root/.cache/k3launch-compile/triton \
+  -e CUDA_CACHE_PATH=/root/.cache/k3launch-compile/cuda \
+  -e FLASHINFER_WORKSPACE_BASE=/root/.cache/k3launch-compile/flashinfer \
+  -e DG_JIT_CACHE_DIR=/root/.cache/k3launch-compile/deep_gemm \
   -e GLOO_SOCKET_IFNAME=ens51np0 \
   -e NCCL_SOCKET_IFNAME=ens51np0 \
   -e VLLM_HOST_IP=10.3.0.22 \
