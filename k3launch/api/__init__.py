@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from k3launch.api._common import InventoryArg, Loaded, bundled_inventory, load
+    from k3launch.api.caches import cache_dirs
     from k3launch.api.canaries import canary
     from k3launch.api.cordons import cordon, cordoned, uncordon
     from k3launch.api.lifecycle import (
@@ -80,6 +81,7 @@ _HOMES: dict[str, str] = {
     "attached_record": "nodes",
     "bench_dir": "lifecycle",
     "bundled_inventory": "_common",
+    "cache_dirs": "caches",
     "canary": "canaries",
     "chat": "lifecycle",
     "check_port_base": "planning",
@@ -146,6 +148,7 @@ __all__ = [
     "attached_record",
     "bench_dir",
     "bundled_inventory",
+    "cache_dirs",
     "canary",
     "chat",
     "check_port_base",

@@ -252,6 +252,7 @@ COMMANDS: dict[str, Lazy] = {
     "recipes": Lazy("k3launch.cli.recipes", "List the recipes tree, or show one recipe."),
     "schema": Lazy("k3launch.cli.schema", "vLLM flag schemas: plans are checked against the schema of the vLLM that runs."),
     "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them."),
+    "cache": Lazy("k3launch.cli.cache", "The compile/JIT caches engines keep on the nodes: list them, clear them."),
 }
 
 

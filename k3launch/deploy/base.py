@@ -30,6 +30,7 @@ from k3launch.deploy.options import UpOptions
 from k3launch.deploy.progress import ProgressFn, Tracker
 from k3launch.deploy.readiness import Readiness
 from k3launch.errors import K3Error
+from k3launch.models.caches import CacheDir
 from k3launch.models.phases import LogDelta
 from k3launch.models.plan import FaultTolerancePool, Plan, Process
 from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
@@ -191,6 +192,14 @@ class Watcher(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class CacheOps(Protocol):
+    """Feature ``caches``: the compile/JIT cache directories engines keep on an inventory's nodes."""
+
+    def caches(self, inv: Inventory, nodes: Sequence[str], clear: Sequence[str], clear_all: bool) -> tuple[list[CacheDir], dict[str, str]]:
+        """After removing the ``clear`` keys (or all): each node's directories, and node -> why it could not be read."""
+        ...
 
 
 class CanaryOps(Protocol):

@@ -21,7 +21,7 @@ from k3launch.errors import K3Error
 from k3launch.models.backends import Feature, require, spec
 
 if TYPE_CHECKING:
-    from k3launch.deploy.base import ArrayOps, Backend, CanaryOps, NodeOps, PowerOps, SuperviseOps
+    from k3launch.deploy.base import ArrayOps, Backend, CacheOps, CanaryOps, NodeOps, PowerOps, SuperviseOps
     from k3launch.deploy.options import BackendOptions
 
 
@@ -61,6 +61,10 @@ def array_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> A
 
 def supervise_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> SuperviseOps:
     return cast("SuperviseOps", _build(name, Feature.SUPERVISE, what, options))
+
+
+def cache_ops(name: str, options: Sequence[BackendOptions] = ()) -> CacheOps:
+    return cast("CacheOps", _build(name, Feature.CACHES, "compile caches on the nodes", options))
 
 
 def canary_ops(name: str, what: str, options: Sequence[BackendOptions] = ()) -> CanaryOps:

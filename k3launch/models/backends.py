@@ -33,6 +33,7 @@ class Feature(StrEnum):
     SELF_SUPERVISE = "self-supervise"  # the deployment keeps itself serving (`up --supervise` builds the restart policy into it)
     ROLLOUT = "rollout"  # change a live deployment unit by unit
     CANARY = "canary"  # ask a live deployment's HTTP servers from this machine (the correctness canary)
+    CACHES = "caches"  # list and clear the compile/JIT caches engines keep on the nodes (`k3launch cache`)
 
 
 # Where the router of a P/D or DEP plan runs: ``inventory`` — the inventory's ``router.node``
@@ -63,7 +64,7 @@ class BackendSpec:
 
 
 _SSH_FEATURES = frozenset({Feature.DOCTOR, Feature.WEIGHTS, Feature.FLEET, Feature.POWER, Feature.SUPERVISE, Feature.ROLLOUT,
-                           Feature.CANARY})
+                           Feature.CANARY, Feature.CACHES})
 _SSH_INSTEAD = ((Feature.SELF_SUPERVISE, "here a supervisor on the login node keeps it serving: `k3launch up --supervise`, "
                                          "or `k3launch supervise NAME --detach` once it is up"),)
 
@@ -81,6 +82,8 @@ _BACKENDS: dict[str, BackendSpec] = {
                                   (Feature.FLEET, "use --client local (the benchmark client on the login node)"),
                                   (Feature.SUPERVISE, "on Slurm the job supervises itself: bring it up with `k3launch up --supervise` "
                                                       "(policy: the inventory's restart:); `k3launch events NAME` shows what it did"),
+                                  (Feature.CACHES, "on Slurm list or clear the compile caches inside an allocation "
+                                                   "(srun ... ls ~/.cache/k3launch/compile), or from an ssh inventory of the same nodes"),
                                   (Feature.ROLLOUT, "on Slurm a change is a new job: `k3launch down NAME`, then `up` with the change "
                                                     "(docs/rollout.md, \"On Slurm\", says why)"))),
 }

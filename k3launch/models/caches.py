@@ -18,9 +18,11 @@ safe; the key is what a person clears by.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
+from dataclasses import dataclass
 
 from k3launch.models.plan import Host, Plan, Process
 
@@ -78,3 +80,42 @@ def cache_key(plan: Plan, proc: Process, host: Host) -> str:
     model = re.sub(r"[^A-Za-z0-9._-]+", "-", plan.model.rstrip("/").rsplit("/", 1)[-1])[:40].strip("-.") or "model"
     version = re.sub(r"[^A-Za-z0-9._-]+", "-", plan.vllm_version)[:20]
     return f"{model}-{version}-{digest}"
+
+
+# ------------------------------------------------------------------ on the nodes (`k3launch cache`)
+KEY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class CacheDir:
+    """One key's directory on one node, as ``cache ls`` found it."""
+
+    node: str
+    root: str
+    key: str
+    kb: int  # disk use (du -sk)
+    last_used: float  # when an engine last started with it (its k3launch.json), else the directory's mtime
+    meta: dict[str, object]  # what the key stands for ({} for a directory k3launch did not write)
+
+
+def parse_list(node: str, root: str, text: str) -> list[CacheDir]:
+    out: list[CacheDir] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not line.startswith("@@"):
+            continue
+        fields = line[2:].split("\t")
+        if len(fields) != 3 or not fields[1].isdigit():
+            continue
+        meta: dict[str, object] = {}
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if nxt.startswith("{"):
+            with contextlib.suppress(ValueError):
+                loaded = json.loads(nxt)
+                meta = loaded if isinstance(loaded, dict) else {}
+        try:
+            when = float(fields[2])
+        except ValueError:
+            when = 0.0
+        out.append(CacheDir(node, root, fields[0], int(fields[1]), when, meta))
+    return out

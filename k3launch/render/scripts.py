@@ -89,6 +89,25 @@ def cache_prep(plan: Plan, proc: Process, host: Host) -> str:
     return f"mkdir -p {word} && printf '%s\\n' {meta} > {word}/{caches.META}\n"
 
 
+def cache_list(root: str, clear: Sequence[str] = (), clear_all: bool = False) -> str:
+    """Shell text for one node: remove ``clear``'s keys (or every key), then list what is left as
+    ``@@KEY<TAB>KB<TAB>MTIME`` lines, each followed by its k3launch.json (one line). ``root`` may
+    be ``~/...``."""
+    r = home_path(root)
+    r = r if isinstance(r, Raw) else shlex.quote(r)
+    parts = [f"root={r}"]
+    if clear_all:
+        parts.append('[ -d "$root" ] && find "$root" -mindepth 1 -maxdepth 1 -type d -exec rm -rf -- {} +')
+    for key in clear:
+        parts.append(f'rm -rf -- "$root"/{shlex.quote(key)}')
+    parts.append('[ -d "$root" ] || exit 0')
+    parts.append('for d in "$root"/*/; do [ -d "$d" ] || continue; d=${d%/}; m="$d/' + caches.META + '"; '
+                 't=$(stat -c %Y "$m" 2>/dev/null || stat -c %Y "$d"); '
+                 'printf "@@%s\\t%s\\t%s\\n" "${d##*/}" "$(du -sk "$d" | cut -f1)" "$t"; '
+                 'if [ -r "$m" ]; then tr -d "\\n" < "$m"; fi; echo; done')
+    return "\n".join(parts) + "\n"
+
+
 def run_dir(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> str:
     """The process's working directory and log home: ``<workdir>/k3launch/<deployment>/<process>``.
 

@@ -27,6 +27,7 @@ from k3launch.deploy.ssh.watch import SshWatcher
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec
+from k3launch.models.caches import CacheDir
 from k3launch.models.plan import Host, Plan
 from k3launch.models.power import Sampler
 from k3launch.models.record import DeploymentRecord, SshRecord, Stage, Status
@@ -125,6 +126,14 @@ class SshBackend:
                 steps.append(DryRunStep(step, node, fleet.host(node).address, text))
         files = tuple((fname, script(plan, node, token_file)) for node, fname in script_names(plan).items())
         return DryRun(plan.name, steps=tuple(steps), files=files)
+
+    def caches(self, inv: Inventory, nodes: Sequence[str], clear: Sequence[str], clear_all: bool) -> tuple[list[CacheDir], dict[str, str]]:
+        from k3launch.deploy.ssh import caches as kept
+
+        hosts = [h for h in inventory_hosts(inv) if not nodes or h.name in nodes]
+        where = kept.roots(hosts, inv.engine, spec(inv.backend).this_machine)
+        with _fleet(inv.backend, [h for h in hosts if h.name in where], inv.ssh_config, inv.known_hosts, self.access) as fleet:
+            return kept.caches(fleet, where, clear, clear_all)
 
     # ------------------------------------------------------------------ node operations
     def doctor(self, plan: Plan, inv: Inventory, live: Sequence[str], bandwidth: bool, min_busbw: float | None) -> DoctorReport:

@@ -1,0 +1,90 @@
+"""Warm restarts: the compile/JIT cache directory each engine keeps on its node (models.caches),
+its key, and ``k3launch cache ls / clear`` against real processes on this machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from e2e_helpers import Cli, local_leftovers
+
+from k3launch.api.planning import plan
+from k3launch.models.caches import CACHE_ENV, cache_key, parse_list
+from k3launch.render.scripts import cache_dir, cache_list
+
+ROOT = Path(__file__).resolve().parents[1]
+INV = ROOT / "inventories" / "local.yaml"
+
+
+def _key(**sel: object) -> str:
+    p = plan(INV, selection={"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp", **sel})
+    proc = p.processes[0]
+    return cache_key(p, proc, next(h for h in p.hosts if h.name == proc.node))
+
+
+def test_the_key_changes_with_what_invalidates_compiled_code_and_only_that() -> None:
+    base = _key()
+    assert _key(sets=["max-num-seqs=8"]) == base  # a rollout of a scheduling flag starts warm
+    assert _key(env=["VLLM_LOGGING_LEVEL=DEBUG"]) == base
+    assert _key(image="reg.example/vllm:other") != base  # other code
+    assert _key(sets=["dtype=float32"]) != base  # other numerics
+    assert _key(vllm_version="0.32.0") != base
+    assert base.startswith("tiny-llama-0.33.0-") and len(base.rsplit("-", 1)[1]) == 12
+
+
+def test_the_simulated_engine_keeps_no_cache_unless_the_inventory_names_one() -> None:
+    p = plan(INV, selection={"strategy": "single_node_tp"})
+    proc, host = p.processes[0], p.hosts[0]
+    assert p.engine == "sim" and cache_dir(p, proc, host) is None
+    named = host.model_copy(update={"compile_cache": "/srv/cc"})
+    assert str(cache_dir(p, proc, named)).startswith("/srv/cc/")
+    assert cache_dir(p, proc, named.model_copy(update={"compile_cache": "off"})) is None
+
+
+def test_listing_and_clearing_a_hostile_root_is_data(tmp_path: Path) -> None:
+    root = tmp_path / "c c" / f"$(touch {tmp_path}/pwned)"
+    (root / "k1").mkdir(parents=True)
+    (root / "k1" / "k3launch.json").write_text(json.dumps({"model": "m"}) + "\n")
+    (root / "k2").mkdir()
+    (root / "k2" / "blob").write_bytes(b"x" * 5000)
+    out = subprocess.run(["bash", "-c", cache_list(str(root))], capture_output=True, text=True, check=True).stdout
+    found = {c.key: c for c in parse_list("n1", str(root), out)}
+    assert set(found) == {"k1", "k2"} and found["k1"].meta == {"model": "m"} and found["k2"].meta == {} and found["k2"].kb >= 4
+    out = subprocess.run(["bash", "-c", cache_list(str(root), clear=["k2"])], capture_output=True, text=True, check=True).stdout
+    assert [c.key for c in parse_list("n1", str(root), out)] == ["k1"] and not (root / "k2").exists()
+    subprocess.run(["bash", "-c", cache_list(str(root), clear_all=True)], capture_output=True, text=True, check=True)
+    assert root.is_dir() and list(root.iterdir()) == [] and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.e2e
+def test_up_keeps_each_engines_caches_in_its_key_and_cache_ls_and_clear_find_them(state_cli: Cli, local_inventory: Path,
+                                                                                  tmp_path: Path) -> None:
+    cli = state_cli
+    inv = yaml.safe_load(local_inventory.read_text())
+    cc = tmp_path / "compile cache"
+    inv["defaults"]["compile_cache"] = str(cc)
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    name = "cc-sim"
+    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "2",
+                "--name", name, "--port-base", "23700", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rec = cli.record(name)
+    engines = {i: p for i, p in rec["processes"].items() if i != "router"}
+    envs = {i: dict(kv.split("=", 1) for kv in Path(f"/proc/{p['handle']}/environ").read_bytes().decode().split("\0") if "=" in kv)
+            for i, p in engines.items()}
+    keys = {i: Path(e["VLLM_CACHE_ROOT"]).parent.name for i, e in envs.items()}
+    assert len(set(keys.values())) == 1  # both copies: one layout, one key
+    key = next(iter(keys.values()))
+    assert all(e[k] == f"{cc}/{key}/{sub}" for e in envs.values() for k, sub in CACHE_ENV.items())
+    listed = cli.json("cache", "ls", "-i", str(path))
+    assert [c["key"] for c in listed["caches"]] == [key] and listed["unreadable"] == {}  # one machine: listed once
+    assert listed["caches"][0]["meta"]["model"] == rec["plan"]["model"] and listed["caches"][0]["meta"]["role"] == "serve"
+    d = cli.json("down", name, timeout=60)
+    assert d["clean"] is True and local_leftovers(rec) == ({}, [])
+    assert (cc / key / "k3launch.json").is_file()  # a cache outlives its deployment: the next `up` starts warm
+    cleared = cli.json("cache", "clear", "-i", str(path), "--key", key)
+    assert cleared["caches"] == [] and not (cc / key).exists()
