@@ -47,10 +47,12 @@ if TYPE_CHECKING:
         doctor,
         fleet,
         power_sampler,
+        saved_probe,
         submit_array,
         wait_array,
         weights_check,
         weights_fetch,
+        weights_probe,
     )
     from k3launch.api.planning import (
         RecipeDetail,
@@ -120,6 +122,8 @@ _HOMES: dict[str, str] = {
     "wait_array": "nodes",
     "weights_check": "nodes",
     "weights_fetch": "nodes",
+    "weights_probe": "nodes",
+    "saved_probe": "nodes",
 }
 
 
@@ -174,6 +178,7 @@ __all__ = [
     "rollout",
     "rollout_continue",
     "rollout_preview",
+    "saved_probe",
     "schema_dump",
     "state_root",
     "status",
@@ -186,4 +191,5 @@ __all__ = [
     "wait_array",
     "weights_check",
     "weights_fetch",
+    "weights_probe",
 ]

@@ -251,7 +251,7 @@ COMMANDS: dict[str, Lazy] = {
     "campaign": Lazy("k3launch.cli.campaign", "Benchmark campaigns: deployments × load points, results, plots."),
     "recipes": Lazy("k3launch.cli.recipes", "List the recipes tree, or show one recipe."),
     "schema": Lazy("k3launch.cli.schema", "vLLM flag schemas: plans are checked against the schema of the vLLM that runs."),
-    "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them."),
+    "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them, probe their disk."),
 }
 
 
