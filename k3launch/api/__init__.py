@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         attached_record,
         doctor,
         fleet,
+        load_prediction,
         power_sampler,
         saved_probe,
         submit_array,
@@ -124,6 +125,7 @@ _HOMES: dict[str, str] = {
     "weights_fetch": "nodes",
     "weights_probe": "nodes",
     "saved_probe": "nodes",
+    "load_prediction": "nodes",
 }
 
 
@@ -166,6 +168,7 @@ __all__ = [
     "follow_events",
     "lint",
     "load",
+    "load_prediction",
     "logs",
     "nodes_in_use",
     "plan",

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from k3launch.models.power import Sampler
     from k3launch.models.record import DeploymentRecord
     from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport
-    from k3launch.models.weights import FetchProgress, NodeWeights, Probe
+    from k3launch.models.weights import FetchProgress, LoadPrediction, NodeWeights, Probe
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
 
@@ -85,7 +85,7 @@ def weights_probe(plan: Plan, inventory: InventoryArg = None, *, path: str | Non
     size = int(bounds.PROBE_BYTES.parse("size", size))
     timeout = bounds.PROBE_TIMEOUT.parse("timeout", timeout)
     inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights probe", accept_unknown_hosts, connect_timeout)
-    rows = ops.weights_probe(plan, inv, path, size, timeout)
+    rows = ops.weights_probe(plan, inv, path or (inv.weights.path if inv.weights else None), size, timeout)
     err = path_error(rows)
     if err is not None:
         raise err
@@ -109,6 +109,28 @@ def saved_probe(inventory: InventoryArg = None, state_dir: str | Path | None = N
         return read_probes(path.read_text())
     except (OSError, ValueError):
         return []
+
+
+def load_prediction(plan: Plan, inventory: InventoryArg = None, state_dir: str | Path | None = None) -> LoadPrediction | None:
+    """How long ``plan``'s engines take to read their weights (per process and the total), from
+    the inventory's ``weights.read_gbps`` or the last saved ``weights probe``; None when neither
+    gives every engine node a throughput (or the plan is on placeholder nodes)."""
+    from k3launch.planning.loadtime import predict
+
+    if plan.inventory is None:
+        return None
+    inv = load(inventory).inventory
+    src = inv.weights
+    shared = bool(src and src.shared)
+    if src is not None and src.read_gbps is not None:
+        return predict(plan, dict.fromkeys((h.name for h in plan.hosts), src.read_gbps), shared=shared, shared_gbps=src.read_gbps,
+                       basis=f"inventory weights.read_gbps {src.read_gbps:g} GB/s" + (" (shared)" if shared else ""))
+    probes = [p for p in saved_probe(inv, state_dir) if p.ok]
+    if not probes:
+        return None
+    methods = sorted({p.method for p in probes})
+    basis = f"weights probe --save ({', '.join(methods)})" + (": the page cache, NOT the disk" if "cached" in methods else "")
+    return predict(plan, {p.node: p.read_mbps / 1e3 for p in probes}, shared=shared, basis=basis + (" (shared)" if shared else ""))
 
 
 def fleet(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Fleet:

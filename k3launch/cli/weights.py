@@ -60,15 +60,22 @@ def doctor(
             accept_unknown_hosts=accept_unknown_hosts,
             connect_timeout=connect_timeout,
         )
+        load = api.load_prediction(plan, args.inventory, args.state_dir)
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"name": plan.name, "ok": report.ok, "checks": [asdict(c) for c in report.checks]}, indent=2))
+        out: dict[str, object] = {"name": plan.name, "ok": report.ok, "checks": [asdict(c) for c in report.checks]}
+        if load is not None:
+            out["weights_load"] = load.rows()
+        typer.echo(json.dumps(out, indent=2))
     else:
         from k3launch.cli import show_deploy  # rich: loaded by the commands that print tables, never at start-up
+        from k3launch.cli.show_plan import load_lines
 
         con = console()
         show_deploy.doctor(con, report.checks)
+        for line in load_lines(load) if load is not None else []:
+            typer.echo(line)
         show_deploy.doctor_summary(con, report)
     if not report.ok:
         raise typer.Exit(1)

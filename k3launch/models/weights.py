@@ -167,3 +167,38 @@ def read_probes(text: str) -> list[Probe]:
         return [Probe(**{k: v for k, v in row.items() if k in names}) for row in d["nodes"]]
     except (KeyError, TypeError) as exc:
         raise ValueError(f"not a saved weights probe: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One engine process's predicted weight load: each of its ``ranks`` reads ``gb_per_rank``."""
+
+    process: str
+    node: str
+    ranks: int
+    gb_per_rank: float
+    seconds: float  # until its ranks have read their share, contending as the prediction says
+
+
+@dataclass(frozen=True)
+class LoadPrediction:
+    """How long the weights take to load, predicted from a read throughput (``plan``, ``doctor``, ``timeline``)."""
+
+    ranks: list[RankLoad]
+    gbps: dict[str, float]  # node -> GB/s it reads at ("*": the shared filesystem's total)
+    basis: str  # where the throughput came from, in words
+    shared: bool  # every node reads one filesystem: all ranks contend for one throughput
+
+    @property
+    def total_s(self) -> float:
+        """Until the last rank has its weights."""
+        return max((r.seconds for r in self.ranks), default=0.0)
+
+    def seconds_of(self, process: str) -> float | None:
+        return next((r.seconds for r in self.ranks if r.process == process), None)
+
+    def rows(self) -> dict[str, object]:
+        """As ``--json`` prints it."""
+        return {"total_s": round(self.total_s, 1), "shared": self.shared, "basis": self.basis,
+                "gbps": {k: round(v, 3) for k, v in self.gbps.items()},
+                "processes": [{**asdict(r), "gb_per_rank": round(r.gb_per_rank, 2), "seconds": round(r.seconds, 1)} for r in self.ranks]}
