@@ -109,3 +109,53 @@ def test_plan_and_doctor_show_the_prediction_only_when_a_throughput_is_known(tmp
     assert "weights load (predicted, cold): 1,680 s" in text and "8 rank(s) x 210.0 GB" in text
     doc = cli("doctor", "--json")
     assert json.loads(doc.stdout)["weights_load"]["total_s"] == 1680.0, doc.stdout + doc.stderr
+
+
+# ---------------------------------------------------------------------- predicted next to actual (timeline)
+def test_vllms_loading_weights_took_is_read_per_rank_once_and_shown_beside_the_prediction() -> None:
+    from k3launch.deploy.progress import Tracker
+    from k3launch.models.phases import LogDelta, weights_took
+    from k3launch.planning.loadtime import against
+
+    assert weights_took("(Worker_TP3 pid=88) INFO 05-02 10:00:01 [default_loader.py:267] Loading weights took 132.57 seconds") == 132.57
+    assert weights_took("INFO [gpu_model_runner.py] Model loading took 92.1 GiB memory and 140.2 seconds") is None
+    assert weights_took("Loading safetensors checkpoint shards:  45% Completed | 45/100") is None
+    plan = golden("b300_multi_node_dep_2")
+    t = Tracker(plan, started=0.0)
+    t.update({"serve-0": LogDelta("(Worker_DP0) Loading weights took 10.00 seconds\n", "(Worker_DP1) Loading weights took 1")}, (), "alive", 1.0)
+    t.update({"serve-0": LogDelta("(Worker_DP1) Loading weights took 12.50 seconds\n")}, (), "alive", 2.0)  # the partial line, whole now
+    tl = t.timeline(ready=True, now=3.0)
+    took = {p.id: p.weights_took for p in tl.processes}
+    assert took == {"serve-0": [10.0, 12.5], "serve-1": [], "router": []}
+    procs = tl.as_dict()["processes"]
+    assert [p.get("weights_took") for p in procs] == [[10.0, 12.5], None, None]  # type: ignore[union-attr]
+    pred = predict(plan, {"node-0": 84.0, "node-1": 84.0})  # 840 GB per node: 10 s
+    rows = {r["process"]: r for r in against(tl, pred)}
+    assert rows["serve-0"]["predicted_s"] == 10.0 and rows["serve-0"]["slowest_took_s"] == 12.5 and rows["serve-0"]["ratio"] == 1.25
+    assert rows["serve-1"]["took_s"] == [] and rows["serve-1"]["ratio"] is None and "router" not in rows
+    assert against(t.timeline(ready=True, now=3.0).model_copy(update={"processes": []}), None) == []
+    real = Tracker(plan, started=0.0)  # vLLM 0.32.0's own log (CPU build): its one worker's figure
+    real.update({"serve-0": LogDelta((GOLDEN.parent / "data" / "vllm-0.32-cpu-serve.log").read_text())}, (), "alive", 1.0)
+    assert next(p for p in real.timeline(ready=True).processes if p.id == "serve-0").weights_took == [0.01]
+
+
+@pytest.mark.e2e
+def test_timeline_puts_the_prediction_next_to_the_engines_own_figure(tmp_path: Path, local_inventory: Path) -> None:
+    from e2e_helpers import Cli
+
+    cli = Cli(tmp_path / "state")
+    name = api.load(local_inventory).inventory.name
+    target = StateStore(tmp_path / "state").probe_path(name)
+    target.parent.mkdir(parents=True)
+    node = api.plan(local_inventory, state_dir=tmp_path / "state").processes[0].node
+    write_atomic(target, probes_json(name, [Probe(node, "/w", "o_direct", 1_000_000_000_000, 1.0)], 0))  # 1 TB/s: 1.68 s
+    up = cli.run("up", "-i", str(local_inventory), "--name", "wl-tl")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        out = cli.json("timeline", "wl-tl")
+        row = out["weights_load"]["processes"][0]
+        assert row["predicted_s"] == 1.7 and len(row["took_s"]) == 1 and row["took_s"][0] > 0 and row["ratio"] > 0
+        text = cli.run("timeline", "wl-tl").stdout
+        assert "weights load: predicted (from weights probe --save (o_direct))" in text and "predicted 1.7 s, took" in text
+    finally:
+        cli.run("down", "wl-tl")

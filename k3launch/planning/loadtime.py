@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from k3launch.models.phases import Timeline
 from k3launch.models.plan import Plan, PoolCapacity
 from k3launch.models.weights import LoadPrediction, RankLoad
 
@@ -69,3 +70,19 @@ def predict(plan: Plan, node_gbps: Mapping[str, float], *, shared: bool = False,
         return None
     rows = [RankLoad(pid, node_of[pid], r, gb, node_gb[node_of[pid]] / node_gbps[node_of[pid]]) for pid, (r, gb) in per.items()]
     return LoadPrediction(rows, {n: node_gbps[n] for n in node_gb}, basis, False)
+
+
+def against(tl: Timeline, pred: LoadPrediction | None) -> list[dict[str, object]]:
+    """Per engine process of a bring-up: the predicted load (None: no throughput known) next to
+    vLLM's ``Loading weights took`` of each of its ranks, and actual / predicted for its slowest
+    rank; [] when neither is known for any process."""
+    rows: list[dict[str, object]] = []
+    for p in tl.processes:
+        if p.role == "router":
+            continue
+        predicted = pred.seconds_of(p.id) if pred is not None else None
+        took = max(p.weights_took) if p.weights_took else None
+        ratio = round(took / predicted, 3) if took is not None and predicted else None
+        rows.append({"process": p.id, "node": p.node, "predicted_s": None if predicted is None else round(predicted, 1),
+                     "took_s": p.weights_took, "slowest_took_s": took, "ratio": ratio})
+    return rows if any(r["predicted_s"] is not None or r["took_s"] for r in rows) else []
