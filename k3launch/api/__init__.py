@@ -46,6 +46,7 @@ if TYPE_CHECKING:
         attached_record,
         doctor,
         fleet,
+        load_against,
         load_prediction,
         power_sampler,
         saved_probe,
@@ -126,6 +127,7 @@ _HOMES: dict[str, str] = {
     "weights_probe": "nodes",
     "saved_probe": "nodes",
     "load_prediction": "nodes",
+    "load_against": "nodes",
 }
 
 
@@ -168,6 +170,7 @@ __all__ = [
     "follow_events",
     "lint",
     "load",
+    "load_against",
     "load_prediction",
     "logs",
     "nodes_in_use",

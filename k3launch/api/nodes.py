@@ -133,6 +133,19 @@ def load_prediction(plan: Plan, inventory: InventoryArg = None, state_dir: str |
     return predict(plan, {p.node: p.read_mbps / 1e3 for p in probes}, shared=shared, basis=basis + (" (shared)" if shared else ""))
 
 
+def load_against(rec: DeploymentRecord, state_dir: str | Path | None = None) -> tuple[LoadPrediction | None, list[dict[str, object]]]:
+    """A deployment's predicted weight load (None: no throughput known, or its inventory is gone)
+    and, per engine process, the prediction next to vLLM's ``Loading weights took`` of each rank
+    (:func:`k3launch.planning.loadtime.against`; [] when neither is known or there is no timeline)."""
+    from k3launch.planning.loadtime import against
+
+    try:  # the prediction needs the inventory (its weights section, its saved probe)
+        pred = load_prediction(rec.plan, rec.inventory, state_dir) if rec.inventory else None
+    except K3Error:
+        pred = None
+    return pred, against(rec.timeline, pred) if rec.timeline is not None else []
+
+
 def fleet(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Fleet:
     """A :class:`~k3launch.transport.fleet.Fleet` reaching the nodes of a live deployment, for
     commands on them (``bench --client engine``); use it as a context manager (``with``) or close it."""

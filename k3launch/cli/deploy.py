@@ -220,13 +220,7 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
     except K3Error as err:
         fail(err)
     since = [e for e in api.events(name, state_dir=state_dir) if e.time >= rec.created]  # this life's supervision
-    from k3launch.planning.loadtime import against
-
-    try:  # the prediction needs the inventory (its weights section, its saved probe): none when it is gone
-        pred = api.load_prediction(rec.plan, rec.inventory, state_dir) if rec.inventory else None
-    except K3Error:
-        pred = None
-    loads = against(rec.timeline, pred)
+    pred, loads = api.load_against(rec, state_dir)
     if json_out:
         extra = {"weights_load": {"predicted_total_s": round(pred.total_s, 1) if pred else None, "basis": pred.basis if pred else "",
                                   "processes": loads}} if loads else {}
