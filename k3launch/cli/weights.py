@@ -231,7 +231,7 @@ def _probe_table(con: Console, rows: list[Probe]) -> None:
 def probe(
     path: Annotated[
         str | None,
-        typer.Option("--path", help="Probe this directory on every node (default: where each node's engine looks for the model)."),
+        typer.Option("--path", help="Probe this directory on every node (default: the inventory's weights.path, else where each node's engine looks for the model)."),
     ] = None,
     size: Annotated[int, number_option("--bytes", PROBE_BYTES, "Size of the fresh file written, read and removed per node.")] = 256 << 20,
     timeout: Annotated[float, number_option("--timeout", PROBE_TIMEOUT, "Bound of the write and of the read, each.")] = 60.0,
