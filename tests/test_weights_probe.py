@@ -106,8 +106,9 @@ def test_saved_probes_round_trip_and_slurm_refuses(tmp_path: Path) -> None:
     rows = [Probe("a", "/w", "o_direct", 10, 1.0, 10, 1.0), Probe("b", "/w", error="unreachable")]
     text = probes_json("inv", rows, 1.0)
     assert read_probes(text) == rows and json.loads(text)["nodes"][0]["read_mbps"] == 0.0  # 10 B/s
-    with pytest.raises(ValueError):
-        read_probes('{"nodes": [{"nope": 1}]}')
+    for bad in ('{"nodes": [{"nope": 1}]}', '{"nodes": [1]}', '[]', '{"nodes": [{"node": "a", "dir": "/w", "bytes": "10"}]}'):
+        with pytest.raises(ValueError):
+            read_probes(bad)
     slurm = Path(__file__).parent.parent / "inventories" / "slurm-b200.yaml"
     with pytest.raises(K3Error) as exc:
         api.weights_probe(api.plan(slurm), slurm)

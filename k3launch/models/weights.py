@@ -164,9 +164,13 @@ def read_probes(text: str) -> list[Probe]:
     d = json.loads(text)
     names = {f.name for f in fields(Probe)}
     try:
-        return [Probe(**{k: v for k, v in row.items() if k in names}) for row in d["nodes"]]
-    except (KeyError, TypeError) as exc:
+        out = [Probe(**{k: v for k, v in row.items() if k in names}) for row in d["nodes"]]
+    except (KeyError, TypeError, AttributeError) as exc:
         raise ValueError(f"not a saved weights probe: {exc}") from None
+    for p in out:  # the figures predictions divide by: numbers, or the file is not one k3launch wrote
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (p.bytes, p.read_s, p.written, p.write_s)):
+            raise ValueError(f"not a saved weights probe: node {p.node!r} has a figure that is not a number")
+    return out
 
 
 @dataclass(frozen=True)
