@@ -47,11 +47,15 @@ if TYPE_CHECKING:
         attached_record,
         doctor,
         fleet,
+        load_against,
+        load_prediction,
         power_sampler,
+        saved_probe,
         submit_array,
         wait_array,
         weights_check,
         weights_fetch,
+        weights_probe,
     )
     from k3launch.api.planning import (
         RecipeDetail,
@@ -122,6 +126,10 @@ _HOMES: dict[str, str] = {
     "wait_array": "nodes",
     "weights_check": "nodes",
     "weights_fetch": "nodes",
+    "weights_probe": "nodes",
+    "saved_probe": "nodes",
+    "load_prediction": "nodes",
+    "load_against": "nodes",
 }
 
 
@@ -165,6 +173,8 @@ __all__ = [
     "follow_events",
     "lint",
     "load",
+    "load_against",
+    "load_prediction",
     "logs",
     "nodes_in_use",
     "plan",
@@ -177,6 +187,7 @@ __all__ = [
     "rollout",
     "rollout_continue",
     "rollout_preview",
+    "saved_probe",
     "schema_dump",
     "state_root",
     "status",
@@ -189,4 +200,5 @@ __all__ = [
     "wait_array",
     "weights_check",
     "weights_fetch",
+    "weights_probe",
 ]

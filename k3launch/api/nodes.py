@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from k3launch.models.power import Sampler
     from k3launch.models.record import DeploymentRecord
     from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport
-    from k3launch.models.weights import FetchProgress, NodeWeights
+    from k3launch.models.weights import FetchProgress, LoadPrediction, NodeWeights, Probe
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
 
@@ -69,6 +69,81 @@ def weights_fetch(plan: Plan, inventory: InventoryArg = None, *, from_path: str 
     src = (Source("path", path=from_path) if from_path else Source("node", node=from_node) if from_node
            else Source("hub", token_file=inv.hf_token_file))
     return ops.weights_fetch(plan, inv, src, on_progress, interval)
+
+
+def weights_probe(plan: Plan, inventory: InventoryArg = None, *, path: str | None = None, size: int = 256 << 20,
+                  timeout: float = 60.0, save: bool = False, state_dir: str | Path | None = None,
+                  accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> list[Probe]:
+    """Per engine node: the read throughput of the disk its weights load from (``path``, else where
+    its engine looks for ``plan.model``): a fresh file of ``size`` bytes written there, kept out of
+    the page cache (each :class:`~k3launch.models.weights.Probe` says how), read, removed; the write
+    and the read each bounded by ``timeout`` s. A missing or unwritable directory is ``probe-path``;
+    other failures are per node. ``save``: kept in the state directory for ``plan`` and ``doctor``."""
+    from k3launch.models.weights import path_error, probes_json
+    from k3launch.util import bounds
+
+    size = int(bounds.PROBE_BYTES.parse("size", size))
+    timeout = bounds.PROBE_TIMEOUT.parse("timeout", timeout)
+    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights probe", accept_unknown_hosts, connect_timeout)
+    rows = ops.weights_probe(plan, inv, path or (inv.weights.path if inv.weights else None), size, timeout)
+    err = path_error(rows)
+    if err is not None:
+        raise err
+    if save:
+        import time
+
+        from k3launch.deploy.state import write_atomic
+
+        target = store(state_dir).probe_path(inv.name)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(target, probes_json(inv.name, rows, time.time()))
+    return rows
+
+
+def saved_probe(inventory: InventoryArg = None, state_dir: str | Path | None = None) -> list[Probe]:
+    """The last ``weights probe --save`` on ``inventory`` ([] when none was saved, or it is unreadable)."""
+    from k3launch.models.weights import read_probes
+
+    path = store(state_dir).probe_path(load(inventory).inventory.name)
+    try:
+        return read_probes(path.read_text())
+    except (OSError, ValueError):
+        return []
+
+
+def load_prediction(plan: Plan, inventory: InventoryArg = None, state_dir: str | Path | None = None) -> LoadPrediction | None:
+    """How long ``plan``'s engines take to read their weights (per process and the total), from
+    the inventory's ``weights.read_gbps`` or the last saved ``weights probe``; None when neither
+    gives every engine node a throughput (or the plan is on placeholder nodes)."""
+    from k3launch.planning.loadtime import predict
+
+    if plan.inventory is None:
+        return None
+    inv = load(inventory).inventory
+    src = inv.weights
+    shared = bool(src and src.shared)
+    if src is not None and src.read_gbps is not None:
+        return predict(plan, dict.fromkeys((h.name for h in plan.hosts), src.read_gbps), shared=shared, shared_gbps=src.read_gbps,
+                       basis=f"inventory weights.read_gbps {src.read_gbps:g} GB/s" + (" (shared)" if shared else ""))
+    probes = [p for p in saved_probe(inv, state_dir) if p.ok]
+    if not probes:
+        return None
+    methods = sorted({p.method for p in probes})
+    basis = f"weights probe --save ({', '.join(methods)})" + (": the page cache, NOT the disk" if "cached" in methods else "")
+    return predict(plan, {p.node: p.read_mbps / 1e3 for p in probes}, shared=shared, basis=basis + (" (shared)" if shared else ""))
+
+
+def load_against(rec: DeploymentRecord, state_dir: str | Path | None = None) -> tuple[LoadPrediction | None, list[dict[str, object]]]:
+    """A deployment's predicted weight load (None: no throughput known, or its inventory is gone)
+    and, per engine process, the prediction next to vLLM's ``Loading weights took`` of each rank
+    (:func:`k3launch.planning.loadtime.against`; [] when neither is known or there is no timeline)."""
+    from k3launch.planning.loadtime import against
+
+    try:  # the prediction needs the inventory (its weights section, its saved probe)
+        pred = load_prediction(rec.plan, rec.inventory, state_dir) if rec.inventory else None
+    except K3Error:
+        pred = None
+    return pred, against(rec.timeline, pred) if rec.timeline is not None else []
 
 
 def fleet(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Fleet:

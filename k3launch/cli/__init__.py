@@ -111,14 +111,24 @@ def plan(json_out: JsonOut = False, *, args: PlanArgs) -> None:
     STATE.json = json_out
     try:
         p = args.build()
+        load = None
+        if args.inventory_path is not None:  # a throughput is known only for an inventory's nodes
+            from k3launch import api
+
+            load = api.load_prediction(p, args.inventory, args.state_dir)
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(p.to_json())
+        if load is None:
+            typer.echo(p.to_json())
+        else:  # an additive key, only when a throughput is known
+            out = json.loads(p.to_json())
+            out["weights_load"] = load.rows()
+            typer.echo(json.dumps(out, indent=2))
     else:
         from k3launch.cli import show_plan as show
 
-        show.plan(console(), p)
+        show.plan(console(), p, load)
 
 
 @_here.command()
@@ -251,7 +261,7 @@ COMMANDS: dict[str, Lazy] = {
     "campaign": Lazy("k3launch.cli.campaign", "Benchmark campaigns: deployments × load points, results, plots."),
     "recipes": Lazy("k3launch.cli.recipes", "List the recipes tree, or show one recipe."),
     "schema": Lazy("k3launch.cli.schema", "vLLM flag schemas: plans are checked against the schema of the vLLM that runs."),
-    "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them."),
+    "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them, probe their disk."),
     "cache": Lazy("k3launch.cli.cache", "The compile/JIT caches engines keep on the nodes: list them, clear them."),
 }
 

@@ -13,6 +13,7 @@ from rich.text import Text
 from k3launch.models.findings import Finding, FlagHistory
 from k3launch.models.plan import Plan, Process
 from k3launch.models.recipe import Recipe, Taxonomy
+from k3launch.models.weights import LoadPrediction
 
 
 def command_lines(proc: Process) -> str:
@@ -32,7 +33,17 @@ def command_lines(proc: Process) -> str:
     return "\n".join(lines)
 
 
-def plan(console: Console, p: Plan) -> None:
+def load_lines(pred: LoadPrediction) -> list[str]:
+    """The predicted weight load in plain lines (``plan``, ``doctor``): the total, then each engine process."""
+    rates = ", ".join(f"{'all nodes' if n == '*' else n} {g:,.2f} GB/s" for n, g in pred.gbps.items())
+    lines = [f"weights load (predicted, cold): {pred.total_s:,.0f} s until the last rank has its weights; "
+             f"{'one shared filesystem: ' if pred.shared else ''}{rates}; from {pred.basis}"]
+    for r in pred.ranks:
+        lines.append(f"  {r.process} on {r.node}: {r.ranks} rank(s) x {r.gb_per_rank:,.1f} GB, {r.seconds:,.0f} s")
+    return lines
+
+
+def plan(console: Console, p: Plan, load: LoadPrediction | None = None) -> None:
     summary = Table.grid(padding=(0, 2))
     summary.add_column(style="bold")
     summary.add_column()
@@ -46,6 +57,8 @@ def plan(console: Console, p: Plan) -> None:
     if p.capacity.kv_offload:
         kv = p.capacity.kv_offload
         summary.add_row("kv offload", f"{kv.option}: {kv.host_gib_per_rank:g} GiB host RAM per rank x {kv.ranks_per_node} = {kv.host_gib_per_node:g} GiB per node")
+    if load is not None:
+        summary.add_row("weights load", f"{load.total_s:,.0f} s predicted (cold, until the last rank), from {load.basis}")
     summary.add_row("features", ", ".join(p.features) or "none")
     summary.add_row("endpoint", p.endpoint)
     console.print(Panel(summary, title="k3launch plan", expand=False))
@@ -63,6 +76,8 @@ def plan(console: Console, p: Plan) -> None:
         table.add_row(proc.id, proc.node, proc.address, proc.role, "yes" if proc.head else "headless" if proc.role != "router" and proc.http_port is None else "",
                       str(proc.http_port or ""), str(proc.gpus or ""), proc.image or "")
     console.print(table)
+    if load is not None:
+        console.print(Text("\n".join(load_lines(load))), soft_wrap=True)
     for proc in p.processes:
         # Plain text (no box) so a command can be copied straight into a shell.
         console.rule(f"{proc.id} on {proc.node} ({proc.address})", align="left")

@@ -174,3 +174,18 @@ def timeline(con: Console, name: str, tl: Timeline) -> None:
     if slow is not None:
         what = f"; it waited longest for {slow.waited_for.label} ({slow.waited_s:.1f}s)" if slow.waited_for else ""
         con.print(f"slowest: {slow.process} on {slow.node}, done {slow.seconds:.1f}s after the start{what}", soft_wrap=True, markup=False)
+
+
+def load_lines(rows: list[dict[str, object]], basis: str) -> list[str]:
+    """``timeline``: the predicted weight load next to vLLM's ``Loading weights took`` per process."""
+    if not rows:
+        return []
+    out = ["weights load: predicted" + (f" (from {basis})" if basis else " (no throughput known: `k3launch weights probe --save`)")
+           + " vs vLLM's \"Loading weights took\" (its slowest rank)"]
+    for r in rows:
+        pred = f"{r['predicted_s']:,.1f} s" if r["predicted_s"] is not None else "?"
+        took = r["took_s"]
+        actual = (f"{r['slowest_took_s']:,.1f} s of {len(took)} rank(s)" if isinstance(took, list) and took else "not logged")
+        ratio = f", actual/predicted {r['ratio']:.2f}" if r["ratio"] is not None else ""
+        out.append(f"  {r['process']} on {r['node']}: predicted {pred}, took {actual}{ratio}")
+    return out

@@ -2,7 +2,8 @@
 
 ``doctor`` runs the pre-flight checks ``up`` runs (``--bandwidth`` adds a short all-reduce);
 ``weights check`` tells per node whether the model is complete in its Hugging Face cache and how
-much disk is free; ``weights fetch`` brings it there. Each exits 0 when every node is fine, 1
+much disk is free; ``weights fetch`` brings it there; ``weights probe`` measures how fast each node reads the disk
+the weights load from. Each exits 0 when every node is fine, 1
 when one is not (the table or ``--json`` says which and why), 2 on a refusal.
 """
 
@@ -18,14 +19,14 @@ import typer
 from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
 from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout
 from k3launch.errors import K3Error
-from k3launch.util.bounds import BUSBW, PROGRESS_INTERVAL
+from k3launch.util.bounds import BUSBW, PROBE_BYTES, PROBE_TIMEOUT, PROGRESS_INTERVAL
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from k3launch.models.weights import FetchProgress, NodeWeights
+    from k3launch.models.weights import FetchProgress, NodeWeights, Probe
 
-weights_app = typer.Typer(help="The model's weights on the nodes: check them, fetch them.", no_args_is_help=True)
+weights_app = typer.Typer(help="The model's weights on the nodes: check them, fetch them, probe their disk.", no_args_is_help=True)
 app.add_typer(weights_app, name="weights")
 
 @app.command()
@@ -59,15 +60,22 @@ def doctor(
             accept_unknown_hosts=accept_unknown_hosts,
             connect_timeout=connect_timeout,
         )
+        load = api.load_prediction(plan, args.inventory, args.state_dir)
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"name": plan.name, "ok": report.ok, "checks": [asdict(c) for c in report.checks]}, indent=2))
+        out: dict[str, object] = {"name": plan.name, "ok": report.ok, "checks": [asdict(c) for c in report.checks]}
+        if load is not None:
+            out["weights_load"] = load.rows()
+        typer.echo(json.dumps(out, indent=2))
     else:
         from k3launch.cli import show_deploy  # rich: loaded by the commands that print tables, never at start-up
+        from k3launch.cli.show_plan import load_lines
 
         con = console()
         show_deploy.doctor(con, report.checks)
+        for line in load_lines(load) if load is not None else []:
+            typer.echo(line)
         show_deploy.doctor_summary(con, report)
     if not report.ok:
         raise typer.Exit(1)
@@ -199,3 +207,59 @@ def fetch(
         typer.echo("interrupted: partial downloads stay in the cache (the next fetch resumes them)", err=True)
         raise typer.Exit(INTERRUPTED) from None
     _finish(rows, json_out)
+
+
+def _probe_table(con: Console, rows: list[Probe]) -> None:
+    from k3launch.cli import show_deploy
+    from k3launch.models.weights import METHODS
+
+    out: list[tuple[str, ...]] = []
+    for p in rows:
+        if not p.ok:
+            out.append((p.node, "-", "-", "-", p.error or "nothing read", p.dir))
+            continue
+        how = METHODS.get(p.method, p.method) + (" (cut at the time bound)" if p.timed_out else "")
+        if p.resident:
+            how += f"; {p.resident / 1e6:,.0f} MB still cached before the read"
+        out.append((p.node, f"{p.read_mbps:,.0f} MB/s", f"{p.bytes / 1e6:,.0f} MB in {p.read_s:.2f} s",
+                    f"{p.write_mbps:,.0f} MB/s", how, p.dir))
+    show_deploy.table(con, "weights probe", ("node", "read", "measured", "write", "page cache", "directory"), out, status=1)
+
+
+@weights_app.command("probe")
+@with_selection
+def probe(
+    path: Annotated[
+        str | None,
+        typer.Option("--path", help="Probe this directory on every node (default: the inventory's weights.path, else where each node's engine looks for the model)."),
+    ] = None,
+    size: Annotated[int, number_option("--bytes", PROBE_BYTES, "Size of the fresh file written, read and removed per node.")] = 256 << 20,
+    timeout: Annotated[float, number_option("--timeout", PROBE_TIMEOUT, "Bound of the write and of the read, each.")] = 60.0,
+    save: Annotated[bool, typer.Option("--save", help="Keep the figures in the state directory: `plan` and `doctor` predict load times from them.")] = False,
+    accept_unknown_hosts: AcceptUnknown = False,
+    connect_timeout: ConnectTimeout = 10.0,
+    json_out: JsonOut = False,
+    *,
+    args: PlanArgs,
+) -> None:
+    """Per node: the read throughput of the disk the weights load from (a fresh file, read past the page cache, then removed)."""
+    STATE.json = json_out
+    from k3launch import api
+    from k3launch.models.weights import probe_rows
+
+    try:
+        args = args.or_local()
+        rows = api.weights_probe(
+            args.build(), args.inventory, path=path, size=size, timeout=timeout, save=save, state_dir=args.state_dir,
+            accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+        )
+    except K3Error as err:
+        fail(err)
+    if json_out:
+        typer.echo(json.dumps({"ok": all(p.ok for p in rows), "nodes": probe_rows(rows)}, indent=2))
+    else:
+        _probe_table(console(), rows)
+    if not all(p.ok for p in rows):
+        if not json_out:
+            typer.echo(f"no figure from {', '.join(p.node for p in rows if not p.ok)}", err=True)
+        raise typer.Exit(1)

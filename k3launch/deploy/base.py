@@ -35,7 +35,7 @@ from k3launch.models.phases import LogDelta
 from k3launch.models.plan import FaultTolerancePool, Plan, Process
 from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
 from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport, DryRun, LaunchFailed, TeardownReport
-from k3launch.models.weights import FetchProgress, NodeWeights, Source
+from k3launch.models.weights import FetchProgress, NodeWeights, Probe, Source
 from k3launch.transport import http
 
 if TYPE_CHECKING:
@@ -119,6 +119,10 @@ class NodeOps(Protocol):
 
     def weights_fetch(self, plan: Plan, inv: Inventory, source: Source, on_progress: Callable[[FetchProgress], None] | None,
                       interval: float) -> list[NodeWeights]: ...
+
+    def weights_probe(self, plan: Plan, inv: Inventory, path: str | None, size: int, timeout_s: float) -> list[Probe]:
+        """Each engine node's read throughput of its weight source (``path``, else where its engine looks)."""
+        ...
 
     def fleet(self, rec: DeploymentRecord) -> Fleet:
         """The nodes of a live deployment, for commands on them (a context manager: closed on exit)."""

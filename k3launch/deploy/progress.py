@@ -14,7 +14,18 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from k3launch.models.phases import BringUp, LogDelta, Phase, PhaseSpan, ProcessProgress, ProcessTimeline, Timeline, classify, clean
+from k3launch.models.phases import (
+    BringUp,
+    LogDelta,
+    Phase,
+    PhaseSpan,
+    ProcessProgress,
+    ProcessTimeline,
+    Timeline,
+    classify,
+    clean,
+    weights_took,
+)
 from k3launch.models.plan import Plan
 
 ProgressFn = Callable[[BringUp], None]
@@ -28,6 +39,7 @@ class _Proc:
     spans: list[tuple[Phase, float]] = field(default_factory=list)  # (phase, start), in order
     percent: float | None = None
     last_line: str = ""
+    took: list[float] = field(default_factory=list)  # vLLM's "Loading weights took", per rank
 
     @property
     def phase(self) -> Phase:
@@ -49,6 +61,8 @@ class _Proc:
                 hit = classify(part)
                 if hit is not None:
                     self.move(hit.phase, hit.percent, now)
+            if i < len(whole) and (s := weights_took(line)) is not None:  # whole lines only: a partial one is read again
+                self.took.append(s)
             shown = clean(line) if i < len(whole) else ""
             if shown:
                 self.last_line = shown
@@ -102,6 +116,7 @@ class Tracker:
                     node=p.node,
                     role=p.role,
                     phases=[PhaseSpan(phase=ph, start=start, end=end) for (ph, start), end in zip(p.spans, ends, strict=True)],
+                    weights_took=list(p.took),
                 )
             )
         return Timeline(started=self.started, ended=now, ready=ready, processes=out)

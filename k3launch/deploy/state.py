@@ -112,7 +112,8 @@ class StateStore:
     ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused), ``cordons.json`` (cordoned nodes
     per inventory: :mod:`k3launch.deploy.cordons`), ``events/NAME.jsonl`` (what supervisors saw
     and did), ``supervise/`` (their locks, stop requests and output), ``canary/NAME.json`` (the
-    canary's baseline, owner-only: :mod:`k3launch.deploy.canary`).
+    canary's baseline, owner-only: :mod:`k3launch.deploy.canary`), ``weights-probe/INVENTORY.json``
+    (the last saved ``weights probe``).
     """
 
     def __init__(self, root: Path | None = None) -> None:
@@ -146,6 +147,10 @@ class StateStore:
     def canary_path(self, name: str) -> Path:
         """A deployment's canary baseline (written by ``up`` and ``canary --rebaseline``, removed by ``down``)."""
         return self.root / "canary" / f"{check_name(name)}.json"
+
+    def probe_path(self, inventory_name: str) -> Path:
+        """The last ``weights probe --save`` on an inventory: each node's read throughput of its weight source."""
+        return self.root / "weights-probe" / f"{check_name(inventory_name)}.json"
 
     def cordons_path(self) -> Path:
         return self.root / "cordons.json"

@@ -21,6 +21,10 @@ process meets them:
 * ``healthy`` — not a log line: the endpoint answered ``/health`` (or, for a rank that serves no
   HTTP, the deployment served its first completion).
 
+``Loading weights took N seconds`` (vLLM's model loader, once per rank that loads) is also kept as
+a figure: :func:`weights_took` reads it, the timeline keeps each rank's, and ``timeline`` shows
+them beside the predicted load (:mod:`k3launch.planning.loadtime`).
+
 A log may interleave several engines (local DP ranks): a process's phase only moves forward
 (``compiling`` and ``kv_cache`` share a rank), so it is the furthest any of its engines reached.
 """
@@ -129,6 +133,15 @@ def classify(line: str) -> Hit | None:
     return None
 
 
+_TOOK = re.compile(r"Loading weights took (\d+(?:\.\d+)?) ?s(?:econds)?\b")
+
+
+def weights_took(line: str) -> float | None:
+    """The seconds of vLLM's ``Loading weights took N seconds`` in ``line`` (None: not that line)."""
+    m = _TOOK.search(line)
+    return float(m.group(1)) if m else None
+
+
 def clean(line: str) -> str:
     """A log line as shown: without colour codes, the last of its ``\\r`` updates, trimmed; nothing
     for a shell's job-control message."""
@@ -194,6 +207,7 @@ class ProcessTimeline(_Model):
     node: str
     role: str = ""
     phases: list[PhaseSpan] = []
+    weights_took: list[float] = []  # vLLM's "Loading weights took N seconds", one per rank that logged it, in order
 
     def reached(self) -> float | None:
         """When the process was done: healthy, else the start of its last phase (a rank without HTTP)."""
@@ -255,6 +269,10 @@ class Timeline(_Model):
             "ended": self.ended,
             "ready": self.ready,
             "seconds": round(self.ended - self.started, 3),
-            "processes": [{"id": p.id, "node": p.node, "role": p.role, "phases": [span(s) for s in p.phases]} for p in self.processes],
+            "processes": [
+                {"id": p.id, "node": p.node, "role": p.role, "phases": [span(s) for s in p.phases],
+                 **({"weights_took": p.weights_took} if p.weights_took else {})}
+                for p in self.processes
+            ],
             "slowest": slow.model_dump(mode="json") if slow else None,
         }

@@ -8,8 +8,11 @@ and progress (:class:`FetchProgress`). The checks themselves run in the backends
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
+
+from k3launch.errors import K3Error
 
 
 @dataclass(frozen=True)
@@ -89,3 +92,117 @@ class FetchProgress:
     nodes_done: int
     nodes: int
     elapsed_s: float
+
+
+ProbeMethod = Literal["o_direct", "fadvise", "nocache", "cached", ""]
+# How a probe kept the page cache out of its read: O_DIRECT reads bypass it; ``fadvise``
+# (posix_fadvise DONTNEED) and ``nocache`` (GNU dd's iflag=nocache) drop the file's pages before a
+# normal read; ``cached``: nothing could drop them, the figure is the page cache's, not the disk's.
+METHODS: dict[str, str] = {
+    "o_direct": "O_DIRECT read (the page cache bypassed)",
+    "fadvise": "posix_fadvise DONTNEED, then a normal read",
+    "nocache": "dd iflag=nocache (pages dropped), then a normal read",
+    "cached": "the page cache could NOT be dropped: this is not the disk's speed",
+}
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One node's read throughput of the weight source, as ``weights probe`` measured it."""
+
+    node: str
+    dir: str  # the directory probed (the fresh file was written there, then removed)
+    method: ProbeMethod = ""
+    bytes: int = 0  # bytes read (fewer than written when the read hit the time bound)
+    read_s: float = 0.0
+    written: int = 0
+    write_s: float = 0.0
+    resident: int | None = None  # bytes of the file still in the page cache before the read (fincore), when known
+    timed_out: bool = False  # the read was cut at the time bound: the figure is for the part read
+    error: str = ""
+    code: str = ""  # "probe-path": the directory is missing or not writable (the user's to fix)
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and self.bytes > 0 and self.read_s > 0
+
+    @property
+    def read_mbps(self) -> float:
+        """Read throughput in MB/s (10^6 bytes per second); 0 when nothing was measured."""
+        return self.bytes / self.read_s / 1e6 if self.ok else 0.0
+
+    @property
+    def write_mbps(self) -> float:
+        return self.written / self.write_s / 1e6 if self.written and self.write_s > 0 else 0.0
+
+
+def path_error(probes: list[Probe]) -> K3Error | None:
+    """The user's error when a node's directory is missing or not writable (exit 2), else None."""
+    bad = [p for p in probes if p.code == "probe-path"]
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more node(s))" if len(bad) > 1 else ""
+    return K3Error(
+        "probe-path",
+        f"weights probe on {bad[0].node}: {bad[0].error}{more}",
+        "pass --path DIR, a writable directory on the disk the weights load from (or `k3launch weights fetch` the model first)",
+    )
+
+
+def probe_rows(probes: list[Probe]) -> list[dict[str, object]]:
+    """The probes as ``--json`` prints them and ``--save`` keeps them (with MB/s and the method's meaning)."""
+    return [{**asdict(p), "read_mbps": round(p.read_mbps, 1), "write_mbps": round(p.write_mbps, 1),
+             "method_means": METHODS.get(p.method, "")} for p in probes]
+
+
+def probes_json(inventory: str, probes: list[Probe], at: float) -> str:
+    return json.dumps({"inventory": inventory, "at": at, "nodes": probe_rows(probes)}, indent=2)
+
+
+def read_probes(text: str) -> list[Probe]:
+    """The probes a saved file holds (unknown keys ignored); ValueError when it is not one."""
+    d = json.loads(text)
+    names = {f.name for f in fields(Probe)}
+    try:
+        out = [Probe(**{k: v for k, v in row.items() if k in names}) for row in d["nodes"]]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a saved weights probe: {exc}") from None
+    for p in out:  # the figures predictions divide by: numbers, or the file is not one k3launch wrote
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (p.bytes, p.read_s, p.written, p.write_s)):
+            raise ValueError(f"not a saved weights probe: node {p.node!r} has a figure that is not a number")
+    return out
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One engine process's predicted weight load: each of its ``ranks`` reads ``gb_per_rank``."""
+
+    process: str
+    node: str
+    ranks: int
+    gb_per_rank: float
+    seconds: float  # until its ranks have read their share, contending as the prediction says
+
+
+@dataclass(frozen=True)
+class LoadPrediction:
+    """How long the weights take to load, predicted from a read throughput (``plan``, ``doctor``, ``timeline``)."""
+
+    ranks: list[RankLoad]
+    gbps: dict[str, float]  # node -> GB/s it reads at ("*": the shared filesystem's total)
+    basis: str  # where the throughput came from, in words
+    shared: bool  # every node reads one filesystem: all ranks contend for one throughput
+
+    @property
+    def total_s(self) -> float:
+        """Until the last rank has its weights."""
+        return max((r.seconds for r in self.ranks), default=0.0)
+
+    def seconds_of(self, process: str) -> float | None:
+        return next((r.seconds for r in self.ranks if r.process == process), None)
+
+    def rows(self) -> dict[str, object]:
+        """As ``--json`` prints it."""
+        return {"total_s": round(self.total_s, 1), "shared": self.shared, "basis": self.basis,
+                "gbps": {k: round(v, 3) for k, v in self.gbps.items()},
+                "processes": [{**asdict(r), "gb_per_rank": round(r.gb_per_rank, 2), "seconds": round(r.seconds, 1)} for r in self.ranks]}

@@ -24,7 +24,7 @@ from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
 from k3launch.models.selection import IMAGE_REF, env_refusal
 from k3launch.models.supervise import RestartPolicy
-from k3launch.util.bounds import MEMORY_GB
+from k3launch.util.bounds import MEMORY_GB, READ_GBPS
 from k3launch.util.hosts import check_host, expand_hostlist
 from k3launch.util.yamlio import load_yaml_model
 
@@ -187,6 +187,14 @@ class RouterSection(Strict):
         return None if v is None else check_host(v, "router address")
 
 
+class WeightSource(Strict):
+    """Where the nodes' engines read the weights from, for load-time predictions (``weights probe``'s default directory too)."""
+
+    path: str | None = None  # the directory probed on each node (default: where the engine looks for the model)
+    shared: bool = False  # one filesystem every node reads (NFS, Lustre, ...): all nodes' reads share one throughput
+    read_gbps: float | None = Field(default=None, **READ_GBPS.field())  # GB/s (10^9 B/s): per node, or the shared total; beats a saved probe
+
+
 class Inventory(Strict):
     name: str
     backend: str  # a registered backend (k3launch.models.backends): ssh, local, slurm
@@ -205,6 +213,7 @@ class Inventory(Strict):
     known_hosts: str | None = None
     gpu_hour_price: GpuHourPrice | None = None  # {amount: 2.5, currency: USD}: for the cost per million tokens
     restart: RestartPolicy | None = None  # how `k3launch supervise` restarts (docs/supervise.md); flags override it
+    weights: WeightSource | None = None  # the weight source: a shared filesystem? its read throughput (docs/ssh.md "Predicted load time")
 
     @field_validator("backend")
     @classmethod

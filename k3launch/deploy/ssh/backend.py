@@ -22,6 +22,7 @@ from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.fetch import check, fetch
 from k3launch.deploy.ssh.launch import Launch, node_script, start_steps
 from k3launch.deploy.ssh.observe import follow_logs, observe, tail_logs
+from k3launch.deploy.ssh.probe import probe
 from k3launch.deploy.ssh.teardown import sweep, teardown
 from k3launch.deploy.ssh.watch import SshWatcher
 from k3launch.deploy.state import StateStore
@@ -32,7 +33,7 @@ from k3launch.models.plan import Host, Plan
 from k3launch.models.power import Sampler
 from k3launch.models.record import DeploymentRecord, SshRecord, Stage, Status
 from k3launch.models.reports import DoctorReport, DryRun, DryRunStep, TeardownReport
-from k3launch.models.weights import FetchProgress, NodeWeights, Source
+from k3launch.models.weights import FetchProgress, NodeWeights, Probe, Source
 from k3launch.planning.build import inventory_hosts
 from k3launch.planning.inventory import Inventory
 from k3launch.render.scripts import script, script_names
@@ -151,6 +152,10 @@ class SshBackend:
                       interval: float) -> list[NodeWeights]:
         with self._connect(plan, inv) as fleet:
             return fetch(plan, fleet, source, on_progress, interval)
+
+    def weights_probe(self, plan: Plan, inv: Inventory, path: str | None, size: int, timeout_s: float) -> list[Probe]:
+        with self._connect(plan, inv) as fleet:
+            return probe(plan, fleet, path, size, timeout_s)
 
     def fleet(self, rec: DeploymentRecord) -> Fleet:
         r = own(rec, SshRecord)

@@ -1,0 +1,161 @@
+"""The predicted weight load (k3launch.planning.loadtime): bytes per rank by layout, contention on
+a node's disk and on a shared filesystem; where the throughput comes from (inventory, saved
+probe); ``plan`` and ``doctor`` showing it only when a throughput is known."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3launch import api
+from k3launch.deploy.state import StateStore, write_atomic
+from k3launch.models.plan import Plan
+from k3launch.models.weights import Probe, probes_json
+from k3launch.planning.loadtime import gb_per_rank, predict
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden(name: str) -> Plan:
+    return Plan.model_validate_json((GOLDEN / f"{name}.json").read_text())
+
+
+def test_bytes_per_rank_follow_the_layout() -> None:
+    tp3 = gb_per_rank(golden("h100_multi_node_tp_3"))  # TP 24 over 3 nodes of 8
+    assert tp3 == {f"serve-{i}": (8, pytest.approx(1680 / 24)) for i in range(3)}
+    dep = gb_per_rank(golden("b300_multi_node_dep_2"))  # DEP 16: the experts split 16 ways
+    assert dep == {"serve-0": (8, 105.0), "serve-1": (8, 105.0)}
+    tep = gb_per_rank(golden("gb300_multi_node_tep_2"))  # TEP 8 over 2 nodes of 4
+    assert tep == {"serve-0": (4, 210.0), "serve-1": (4, 210.0)}
+    pd = gb_per_rank(golden("pd_cluster_h200_prefill_tp2_decode_dep2"))  # each pool a whole copy; the router reads none
+    assert pd == {"prefill-0": (8, 105.0), "prefill-1": (8, 105.0), "decode-0": (8, 105.0), "decode-1": (8, 105.0)}
+    copies = gb_per_rank(golden("b300_multi_node_dep_2_replicas_2"))  # two copies: each reads its own
+    assert set(copies) == {"r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1"} and {g for _, g in copies.values()} == {105.0}
+
+
+def test_ranks_on_a_node_contend_for_its_disk_and_a_shared_filesystem_for_one_throughput() -> None:
+    plan = golden("b300_multi_node_dep_2")
+    pred = predict(plan, {"node-0": 2.0, "node-1": 1.0}, basis="test")
+    assert pred is not None and not pred.shared
+    assert pred.seconds_of("serve-0") == pytest.approx(8 * 105 / 2.0) and pred.seconds_of("serve-1") == pytest.approx(8 * 105 / 1.0)
+    assert pred.total_s == pytest.approx(840.0)  # the slow node decides
+    shared = predict(plan, {"node-0": 2.0, "node-1": 1.0}, shared=True)  # one client's figure taken as the total: the slowest
+    assert shared is not None and shared.gbps == {"*": 1.0} and shared.total_s == pytest.approx(1680.0)
+    assert [round(r.seconds) for r in shared.ranks] == [1680, 1680]
+    told = predict(plan, {}, shared=True, shared_gbps=10.0)
+    assert told is not None and told.total_s == pytest.approx(168.0)
+    assert predict(plan, {"node-0": 2.0}) is None  # a node without a figure: no prediction
+    row = pred.rows()
+    assert row["total_s"] == 840.0 and row["processes"][0]["gb_per_rank"] == 105.0  # type: ignore[index]
+
+
+def _inventory(tmp: Path, weights: str = "") -> Path:
+    p = tmp / "inv.yaml"
+    p.write_text(
+        "name: lt-inv\nbackend: ssh\nhardware: b300\ndefaults: {runtime: bare}\n"
+        "nodes:\n  - {name: a, address: 10.0.0.1}\n  - {name: b, address: 10.0.0.2}\n" + weights
+    )
+    return p
+
+
+def test_the_throughput_comes_from_the_inventory_else_a_saved_probe(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    inv = _inventory(tmp_path)
+    plan = api.plan(inv, strategy="multi_node_dep", nodes=2, state_dir=state)
+    assert api.load_prediction(plan, inv, state) is None  # nothing known
+    target = StateStore(state).probe_path("lt-inv")
+    target.parent.mkdir(parents=True)
+    write_atomic(target, probes_json("lt-inv", [Probe("a", "/w", "o_direct", 2_000_000_000, 1.0), Probe("b", "/w", "fadvise", 1_000_000_000, 1.0)], 0))
+    pred = api.load_prediction(plan, inv, state)
+    assert pred is not None and pred.gbps == {"a": 2.0, "b": 1.0} and "fadvise, o_direct" in pred.basis
+    assert pred.total_s == pytest.approx(840.0)
+    write_atomic(target, probes_json("lt-inv", [Probe("a", "/w", "cached", 9_000_000_000, 1.0), Probe("b", "/w", "cached", 9_000_000_000, 1.0)], 0))
+    pred = api.load_prediction(plan, inv, state)
+    assert pred is not None and "NOT the disk" in pred.basis
+    shared = _inventory(tmp_path, "weights: {shared: true, read_gbps: 4}\n")
+    pred = api.load_prediction(api.plan(shared, strategy="multi_node_dep", nodes=2, state_dir=state), shared, state)
+    assert pred is not None and pred.shared and pred.total_s == pytest.approx(420.0) and "read_gbps 4 GB/s (shared)" in pred.basis
+    with pytest.raises(Exception, match="read_gbps"):
+        api.load(_inventory(tmp_path, "weights: {read_gbps: -1}\n"))
+    assert api.load_prediction(api.plan(None, placeholders=True)) is None
+
+
+@pytest.mark.e2e  # five CLI runs
+def test_plan_and_doctor_show_the_prediction_only_when_a_throughput_is_known(tmp_path: Path, local_inventory: Path) -> None:
+    env = {**os.environ, "K3LAUNCH_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "250", "NO_COLOR": "1"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "k3launch", *args, "-i", str(local_inventory)], capture_output=True, text=True,
+                              env=env, timeout=120)
+
+    before = cli("plan", "--json")
+    assert before.returncode == 0 and "weights_load" not in before.stdout
+    assert "weights load" not in cli("plan").stdout
+    name = api.load(local_inventory).inventory.name
+    target = StateStore(tmp_path / "state").probe_path(name)
+    target.parent.mkdir(parents=True)
+    node = api.plan(local_inventory, state_dir=tmp_path / "state").processes[0].node
+    write_atomic(target, probes_json(name, [Probe(node, "/w", "o_direct", 1_000_000_000, 1.0)], 0))
+    after = cli("plan", "--json")
+    out = json.loads(after.stdout)
+    assert out["weights_load"]["total_s"] == 1680.0 and out["weights_load"]["processes"][0]["ranks"] == 8
+    assert {k: v for k, v in out.items() if k != "weights_load"} == json.loads(before.stdout)  # nothing else changed
+    text = cli("plan").stdout
+    assert "weights load (predicted, cold): 1,680 s" in text and "8 rank(s) x 210.0 GB" in text
+    doc = cli("doctor", "--json")
+    assert json.loads(doc.stdout)["weights_load"]["total_s"] == 1680.0, doc.stdout + doc.stderr
+
+
+# ---------------------------------------------------------------------- predicted next to actual (timeline)
+def test_vllms_loading_weights_took_is_read_per_rank_once_and_shown_beside_the_prediction() -> None:
+    from k3launch.deploy.progress import Tracker
+    from k3launch.models.phases import LogDelta, weights_took
+    from k3launch.planning.loadtime import against
+
+    assert weights_took("(Worker_TP3 pid=88) INFO 05-02 10:00:01 [default_loader.py:267] Loading weights took 132.57 seconds") == 132.57
+    assert weights_took("INFO [gpu_model_runner.py] Model loading took 92.1 GiB memory and 140.2 seconds") is None
+    assert weights_took("Loading safetensors checkpoint shards:  45% Completed | 45/100") is None
+    plan = golden("b300_multi_node_dep_2")
+    t = Tracker(plan, started=0.0)
+    t.update({"serve-0": LogDelta("(Worker_DP0) Loading weights took 10.00 seconds\n", "(Worker_DP1) Loading weights took 1")}, (), "alive", 1.0)
+    t.update({"serve-0": LogDelta("(Worker_DP1) Loading weights took 12.50 seconds\n")}, (), "alive", 2.0)  # the partial line, whole now
+    tl = t.timeline(ready=True, now=3.0)
+    took = {p.id: p.weights_took for p in tl.processes}
+    assert took == {"serve-0": [10.0, 12.5], "serve-1": [], "router": []}
+    procs = tl.as_dict()["processes"]
+    assert [p.get("weights_took") for p in procs] == [[10.0, 12.5], None, None]  # type: ignore[union-attr]
+    pred = predict(plan, {"node-0": 84.0, "node-1": 84.0})  # 840 GB per node: 10 s
+    rows = {r["process"]: r for r in against(tl, pred)}
+    assert rows["serve-0"]["predicted_s"] == 10.0 and rows["serve-0"]["slowest_took_s"] == 12.5 and rows["serve-0"]["ratio"] == 1.25
+    assert rows["serve-1"]["took_s"] == [] and rows["serve-1"]["ratio"] is None and "router" not in rows
+    assert against(t.timeline(ready=True, now=3.0).model_copy(update={"processes": []}), None) == []
+    real = Tracker(plan, started=0.0)  # vLLM 0.32.0's own log (CPU build): its one worker's figure
+    real.update({"serve-0": LogDelta((GOLDEN.parent / "data" / "vllm-0.32-cpu-serve.log").read_text())}, (), "alive", 1.0)
+    assert next(p for p in real.timeline(ready=True).processes if p.id == "serve-0").weights_took == [0.01]
+
+
+@pytest.mark.e2e
+def test_timeline_puts_the_prediction_next_to_the_engines_own_figure(tmp_path: Path, local_inventory: Path) -> None:
+    from e2e_helpers import Cli
+
+    cli = Cli(tmp_path / "state")
+    name = api.load(local_inventory).inventory.name
+    target = StateStore(tmp_path / "state").probe_path(name)
+    target.parent.mkdir(parents=True)
+    node = api.plan(local_inventory, state_dir=tmp_path / "state").processes[0].node
+    write_atomic(target, probes_json(name, [Probe(node, "/w", "o_direct", 1_000_000_000_000, 1.0)], 0))  # 1 TB/s: 1.68 s
+    up = cli.run("up", "-i", str(local_inventory), "--name", "wl-tl")
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        out = cli.json("timeline", "wl-tl")
+        row = out["weights_load"]["processes"][0]
+        assert row["predicted_s"] == 1.7 and len(row["took_s"]) == 1 and row["took_s"][0] > 0 and row["ratio"] > 0
+        text = cli.run("timeline", "wl-tl").stdout
+        assert "weights load: predicted (from weights probe --save (o_direct))" in text and "predicted 1.7 s, took" in text
+    finally:
+        cli.run("down", "wl-tl")
