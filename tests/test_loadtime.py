@@ -26,14 +26,14 @@ def golden(name: str) -> Plan:
 
 
 def test_bytes_per_rank_follow_the_layout() -> None:
-    tp3 = gb_per_rank(golden("h100_multi_node_tp_3"))  # TP 24 over 3 nodes of 8
-    assert tp3 == {f"serve-{i}": (8, pytest.approx(1680 / 24)) for i in range(3)}
+    tp3 = gb_per_rank(golden("h100_multi_node_tp_3"))  # TP 24 over 3 nodes of 8: each node reads a whole copy
+    assert tp3 == {f"serve-{i}": (8, pytest.approx(1680 / 8)) for i in range(3)}
     dep = gb_per_rank(golden("b300_multi_node_dep_2"))  # DEP 16: the experts split 16 ways
     assert dep == {"serve-0": (8, 105.0), "serve-1": (8, 105.0)}
     tep = gb_per_rank(golden("gb300_multi_node_tep_2"))  # TEP 8 over 2 nodes of 4
     assert tep == {"serve-0": (4, 210.0), "serve-1": (4, 210.0)}
-    pd = gb_per_rank(golden("pd_cluster_h200_prefill_tp2_decode_dep2"))  # each pool a whole copy; the router reads none
-    assert pd == {"prefill-0": (8, 105.0), "prefill-1": (8, 105.0), "decode-0": (8, 105.0), "decode-1": (8, 105.0)}
+    pd = gb_per_rank(golden("pd_cluster_h200_prefill_tp2_decode_dep2"))  # TP prefill: each node a whole copy; DEP decode: shares
+    assert pd == {"prefill-0": (8, 210.0), "prefill-1": (8, 210.0), "decode-0": (8, 105.0), "decode-1": (8, 105.0)}
     copies = gb_per_rank(golden("b300_multi_node_dep_2_replicas_2"))  # two copies: each reads its own
     assert set(copies) == {"r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1"} and {g for _, g in copies.values()} == {105.0}
 

@@ -1,11 +1,17 @@
 """How long a plan's engines take to read their weights, from a measured read throughput: pure.
 
-The bytes each rank reads are the pool's ``weights_gb`` split the way its layout shards the
-weights: tensor and pipeline parallel ranks each read their share (``tp × pp`` ways), and with
-expert parallelism across data-parallel ranks (``dep``) the experts — nearly all of a MoE
-model's bytes — are split across every rank of the pool (``tp × pp × dp`` ways). Data-parallel
-copies without expert parallelism (``tp_dp``, ``replicas``) each read a whole copy per ``tp × pp``
-group.
+The bytes each rank reads follow vLLM's own loader (``safetensors_weights_iterator`` in vLLM
+0.32's ``model_loader/weight_utils.py``): every rank walks every shard file of the checkpoint
+and reads each tensor it keeps whole, narrowing it to its part only afterwards; with expert
+parallelism it skips the experts that are not its own. So:
+
+* with experts parallel (``tep`` across the TP ranks, ``dep`` across every rank of the pool)
+  the experts — nearly all of a MoE model's bytes — are split ``tp × pp`` (tep) or
+  ``tp × pp × dp`` (dep) ways, and each rank reads its share (the dense part every rank reads
+  whole is left out: a few percent of a MoE checkpoint);
+* without (``tp``, ``tp_pp``, ``tp_dp``, ``replicas``) every rank reads a whole copy, and the
+  ranks of one node share its page cache, so a node reads one whole copy: each of its ranks is
+  counted for its part of that copy, whether the TP group spans one node or several.
 
 Contention: the ranks on one node read the node's disk at once, so the node's bytes (the sum
 over its ranks) go at the node's throughput and its ranks finish together; with a shared
@@ -26,20 +32,31 @@ from k3launch.models.weights import LoadPrediction, RankLoad
 
 
 def shards(pool: PoolCapacity) -> int:
-    """How many ways the pool's layout splits one copy of the weights between its ranks."""
+    """How many ways an expert-parallel pool splits its experts between its ranks."""
     ways = max(pool.tp, 1) * max(pool.pp, 1)
     return ways * max(pool.dp, 1) if pool.parallelism == "dep" else ways
 
 
+EXPERT_PARALLEL = ("tep", "dep")
+
+
 def gb_per_rank(plan: Plan) -> dict[str, tuple[int, float]]:
     """Engine process id -> (its ranks, GB each of them reads)."""
-    pools = {p.role: p for p in plan.capacity.pools}
+    pools: dict[str, PoolCapacity] = {p.role: p for p in plan.capacity.pools}
+    engines = [p for p in plan.processes if p.role != "router"]
+    on_node: dict[tuple[str, str, str], int] = {}  # (pool, copy, node) -> ranks there
+    for p in engines:
+        key = (p.role, str(plan.replica_of(p)), p.node)
+        on_node[key] = on_node.get(key, 0) + max(p.gpus, 1)
     out: dict[str, tuple[int, float]] = {}
-    for p in plan.processes:
-        if p.role == "router":
-            continue
+    for p in engines:
         pool = pools.get(p.role)
-        gb = (pool.weights_gb / shards(pool)) if pool is not None else plan.capacity.weights_gb
+        if pool is None:
+            gb = plan.capacity.weights_gb
+        elif pool.parallelism in EXPERT_PARALLEL:
+            gb = pool.weights_gb / shards(pool)
+        else:  # every rank reads a whole copy; the node's ranks share one read of it
+            gb = pool.weights_gb / on_node[(p.role, str(plan.replica_of(p)), p.node)]
         out[p.id] = (max(p.gpus, 1), gb)
     return out
 
