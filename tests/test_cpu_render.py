@@ -49,3 +49,44 @@ def test_slurm_asks_for_no_gpus_on_cpu(tmp_path: Path) -> None:
 def test_a_home_venv_expands_on_the_node(tmp_path: Path) -> None:
     plan = cpu_plan(tmp_path, "bare", ", venv: ~/envs/vllm cpu/")
     assert 'env PATH="$HOME"/\'envs/vllm cpu/bin\':"$PATH" ' in script(plan, "c1")
+
+
+def _with_devices(plan: Plan, platform: str) -> Plan:
+    """The same plan for a GPU platform: every engine with a GPU, as a CUDA/ROCm profile plans it."""
+    procs = [p.model_copy(update={"gpus": 1}) if p.role != "router" else p for p in plan.processes]
+    return plan.model_copy(update={"platform": platform, "processes": procs})
+
+
+DEVICE_FLAGS = {
+    ("docker", "cuda"): ["--gpus", "all"],
+    ("podman", "cuda"): ["--device", "nvidia.com/gpu=all"],
+    ("docker", "rocm"): ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video", "--security-opt", "seccomp=unconfined"],
+    ("podman", "rocm"): ["--device", "/dev/kfd", "--device", "/dev/dri", "--group-add", "video", "--security-opt", "seccomp=unconfined"],
+}
+
+
+def test_a_cpu_container_gets_the_gpu_argv_minus_the_device_flags(tmp_path: Path) -> None:
+    for (runtime, platform), flags in DEVICE_FLAGS.items():
+        plan = cpu_plan(tmp_path, runtime)
+        gpu = _with_devices(plan, platform)
+        cpu_words = start_command(plan, plan.processes[0], plan.hosts[0])
+        gpu_words = start_command(gpu, gpu.processes[0], gpu.hosts[0])
+        i = gpu_words.index(flags[0])
+        assert gpu_words[i:i + len(flags)] == flags, (runtime, platform, gpu_words)
+        assert gpu_words[:i] + gpu_words[i + len(flags):] == cpu_words, (runtime, platform)
+
+
+def test_docker_cpu_argv_golden(tmp_path: Path) -> None:
+    plan = cpu_plan(tmp_path, "docker")
+    proc = plan.processes[0]
+    words = [str(w) for w in start_command(plan, proc, plan.hosts[0])]
+    env = [w for k, v in {**proc.env}.items() for w in ("-e", f"{k}={v}")]
+    head = ["docker", "run", "-d", "--name", f"k3-{plan.name}-{proc.id}", "--label", f"k3launch.deployment={plan.name}",
+            "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}",
+            "--ipc=host", "--network", "host", "--shm-size", "64g", "-v"]
+    assert words[:len(head)] == head, words
+    assert words[len(head)].endswith(":/root/.cache/huggingface"), words  # the node's hf_cache, the image's HF home
+    rest = words[len(head) + 1:]
+    assert rest[:len(env)] == env, rest  # the inventory's environment, then k3launch's markers
+    i = rest.index("--entrypoint")
+    assert rest[i - 2:i] == ["-e", "HF_TOKEN"] and rest[i:] == ["--entrypoint", "vllm", "reg.example/vllm-cpu:0.32.0", *proc.argv[1:]], rest

@@ -76,6 +76,21 @@ VERSION_CMD = "bash -c " + shlex.quote(
 )
 
 
+# The container's bind source (hf_cache): ok (a writable directory), creatable (its nearest
+# existing ancestor is a writable directory: `up` runs mkdir -p), unwritable, or "uncreatable P"
+# (P, the nearest existing ancestor, is a file or not writable). `touch` and not `test -w`: root's
+# test -w is true even on a read-only file system.
+_HF_CACHE = (
+    'd={dir}; if [ -d "$d" ]; then t="$d/.k3launch-w.$$"; (: >"$t") 2>/dev/null && rm -f "$t" && echo ok || echo unwritable; '
+    'else p=$d; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; '
+    't="$p/.k3launch-w.$$"; if [ -d "$p" ] && (: >"$t") 2>/dev/null; then rm -f "$t"; echo creatable; else echo "uncreatable $p"; fi; fi'
+)
+
+
+def _word(w: str) -> str:
+    return w if isinstance(w, Raw) else shlex.quote(w)
+
+
 def _bare_vllm(venv: str | None) -> tuple[str, str]:
     """The runtime and version probes of a bare ``vllm``: with a venv, its ``bin/`` first on PATH."""
     if not venv:
@@ -104,6 +119,8 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
         check = f"command -v {q} >/dev/null 2>&1 && echo ok || echo missing"
         parts.append(preflight.section("runtime", check))
         image = next((p.image for p in plan.processes if p.node == host.name and p.image), None)
+        if is_container(rt):
+            parts.append(preflight.section("hfcache", _HF_CACHE.format(dir=_word(home_path(host.hf_cache or "~/.cache/huggingface")))))
         if image and is_container(rt):
             parts.append(preflight.section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
             if plan.engine == "vllm":  # only an image that is there: never pull from here
@@ -158,7 +175,36 @@ def _runtime_hint(label: str, host: Host, local: bool) -> str:
         )
     if label == "vllm":
         return f"install vLLM on {n}, or set the node's `venv:` in the inventory to the virtualenv that has it"
+    if label in ("docker", "podman", "apptainer"):
+        return f"install {label} on {n} (on the PATH of a non-interactive shell), or set the node's `runtime:` in the inventory to one it has"
     return ""
+
+
+def _image_check(host: Host, image: str, status: list[str], runtime_found: bool) -> Check:
+    """The node has the image (k3launch never pulls: a pull of many GB inside `up` would look like a hang)."""
+    n = host.name
+    if not runtime_found:
+        return Check(n, "image", SKIP, f"{host.runtime} not found: cannot look for {image}")
+    if status == ["ok"]:
+        return Check(n, "image", PASS, "image present")
+    return Check(n, "image", FAIL, f"image {image} not on this node",
+                 hint=f"`{host.runtime} pull {image}` on {n} (k3launch does not pull), or set `image:` in the inventory to one it has")
+
+
+def _hf_cache_check(host: Host, status: list[str]) -> Check:
+    """The node's hf_cache, the container's bind source: a writable directory, or one `up` can create."""
+    n, d = host.name, host.hf_cache or "~/.cache/huggingface"
+    word = status[0].split() if status else ["?"]
+    if word[0] == "ok":
+        return Check(n, "hf-cache", PASS, f"hf_cache {d} writable")
+    if word[0] == "creatable":
+        return Check(n, "hf-cache", PASS, f"hf_cache {d} does not exist yet; `up` creates it")
+    fix = f"set `hf_cache:` in the inventory to a directory {n} can write, or create {d} there writable"
+    if word[0] == "unwritable":
+        return Check(n, "hf-cache", FAIL, f"hf_cache {d} is not writable: the engine's model cache (bind-mounted) would be read-only", hint=fix)
+    blocker = word[1] if len(word) > 1 else "?"
+    return Check(n, "hf-cache", FAIL, f"hf_cache {d} does not exist and cannot be created ({blocker} is not a writable directory)",
+                 hint=fix)
 
 
 def _port_hint(host: Host, router_only: bool, holders: list[str], deployments: list[str]) -> str:
@@ -190,14 +236,10 @@ def _judge(
         )
     )
     if "image" in sec:
-        checks.append(
-            Check(
-                n,
-                "image",
-                PASS if sec["image"] == ["ok"] else FAIL,
-                "image present" if sec["image"] == ["ok"] else "image not pulled on this node",
-            )
-        )
+        image = next((p.image for p in plan.processes if p.node == n and p.image), "")
+        checks.append(_image_check(host, image, sec["image"], found))
+    if "hfcache" in sec:
+        checks.append(_hf_cache_check(host, sec["hfcache"]))
     if not router_only:
         checks += preflight.judge(plan, host, sec, gpus_expected)
         if "weights" in sec:
