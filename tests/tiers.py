@@ -21,6 +21,7 @@ NEEDS: dict[str, frozenset[str]] = {
     "procs": frozenset({"e2e"}),  # test_sim*.py, test_bench.py: simulated engine processes
     "pd": frozenset({"e2e"}),  # test_sim_router.py: engines and a router
     "vllm_cpu": frozenset({"e2e", "engine"}),  # enginecpu.py: the real vLLM (CPU build) and a tiny model
+    "vllm_image": frozenset({"e2e", "engine", "podman"}),  # test_engine_podman.py: the real vLLM (CPU build) in a podman image
 }
 
 
