@@ -138,11 +138,26 @@ done"""
 
 
 def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
-    """Stop, remove, and (podman) drop the container's HF_TOKEN secret."""
+    """Stop, remove, and (podman) drop the container's HF_TOKEN secret.
+
+    SIGTERM goes to the container's whole process group first (its first process leads it; its
+    host pid from ``inspect``), as to a bare engine's: ``stop`` alone signals that process only,
+    and vLLM's API server then kills its EngineCore and workers at once (shutdown timeout 0), whose
+    shared-memory segments (psm_*, hundreds of MB, in the host's /dev/shm with --ipc=host) nobody
+    unlinks -- the container's resource tracker dies with its PID namespace. Signalled, every
+    process shuts down on its own; ``wait`` gives them the grace period, then ``stop -t 0``. When
+    the group cannot be signalled from here (a daemon's processes of another user), ``stop -t
+    GRACE`` as before."""
     rt = shlex.quote(runtime)
     ids = " ".join(shlex.quote(n) for n in names)
+    g = int(grace_s)
     sec = f' {rt} secret rm "$c-hf-token" >/dev/null 2>&1 || true;' if runtime == "podman" else ""
-    return f"for c in {ids}; do {rt} stop -t {int(grace_s)} \"$c\" >/dev/null 2>&1 || true; {rt} rm -f \"$c\" >/dev/null 2>&1 || true;{sec} done; true"
+    wait = f"timeout {g} {rt} wait \"$c\" >/dev/null 2>&1 || true; " if g > 0 else ""  # timeout 0 would wait forever
+    return (
+        f"for c in {ids}; do p=$({rt} inspect -f '{{{{.State.Pid}}}}' \"$c\" 2>/dev/null) || p=0; "
+        f"if [ \"${{p:-0}}\" -gt 1 ] 2>/dev/null && kill -s TERM -- \"-$p\" 2>/dev/null; then {wait}t=0; else t={g}; fi; "
+        f"{rt} stop -t \"$t\" \"$c\" >/dev/null 2>&1 || true; {rt} rm -f \"$c\" >/dev/null 2>&1 || true;{sec} done; true"
+    )
 
 
 def labelled_containers(runtime: str, name: str) -> str:

@@ -2,10 +2,10 @@
 
 Order: the router, then the HTTP-serving heads, then headless ranks (so no request is routed to
 a half-stopped deployment and heads do not wait on vanished workers). Each phase sends SIGTERM
-to whole process groups (containers: ``stop -t GRACE``), waits up to the grace period, then
-SIGKILLs what is left. Reality, not the record, decides what runs: processes are found on each
-node by their ``K3LAUNCH_DEPLOYMENT`` marker (containers by label), so processes whose pid was
-never recorded are stopped too. Verification: no marked process or labelled container remains
+to whole process groups (containers too: their first process leads the group; then ``stop``),
+waits up to the grace period, then SIGKILLs what is left. Reality, not the record, decides what
+runs: processes are found on each node by their ``K3LAUNCH_DEPLOYMENT`` marker (containers by
+label), so processes whose pid was never recorded are stopped too. Verification: no marked process or labelled container remains
 and every planned port is free. Unreachable nodes are reported and kept in the record so the
 next ``down`` finishes the job; ``down`` is idempotent.
 

@@ -1,0 +1,65 @@
+"""``down``'s container stop (render/snippets.stop_containers) run by bash against a stand-in
+runtime: SIGTERM reaches every process of the container's group (not only its first one, as
+``stop`` alone would: vLLM's API server then kills its engine core at once, and its shared memory
+stays in /dev/shm), the grace period is waited out with ``wait``, and only then ``stop -t 0`` and
+``rm``; a group that cannot be signalled gets ``stop -t GRACE`` as before."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from k3launch.render.snippets import stop_containers
+
+# The container: a process group whose leader and member each write "NAME TERM" on SIGTERM.
+GROUP = """trap 'echo leader TERM >> {log}; exit 0' TERM
+sh -c 'trap "echo member TERM >> {log}; exit 0" TERM; while :; do sleep 0.05; done' &
+while :; do sleep 0.05; done
+"""
+# A runtime: `inspect` answers the group's pid (or none), `wait` waits for it, every call logged.
+FAKE = """#!/bin/bash
+echo "$*" >> {log}
+case "$1" in
+  inspect) cat {pidfile} 2>/dev/null || exit 1 ;;
+  wait) p=$(cat {pidfile}); while [ -e /proc/$p ] && ! grep -q ') Z' /proc/$p/stat 2>/dev/null; do sleep 0.05; done ;;  # exited: gone or a zombie
+esac
+"""
+
+
+def _runtime(tmp: Path) -> Path:
+    rt = tmp / "fakert"
+    rt.write_text(FAKE.format(log=tmp / "calls", pidfile=tmp / "pid"))
+    rt.chmod(0o755)
+    return rt
+
+
+def test_the_whole_group_gets_sigterm_then_the_container_is_stopped_at_once_and_removed(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    group = subprocess.Popen(["bash", "-c", GROUP.format(log=tmp_path / "terms")], start_new_session=True)
+    try:
+        (tmp_path / "pid").write_text(str(group.pid))
+        time.sleep(0.3)  # both traps set
+        t0 = time.monotonic()
+        r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["k3-dep-serve-0"], 30)], capture_output=True, text=True, timeout=60)
+        took = time.monotonic() - t0
+        assert r.returncode == 0, r.stderr
+        group.wait(timeout=5)
+        terms = sorted((tmp_path / "terms").read_text().split("\n"))
+        assert terms == ["", "leader TERM", "member TERM"], terms  # both, each once, on their own
+        calls = (tmp_path / "calls").read_text().splitlines()
+        assert calls == ["inspect -f {{.State.Pid}} k3-dep-serve-0", "wait k3-dep-serve-0", "stop -t 0 k3-dep-serve-0",
+                         "rm -f k3-dep-serve-0"], calls
+        assert took < 10, took  # the group ended at once: no grace period spent
+    finally:
+        if group.poll() is None:
+            os.killpg(group.pid, signal.SIGKILL)
+
+
+def test_a_container_without_a_pid_is_stopped_with_the_grace_period(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)  # no pid file: inspect fails, as for a container that is not running
+    r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["c1"], 7)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "calls").read_text().splitlines() == ["inspect -f {{.State.Pid}} c1", "stop -t 7 c1", "rm -f c1"]
