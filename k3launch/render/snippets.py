@@ -153,10 +153,17 @@ def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
     g = int(grace_s)
     sec = f' {rt} secret rm "$c-hf-token" >/dev/null 2>&1 || true;' if runtime == "podman" else ""
     wait = f"timeout {g} {rt} wait \"$c\" >/dev/null 2>&1 || true; " if g > 0 else ""  # timeout 0 would wait forever
+    # The /dev/shm files the group maps, noted before the signal; after the container is gone,
+    # those still there that no process maps are unlinked: with its own PID namespace, the
+    # container's multiprocessing resource tracker (which unlinks them for a bare engine) is
+    # killed with the namespace when the first process exits.
+    shm = ('shm=$(for d in /proc/[0-9]*; do s=$(cat "$d/stat" 2>/dev/null) || continue; s=${s##*) }; '
+           'set -- $s; [ "${3:-}" = "$p" ] && grep -o "/dev/shm/[^ ]*" "$d/maps" 2>/dev/null; done | sort -u) && ')
+    unlink = ('for f in $shm; do [ -f "$f" ] && ! grep -qsF "$f" /proc/[0-9]*/maps && rm -f -- "$f"; done; ')
     return (
-        f"for c in {ids}; do p=$({rt} inspect -f '{{{{.State.Pid}}}}' \"$c\" 2>/dev/null) || p=0; "
-        f"if [ \"${{p:-0}}\" -gt 1 ] 2>/dev/null && kill -s TERM -- \"-$p\" 2>/dev/null; then {wait}t=0; else t={g}; fi; "
-        f"{rt} stop -t \"$t\" \"$c\" >/dev/null 2>&1 || true; {rt} rm -f \"$c\" >/dev/null 2>&1 || true;{sec} done; true"
+        f"for c in {ids}; do p=$({rt} inspect -f '{{{{.State.Pid}}}}' \"$c\" 2>/dev/null) || p=0; shm=; "
+        f"if [ \"${{p:-0}}\" -gt 1 ] 2>/dev/null && {shm}kill -s TERM -- \"-$p\" 2>/dev/null; then {wait}t=0; else t={g}; fi; "
+        f"{rt} stop -t \"$t\" \"$c\" >/dev/null 2>&1 || true; {rt} rm -f \"$c\" >/dev/null 2>&1 || true;{sec} {unlink}done; true"
     )
 
 
