@@ -9,7 +9,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 from k3launch.render.snippets import stop_containers
@@ -63,3 +65,38 @@ def test_a_container_without_a_pid_is_stopped_with_the_grace_period(tmp_path: Pa
     r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["c1"], 7)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "calls").read_text().splitlines() == ["inspect -f {{.State.Pid}} c1", "stop -t 7 c1", "rm -f c1"]
+
+
+# A process that maps a /dev/shm file and exits on SIGTERM without unlinking it (vLLM's engine
+# core killed before its cleanup, its resource tracker gone with the container's PID namespace).
+MAPPER = """import mmap, signal, sys, time
+f = open(sys.argv[1], "w+b"); f.write(b"x" * 4096); f.flush()
+m = mmap.mmap(f.fileno(), 4096)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+open(sys.argv[2], "w").close()
+while True: time.sleep(0.05)
+"""
+
+
+def test_the_shared_memory_the_container_mapped_is_unlinked_and_nothing_else(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    tag = uuid.uuid4().hex[:8]
+    mine, other = Path(f"/dev/shm/psm_k3t{tag}"), Path(f"/dev/shm/psm_k3o{tag}")
+    other.write_bytes(b"y")  # another engine's, not mapped by the group: stays
+    group = subprocess.Popen([sys.executable, "-c", MAPPER, str(mine), str(tmp_path / "ready")], start_new_session=True)
+    try:
+        (tmp_path / "pid").write_text(str(group.pid))
+        for _ in range(100):
+            if (tmp_path / "ready").exists():
+                break
+            time.sleep(0.05)
+        r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["c1"], 10)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        group.wait(timeout=5)
+        assert not mine.exists()  # left by the process, unlinked by the stop
+        assert other.exists()
+    finally:
+        if group.poll() is None:
+            os.killpg(group.pid, signal.SIGKILL)
+        for f in (mine, other):
+            f.unlink(missing_ok=True)
