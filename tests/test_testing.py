@@ -134,3 +134,21 @@ def test_array_tasks_partitions_and_nodes() -> None:
     assert slurm.partition_nodes("gpu") == 3 and slurm.partition_nodes(None) == 3 and FakeSlurm().partition_nodes(None) is None
     assert slurm.outside("gpu", "a[1-2]") == ["b1"]
     assert slurm.calls_to("sinfo") == [["sinfo", "-h", "-N", "-o", "%N", "-p", "gpu"]]
+
+
+def test_an_array_squeue_cannot_tell_about_counts_as_still_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a busy controller (squeue failed) must not make a campaign submit a group again that still runs
+    import json as _json
+
+    from k3launch.campaign import slurm as campaign_slurm
+    from k3launch.deploy.slurm.backend import SlurmBackend
+
+    slurm = FakeSlurm(tasks=[BUSY, {0: "COMPLETED", 1: "RUNNING"}])
+    backend = SlurmBackend(client=slurm)
+    assert backend.active_tasks(["7"]) == {"7_*"}
+    assert backend.active_tasks(["7"]) == {"7_1"}
+    (tmp_path / "slurm").mkdir()
+    (tmp_path / "slurm" / "arrays.json").write_text(_json.dumps({"h0": "7_0", "h1": "7_1"}))
+    slurm2 = FakeSlurm(tasks=[BUSY])
+    monkeypatch.setattr(campaign_slurm.api, "active_array_tasks", lambda ids, backend="slurm": SlurmBackend(client=slurm2).active_tasks(ids))
+    assert campaign_slurm.in_flight(tmp_path) == {"h0": "7_0", "h1": "7_1"}  # both taken as running: neither submitted again

@@ -183,7 +183,9 @@ def wait_array(job: ArrayJob, timeout: float = 3600.0, backend: str = "slurm") -
 
 
 def active_array_tasks(job_ids: Sequence[str], backend: str = "slurm") -> set[str]:
-    """``<job>_<task>`` of every task of these arrays still pending or running."""
+    """``<job>_<task>`` of every task of these arrays still pending or running; ``<job>_*`` for an
+    array squeue could not tell about (a busy controller): every task of it may still run, and
+    running one of its groups again would run it twice."""
     from k3launch.deploy.registry import array_ops
 
     return array_ops(backend, "job arrays").active_tasks(job_ids)

@@ -149,4 +149,4 @@ def in_flight(out: Path, backend: str = "slurm") -> dict[str, str]:
     if not known:
         return {}
     active = api.active_array_tasks(sorted({t.split("_")[0] for t in known.values()}), backend=backend)
-    return {h: t for h, t in known.items() if t in active}
+    return {h: t for h, t in known.items() if t in active or f"{t.split('_')[0]}_*" in active}

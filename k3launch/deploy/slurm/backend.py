@@ -104,7 +104,14 @@ class SlurmBackend:
     def active_tasks(self, job_ids: Sequence[str]) -> set[str]:
         cl = self.client or SlurmClient()
         # one squeue per array: a single forgotten job id would make squeue refuse a joint query
-        return {f"{jid}_{t}" for jid in sorted(set(job_ids)) for t, state in (array.task_states(jid, cl) or {}).items() if state in ACTIVE}
+        out: set[str] = set()
+        for jid in sorted(set(job_ids)):
+            states = array.task_states(jid, cl)
+            if states is None:  # squeue failed (a busy controller): nothing known, so every task may still run
+                out.add(f"{jid}_*")
+            else:
+                out |= {f"{jid}_{t}" for t, state in states.items() if state in ACTIVE}
+        return out
 
     def attached_record(self, plan: Plan, env: Mapping[str, str], inventory: str | None) -> SlurmRecord:
         return attached_record(plan, env, inventory)
