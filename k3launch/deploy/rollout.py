@@ -198,9 +198,7 @@ class Roller:
             failed |= self._gate(both, [u for u in new if u.name not in failed])
         if failed:
             result.logs = [str(p) for p in self.w.keep_logs(new_ids)]
-            self.w.stop(new_ids, self.grace_s)
-            self._forget(new_ids)
-            self.w.adopt(self.current, "")
+            self._abandon(new_ids)
             for u in new:
                 self.mark(u.name, "old", failed.get(u.name, ""))
             return self._stop(result, ", ".join(failed), "; ".join(f"{n}: {w}" for n, w in failed.items()) + "; the running engines were not touched")
@@ -210,9 +208,7 @@ class Roller:
             why = self.w.reroute(self.router, [], new_urls) or self.w.reroute(self.router, old_urls, [])
             if why:
                 self.w.reroute(self.router, new_urls, old_urls)  # as it was: the old set serves on
-                self.w.stop(new_ids, self.grace_s)
-                self._forget(new_ids)
-                self.w.adopt(self.current, "")
+                self._abandon(new_ids)
                 return self._stop(result, names, f"the router did not switch to {names}: {why}")
         self.say(f"{names}: serving; the old engines are out of the router, draining")
         drained = self._drain(old_urls)
@@ -236,6 +232,12 @@ class Roller:
             if self.clock() > deadline:
                 return f"the router did not serve again within {self.start_timeout:g}s: {c.detail}"
             self.sleep(POLL_S)
+
+    def _abandon(self, new_ids: Sequence[str]) -> None:
+        """A surge's new set stopped and forgotten: the watcher runs on the plan it had."""
+        self.w.stop(new_ids, self.grace_s)
+        self._forget(new_ids)
+        self.w.adopt(self.current, "")
 
     def _forget(self, ids: Sequence[str]) -> None:
         """Stopped processes leave the record (a unit's restart would otherwise find them)."""

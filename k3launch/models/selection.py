@@ -55,6 +55,14 @@ PLACEMENT_ENV = frozenset(
 )
 
 
+def check_image(v: str | None) -> str | None:
+    """An image reference as a validator takes it: it becomes a word of a remote `docker run`, so a
+    reference's own characters only."""
+    if v is not None and not IMAGE_REF.fullmatch(v):
+        raise ValueError(f"image {v!r} is not a container image reference")
+    return v
+
+
 def env_refusal(name: str, where: str) -> str | None:
     """Why ``name`` may not be set in ``where`` (an inventory, ``--env``): a credential (plans are
     written to records, scripts and logs), or a variable placement sets per process; None: fine."""
@@ -157,10 +165,7 @@ class Selection(BaseModel):
     @field_validator("image")
     @classmethod
     def _image(cls, v: str | None) -> str | None:
-        # it becomes a word of a remote `docker run`: a reference's own characters only
-        if v is not None and not IMAGE_REF.fullmatch(v):
-            raise ValueError(f"image {v!r} is not a container image reference")
-        return v
+        return check_image(v)
 
     @field_validator("env")
     @classmethod

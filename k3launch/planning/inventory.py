@@ -22,7 +22,7 @@ from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
 from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
-from k3launch.models.selection import IMAGE_REF, env_refusal
+from k3launch.models.selection import ENV_NAME, check_image, env_refusal
 from k3launch.models.supervise import RestartPolicy
 from k3launch.util.bounds import MEMORY_GB, READ_GBPS
 from k3launch.util.hosts import check_host, expand_hostlist
@@ -55,7 +55,7 @@ class NodeSettings(Strict):
     @classmethod
     def _env(cls, v: dict[str, str] | None) -> dict[str, str] | None:
         for k in v or {}:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            if not ENV_NAME.fullmatch(k):
                 raise ValueError(f"env name {k!r} is not a valid variable name")
             why = env_refusal(k, "an inventory")
             if why:
@@ -90,9 +90,7 @@ class NodeSettings(Strict):
     @field_validator("image")
     @classmethod
     def _image(cls, v: str | None) -> str | None:
-        if v is not None and not IMAGE_REF.fullmatch(v):
-            raise ValueError(f"image {v!r} is not a container image reference")
-        return v
+        return check_image(v)
 
     @field_validator("iface")
     @classmethod
