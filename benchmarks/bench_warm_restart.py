@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--inventory", default=str(ROOT / "inventories" / "local-cpu.yaml"))
     ap.add_argument("--runtime", default="bare", choices=("bare", "podman"))
     ap.add_argument("--image", default=None)
+    ap.add_argument("--keep", default=None, help="write each start's engine log here (start-N.log)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="k3-warm-"))
     inv = yaml.safe_load(Path(args.inventory).read_text())
@@ -68,6 +69,12 @@ def main() -> None:
             rec = api.up(plan, str(path), state_dir=state, ready_timeout=900)
             took.append(time.monotonic() - t0)
             runs.append(phases(rec))
+            if args.keep:
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                # the engine's own lines, before `down` takes a container's log with it
+                lines: list[str] = []
+                api.logs(name, lines.append, lines=5000, state_dir=state)
+                (Path(args.keep) / f"start-{len(runs)}.log").write_text("\n".join(lines) + "\n")
             report = api.down(name, state_dir=state)
             assert report.clean, report
     finally:

@@ -23,14 +23,20 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
+from e2e_helpers import Cli, cleanup, host_netns, netns, no_engine_left, session
 
+if TYPE_CHECKING:
+    from sshhosts import Hosts
+
+pytest_plugins = ["sshhosts"]
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.podman]
 
 HERE = Path(__file__).resolve().parent
+LOCAL_CPU = HERE.parent / "inventories" / "local-cpu.yaml"
 SCRIPT = HERE / "infra" / "vllm-cpu-image.sh"
 TAG = "localhost/k3launch-vllm-cpu:test"
 RECIPE = "k3launch/tiny-llama"
@@ -236,3 +242,87 @@ def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(k3: K
     assert not left, left  # every segment vLLM made in the container is unlinked
     assert not (k3.tmp / "state" / "deployments" / f"{name}.json").exists()
     print(f"\n[real engine in podman: up {took:.1f}s]")
+
+
+# ------------------------------------------------------------------ on an SSH test host, started twice
+def _compiling_s(timeline: dict[str, Any]) -> float:
+    """Seconds the engines spent compiling (a phase may come twice per process)."""
+    return sum(s["seconds"] for p in timeline["processes"] if p["role"] != "router" for s in p["phases"] if s["phase"] == "compiling")
+
+
+@pytest.mark.ssh
+def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_image: str, ssh_hosts: Hosts, tmp_path: Path) -> None:
+    """One host of tests/infra (its own network namespace; podman there as on a node), the
+    image, a fresh compile cache: up, status, logs, bench with vLLM's own client, timeline, down;
+    then up again with the same cache key, whose compile phase reads what the first one wrote."""
+    if ssh_hosts.mode != "netns":
+        pytest.skip("loopback mode: the host shares this machine's network namespace, so its container cannot be told apart")
+    shipped = yaml.safe_load(LOCAL_CPU.read_text())
+    host = ssh_hosts.names[0]
+    cache = tmp_path / "compile"
+    inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", hardware="cpu-x86", engine="vllm", runtime="podman", names=[host], extra={
+        "vllm_version": shipped["vllm_version"],
+        "defaults": {"image": vllm_image, "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"], "env": shipped["defaults"]["env"],
+                     "compile_cache": str(cache)},
+    })
+    sfx, off = session(ssh_hosts)
+    name = f"engps-{sfx}"
+    cli = Cli(tmp_path / "state")
+    ns = host_netns(ssh_hosts, host)
+
+    def up() -> tuple[float, dict[str, Any]]:
+        t0 = time.monotonic()
+        r = cli.run("up", "-i", str(inv), "--recipe", RECIPE, "--strategy", "single_node_tp", "--name", name,
+                    "--port-base", str(21400 + off), "--ready-timeout", str(UP_TIMEOUT_S - 60), timeout=UP_TIMEOUT_S)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        tl: dict[str, Any] = cli.json("timeline", name)
+        assert tl["ready"] is True, tl
+        return time.monotonic() - t0, tl
+
+    def down_leaves_nothing(procs: set[int]) -> None:
+        d = cli.json("down", name, timeout=180)
+        assert d["clean"] is True and d["unreachable"] == {} and d["leftovers"] == {}, d
+        assert _containers(name) == []
+        assert no_engine_left([ns]) == {}  # found by what runs in the host's namespace, not by k3launch's markers
+        assert not _alive(procs), sorted(_alive(procs))
+
+    try:
+        with ssh_hosts.own_cores([host]):
+            took_cold, cold = up()
+            ids = _containers(name)
+            assert len(ids) == 1, ids
+            info = json.loads(podman("inspect", ids[0]).stdout)[0]
+            pid, argv = int(info["State"]["Pid"]), info["Config"]["CreateCommand"]
+            assert netns(str(pid)) == ns  # the engine runs in the host's network namespace: podman ran there, over SSH
+            assert not [w for w in argv if any(g in w for g in GPU_WORDS)], argv
+            mounts = {m["Destination"]: m["Source"] for m in info["Mounts"]}
+            key_dir = Path(mounts["/root/.cache/k3launch-compile"])
+            assert key_dir.parent == cache and (key_dir / "k3launch.json").is_file(), mounts
+            procs = _tree(int(info["State"]["ConmonPid"])) | _tree(pid)
+            ours = _shm_of(_alive(procs))
+
+            snap = cli.json("status", name)
+            assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+            logs = cli.run("logs", name, "-n", "400")
+            assert f"==> serve-0 on {host} <==" in logs.stdout and "version 0.32.0" in logs.stdout, logs.stdout[-2000:]
+            b = cli.json("bench", name, "--client", "engine", "--num-prompts", "6", "--random-input-len", "32", "--random-output-len", "8",
+                         "--max-concurrency", "2", "--result-dir", str(tmp_path / "bench"), timeout=300)
+            assert b["client"] == "engine" and b["result"]["completed"] == 6 and b["result"]["failed"] == 0, b
+            (tmp_path / "cold.json").write_text(json.dumps(cold))
+            down_leaves_nothing(procs)
+            assert not ours & set(os.listdir("/dev/shm")), ours & set(os.listdir("/dev/shm"))
+            kept = [p for p in key_dir.rglob("*") if p.is_file() and p.name != "k3launch.json"]
+            assert kept, sorted(key_dir.rglob("*"))  # what the first start compiled stayed on the node
+
+            took_warm, warm = up()
+            logs = cli.run("logs", name, "-n", "2000").stdout
+            assert "Compiling model again" not in logs, logs[-3000:]  # the compiled artifacts loaded (docs/caches.md)
+            info = json.loads(podman("inspect", _containers(name)[0]).stdout)[0]
+            assert {m["Destination"]: m["Source"] for m in info["Mounts"]}["/root/.cache/k3launch-compile"] == str(key_dir)
+            procs = _tree(int(info["State"]["ConmonPid"])) | _tree(int(info["State"]["Pid"]))
+            down_leaves_nothing(procs)
+    finally:
+        cleanup(cli, [name])
+    c0, c1 = _compiling_s(cold), _compiling_s(warm)
+    print(f"\n[real engine in podman on {host}: up {took_cold:.1f}s cold, {took_warm:.1f}s warm; "
+          f"compiling {c0:.1f}s then {c1:.1f}s ({c1 / c0:.0%} of the first)]")

@@ -356,13 +356,28 @@ host_ip() {   # NAME -> its address in the current mode
 # the host a /sys of its own namespace, so /sys/class/net/eth0 is the host's NIC (k3launch's
 # doctor looks there). sshd daemonizes and writes DIR/run/NAME.pid once it listens.
 sshd_spawn() {
-  local name=$1 dir=$2 run=()
+  local name=$1 dir=$2 run=() cg=:
   rm -f "$dir/run/$name.pid"
   echo "=== k3launch sshd start $(date '+%F %T')" >>"$dir/log/$name.log"
-  [ "$S_MODE" = netns ] && run=(ip netns exec "$name")
-  # shellcheck disable=SC2016,SC2094 # $1..$3 are the inner sh's; the log is only appended to
-  "${run[@]}" unshare --uts /bin/sh -c 'hostname "$1" && exec /usr/sbin/sshd -f "$2" -E "$3"' \
-    sh "$name" "$dir/conf/$name.sshd_config" "$dir/log/$name.log" </dev/null >>"$dir/log/$name.log" 2>&1 8>&- 9>&-
+  if [ "$S_MODE" = netns ]; then run=(ip netns exec "$name"); cg=$(cgroup_mounts); fi
+  # shellcheck disable=SC2016,SC2094 # $1..$4 are the inner sh's; the log is only appended to
+  "${run[@]}" unshare --uts /bin/sh -c '{ eval "$4" || echo "sshd-up: cgroup hierarchies not mounted: podman cannot run containers on $1"; } && hostname "$1" && exec /usr/sbin/sshd -f "$2" -E "$3"' \
+    sh "$name" "$dir/conf/$name.sshd_config" "$dir/log/$name.log" "$cg" </dev/null >>"$dir/log/$name.log" 2>&1 8>&- 9>&-
+}
+
+# cgroup_mounts -> a sh program that mounts, in the current mount namespace, this machine's cgroup
+# hierarchies where they are here. `ip netns exec` gives a host a fresh /sys, without
+# /sys/fs/cgroup's mounts, and podman (runc) cannot start a container without them ("no cgroup
+# mount found in mountinfo"). A bind from this namespace is refused across mount namespaces, so
+# each hierarchy is mounted anew with its own options (the kernel attaches the same v1 hierarchy).
+cgroup_mounts() {
+  awk '$5 ~ /^\/sys\/fs\/cgroup(\/|$)/ {
+    for (i = 7; $i != "-"; i++) ;
+    t = $(i + 1); o = $(i + 3); sub(/^r[ow],?/, "", o)
+    if (t == "tmpfs") o = "mode=755"
+    else if (t == "cgroup" && o ~ /^name=/) o = "none," o
+    printf "mkdir -p %s && mount -t %s -o %s %s %s && ", $5, t, (o == "" ? "defaults" : o), t, $5
+  } END { print ":" }' /proc/self/mountinfo
 }
 
 # sshd_log_tail NAME DIR -> the log lines since NAME's last start (old runs' errors do not count)

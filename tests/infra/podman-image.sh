@@ -45,23 +45,9 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # ---------------------------------------------------------------- containers.conf
-hn=$(ulimit -Hn); hu=$(ulimit -Hu)
-# Half the hard limit, at most 16384: runc here refuses nofile = the hard limit (20000) and
-# nproc above conmon's 32768, with "error setting rlimit type 6/7: operation not permitted".
-lim() { if [ "$1" = unlimited ] || [ "$1" -gt 32768 ]; then echo 16384; else echo $(($1 / 2)); fi; }
-nofile=$(lim "$hn"); nproc=$(lim "$hu")
-mkdir -p "$(dirname "$CONF")"
-cat > "$CONF.tmp" <<CONF
-# Written by k3launch tests/infra/podman-image.sh: podman 4.3 on a VM with hybrid cgroups,
-# no systemd and low hard ulimits. Use with CONTAINERS_CONF=$CONF
-[containers]
-default_ulimits = ["nofile=$nofile:$nofile", "nproc=$nproc:$nproc"]
-[engine]
-runtime = "runc"
-cgroup_manager = "cgroupfs"
-events_logger = "file"
-CONF
-mv "$CONF.tmp" "$CONF"
+# shellcheck source=lib-podman.sh
+. "$HERE/lib-podman.sh"
+podman_conf_write "$CONF"
 export CONTAINERS_CONF=$CONF
 
 # ---------------------------------------------------------------- cache check

@@ -33,6 +33,8 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 K3_SELF=sshd-up
 # shellcheck source=lib-netns.sh
 . "$HERE/lib-netns.sh"
+# shellcheck source=lib-podman.sh
+. "$HERE/lib-podman.sh"
 
 T0=$(date +%s%N)
 [ "$(id -u)" = 0 ] || die "must run as root (sshd for root logins, network namespaces)"
@@ -119,6 +121,8 @@ for name in "${NAMES[@]}"; do
 done
 # sshd's privilege-separation directory; missing it, sshd exits at once
 mkdir -p /run/sshd && chmod 755 /run/sshd
+# podman in the hosts' SSH sessions reads this (SetEnv below), as a node reads /etc/containers
+podman_conf_write "$DIR/containers.conf"
 
 # ---- shrink: hosts from an earlier, larger up that are beyond N ---------------------------
 extra=()
@@ -179,12 +183,15 @@ X11Forwarding no
 LogLevel INFO
 AcceptEnv LANG LC_*
 Subsystem sftp internal-sftp
-SetEnv K3LAUNCH_TEST_HOST=$name
+SetEnv K3LAUNCH_TEST_HOST=$name CONTAINERS_CONF=$DIR/containers.conf
 EOF
   if cmp -s "$cfg.tmp" "$cfg"; then
     rm -f "$cfg.tmp"
   else
     mv "$cfg.tmp" "$cfg"
+    # a running sshd read its config at start: SIGHUP makes it re-exec with the new one
+    # (sessions already open are kept)
+    if pid=$(pidfile_pid "$DIR/run/$name.pid" sshd); then kill -HUP "$pid" 2>/dev/null || true; fi
     # all configs come from one template: checking the first new one catches template errors
     # without paying ~30 ms per host
     if [ "$tested" = 0 ]; then
