@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     )
     from k3launch.api.rollouts import rollout, rollout_continue, rollout_preview
     from k3launch.api.supervision import events, follow_events, restart_policy, stop_supervisor, supervise, supervise_detached
+    from k3launch.api.timelines import timeline
 
 # Each name's module, imported on first use: `plan` then loads only the planning part of the API
 # (not the lifecycle, node operations or the backend table) on its way to start-up.
@@ -130,6 +131,7 @@ _HOMES: dict[str, str] = {
     "saved_probe": "nodes",
     "load_prediction": "nodes",
     "load_against": "nodes",
+    "timeline": "timelines",
 }
 
 
@@ -195,6 +197,7 @@ __all__ = [
     "submit_array",
     "supervise",
     "supervise_detached",
+    "timeline",
     "uncordon",
     "up",
     "wait_array",

@@ -204,21 +204,33 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
 
 @app.command()
 def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")], state_dir: StateDir = None,
+             compare: Annotated[str | None, typer.Option("--compare", metavar="OTHER",
+                                                         help="Side by side with another bring-up, phase by phase: a deployment's name, "
+                                                              "or a file `k3launch timeline NAME --json` wrote.")] = None,
              json_out: JsonOut = False) -> None:
     """The bring-up's timeline: per process, each phase's start and end; the slowest rank and what it waited for."""
     STATE.json = json_out
     from k3launch import api
     from k3launch.cli import show_progress
+    from k3launch.models.bringups import compare as side_by_side
+    from k3launch.models.bringups import no_timeline
 
     try:
         rec = api.record(name, state_dir)
         if rec is None:
             raise K3Error("unknown-deployment", f"no deployment named {name!r}", "see `k3launch list`")
         if rec.timeline is None:
-            raise K3Error("no-timeline", f"{name} has no bring-up timeline ({rec.state})",
-                          "it is recorded by `up` from this version on; bring the deployment up again to get one")
+            raise no_timeline(name, rec.state)
+        other = api.timeline(compare, state_dir) if compare is not None else None
     except K3Error as err:
         fail(err)
+    if other is not None and compare is not None:
+        cmp = side_by_side(rec.timeline, other.timeline, name, compare, other.deployment)
+        if json_out:
+            typer.echo(json.dumps(cmp.as_dict(), indent=2))
+        else:
+            show_progress.comparison(console(), cmp)
+        return
     since = [e for e in api.events(name, state_dir=state_dir) if e.time >= rec.created]  # this life's supervision
     pred, loads = api.load_against(rec, state_dir)
     if json_out:

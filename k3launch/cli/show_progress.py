@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from k3launch.models.bringups import Comparison, Delta
 from k3launch.models.phases import BringUp, Phase, ProcessProgress, Timeline
 from k3launch.models.record import Stage
 
@@ -174,6 +175,45 @@ def timeline(con: Console, name: str, tl: Timeline) -> None:
     if slow is not None:
         what = f"; it waited longest for {slow.waited_for.label} ({slow.waited_s:.1f}s)" if slow.waited_for else ""
         con.print(f"slowest: {slow.process} on {slow.node}, done {slow.seconds:.1f}s after the start{what}", soft_wrap=True, markup=False)
+
+
+def _s(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1f}"
+
+
+def _diff(d: Delta) -> tuple[str, str]:
+    """NAME − OTHER and NAME / OTHER, as shown ("" where one side has nothing)."""
+    diff = "" if d.diff_s is None else f"{round(d.diff_s, 1) + 0.0:+.1f}"  # + 0.0: a difference that rounds to nothing is +0.0, not -0.0
+    return diff, ("" if d.ratio is None else f"{d.ratio:.2f}")
+
+
+def comparison(con: Console, c: Comparison) -> None:
+    """``k3launch timeline NAME --compare OTHER``: per process and phase, the seconds in each, NAME − OTHER and NAME / OTHER."""
+    other = c.other + (f" ({c.other_deployment})" if c.other_deployment not in (None, c.other) else "")
+
+    def how(ready: bool, s: float | None) -> str:
+        return f"{'ready in' if ready else 'failed after'} {_s(s)}s"
+
+    diff, ratio = _diff(c.total)
+    _plain(con, f"{c.name}: bring-up {how(c.ready, c.total.name_s)}; {other}: {how(c.other_ready, c.total.other_s)}; "
+                f"difference {diff}s, ratio {ratio}")
+    t = Table(show_header=True, header_style="bold")
+    for col, just in (("process", "left"), ("role", "left"), ("phase", "left"), (c.name, "right"), (c.other, "right"),
+                      ("diff", "right"), ("ratio", "right")):
+        t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
+    for p in c.processes:
+        rows = [(ph.phase.label, ph.delta) for ph in p.phases] + [("done (from the start)", p.done)]
+        for i, (label, d) in enumerate(rows):
+            t.add_row(p.id if i == 0 else "", p.role if i == 0 else "", label, _s(d.name_s), _s(d.other_s), *_diff(d),
+                      style="bold" if i == len(rows) - 1 else None, end_section=i == len(rows) - 1)
+    if c.processes:
+        con.print(t)
+    else:
+        _plain(con, "no process in common (processes are matched by id)")
+    for label, alone in ((c.name, c.only_name), (c.other, c.only_other)):
+        if alone:
+            _plain(con, f"only in {label}: " + ", ".join(
+                f"{a.id} ({a.role or '?'}) on {a.node}" + (f", done after {a.done_s:.1f}s" if a.done_s is not None else "") for a in alone))
 
 
 def load_lines(rows: list[dict[str, object]], basis: str) -> list[str]:
