@@ -247,7 +247,12 @@ def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(k3: K
 # ------------------------------------------------------------------ on an SSH test host, started twice
 def _compiling_s(timeline: dict[str, Any]) -> float:
     """Seconds the engines spent compiling (a phase may come twice per process)."""
-    return sum(s["seconds"] for p in timeline["processes"] if p["role"] != "router" for s in p["phases"] if s["phase"] == "compiling")
+    return sum(float(s["seconds"]) for p in timeline["processes"] if p["role"] != "router" for s in p["phases"] if s["phase"] == "compiling")
+
+
+def _files(d: Path) -> set[str]:
+    """The files under a cache key's directory but k3launch's own note (rewritten at every start)."""
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name != "k3launch.json"}
 
 
 @pytest.mark.ssh
@@ -311,12 +316,18 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
             (tmp_path / "cold.json").write_text(json.dumps(cold))
             down_leaves_nothing(procs)
             assert not ours & set(os.listdir("/dev/shm")), ours & set(os.listdir("/dev/shm"))
-            kept = [p for p in key_dir.rglob("*") if p.is_file() and p.name != "k3launch.json"]
+            kept = _files(key_dir)
             assert kept, sorted(key_dir.rglob("*"))  # what the first start compiled stayed on the node
 
             took_warm, warm = up()
-            logs = cli.run("logs", name, "-n", "2000").stdout
-            assert "Compiling model again" not in logs, logs[-3000:]  # the compiled artifacts loaded (docs/caches.md)
+            text = cli.run("logs", name, "-n", "2000").stdout
+            assert "Compiling model again" not in text, text[-3000:]  # what vLLM 0.32 says when its AOT artifact fails to load
+            # a cache hit reads and writes nothing new: every compiled file is the first start's
+            assert _files(key_dir) - kept == set(), sorted(_files(key_dir) - kept)
+            cmp = cli.json("timeline", name, "--compare", str(tmp_path / "cold.json"))
+            row = {ph["phase"]: ph for ph in cmp["processes"][0]["phases"]}["compiling"]
+            assert row["name_s"] == pytest.approx(_compiling_s(warm), abs=0.05), (row, warm)
+            assert row["other_s"] == pytest.approx(_compiling_s(cold), abs=0.05), (row, cold)
             info = json.loads(podman("inspect", _containers(name)[0]).stdout)[0]
             assert {m["Destination"]: m["Source"] for m in info["Mounts"]}["/root/.cache/k3launch-compile"] == str(key_dir)
             procs = _tree(int(info["State"]["ConmonPid"])) | _tree(int(info["State"]["Pid"]))
