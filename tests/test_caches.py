@@ -32,6 +32,7 @@ def test_the_key_changes_with_what_invalidates_compiled_code_and_only_that() -> 
     assert _key(image="reg.example/vllm:other") != base  # other code
     assert _key(sets=["dtype=float32"]) != base  # other numerics
     assert _key(vllm_version="0.32.0") != base
+    assert _key(sets=["revision=abc123"]) != base != _key(sets=["revision=def456"]) != _key(sets=["revision=abc123"])  # other weights
     assert base.startswith("tiny-llama-0.33.0-") and len(base.rsplit("-", 1)[1]) == 12
 
 

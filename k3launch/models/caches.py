@@ -41,9 +41,9 @@ CACHE_ENV = {
     "DG_JIT_CACHE_DIR": "deep_gemm",
 }
 
-# the flags that change what is compiled: the layout and the numerics (others, like
-# --max-num-seqs, only change which of the compiled shapes run)
-_LAYOUT_FLAGS = ("--tensor-parallel-size", "--data-parallel-size", "--data-parallel-size-local", "--pipeline-parallel-size",
+# the flags that change what is compiled: the model's revision, the layout and the numerics
+# (others, like --max-num-seqs, only change which of the compiled shapes run)
+_LAYOUT_FLAGS = ("--revision", "--tensor-parallel-size", "--data-parallel-size", "--data-parallel-size-local", "--pipeline-parallel-size",
                  "--enable-expert-parallel", "--quantization", "--dtype", "--kv-cache-dtype", "--compilation-config",
                  "--all2all-backend", "--moe-backend", "--attention-backend", "--speculative-config")
 
