@@ -60,11 +60,18 @@ def path_word(path: str) -> str:
     return word if isinstance(word, Raw) else shlex.quote(word)
 
 
+def mount_word(pairs: Sequence[tuple[str, str]], prefix: str = "") -> str:
+    """``prefix`` + ``SRC:DST[,SRC:DST...]`` as one word (docker's ``-v``, apptainer's ``--bind``, pyxis's
+    ``--container-mounts=``): a source ``~/...`` expands on the node, the rest stays data."""
+    words = [home_path(src) for src, _ in pairs]
+    if not any(isinstance(w, Raw) for w in words):
+        return prefix + ",".join(f"{src}:{dst}" for src, dst in pairs)
+    out = [(w if isinstance(w, Raw) else shlex.quote(w)) + shlex.quote(":" + dst) for w, (_, dst) in zip(words, pairs, strict=True)]
+    return Raw((shlex.quote(prefix) if prefix else "") + shlex.quote(",").join(out))
+
+
 def _mount(src: str, dst: str) -> str:
-    word = home_path(src)
-    if isinstance(word, Raw):
-        return Raw(word + shlex.quote(":" + dst))
-    return f"{src}:{dst}"
+    return mount_word([(src, dst)])
 
 
 def cache_dir(plan: Plan, proc: Process, host: Host) -> str | None:
@@ -83,16 +90,30 @@ def cache_env(where: str) -> list[str]:
     return out
 
 
+def cache_mount(plan: Plan, proc: Process, host: Host, bind: str, setenv: str) -> list[str]:
+    """A container's words for ``proc``'s compile caches: ``bind SRC:DST`` (the node's directory at
+    :data:`~k3launch.models.caches.CONTAINER_CACHE`), then ``setenv NAME=...`` per cache; none without."""
+    cache = cache_dir(plan, proc, host)
+    if cache is None:
+        return []
+    return [bind, _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in (setenv, e))]
+
+
+def cache_meta_json(plan: Plan, proc: Process, host: Host) -> str:
+    """What ``proc``'s key stands for, the one line of its ``k3launch.json``."""
+    import json
+
+    return json.dumps(caches.cache_meta(plan, proc, host), sort_keys=True)
+
+
 def cache_prep(plan: Plan, proc: Process, host: Host) -> str:
     """Shell text before ``proc`` starts: its cache directory made (a bind source must exist) and
     what its key stands for written beside (``k3launch cache ls``); "" without caches."""
     d = cache_dir(plan, proc, host)
     if d is None:
         return ""
-    import json
-
     word = path_word(d)
-    meta = shlex.quote(json.dumps(caches.cache_meta(plan, proc, host), sort_keys=True))
+    meta = shlex.quote(cache_meta_json(plan, proc, host))
     return f"mkdir -p {word} && printf '%s\\n' {meta} > {word}/{caches.META}\n"
 
 
@@ -190,9 +211,7 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
         if runtime == "docker":  # podman refuses --shm-size with the host IPC namespace
             cmd += ["--shm-size", host.shm_size or "64g"]
         cmd += ["-v", _mount(host.hf_cache or DEFAULT_HF_CACHE, CONTAINER_HF_CACHE)]
-        cache = cache_dir(plan, proc, host)
-        if cache is not None:  # kept on the node: the next start of this key compiles nothing again
-            cmd += ["-v", _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in ("-e", e))]
+        cmd += cache_mount(plan, proc, host, "-v", "-e")  # kept on the node: the next start of this key compiles nothing again
         for k, v in env.items():
             cmd += ["-e", f"{k}={v}"]
         if runtime == "podman":
@@ -202,16 +221,15 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
                 cmd += ["-e", k]  # by name: the value stays in the caller's environment
         return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
     log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
-    cache = cache_dir(plan, proc, host)
     if runtime == "apptainer":
         inner = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", _mount(host.hf_cache or DEFAULT_HF_CACHE, CONTAINER_HF_CACHE)]
-        if cache is not None:
-            inner += ["--bind", _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in ("--env", e))]
+        inner += cache_mount(plan, proc, host, "--bind", "--env")
         for k, v in env.items():
             inner += ["--env", f"{k}={v}"]
         inner += [f"docker://{proc.image}", *argv]
     else:
         path = venv_path(host.venv if proc.role != "router" else None, tools)
+        cache = cache_dir(plan, proc, host)
         inner = ["env", *path, *(cache_env(cache) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
     return ["k3launch_background", log, *inner]
 
