@@ -4,6 +4,11 @@
 #   k3_doctor GPUS PROGRAM I:PORT,PORT ...
 #                                one step on every node: GPUs visible, PROGRAM found, planned ports free;
 #                                a failing node is named ("k3launch: doctor failed on HOST: why") and the job exits 3
+#   k3_dir I DIR META            a directory plan node I's steps need before they start (a container's bind source,
+#                                a compile cache): META, when not empty, is written to DIR/k3launch.json
+#   k3_prepare                   one step on every node makes its k3_dir directories (pyxis mounts before a step's
+#                                command runs); one it cannot make is named ("k3launch: prepare failed on HOST:
+#                                cannot make DIR") and the job exits 1
 #   k3_step NAME I SRUN_ARGS... COMMAND...
 #                                one srun step per process on plan node I, output in $K3_LOGDIR/NAME.log
 #   k3_work COMMAND...           (job arrays) the task's own work, on the batch host, output in work.log
@@ -63,29 +68,56 @@ done
 if [ -n "$bad" ]; then echo "k3launch-doctor $me fail ${bad#; }"; else echo "k3launch-doctor $me ok"; fi
 '
 
-k3_doctor() {
-  local gpus=$1 prog=$2 spec idx out line failed=0 hosts
+# One task on every node of the allocation runs SCRIPT NAME ARGS... (output in $K3_LOGDIR/NAME.log). Each
+# node answers "k3launch-NAME HOST ok" or "k3launch-NAME HOST fail WHY"; a failing node is said as
+# "k3launch: NAME failed on HOST: WHY". Returns 1 when a node failed or did not answer.
+k3_each_node() {
+  local name=$1 script=$2 out line failed=0 hosts
   shift 2
-  local specs=()
-  for spec in "$@"; do
-    idx=${spec%%:*}
-    specs+=("${K3_HOSTS[$idx]}:${spec#*:}")
-  done
   hosts=$(IFS=,; echo "${K3_HOSTS[*]:0:$K3_NODES}")
-  out=$(srun --nodes="$K3_NODES" --ntasks="$K3_NODES" --ntasks-per-node=1 --nodelist="$hosts" --job-name=k3-doctor \
-    --overlap --kill-on-bad-exit=0 bash -c "$K3_DOCTOR_CHECK" k3-doctor "$gpus" "$prog" "${specs[@]}" 2>&1)
-  printf '%s\n' "$out" >"$K3_LOGDIR/doctor.log"
+  out=$(srun --nodes="$K3_NODES" --ntasks="$K3_NODES" --ntasks-per-node=1 --nodelist="$hosts" --job-name="k3-$name" \
+    --overlap --kill-on-bad-exit=0 bash -c "$script" "k3-$name" "$@" 2>&1)
+  printf '%s\n' "$out" >"$K3_LOGDIR/$name.log"
   while IFS= read -r line; do
     case $line in
-      "k3launch-doctor "*" fail "*) line=${line#k3launch-doctor }; k3_say "doctor failed on ${line%% fail *}: ${line#* fail }" >&2; failed=1 ;;
+      "k3launch-$name "*" fail "*) line=${line#"k3launch-$name "}; k3_say "$name failed on ${line%% fail *}: ${line#* fail }" >&2; failed=1 ;;
     esac
   done <<<"$out"
-  if [ "$failed" = 0 ] && [ "$(grep -c '^k3launch-doctor .* ok$' <<<"$out")" -lt "$K3_NODES" ]; then
-    k3_say "doctor step did not report every node: $(tail -n 3 <<<"$out" | tr '\n' ' ')" >&2
+  if [ "$failed" = 0 ] && [ "$(grep -c "^k3launch-$name .* ok\$" <<<"$out")" -lt "$K3_NODES" ]; then
+    k3_say "$name step did not report every node: $(tail -n 3 <<<"$out" | tr '\n' ' ')" >&2
     failed=1
   fi
-  if [ "$failed" = 1 ]; then exit 3; fi
+  return "$failed"
+}
+
+k3_doctor() {
+  local gpus=$1 prog=$2 spec specs=()
+  shift 2
+  for spec in "$@"; do
+    specs+=("${K3_HOSTS[${spec%%:*}]}:${spec#*:}")
+  done
+  k3_each_node doctor "$K3_DOCTOR_CHECK" "$gpus" "$prog" "${specs[@]}" || exit 3
   k3_say "doctor: $K3_NODES node(s) ok"
+}
+
+# Runs on each node (one task per node) with HOST DIR META triples; makes the directories of its own host.
+K3_PREPARE_DIRS='
+me=${SLURMD_NODENAME:-$(hostname -s)}
+while [ "$#" -ge 3 ]; do
+  if [ "$1" = "$me" ]; then
+    if ! mkdir -p -- "$2" || { [ -n "$3" ] && ! printf "%s\n" "$3" >"$2/k3launch.json"; }; then echo "k3launch-prepare $me fail cannot make $2"; fi
+  fi
+  shift 3
+done
+echo "k3launch-prepare $me ok"
+'
+K3_DIRS=()
+
+k3_dir() { K3_DIRS+=("${K3_HOSTS[$1]}" "$2" "$3"); }
+
+k3_prepare() {
+  k3_each_node prepare "$K3_PREPARE_DIRS" "${K3_DIRS[@]}" || exit 1
+  k3_say "prepare: $((${#K3_DIRS[@]} / 3)) directory(ies) made on $K3_NODES node(s)"
 }
 
 k3_step() {

@@ -47,7 +47,7 @@ from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import Inventory, SlurmSection
 from k3launch.planning.recipes import RecipeTree
 from k3launch.render.sbatch import DOCTOR_FAILED_EXIT, job_library, make_array_string, make_sbatch_string
-from k3launch.render.scripts import cache_dir
+from k3launch.render.scripts import cache_dir, cache_meta_json
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
@@ -60,6 +60,7 @@ GOLDEN = Path(__file__).parent / "golden" / "slurm"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
 TREE = RecipeTree()
 HF = "/root/.cache/huggingface"  # where the HF cache is mounted in containers
+CC = "/root/.cache/k3launch-compile"  # where the compile caches are mounted in containers
 SECRET = "secret-xyz"
 LOG_DIR = "/shared/k3logs"
 # "Allocated" host names the fake scontrol hands out (deliberately unlike the placeholders).
@@ -69,7 +70,9 @@ FAKE_ADDRS = tuple(f"10.77.0.{i + 1}" for i in range(len(FAKE_HOSTS)))
 
 FAKE_SRUN = r"""#!/bin/bash
 # fake srun: the doctor step (--job-name=k3-doctor) answers "ok" for every host of its --nodelist
-# (or "fail" for $K3_FAKE_DOCTOR_FAIL); any other step records its argv (NUL-separated) and
+# (or "fail" for $K3_FAKE_DOCTOR_FAIL); the prepare step (k3-prepare) records its argv and answers "ok" for
+# every host, or with K3_FAKE_PREPARE set (a test whose directories are all under its tmp_path) runs its
+# command here once per host, as that host (SLURMD_NODENAME); any other step records its argv (NUL-separated) and
 # environment, waits until every step is recorded, then exits 0, or (K3_FAKE_FAIL set) exits 7
 # if it is that step, else sleeps like a server.
 d=$K3_FAKE_OUT f=$K3_FAKE_OUT/srun.$$
@@ -79,6 +82,14 @@ if [ "$name" = k3-doctor ]; then
   printf '%s\0' "$@" >"$d/doctor.argv"
   for h in ${nodes//,/ }; do
     if [ "$h" = "${K3_FAKE_DOCTOR_FAIL:-}" ]; then echo "k3launch-doctor $h fail 0 of 8 GPUs visible"; else echo "k3launch-doctor $h ok"; fi
+  done
+  exit 0
+fi
+if [ "$name" = k3-prepare ]; then
+  printf '%s\0' "$@" >"$d/prepare.argv"
+  while [ "${1#-}" != "$1" ]; do shift; done  # srun's options (all --opt or --opt=value)
+  for h in ${nodes//,/ }; do
+    if [ -n "${K3_FAKE_PREPARE:-}" ]; then SLURMD_NODENAME=$h "$@"; else echo "k3launch-prepare $h ok"; fi
   done
   exit 0
 fi
@@ -174,6 +185,7 @@ CASES: dict[str, Case] = {
                            {"partition": "gpu", "account": "lab$(touch${IFS}/tmp/k3-golden-pwned-account)",
                             "extra_sbatch": ["--comment=$(touch /tmp/k3-golden-pwned-comment) `id`; rm -rf ~"]},
                            {"hf_cache": "/data/hf cache $(touch /tmp/k3-golden-pwned-cache) 'q\"",
+                            "compile_cache": "/data/cc $(touch /tmp/k3-golden-pwned-cc) `id`; 'q\"",
                             "env": {"NCCL_DEBUG": "INFO $(touch /tmp/k3-golden-pwned-env) `id` \"; exit 1",
                                     "K3_NOTE": "it's http://slurm-node-1:9/?x=$(id)&y=${HOME}"}},
                            extra_sbatch=("--signal=B:USR1@60; touch /tmp/k3-golden-pwned-extra",)),
@@ -299,6 +311,7 @@ def test_sbatch_structure(case: str, tmp_path: Path) -> None:
     st = steps(text)
     assert sorted(st) == sorted(p.id for p in plan.processes)
     sub = addr_words(plan)
+    kept = {p.id: str(cache_dir(plan, p, next(h for h in plan.hosts if h.name == p.node))).replace("~", "$HOME", 1) for p in plan.processes}
     for proc in plan.processes:
         words = st[proc.id]
         i = node_index(plan, proc)
@@ -308,7 +321,7 @@ def test_sbatch_structure(case: str, tmp_path: Path) -> None:
         env_words = {f"{k}={sub(v)}" for k, v in proc.env.items()}
         assert env_words <= set(words), proc.id  # env values (VLLM_HOST_IP, URLs, ...) are bound too
         if proc.role != "router" and c.container == "pyxis":
-            assert f"--container-image={proc.image}" in words and f"--container-mounts={c.defaults['hf_cache']}:{HF}" in words
+            assert f"--container-image={proc.image}" in words and f"--container-mounts={c.defaults['hf_cache']}:{HF},{kept[proc.id]}:{CC}" in words
         if proc.role != "router" and c.container == "apptainer":
             assert f"docker://{proc.image}" in words and ("--rocm" if plan.platform == "rocm" else "--nv") in words
         if proc.role == "router" or c.container == "bare":
@@ -317,7 +330,13 @@ def test_sbatch_structure(case: str, tmp_path: Path) -> None:
     # The job library, verbatim; bind and doctor before the first step; supervision (fail fast) last.
     assert job_library() in text
     calls = [ln.split()[0] for ln in lines[lines.index("# ---- end of the k3launch job library ----"):] if ln.startswith("k3_")]
-    assert calls == ["k3_bind", "k3_doctor", *["k3_step"] * len(plan.processes), "k3_supervise"]
+    # before any step, each directory a step needs on its node, once (a container's hf_cache, every
+    # engine's compile cache: their golden plans run the real engine), then one step makes them
+    engines = [p for p in plan.processes if p.role != "router"]
+    need = {(node_index(plan, p), d) for p in engines for d in [*([c.defaults["hf_cache"]] if c.container != "bare" else []), kept[p.id]]}
+    dirs = [shlex.split(ln)[1:3] for ln in lines if ln.startswith("k3_dir ")]
+    assert len(dirs) == len(need) and {(int(i), d) for i, d in dirs} == need
+    assert calls == ["k3_bind", "k3_doctor", *["k3_dir"] * len(need), "k3_prepare", *["k3_step"] * len(plan.processes), "k3_supervise"]
     assert text.endswith("k3_supervise\n") and text.startswith("#!/bin/bash\n")
     assert not re.search(r"(?<![A-Z_])HF_TOKEN=", text)  # by name only (APPTAINERENV_HF_TOKEN copies it at run time)
 
@@ -467,19 +486,47 @@ def expected_step(plan: Plan, proc: Process, container: str, hf_cache: str, sub:
     """(srun options, command) a step of ``proc`` must receive, from the plan alone."""
     host = FAKE_HOSTS[node_index(plan, proc)]
     kept = cache_dir(plan, proc, next(h for h in plan.hosts if h.name == proc.node))
-    # a bare engine's compile/JIT caches: in the node's cache directory, ~ expanded there
-    caches = [f"{k}={kept.replace('~', home, 1)}/{d}" for k, d in CACHE_ENV.items()] if kept and container == "bare" else []
+    kept = kept.replace("~", home, 1) if kept and kept.startswith("~/") else kept  # ~ expanded on the node
+    # compile/JIT caches: a bare engine's in the node's cache directory, a container's where that is mounted
+    caches = [f"{k}={kept}/{d}" for k, d in CACHE_ENV.items()] if kept and container == "bare" else []
+    inside = [f"{k}={CC}/{d}" for k, d in CACHE_ENV.items()] if kept else []
     env = {**{k: sub(v) for k, v in proc.env.items()}, "K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
     argv = [sub(w) for w in proc.argv]
     opts = {"--nodes=1", "--ntasks=1", f"--nodelist={host}", "--kill-on-bad-exit=1", f"--job-name={proc.id}", "--overlap"}
     if proc.role == "router" or container == "bare":
         return opts, ["env", *caches, *(f"{k}={v}" for k, v in env.items()), *argv]
     if container == "pyxis":
-        opts |= {f"--container-image={proc.image}", f"--container-mounts={hf_cache}:{HF}", "--container-env=" + ",".join([*env, "HF_TOKEN"])}
-        return opts, ["env", *(f"{k}={v}" for k, v in env.items()), *argv]
+        mounts = f"{hf_cache}:{HF}" + (f",{kept}:{CC}" if kept else "")
+        opts |= {f"--container-image={proc.image}", f"--container-mounts={mounts}", "--container-env=" + ",".join([*env, "HF_TOKEN"])}
+        return opts, ["env", *inside, *(f"{k}={v}" for k, v in env.items()), *argv]
     gpu = "--rocm" if plan.platform == "rocm" else "--nv"
-    return opts, ["apptainer", "exec", gpu, "--cleanenv", "--bind", f"{hf_cache}:{HF}", *(w for k, v in env.items() for w in ("--env", f"{k}={v}")),
-                  f"docker://{proc.image}", *argv]
+    cache = ["--bind", f"{kept}:{CC}", *(w for e in inside for w in ("--env", e))] if kept else []
+    return opts, ["apptainer", "exec", gpu, "--cleanenv", "--bind", f"{hf_cache}:{HF}", *cache,
+                  *(w for k, v in env.items() for w in ("--env", f"{k}={v}")), f"docker://{proc.image}", *argv]
+
+
+def prepared(out: Path) -> list[tuple[str, str, str]]:
+    """(host, directory, META) of the prepare step, as the fake srun received them."""
+    argv = (out / "prepare.argv").read_bytes().decode().split("\0")[:-1]
+    rest = argv[argv.index("k3-prepare", argv.index("-c")) + 1:]
+    return [(rest[i], rest[i + 1], rest[i + 2]) for i in range(0, len(rest), 3)]
+
+
+def expected_dirs(plan: Plan, container: str, hf_cache: str, home: str) -> set[tuple[str, str, str]]:
+    """What the prepare step must make: on each engine's host its compile cache with what the key
+    stands for, and a container's hf_cache (no META)."""
+    want = set()
+    for proc in plan.processes:
+        host = next(h for h in plan.hosts if h.name == proc.node)
+        if proc.role == "router":
+            continue
+        if container != "bare":
+            want.add((FAKE_HOSTS[node_index(plan, proc)], hf_cache.replace("~", home, 1) if hf_cache.startswith("~/") else hf_cache, ""))
+        kept = cache_dir(plan, proc, host)
+        if kept is not None:
+            want.add((FAKE_HOSTS[node_index(plan, proc)], kept.replace("~", home, 1) if kept.startswith("~/") else kept,
+                      cache_meta_json(plan, proc, host)))
+    return want
 
 
 def check_steps(run: Run, plan: Plan, container: str, hf_cache: str) -> None:
@@ -506,11 +553,15 @@ def test_fake_run_binds_plan_nodes_to_allocated_hosts(case: str, tmp_path: Path)
     n = len(node_order(plan))
     assert [f"k3launch: node {i} = {FAKE_HOSTS[i]} {FAKE_ADDRS[i]}" for i in range(n)] == run.stdout.splitlines()[:n]
     assert run.stdout.splitlines()[n] == f"k3launch: doctor: {n} node(s) ok"
+    # then one step made what the steps need on their nodes (the real engine's plans: compile caches everywhere)
+    made = prepared(run.out)
+    assert len(made) == len(set(made)) and set(made) == expected_dirs(plan, c.container, c.defaults.get("hf_cache", ""), str(tmp_path / "home"))
+    assert run.stdout.splitlines()[n + 1] == f"k3launch: prepare: {len(made)} directory(ies) made on {n} node(s)"
     doctor = (run.out / "doctor.argv").read_bytes().decode().split("\0")[:-1]
     assert f"--nodelist={','.join(FAKE_HOSTS[:n])}" in doctor and doctor[doctor.index("k3-doctor", doctor.index("-c")) + 1] == str(plan.gpus_per_node)
     # every step ending (here: all exit 0) ends the job, which fails and says so
     assert run.rc == 1 and re.search(r"k3launch: \S+ on node \d+ \(\S+\) exited with code 0; stopping the deployment", run.stderr), run.stderr
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(["doctor.log", *(f"{p.id}.log" for p in plan.processes)])
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == sorted(["doctor.log", "prepare.log", *(f"{p.id}.log" for p in plan.processes)])
 
 
 def test_fail_fast_names_the_failed_process_and_node_and_stops_the_others(tmp_path: Path) -> None:
@@ -557,6 +608,7 @@ def hostile_inventory(tmp: Path, container: str) -> Inventory:
     m = f"{tmp}/pwned"
     return slurm_inventory("b300", container, partition="gpu", defaults={
         "hf_cache": f"{tmp}/hf cache $(touch {m}-cache1) `touch {m}-cache2`; touch {m}-cache3 'q\"",
+        "compile_cache": f"{tmp}/cc $(touch {m}-cc1) `touch {m}-cc2`; touch {m}-cc3 'q\"",
         "image": "reg.example:5000/team/img@sha256:" + "0f" * 32,
         "env": {
             "NCCL_DEBUG": f"INFO $(touch {m}-env1) `touch {m}-env2`",
@@ -574,8 +626,13 @@ def test_hostile_values_end_up_as_data(container: str, tmp_path: Path) -> None:
     log_dir = f"{tmp_path}/logs $(touch {tmp_path}/pwned-log) 'x"
     extra = (f"--comment=$(touch {tmp_path}/pwned-sbatch1) `touch {tmp_path}/pwned-sbatch2`; touch {tmp_path}/pwned-sbatch3",)
     script = make_sbatch_string(plan, inv.slurm, log_dir, extra)
-    run = run_fake(script, tmp_path, len(plan.processes), list(FAKE_HOSTS))
+    run = run_fake(script, tmp_path, len(plan.processes), list(FAKE_HOSTS), extra_env={"K3_FAKE_PREPARE": "1"})
     check_steps(run, plan, container, str(inv.defaults.hf_cache))
+    # the prepare step made every directory, by its exact name, the key's with what it stands for
+    want = expected_dirs(plan, container, str(inv.defaults.hf_cache), str(tmp_path / "home"))
+    assert set(prepared(run.out)) == want and all(Path(d).is_dir() for _, d, _ in want)
+    assert all(Path(d, "k3launch.json").read_text() == meta + "\n" for _, d, meta in want if meta)
+    assert any(d.startswith(f"{tmp_path}/cc $(touch") for _, d, _ in want)
     engines = [p for p in plan.processes if p.role != "router"]
     sub = substitute(plan, list(FAKE_ADDRS))
     for proc in engines:  # the inventory's env arrived verbatim, only the plan's addresses bound
@@ -639,11 +696,16 @@ def test_default_hf_cache_is_mounted_from_the_home_directory(container: str, tmp
     inv = slurm_inventory("b300", container)
     assert inv.slurm is not None
     plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inv, name="k3t-home")
-    run = run_fake(make_sbatch_string(plan, inv.slurm, str(tmp_path / "logs")), tmp_path, 1, list(FAKE_HOSTS))
+    run = run_fake(make_sbatch_string(plan, inv.slurm, str(tmp_path / "logs")), tmp_path, 1, list(FAKE_HOSTS),
+                   extra_env={"K3_FAKE_PREPARE": "1"})
     call = run.calls["serve-0"]
     mount = next(w.split("=", 1)[1] for w in call.options if w.startswith("--container-mounts=")) if container == "pyxis" \
-        else call.command[call.command.index("--bind") + 1]
-    assert mount == f"{tmp_path}/home/.cache/huggingface:{HF}"
+        else ",".join(call.command[i + 1] for i, w in enumerate(call.command) if w == "--bind")
+    kept = str(cache_dir(plan, plan.processes[0], plan.hosts[0])).replace("~", f"{tmp_path}/home", 1)
+    assert mount == f"{tmp_path}/home/.cache/huggingface:{HF},{kept}:{CC}"
+    # both bind sources were made on the node before the step (pyxis and apptainer refuse a missing one)
+    assert (tmp_path / "home" / ".cache" / "huggingface").is_dir()
+    assert Path(kept, "k3launch.json").read_text() == cache_meta_json(plan, plan.processes[0], plan.hosts[0]) + "\n"
 
 
 @pytest.mark.parametrize("container", ["pyxis", "apptainer"])
@@ -714,6 +776,22 @@ def test_a_node_that_fails_the_doctor_step_is_named_and_no_engine_starts(tmp_pat
     assert f"k3launch-doctor {FAKE_HOSTS[0]} ok" in (tmp_path / "logs" / "doctor.log").read_text()
 
 
+@pytest.mark.parametrize("container", ["pyxis", "bare"])
+def test_a_directory_the_prepare_step_cannot_make_is_named_and_no_step_starts(container: str, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    inv = slurm_inventory("b300", container, defaults={"compile_cache": f"{tmp_path}/file/cc $(touch {tmp_path}/pwned)"})
+    assert inv.slurm is not None
+    plan = build_plan(TREE, Selection(strategy="multi_node_tp", nodes=2), inventory=inv, name="k3t-prep")
+    run = run_fake(make_sbatch_string(plan, inv.slurm, str(tmp_path / "logs")), tmp_path, 0, list(FAKE_HOSTS),
+                   extra_env={"K3_FAKE_PREPARE": "1"})
+    kept = cache_dir(plan, plan.processes[0], plan.hosts[0])
+    assert run.rc == 1 and run.calls == {}, run.stderr
+    said = [ln for ln in run.stderr.splitlines() if ln.startswith("k3launch: prepare failed on ")]
+    assert said == [f"k3launch: prepare failed on {h}: cannot make {kept}" for h in FAKE_HOSTS[:2]], run.stderr
+    assert "Not a directory" in (tmp_path / "logs" / "prepare.log").read_text()  # mkdir's own words, in the log
+    assert not (tmp_path / "pwned").exists()
+
+
 # ------------------------------------------------------------------ a real job on the local cluster
 def _procs_of(deployment: str) -> list[int]:
     """Live processes of this deployment on this machine (the nodes share its kernel)."""
@@ -747,12 +825,12 @@ class Submitted:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')}" for p in sorted(self.log_dir.glob("*")))
 
 
-def submit_sim(c: Cluster, tmp: Path, jobs: list[str], sel: Selection, env: dict[str, str]) -> Submitted:
+def submit_sim(c: Cluster, tmp: Path, jobs: list[str], sel: Selection, env: dict[str, str], **defaults: str) -> Submitted:
     """Render a plan of the simulated engine (container: bare) and sbatch it to the local cluster."""
     if c.mode != "netns":
         pytest.skip("multi mode: nodes share this machine's hostname and address; $K3_ADDR_i (the Slurm node name) would not resolve")
     inv = slurm_inventory("b300", "bare", engine="sim", partition=c.partition, time_limit="00:05:00",
-                          defaults={"python": sys.executable, "runtime": "bare", "env": {"K3LAUNCH_SIM_LOAD_S": "0.3", **env}})
+                          defaults={"python": sys.executable, "runtime": "bare", "env": {"K3LAUNCH_SIM_LOAD_S": "0.3", **env}, **defaults})
     assert inv.slurm is not None
     plan = build_plan(TREE, sel, inventory=inv, name=f"k3t-{uuid.uuid4().hex[:8]}", port_base=random.randrange(20000, 28000, 100))
     assert plan.gpus_per_node <= c.gpus_per_node and len(node_order(plan)) <= len(c.nodes)
@@ -776,7 +854,8 @@ def test_real_slurm_job_serves_the_simulated_engine_and_scancel_ends_it(slurm_cl
     from slurmcluster import TERMINAL
 
     c = slurm_cluster
-    sub = submit_sim(c, tmp_path, jobs, Selection(strategy="single_node_tp"), {})
+    cc = tmp_path / "compile cache"  # named: the simulated engine keeps none by default
+    sub = submit_sim(c, tmp_path, jobs, Selection(strategy="single_node_tp"), {}, compile_cache=str(cc))
     job, name, serve = sub.job, sub.plan.name, sub.plan.processes[0]
     assert [p.id for p in sub.plan.processes] == ["serve-0"]
     state = c.wait(job, timeout=30, until={"RUNNING", *TERMINAL})
@@ -796,6 +875,11 @@ def test_real_slurm_job_serves_the_simulated_engine_and_scancel_ends_it(slurm_cl
     assert len(pids) == 1, pids
     environ = dict(e.split("=", 1) for e in Path(f"/proc/{pids[0]}/environ").read_text().split("\0") if "=" in e)
     assert environ.get("VLLM_HOST_IP") == addr and environ.get("K3LAUNCH_PROCESS") == "serve-0"  # the node's NodeAddr
+    # the prepare step made the engine's compile-cache directory on its node, with what the key stands for
+    kept = str(cache_dir(sub.plan, serve, sub.plan.hosts[0]))
+    assert environ.get("VLLM_CACHE_ROOT") == f"{kept}/vllm" and kept.startswith(f"{cc}/")
+    assert Path(kept, "k3launch.json").read_text() == cache_meta_json(sub.plan, serve, sub.plan.hosts[0]) + "\n"
+    assert "k3launch: prepare: 1 directory(ies) made on 1 node(s)" in (sub.log_dir / f"slurm-{job}.out").read_text()
     # the step sees every GPU of the allocation (no --gres on the step needed)
     assert environ.get("CUDA_VISIBLE_DEVICES") == ",".join(map(str, range(sub.plan.gpus_per_node))), environ.get("CUDA_VISIBLE_DEVICES")
     cmdline = Path(f"/proc/{pids[0]}/cmdline").read_bytes().decode().split("\0")[:-1]

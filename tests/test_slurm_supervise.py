@@ -97,7 +97,9 @@ def test_a_supervised_script_starts_every_step_and_watches_each_recovery_unit(ca
     body = text.split("# ---- end of the k3launch watch library ----\n", 1)[1]
     calls = [ln.split()[0] for ln in body.splitlines() if ln.startswith("k3_")]
     us = units(plan)
-    assert calls == ["k3_bind", "k3_doctor", *["k3_start"] * len(plan.processes), *["k3_unit"] * len(us), "k3_watch"]
+    dirs = calls.count("k3_dir")  # what the steps need on their nodes, made first (tests/test_slurm_render.py checks them)
+    assert calls == ["k3_bind", "k3_doctor", *["k3_dir"] * dirs, "k3_prepare", *["k3_start"] * len(plan.processes), *["k3_unit"] * len(us),
+                     "k3_watch"] and dirs > 0
     assert f"K3_DEPLOYMENT={plan.name}\n" in body
     assert "K3_RS_POLICY=on-failure K3_RS_MAX=3 K3_RS_WINDOW_MS=1800000 K3_RS_BACKOFF_MS=5000 K3_RS_BACKOFF_MAX_MS=60000\n" in body
     assert "K3_RS_START_TIMEOUT_MS=900000 K3_RS_POLL_MS=1000\n" in body
@@ -276,12 +278,13 @@ def test_event_lines_are_json_whatever_the_reason_holds(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ the whole script under fakes
 # fake srun: records its argv (NUL-separated); a step named in K3_FAKE_DIE ("name:times:seconds:code")
-# exits after seconds with code, the first `times` times it is started; every other step serves.
+# exits after seconds with code, the first `times` times it is started; every other step serves. The
+# doctor and prepare steps answer "ok" for every host.
 FAKE_SRUN = r"""#!/bin/bash
 d=$K3_FAKE_OUT name=
 for a in "$@"; do case $a in --job-name=*) name=${a#--job-name=} ;; esac; done
-if [ "$name" = k3-doctor ]; then
-  for h in $K3_FAKE_HOSTS; do echo "k3launch-doctor $h ok"; done
+if [ "$name" = k3-doctor ] || [ "$name" = k3-prepare ]; then
+  for h in $K3_FAKE_HOSTS; do echo "k3launch-${name#k3-} $h ok"; done
   exit 0
 fi
 printf '%s\0' "$@" >"$d/srun.$$.argv"

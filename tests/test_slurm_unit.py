@@ -97,6 +97,22 @@ def test_the_rank_that_did_not_blame_a_peer_is_the_cause_and_its_node_is_recorde
     assert not store.exists("u-launch")  # the job is gone: nothing to keep
 
 
+def test_a_directory_the_job_could_not_make_is_named_with_the_setting_that_fixes_it(tmp_path: Path) -> None:
+    out = parse_output("k3launch: doctor: 2 node(s) ok\nk3launch: prepare failed on k3n2: cannot make /ro/cc $(x)/Kimi-K3-0.33.0-abc\n"
+                       "k3launch: prepare failed on k3n2: cannot make /ro/hf\n")
+    assert out.prepare_failed == {"k3n2": "/ro/cc $(x)/Kimi-K3-0.33.0-abc"} and not out.doctor_failed
+    fake = FakeSlurm([JobInfo("42", "RUNNING"), JobInfo("42", "FAILED", ["k3n1", "k3n2"], "NonZeroExitCode")],
+                     output="k3launch: prepare failed on k3n2: cannot make /ro/cc/Kimi-K3-0.33.0-abc\n")
+    sl, store = launch(tmp_path, fake)
+    with pytest.raises(LaunchFailed) as ei:
+        sl.up(timeout=5)
+    e = ei.value
+    assert e.code == "prepare-failed" and e.node == "k3n2" and e.message.startswith("job 42 could not make /ro/cc/Kimi-K3-0.33.0-abc on k3n2")
+    assert "`compile_cache:`" in e.hint and "prepare.log" in e.hint
+    assert not (tmp_path / "state" / "slurm-bad-nodes.json").exists()  # a setting to fix, not a node to leave out
+    assert not store.exists("u-launch")
+
+
 def test_a_refused_submission_leaves_no_record_and_a_never_running_job_is_cancelled(tmp_path: Path) -> None:
     sl, store = launch(tmp_path, FakeSlurm([JobInfo("42", "PENDING")], refuse="Requested node configuration is not available"))
     with pytest.raises(K3Error, match="Slurm refused the job") as refused:

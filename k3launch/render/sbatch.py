@@ -12,7 +12,8 @@ or URL becomes ``$K3_ADDR_i`` (the host's ``NodeAddr``). The router, when the pl
 inside the allocation on plan node 0. Each process is one ``srun`` step on its node —
 pyxis/enroot (``--container-image``), apptainer (``exec --nv``/``--rocm``) or bare — with its
 output in its own log. A doctor step first checks every node (GPUs visible, engine found,
-planned ports free). The job fails fast: the first step to exit ends the job (the others are
+planned ports free), then a prepare step makes on every node the directories its steps need before
+they start (each engine's compile cache, ``k3launch.json`` included; a container's hf_cache). The job fails fast: the first step to exit ends the job (the others are
 stopped) and the script names the process and node. A supervised job (``up --supervise``) watches
 its steps instead (``slurm/k3launch-watch.sh``, appended to the library): a step that exits restarts
 its recovery unit inside the allocation under the restart policy, and a crash loop ends the job
@@ -34,19 +35,24 @@ import shlex
 from collections.abc import Iterable, Sequence
 
 from k3launch.errors import K3Error
+from k3launch.models import caches
 from k3launch.models.plan import Plan, Process
 from k3launch.models.supervise import RestartPolicy, units
 from k3launch.planning.inventory import SlurmSection
 from k3launch.planning.porttable import process_ports
 from k3launch.render.scripts import (
     CONTAINER_HF_CACHE,
+    DEFAULT_HF_CACHE,
     Raw,
     apptainer_gpu,
     cache_dir,
     cache_env,
+    cache_meta_json,
+    cache_mount,
     engine_argv,
     home_path,
     markers,
+    mount_word,
     shell_join,
     token_snippet,
     venv_path,
@@ -96,34 +102,56 @@ def _bind(word: str, addrs: dict[str, int], pat: re.Pattern[str]) -> str:
     return Raw(out + (shlex.quote(word[pos:]) if pos < len(word) else ""))
 
 
+def _bare(proc: Process, slurm: SlurmSection, image: str | None) -> bool:
+    """Slurm's container mode, not the host's runtime, decides whether the engine runs bare."""
+    return proc.role == "router" or slurm.container == "bare" or not image
+
+
 def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int], image: str | None) -> list[str]:
+    """srun options and command of one process (after ``k3_step NAME I``). Its compile/JIT caches
+    (models.caches) are the node's ``<compile_cache>/<key>``, which :func:`_prepare_lines` makes first:
+    a bare engine's variables point there, a container gets it mounted at ``CONTAINER_CACHE``."""
     pat = address_pattern(addrs)
-    """srun options and command of one process (after ``k3_step NAME I``)."""
     host = next(h for h in plan.hosts if h.name == proc.node)
     env = {**proc.env, **markers(plan, proc)}
-    # Slurm's container mode, not the host's runtime, decides whether the engine runs bare.
-    bare = proc.role == "router" or slurm.container == "bare" or not image
+    bare = _bare(proc, slurm, image)
     argv = engine_argv(plan, proc, host.model_copy(update={"runtime": "bare"}) if bare else host)
-    hf_word = home_path(host.hf_cache or "~/.cache/huggingface")  # "$HOME"/... expands on the node
-
-    def mount(prefix: str) -> str:
-        if isinstance(hf_word, Raw):
-            return Raw(shlex.quote(prefix) + hf_word + shlex.quote(":" + CONTAINER_HF_CACHE))
-        return f"{prefix}{hf_word}:{CONTAINER_HF_CACHE}"
-
-    # compile/JIT caches kept on the node (models.caches): bare steps only, whose tools make their
-    # directories themselves; a container step would need its bind source made on the node first
-    cache = cache_dir(plan, proc, host) if bare else None
+    hf = host.hf_cache or DEFAULT_HF_CACHE  # "$HOME"/... expands on the node
+    cache = cache_dir(plan, proc, host)
     if bare:
         path = venv_path(host.venv) if proc.role != "router" else []
         words = ["env", *path, *(cache_env(cache) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
-    elif slurm.container == "pyxis":
-        words = [f"--container-image={image}", mount("--container-mounts="), "--container-env=" + ",".join([*env, *SECRET_ENV]),
-                 "env", *(f"{k}={v}" for k, v in env.items()), *argv]
+    elif slurm.container == "pyxis":  # the mounts are made before the command runs: the variables are set by it
+        mounts = [(hf, CONTAINER_HF_CACHE), *([(cache, caches.CONTAINER_CACHE)] if cache is not None else [])]
+        words = [f"--container-image={image}", mount_word(mounts, "--container-mounts="), "--container-env=" + ",".join([*env, *SECRET_ENV]),
+                 "env", *(cache_env(caches.CONTAINER_CACHE) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
     else:  # apptainer: --cleanenv so the job's environment does not leak into the engine
-        words = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", mount("")]
+        words = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", mount_word([(hf, CONTAINER_HF_CACHE)])]
+        words += cache_mount(plan, proc, host, "--bind", "--env")
         words += [w for k, v in env.items() for w in ("--env", f"{k}={v}")] + [f"docker://{image}", *argv]
     return [_bind(w, addrs, pat) for w in words]
+
+
+def _prepare_lines(plan: Plan, slurm: SlurmSection, index: dict[str, int], addrs: dict[str, int], image: str | None) -> list[str]:
+    """``k3_dir I DIR META`` per directory a step needs on its node before it starts, then ``k3_prepare``
+    (one step on every node makes them): each engine's compile-cache directory, with what its key
+    stands for (``META``, its ``k3launch.json``, as ``up`` writes it over SSH), and a container's
+    hf_cache (no ``META``). pyxis mounts before the step's command runs, and pyxis and apptainer
+    refuse a missing bind source. Nothing when no step needs a directory."""
+    pat = address_pattern(addrs)
+    seen: dict[tuple[int, str], str] = {}
+    for proc in plan.processes:
+        if proc.role == "router":
+            continue
+        host = next(h for h in plan.hosts if h.name == proc.node)
+        i = index.get(proc.node, 0)
+        if not _bare(proc, slurm, image):
+            seen.setdefault((i, host.hf_cache or DEFAULT_HF_CACHE), "")
+        cache = cache_dir(plan, proc, host)
+        if cache is not None:
+            seen[(i, cache)] = cache_meta_json(plan, proc, host)
+    lines = [shell_join(["k3_dir", str(i), _bind(home_path(d), addrs, pat), meta]) for (i, d), meta in seen.items()]
+    return [*lines, "k3_prepare"] if lines else []
 
 
 def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
@@ -182,6 +210,7 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
             ports = sorted({q for p in plan.processes if p.node == n for q, _ in process_ports(p)})
             specs.append(f"{index[n]}:{','.join(map(str, ports))}")
         lines.append(shell_join(["k3_doctor", str(gpus_requested(plan)), _doctor_program(plan, slurm, image), *specs]))
+    lines += _prepare_lines(plan, slurm, index, addrs, image)
     if supervise is not None:
         lines += policy_lines(plan, supervise)
     engines = [p for p in plan.processes if p.role != "router"]

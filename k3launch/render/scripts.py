@@ -13,7 +13,8 @@ Runtimes:
 * ``podman``: the same, with CDI (``--device nvidia.com/gpu=all``) for CUDA GPUs, minus
   ``--shm-size`` (podman refuses it with ``--ipc=host``, where it means nothing), the HF cache
   directory created first (podman refuses a missing bind source), and ``HF_TOKEN`` as a secret.
-* ``apptainer``: ``apptainer exec --nv|--rocm`` of ``docker://IMAGE``, started in the background.
+* ``apptainer``: ``apptainer exec --nv|--rocm`` of ``docker://IMAGE``, started in the background,
+  the HF cache directory created first (as for podman).
 * ``bare``: the engine on the host (an installed vLLM, or the simulated engine); with a node's
   ``venv``, ``<venv>/bin`` goes first on the engine's ``PATH`` (``env PATH=<venv>/bin:"$PATH" ...``).
 
@@ -36,6 +37,7 @@ from k3launch.models import caches
 from k3launch.models.plan import Host, Plan, Process, is_container
 
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
+DEFAULT_HF_CACHE = "~/.cache/huggingface"  # the node's, when the inventory names none
 TOKEN_TARGET = "hf_token"  # podman: /run/secrets/hf_token
 LABEL = "k3launch.deployment"
 SECRET_ENV = ("HF_TOKEN",)
@@ -52,11 +54,24 @@ def home_path(path: str) -> str:
     return path
 
 
+def path_word(path: str) -> str:
+    """A path on the node as one shell word: ``~/...`` expands there, the rest stays data."""
+    word = home_path(path)
+    return word if isinstance(word, Raw) else shlex.quote(word)
+
+
+def mount_word(pairs: Sequence[tuple[str, str]], prefix: str = "") -> str:
+    """``prefix`` + ``SRC:DST[,SRC:DST...]`` as one word (docker's ``-v``, apptainer's ``--bind``, pyxis's
+    ``--container-mounts=``): a source ``~/...`` expands on the node, the rest stays data."""
+    words = [home_path(src) for src, _ in pairs]
+    if not any(isinstance(w, Raw) for w in words):
+        return prefix + ",".join(f"{src}:{dst}" for src, dst in pairs)
+    out = [(w if isinstance(w, Raw) else shlex.quote(w)) + shlex.quote(":" + dst) for w, (_, dst) in zip(words, pairs, strict=True)]
+    return Raw((shlex.quote(prefix) if prefix else "") + shlex.quote(",").join(out))
+
+
 def _mount(src: str, dst: str) -> str:
-    word = home_path(src)
-    if isinstance(word, Raw):
-        return Raw(word + shlex.quote(":" + dst))
-    return f"{src}:{dst}"
+    return mount_word([(src, dst)])
 
 
 def cache_dir(plan: Plan, proc: Process, host: Host) -> str | None:
@@ -75,17 +90,30 @@ def cache_env(where: str) -> list[str]:
     return out
 
 
+def cache_mount(plan: Plan, proc: Process, host: Host, bind: str, setenv: str) -> list[str]:
+    """A container's words for ``proc``'s compile caches: ``bind SRC:DST`` (the node's directory at
+    :data:`~k3launch.models.caches.CONTAINER_CACHE`), then ``setenv NAME=...`` per cache; none without."""
+    cache = cache_dir(plan, proc, host)
+    if cache is None:
+        return []
+    return [bind, _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in (setenv, e))]
+
+
+def cache_meta_json(plan: Plan, proc: Process, host: Host) -> str:
+    """What ``proc``'s key stands for, the one line of its ``k3launch.json``."""
+    import json
+
+    return json.dumps(caches.cache_meta(plan, proc, host), sort_keys=True)
+
+
 def cache_prep(plan: Plan, proc: Process, host: Host) -> str:
     """Shell text before ``proc`` starts: its cache directory made (a bind source must exist) and
     what its key stands for written beside (``k3launch cache ls``); "" without caches."""
     d = cache_dir(plan, proc, host)
     if d is None:
         return ""
-    import json
-
-    q = home_path(d)
-    word = q if isinstance(q, Raw) else shlex.quote(q)
-    meta = shlex.quote(json.dumps(caches.cache_meta(plan, proc, host), sort_keys=True))
+    word = path_word(d)
+    meta = shlex.quote(cache_meta_json(plan, proc, host))
     return f"mkdir -p {word} && printf '%s\\n' {meta} > {word}/{caches.META}\n"
 
 
@@ -182,10 +210,8 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
         cmd += ["--ipc=host", "--network", "host"]
         if runtime == "docker":  # podman refuses --shm-size with the host IPC namespace
             cmd += ["--shm-size", host.shm_size or "64g"]
-        cmd += ["-v", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
-        cache = cache_dir(plan, proc, host)
-        if cache is not None:  # kept on the node: the next start of this key compiles nothing again
-            cmd += ["-v", _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in ("-e", e))]
+        cmd += ["-v", _mount(host.hf_cache or DEFAULT_HF_CACHE, CONTAINER_HF_CACHE)]
+        cmd += cache_mount(plan, proc, host, "-v", "-e")  # kept on the node: the next start of this key compiles nothing again
         for k, v in env.items():
             cmd += ["-e", f"{k}={v}"]
         if runtime == "podman":
@@ -195,16 +221,15 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
                 cmd += ["-e", k]  # by name: the value stays in the caller's environment
         return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
     log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
-    cache = cache_dir(plan, proc, host)
     if runtime == "apptainer":
-        inner = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", _mount(host.hf_cache or "~/.cache/huggingface", CONTAINER_HF_CACHE)]
-        if cache is not None:
-            inner += ["--bind", _mount(cache, caches.CONTAINER_CACHE), *(w for e in cache_env(caches.CONTAINER_CACHE) for w in ("--env", e))]
+        inner = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", _mount(host.hf_cache or DEFAULT_HF_CACHE, CONTAINER_HF_CACHE)]
+        inner += cache_mount(plan, proc, host, "--bind", "--env")
         for k, v in env.items():
             inner += ["--env", f"{k}={v}"]
         inner += [f"docker://{proc.image}", *argv]
     else:
         path = venv_path(host.venv if proc.role != "router" else None, tools)
+        cache = cache_dir(plan, proc, host)
         inner = ["env", *path, *(cache_env(cache) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
     return ["k3launch_background", log, *inner]
 
@@ -212,12 +237,13 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
 def start_line(plan: Plan, proc: Process, host: Host, log_dir: str = "", tools: str | None = None) -> str:
     """The shell text that starts ``proc``: :func:`start_command`, after what podman needs first."""
     run = cache_prep(plan, proc, host) + shell_join(start_command(plan, proc, host, log_dir, tools))
-    if proc.role == "router" or host.runtime != "podman":
+    if proc.role == "router" or host.runtime not in ("podman", "apptainer"):
         return run
-    cache = home_path(host.hf_cache or "~/.cache/huggingface")
+    made = f"mkdir -p {path_word(host.hf_cache or DEFAULT_HF_CACHE)}\n"  # both refuse a missing bind source (docker makes it)
+    if host.runtime == "apptainer":
+        return made + run
     sec = shlex.quote(token_secret(container_name(plan, proc)))
-    return (f"mkdir -p {cache if isinstance(cache, Raw) else shlex.quote(cache)}\n"
-            f"podman secret rm {sec} >/dev/null 2>&1 || true\nK3_SECRET=()\n"
+    return (f"{made}podman secret rm {sec} >/dev/null 2>&1 || true\nK3_SECRET=()\n"
             f'if [ -n "${{HF_TOKEN:-}}" ]; then printf %s "$HF_TOKEN" | podman secret create {sec} - >/dev/null && '
             f"K3_SECRET=(--secret {sec},type=mount,target={TOKEN_TARGET} -e HF_TOKEN_PATH=/run/secrets/{TOKEN_TARGET}); fi\n"
             f"{run}")

@@ -137,8 +137,10 @@ def why_no_result(job: ArrayJob, task: int, state: str) -> str:
         return f"{parsed.step_exit[0]} on {parsed.step_exit[1]} exited with code {parsed.step_exit[2]}"
     if parsed.doctor_failed:
         return "doctor refused " + "; ".join(f"{host} ({why})" for host, why in parsed.doctor_failed.items())
+    if parsed.prepare_failed:
+        return "could not make " + "; ".join(f"{path} on {host}" for host, path in parsed.prepare_failed.items())
     said = [ln.removeprefix("k3launch: ") for ln in text.splitlines() if ln.startswith("k3launch: ")
-            and not ln.startswith(("k3launch: node ", "k3launch: started ", "k3launch: doctor: "))]
+            and not ln.startswith(("k3launch: node ", "k3launch: started ", "k3launch: doctor: ", "k3launch: prepare: "))]
     last = f" (last said: {said[-1]})" if said else ""
     return f"task ended {state} without a result{last}; see {shlex.quote(str(out))}"
 

@@ -30,6 +30,7 @@ BAD_NODE_TTL_S = 24 * 3600.0
 
 _NODE = re.compile(r"^k3launch: node (\d+) = (\S+) (\S+)$")
 _DOCTOR_BAD = re.compile(r"^k3launch: doctor failed on (\S+): (.*)$")
+_PREPARE_BAD = re.compile(r"^k3launch: prepare failed on (\S+): cannot make (.*)$")
 _STEP_EXIT = re.compile(r"^k3launch: (?:then )?(\S+) on node (\d+) \((\S+)\) exited with code (-?\d+)")
 
 
@@ -40,6 +41,7 @@ class JobOutput:
     hosts: dict[int, tuple[str, str]] = field(default_factory=dict)  # plan node index -> (host, NodeAddr)
     doctor_ok: bool = False
     doctor_failed: dict[str, str] = field(default_factory=dict)  # host -> why
+    prepare_failed: dict[str, str] = field(default_factory=dict)  # host -> the first directory the job could not make there
     step_exits: list[tuple[str, str, int]] = field(default_factory=list)  # (process id, host, exit code), first first
 
     @property
@@ -54,6 +56,8 @@ def parse_output(text: str) -> JobOutput:
             out.hosts[int(m.group(1))] = (m.group(2), m.group(3))
         elif m := _DOCTOR_BAD.match(line):
             out.doctor_failed[m.group(1)] = m.group(2)
+        elif m := _PREPARE_BAD.match(line):
+            out.prepare_failed.setdefault(m.group(1), m.group(2))
         elif line.startswith("k3launch: doctor: "):
             out.doctor_ok = True
         elif m := _STEP_EXIT.match(line):

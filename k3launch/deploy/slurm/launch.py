@@ -315,6 +315,11 @@ class SlurmLaunch:
                                 + (f": {said}" if said else ""),
                                 "its last log lines are above; fix the cause and run `k3launch up` again", pid,
                                 tails[pid], code="process-exited", node=host)
+        if out.prepare_failed:
+            host, path = next(iter(out.prepare_failed.items()))
+            return LaunchFailed(f"job {info.job_id} could not make {path} on {host} (a container's bind source or a compile cache)",
+                                "set `compile_cache:` (`off`: none) or `hf_cache:` in the inventory to a directory the nodes can write; "
+                                f"mkdir's own error is in {log_dir / 'prepare.log'}", code="prepare-failed", node=host)
         why = f"{info.state}" + (f", {info.reason}" if info.reason else "") + (f", exit {info.exit_code}" if info.exit_code else "")
         code = "job-cancelled" if info.state.startswith("CANCELLED") else "job-ended"
         return LaunchFailed(f"job {info.job_id} ended ({why}) during {stage}", f"see {out_path}", None, tail_file(out_path, 20), code=code)

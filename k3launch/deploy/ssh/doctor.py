@@ -12,6 +12,8 @@ One shell round trip per node collects everything, then Python judges it:
   its ~7 s import of vLLM; ``vllm --version`` when that cannot be asked);
   ``<rt> run --rm --entrypoint vllm IMAGE --version`` for docker/podman when the image is there; its release (local tags like ``+cpu`` aside) must be the plan's ``vllm_version``, the
   schema the plan was written against — else the node is refused, with the fix in the hint;
+* the directories ``up`` makes before a start can be made or written: a container's hf_cache
+  (its bind source) and every engine's compile-cache directory (:mod:`k3launch.deploy.ssh.binds`);
 * every planned port of the node's address is free;
 * no leftover engine: no process or container marked by k3launch whose deployment is not live
   (or that carries this deployment's own name) — only a warning on a router-only host (the
@@ -37,7 +39,7 @@ import shlex
 import time
 from collections.abc import Iterable
 
-from k3launch.deploy.ssh import preflight
+from k3launch.deploy.ssh import binds, preflight
 from k3launch.deploy.ssh import weights as model_weights
 from k3launch.deploy.ssh.gpus import FAIL, PASS, SKIP, WARN
 from k3launch.deploy.ssh.launch import router_install_hint, run_host, tools_dir
@@ -76,21 +78,6 @@ VERSION_CMD = "bash -c " + shlex.quote(
 )
 
 
-# The container's bind source (hf_cache): ok (a writable directory), creatable (its nearest
-# existing ancestor is a writable directory: `up` runs mkdir -p), unwritable, or "uncreatable P"
-# (P, the nearest existing ancestor, is a file or not writable). `touch` and not `test -w`: root's
-# test -w is true even on a read-only file system.
-_HF_CACHE = (
-    'd={dir}; if [ -d "$d" ]; then t="$d/.k3launch-w.$$"; (: >"$t") 2>/dev/null && rm -f "$t" && echo ok || echo unwritable; '
-    'else p=$d; while [ ! -e "$p" ] && [ "$p" != / ]; do p=$(dirname "$p"); done; '
-    't="$p/.k3launch-w.$$"; if [ -d "$p" ] && (: >"$t") 2>/dev/null; then rm -f "$t"; echo creatable; else echo "uncreatable $p"; fi; fi'
-)
-
-
-def _word(w: str) -> str:
-    return w if isinstance(w, Raw) else shlex.quote(w)
-
-
 def _bare_vllm(venv: str | None) -> tuple[str, str]:
     """The runtime and version probes of a bare ``vllm``: with a venv, its ``bin/`` first on PATH."""
     if not venv:
@@ -119,8 +106,6 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
         check = f"command -v {q} >/dev/null 2>&1 && echo ok || echo missing"
         parts.append(preflight.section("runtime", check))
         image = next((p.image for p in plan.processes if p.node == host.name and p.image), None)
-        if is_container(rt):
-            parts.append(preflight.section("hfcache", _HF_CACHE.format(dir=_word(home_path(host.hf_cache or "~/.cache/huggingface")))))
         if image and is_container(rt):
             parts.append(preflight.section("image", f"{q} image inspect {shlex.quote(image)} >/dev/null 2>&1 && echo ok || echo missing"))
             if plan.engine == "vllm":  # only an image that is there: never pull from here
@@ -143,6 +128,7 @@ def _probe_script(plan: Plan, host: Host, router_only: bool) -> str:
         found, version = _bare_vllm(host.venv)
         parts.append(preflight.section("runtime", found))
         parts.append(preflight.section("version", version))
+    parts.append(binds.sections(plan, host))
     parts.append(preflight.section("shm", remote.shm_files()))
     parts.append(preflight.probe(plan, host))
     if not model_weights.wanted(plan, host.name):
@@ -191,22 +177,6 @@ def _image_check(host: Host, image: str, status: list[str], runtime_found: bool)
                  hint=f"`{host.runtime} pull {image}` on {n} (k3launch does not pull), or set `image:` in the inventory to one it has")
 
 
-def _hf_cache_check(host: Host, status: list[str]) -> Check:
-    """The node's hf_cache, the container's bind source: a writable directory, or one `up` can create."""
-    n, d = host.name, host.hf_cache or "~/.cache/huggingface"
-    word = status[0].split() if status else ["?"]
-    if word[0] == "ok":
-        return Check(n, "hf-cache", PASS, f"hf_cache {d} writable")
-    if word[0] == "creatable":
-        return Check(n, "hf-cache", PASS, f"hf_cache {d} does not exist yet; `up` creates it")
-    fix = f"set `hf_cache:` in the inventory to a directory {n} can write, or create {d} there writable"
-    if word[0] == "unwritable":
-        return Check(n, "hf-cache", FAIL, f"hf_cache {d} is not writable: the engine's model cache (bind-mounted) would be read-only", hint=fix)
-    blocker = word[1] if len(word) > 1 else "?"
-    return Check(n, "hf-cache", FAIL, f"hf_cache {d} does not exist and cannot be created ({blocker} is not a writable directory)",
-                 hint=fix)
-
-
 def _port_hint(host: Host, router_only: bool, holders: list[str], deployments: list[str]) -> str:
     """What frees a planned port, or moves the deployment off it (a login node cannot be excluded)."""
     n = host.name
@@ -238,8 +208,7 @@ def _judge(
     if "image" in sec:
         image = next((p.image for p in plan.processes if p.node == n and p.image), "")
         checks.append(_image_check(host, image, sec["image"], found))
-    if "hfcache" in sec:
-        checks.append(_hf_cache_check(host, sec["hfcache"]))
+    checks += binds.judge(plan, host, sec)
     if not router_only:
         checks += preflight.judge(plan, host, sec, gpus_expected)
         if "weights" in sec:
