@@ -149,17 +149,28 @@ def _alive(pids: set[int]) -> set[int]:
 
 def _shm_of(pids: set[int]) -> set[str]:
     """The /dev/shm files ``pids`` map or hold open: this deployment's, not those of other engines
-    that other test sessions run on this machine meanwhile (``--ipc=host``: the same /dev/shm)."""
+    that other test sessions run on this machine meanwhile (``--ipc=host``: the same /dev/shm).
+    Mappings are matched by inode: a named semaphore (multiprocessing's ``sem.mp-*``) is mapped
+    under the temporary name glibc created it with, ``/dev/shm/sem.XXXXXX (deleted)``."""
+    inodes: set[int] = set()
     out = set()
     for pid in pids:
         try:
-            paths = [ln.split(maxsplit=5)[-1] for ln in Path(f"/proc/{pid}/maps").read_text().splitlines() if "/dev/shm/" in ln]
+            for ln in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                f = ln.split(maxsplit=5)
+                if len(f) == 6 and f[5].startswith("/dev/shm/"):
+                    inodes.add(int(f[4]))
             fds = Path(f"/proc/{pid}/fd")
-            paths += [os.readlink(fds / fd) for fd in os.listdir(fds)]
+            out |= {p.removeprefix("/dev/shm/") for p in (os.readlink(fds / fd) for fd in os.listdir(fds)) if p.startswith("/dev/shm/")}
         except OSError:
             continue
-        out |= {p.removeprefix("/dev/shm/").removesuffix(" (deleted)") for p in paths if p.startswith("/dev/shm/")}
-    return out
+    for name in os.listdir("/dev/shm"):
+        try:
+            if os.stat(f"/dev/shm/{name}").st_ino in inodes:
+                out.add(name)
+        except OSError:
+            continue
+    return {n.removesuffix(" (deleted)") for n in out}
 
 
 @pytest.fixture
@@ -305,6 +316,7 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
             assert key_dir.parent == cache and (key_dir / "k3launch.json").is_file(), mounts
             procs = _tree(int(info["State"]["ConmonPid"])) | _tree(pid)
             ours = _shm_of(_alive(procs))
+            assert any(f.startswith("sem.mp-") for f in ours), ours  # a named semaphore (tqdm's lock): found by its inode
 
             snap = cli.json("status", name)
             assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap

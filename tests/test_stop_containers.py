@@ -100,3 +100,43 @@ def test_the_shared_memory_the_container_mapped_is_unlinked_and_nothing_else(tmp
             os.killpg(group.pid, signal.SIGKILL)
         for f in (mine, other):
             f.unlink(missing_ok=True)
+
+
+# A named semaphore as multiprocessing makes one under spawn (tqdm's lock in vLLM's worker): glibc
+# creates it under a temporary name, maps it, then renames it, so /proc/PID/maps shows
+# "/dev/shm/sem.XXXXXX (deleted)", never "sem.mp-...". No resource tracker: none survives a
+# container's PID namespace.
+SEMAPHORE = """import _multiprocessing, signal, sys, time
+lock = _multiprocessing.SemLock(1, 1, 1, sys.argv[1], False)
+if len(sys.argv) > 2:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    open(sys.argv[2], "w").close()
+    while True: time.sleep(0.05)
+"""
+
+
+def test_a_named_semaphore_the_container_mapped_is_unlinked_by_its_inode_and_nothing_else(tmp_path: Path) -> None:
+    rt = _runtime(tmp_path)
+    tag = uuid.uuid4().hex[:8]
+    mine, other = Path(f"/dev/shm/sem.mp-k3t{tag}"), Path(f"/dev/shm/sem.mp-k3o{tag}")
+    subprocess.run([sys.executable, "-c", SEMAPHORE, f"/mp-k3o{tag}"], check=True, timeout=30)  # made and left by another process
+    group = subprocess.Popen([sys.executable, "-c", SEMAPHORE, f"/mp-k3t{tag}", str(tmp_path / "ready")], start_new_session=True)
+    try:
+        (tmp_path / "pid").write_text(str(group.pid))
+        for _ in range(100):
+            if (tmp_path / "ready").exists():
+                break
+            time.sleep(0.05)
+        assert mine.exists() and other.exists()
+        maps = Path(f"/proc/{group.pid}/maps").read_text()
+        assert mine.name not in maps and str(mine.stat().st_ino) in maps  # mapped under another name: only the inode tells
+        r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["c1"], 10)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        group.wait(timeout=5)
+        assert not mine.exists()
+        assert other.exists()  # a semaphore nobody in the group mapped stays
+    finally:
+        if group.poll() is None:
+            os.killpg(group.pid, signal.SIGKILL)
+        for f in (mine, other):
+            f.unlink(missing_ok=True)

@@ -153,13 +153,22 @@ def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
     g = int(grace_s)
     sec = f' {rt} secret rm "$c-hf-token" >/dev/null 2>&1 || true;' if runtime == "podman" else ""
     wait = f"timeout {g} {rt} wait \"$c\" >/dev/null 2>&1 || true; " if g > 0 else ""  # timeout 0 would wait forever
-    # The /dev/shm files the group maps, noted before the signal; after the container is gone,
-    # those still there that no process maps are unlinked: with its own PID namespace, the
-    # container's multiprocessing resource tracker (which unlinks them for a bare engine) is
-    # killed with the namespace when the first process exits.
+    # The /dev/shm files the group maps, noted before the signal as "inode path"; after the
+    # container is gone, those still there that no process maps are unlinked: with its own PID
+    # namespace, the container's multiprocessing resource tracker (which unlinks them for a bare
+    # engine) is killed with the namespace when the first process exits. By inode, because a
+    # named semaphore (multiprocessing's sem.mp-*, e.g. tqdm's lock) is mapped under the
+    # temporary name glibc made it with, renamed since ("/dev/shm/sem.XXXXXX (deleted)"); a file
+    # is unlinked only under a name the group mapped, or as a semaphore of an inode it mapped.
+    maps = "awk '$6 ~ /^\\/dev\\/shm\\// {print $5, $6}'"
     shm = ('shm=$(for d in /proc/[0-9]*; do s=$(cat "$d/stat" 2>/dev/null) || continue; s=${s##*) }; '
-           'set -- $s; [ "${3:-}" = "$p" ] && grep -o "/dev/shm/[^ ]*" "$d/maps" 2>/dev/null; done | sort -u) && ')
-    unlink = ('for f in $shm; do [ -f "$f" ] && ! grep -qsF "$f" /proc/[0-9]*/maps && rm -f -- "$f"; done; ')
+           f'set -- $s; [ "${{3:-}}" = "$p" ] && {maps} "$d/maps" 2>/dev/null; done | sort -u) && ')
+    # cat, not awk, reads every process's maps: mawk stops at a file it cannot open (a process gone)
+    unlink = (f'if [ -n "$shm" ]; then used=$(cat /proc/[0-9]*/maps 2>/dev/null | {maps} | cut -d" " -f1 | sort -u); '
+              "find /dev/shm -maxdepth 1 -type f -printf '%i %p\\n' 2>/dev/null | while read -r i f; do "
+              'printf "%s\\n" "$shm" | grep -q "^$i " || continue; '
+              'case "$f" in /dev/shm/sem.*) ;; *) printf "%s\\n" "$shm" | grep -qxF "$i $f" || continue ;; esac; '
+              'printf "%s\\n" "$used" | grep -qx "$i" || rm -f -- "$f"; done; fi; ')
     return (
         f"for c in {ids}; do p=$({rt} inspect -f '{{{{.State.Pid}}}}' \"$c\" 2>/dev/null) || p=0; shm=; "
         f"if [ \"${{p:-0}}\" -gt 1 ] 2>/dev/null && {shm}kill -s TERM -- \"-$p\" 2>/dev/null; then {wait}t=0; else t={g}; fi; "
