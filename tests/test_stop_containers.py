@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from k3launch.render.snippets import stop_containers
@@ -83,23 +84,32 @@ def test_the_shared_memory_the_container_mapped_is_unlinked_and_nothing_else(tmp
     tag = uuid.uuid4().hex[:8]
     mine, other = Path(f"/dev/shm/psm_k3t{tag}"), Path(f"/dev/shm/psm_k3o{tag}")
     other.write_bytes(b"y")  # another engine's, not mapped by the group: stays
-    group = subprocess.Popen([sys.executable, "-c", MAPPER, str(mine), str(tmp_path / "ready")], start_new_session=True)
     try:
-        (tmp_path / "pid").write_text(str(group.pid))
-        for _ in range(100):
-            if (tmp_path / "ready").exists():
-                break
-            time.sleep(0.05)
-        r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["c1"], 10)], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        group.wait(timeout=5)
+        _stop_around(tmp_path, rt, [sys.executable, "-c", MAPPER, str(mine), str(tmp_path / "ready")])
         assert not mine.exists()  # left by the process, unlinked by the stop
         assert other.exists()
     finally:
-        if group.poll() is None:
-            os.killpg(group.pid, signal.SIGKILL)
         for f in (mine, other):
             f.unlink(missing_ok=True)
+
+
+def _stop_around(tmp: Path, rt: Path, argv: list[str], check: Callable[[int], None] = lambda pid: None) -> None:
+    """Start ``argv`` as the container's process group, wait for its ready file, ``check`` its
+    pid, then run the stop and wait for the group to end."""
+    group = subprocess.Popen(argv, start_new_session=True)
+    try:
+        (tmp / "pid").write_text(str(group.pid))
+        for _ in range(100):
+            if (tmp / "ready").exists():
+                break
+            time.sleep(0.05)
+        check(group.pid)
+        r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["c1"], 10)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        group.wait(timeout=5)
+    finally:
+        if group.poll() is None:
+            os.killpg(group.pid, signal.SIGKILL)
 
 
 # A named semaphore as multiprocessing makes one under spawn (tqdm's lock in vLLM's worker): glibc
@@ -120,23 +130,16 @@ def test_a_named_semaphore_the_container_mapped_is_unlinked_by_its_inode_and_not
     tag = uuid.uuid4().hex[:8]
     mine, other = Path(f"/dev/shm/sem.mp-k3t{tag}"), Path(f"/dev/shm/sem.mp-k3o{tag}")
     subprocess.run([sys.executable, "-c", SEMAPHORE, f"/mp-k3o{tag}"], check=True, timeout=30)  # made and left by another process
-    group = subprocess.Popen([sys.executable, "-c", SEMAPHORE, f"/mp-k3t{tag}", str(tmp_path / "ready")], start_new_session=True)
-    try:
-        (tmp_path / "pid").write_text(str(group.pid))
-        for _ in range(100):
-            if (tmp_path / "ready").exists():
-                break
-            time.sleep(0.05)
+
+    def mapped_by_inode_only(pid: int) -> None:
         assert mine.exists() and other.exists()
-        maps = Path(f"/proc/{group.pid}/maps").read_text()
+        maps = Path(f"/proc/{pid}/maps").read_text()
         assert mine.name not in maps and str(mine.stat().st_ino) in maps  # mapped under another name: only the inode tells
-        r = subprocess.run(["bash", "-c", stop_containers(str(rt), ["c1"], 10)], capture_output=True, text=True, timeout=60)
-        assert r.returncode == 0, r.stderr
-        group.wait(timeout=5)
+
+    try:
+        _stop_around(tmp_path, rt, [sys.executable, "-c", SEMAPHORE, f"/mp-k3t{tag}", str(tmp_path / "ready")], mapped_by_inode_only)
         assert not mine.exists()
         assert other.exists()  # a semaphore nobody in the group mapped stays
     finally:
-        if group.poll() is None:
-            os.killpg(group.pid, signal.SIGKILL)
         for f in (mine, other):
             f.unlink(missing_ok=True)
