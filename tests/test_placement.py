@@ -53,6 +53,7 @@ OUTCOME: dict[tuple[str, str], str] = {}
 _FITS = {
     "b300-single": ("single_node_tp",),
     "h200-pair": ("multi_node_tp", "multi_node_tep", "multi_node_dep"),
+    "h200-staged": ("multi_node_tp", "multi_node_tep", "multi_node_dep"),  # the pair's layouts, the weights staged and read its way
     "local": ("single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster", "pd_cluster_p1_d1_tep"),
     "mi355x-pair": ("single_node_tp", "multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster_p1_d1_tep"),
     "slurm-b200": ("multi_node_tp", "multi_node_tep", "multi_node_dep", "pd_cluster"),
@@ -63,8 +64,8 @@ _FITS = {
 INVENTORY_ARGS = {"local-cpu": ["--recipe", "k3launch/tiny-llama"]}
 # The strategy (and node count) each inventory's default selection lands on.
 DEFAULT = {"b300-single": ("single_node_tp", 1), "gb300-nvl4x4": ("multi_node_tp", 2), "h200-pair": ("multi_node_tp", 2),
-           "local": ("single_node_tp", 1), "mi355x-pair": ("single_node_tp", 1), "slurm-b200": ("multi_node_tp", 2),
-           "local-cpu": ("single_node_tp", 1)}
+           "h200-staged": ("multi_node_tp", 2), "local": ("single_node_tp", 1), "mi355x-pair": ("single_node_tp", 1),
+           "slurm-b200": ("multi_node_tp", 2), "local-cpu": ("single_node_tp", 1)}
 for _inv in EXAMPLES:
     for _sel in SELECTIONS:
         if _sel == "default":
@@ -75,7 +76,7 @@ for _inv in EXAMPLES:
             OUTCOME[(_inv, _sel)] = "incompatible-strategy"  # K3 lists no TP+PP
         elif _sel == "single_node_tp":
             OUTCOME[(_inv, _sel)] = "does-not-fit"  # one node of this GPU cannot hold 1680 GB
-        elif _sel == "pd_cluster_p1_d1_tep" and _inv in ("h200-pair", "slurm-b200"):
+        elif _sel == "pd_cluster_p1_d1_tep" and _inv in ("h200-pair", "h200-staged", "slurm-b200"):
             OUTCOME[(_inv, _sel)] = "does-not-fit"  # one node per pool cannot hold the weights
         else:
             OUTCOME[(_inv, _sel)] = "too-few-nodes"

@@ -48,6 +48,7 @@ GOLDEN_CASES = {
     "local__pd_cluster": ("local", ["--strategy", "pd_cluster"]),
     "mi355x-pair__multi_node_dep": ("mi355x-pair", ["--strategy", "multi_node_dep"]),
     "h200-pair__multi_node_tp": ("h200-pair", []),
+    "h200-staged__multi_node_dep": ("h200-staged", ["--strategy", "multi_node_dep"]),  # weights staged, read as the inventory says
     "gb300-nvl4x4__multi_node_dep": ("gb300-nvl4x4", ["--strategy", "multi_node_dep"]),
     "local-cpu__single_node_tp": ("local-cpu", ["--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp"]),
 }

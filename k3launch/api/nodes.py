@@ -113,8 +113,11 @@ def saved_probe(inventory: InventoryArg = None, state_dir: str | Path | None = N
 
 def load_prediction(plan: Plan, inventory: InventoryArg = None, state_dir: str | Path | None = None) -> LoadPrediction | None:
     """How long ``plan``'s engines take to read their weights (per process and the total), from
-    the inventory's ``weights.read_gbps`` or the last saved ``weights probe``; None when neither
-    gives every engine node a throughput (or the plan is on placeholder nodes)."""
+    the inventory's ``weights.read_gbps`` or the last saved ``weights probe``, read the way the
+    plan's load format and strategy read (:mod:`k3launch.planning.loadtime`); with staging, the
+    copy from that source plus the read of the copy at ``weights.stage_read_gbps``. None when no
+    throughput is known for every engine node (or the plan is on placeholder nodes); a prediction
+    without figures when the plan's way of reading is not modelled (``unmodelled`` says why)."""
     from k3launch.planning.loadtime import predict
 
     if plan.inventory is None:
@@ -122,15 +125,17 @@ def load_prediction(plan: Plan, inventory: InventoryArg = None, state_dir: str |
     inv = load(inventory).inventory
     src = inv.weights
     shared = bool(src and src.shared)
+    staged = dict.fromkeys((h.name for h in plan.hosts), src.stage_read_gbps) if src is not None and src.stage_read_gbps else None
     if src is not None and src.read_gbps is not None:
         return predict(plan, dict.fromkeys((h.name for h in plan.hosts), src.read_gbps), shared=shared, shared_gbps=src.read_gbps,
-                       basis=f"inventory weights.read_gbps {src.read_gbps:g} GB/s" + (" (shared)" if shared else ""))
+                       basis=f"inventory weights.read_gbps {src.read_gbps:g} GB/s" + (" (shared)" if shared else ""), stage_gbps=staged)
     probes = [p for p in saved_probe(inv, state_dir) if p.ok]
     if not probes:
         return None
     methods = sorted({p.method for p in probes})
     basis = f"weights probe --save ({', '.join(methods)})" + (": the page cache, NOT the disk" if "cached" in methods else "")
-    return predict(plan, {p.node: p.read_mbps / 1e3 for p in probes}, shared=shared, basis=basis + (" (shared)" if shared else ""))
+    return predict(plan, {p.node: p.read_mbps / 1e3 for p in probes}, shared=shared, basis=basis + (" (shared)" if shared else ""),
+                   stage_gbps=staged)
 
 
 def load_against(rec: DeploymentRecord, state_dir: str | Path | None = None) -> tuple[LoadPrediction | None, list[dict[str, object]]]:

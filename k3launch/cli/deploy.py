@@ -234,14 +234,16 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
     since = [e for e in api.events(name, state_dir=state_dir) if e.time >= rec.created]  # this life's supervision
     pred, loads = api.load_against(rec, state_dir)
     if json_out:
-        extra = {"weights_load": {"predicted_total_s": round(pred.total_s, 1) if pred else None, "basis": pred.basis if pred else "",
-                                  "processes": loads}} if loads else {}
+        known = pred is not None and not pred.unmodelled
+        extra = {"weights_load": {"predicted_total_s": round(pred.total_s, 1) if pred and known else None, "basis": pred.basis if pred else "",
+                                  **({"unmodelled": pred.unmodelled} if pred and pred.unmodelled else {}), "processes": loads}} if loads else {}
         typer.echo(json.dumps({"name": name, **rec.timeline.as_dict(), **extra,
                                "events": [e.model_dump(mode="json", exclude_defaults=True) for e in since]}, indent=2))
     else:
         con = console()
         show_progress.timeline(con, name, rec.timeline)
-        for text in show_progress.load_lines(loads, pred.basis if pred else ""):
+        basis = (pred.basis + (f"; not predicted: {pred.unmodelled}" if pred.unmodelled else "")) if pred else ""
+        for text in show_progress.load_lines(loads, basis):
             typer.echo(text)
         shown = [e for e in since if e.kind not in ("watching", "stopped-watching")]
         if shown:

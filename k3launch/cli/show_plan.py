@@ -34,13 +34,20 @@ def command_lines(proc: Process) -> str:
 
 
 def load_lines(pred: LoadPrediction) -> list[str]:
-    """The predicted weight load in plain lines (``plan``, ``doctor``): the total, then each engine process."""
+    """The predicted weight load in plain lines (``plan``, ``doctor``): the total, how the engines
+    read, then each engine process; or why there is no figure."""
     rates = ", ".join(f"{'all nodes' if n == '*' else n} {g:,.2f} GB/s" for n, g in pred.gbps.items())
-    lines = [f"weights load (predicted, cold): {pred.total_s:,.0f} s until the last rank has its weights; "
-             f"{'one shared filesystem: ' if pred.shared else ''}{rates}; from {pred.basis}"]
+    source = f"{'one shared filesystem: ' if pred.shared else ''}{rates}; from {pred.basis}"
+    if pred.unmodelled:
+        lines = [f"weights load: not predicted: {pred.unmodelled} ({source})"]
+    else:
+        staged = f" (the staged copy first, then its read at {', '.join(f'{g:,.2f}' for g in dict.fromkeys(pred.stage_gbps.values()))} GB/s)" if pred.stage_gbps else ""
+        lines = [f"weights load (predicted, cold): {pred.total_s:,.0f} s until the last rank has its weights{staged}; {source}"]
+    lines += [f"  read as {pred.reading}"] if pred.reading else []
     for r in pred.ranks:
-        lines.append(f"  {r.process} on {r.node}: {r.ranks} rank(s) x {r.gb_per_rank:,.1f} GB, {r.seconds:,.0f} s")
-    return lines
+        copy = f" after a {r.copy_s:,.0f} s copy" if pred.stage_gbps else ""
+        lines.append(f"  {r.process} on {r.node}: {r.ranks} rank(s) x {r.gb_per_rank:,.1f} GB, {r.seconds:,.0f} s{copy}")
+    return lines + [f"  note: {n}" for n in pred.notes]
 
 
 def plan(console: Console, p: Plan, load: LoadPrediction | None = None) -> None:
@@ -58,7 +65,8 @@ def plan(console: Console, p: Plan, load: LoadPrediction | None = None) -> None:
         kv = p.capacity.kv_offload
         summary.add_row("kv offload", f"{kv.option}: {kv.host_gib_per_rank:g} GiB host RAM per rank x {kv.ranks_per_node} = {kv.host_gib_per_node:g} GiB per node")
     if load is not None:
-        summary.add_row("weights load", f"{load.total_s:,.0f} s predicted (cold, until the last rank), from {load.basis}")
+        summary.add_row("weights load", f"not predicted: {load.unmodelled}" if load.unmodelled
+                        else f"{load.total_s:,.0f} s predicted (cold, until the last rank), from {load.basis}")
     summary.add_row("features", ", ".join(p.features) or "none")
     summary.add_row("endpoint", p.endpoint)
     console.print(Panel(summary, title="k3launch plan", expand=False))

@@ -178,6 +178,16 @@ class PlanOrigin(Frozen):
     recipes_dir: str | None = None
 
 
+class WeightStage(Frozen):
+    """The model staged onto node-local disk before the engines start (the inventory's
+    ``weights.stage``): ``up`` copies the hub cache's model from ``source`` (a directory every node
+    sees) into ``dir`` on each engine node whose copy is not complete, and the engines read it
+    there (``dir`` is their Hugging Face home: the hub cache is ``dir/hub``)."""
+
+    source: str
+    dir: str
+
+
 class Plan(Frozen):
     name: str
     recipe: str
@@ -209,6 +219,7 @@ class Plan(Frozen):
     fault_tolerance: list[FaultTolerancePool] = []  # DEP pools run with vLLM's fault tolerance (none: the key is left out)
     origin: PlanOrigin | None = None  # set by k3launch.api.plan on an inventory; absent from the JSON otherwise
     replicas: int = 1  # independent copies of the engine (process ids r<k>-<role>-<i>); 1: the key is left out
+    stage: WeightStage | None = None  # weights staged to node-local disk by `up` (inventory weights.stage); None: the key is left out
 
     @model_serializer(mode="wrap")
     def _omit_unused_additions(self, handler: SerializerFunctionWrapHandler) -> Any:
@@ -222,6 +233,8 @@ class Plan(Frozen):
                 data.pop("origin", None)
             if data.get("replicas") == 1:
                 data.pop("replicas", None)
+            if data.get("stage") is None:
+                data.pop("stage", None)
         return data
 
     def replica_of(self, proc: Process) -> int | None:

@@ -33,6 +33,7 @@ class Stage(StrEnum):
     """A lifecycle stage, as ``up`` reports it (in the order a deployment meets them)."""
 
     EXCLUDE = "exclude"  # Slurm: nodes left out of the submission
+    WEIGHTS = "weights"  # the model staged onto node-local disk (the plan's stage), before the doctor
     DOCTOR = "doctor"  # pre-flight checks passed on every node
     SUBMIT = "submit"  # Slurm: the job was queued
     QUEUED = "queued"  # Slurm: pending, with Slurm's reason

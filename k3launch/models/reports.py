@@ -111,7 +111,7 @@ class DoctorReport:
 
 @dataclass(frozen=True)
 class DryRunStep:
-    step: str  # engines | router
+    step: str  # weights (a staged plan's copy, on nodes whose copy is not complete) | engines | router
     node: str
     address: str
     script: str  # exactly what `up` hands to `bash -c` on that node

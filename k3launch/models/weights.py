@@ -181,28 +181,43 @@ class RankLoad:
     node: str
     ranks: int
     gb_per_rank: float
-    seconds: float  # until its ranks have read their share, contending as the prediction says
+    seconds: float  # until its ranks have read their share, contending as the prediction says (the copy included)
+    copy_s: float = 0.0  # of which its node's copy of the staged weights, before the engines start
 
 
 @dataclass(frozen=True)
 class LoadPrediction:
     """How long the weights take to load, predicted from a read throughput (``plan``, ``doctor``, ``timeline``)."""
 
-    ranks: list[RankLoad]
-    gbps: dict[str, float]  # node -> GB/s it reads at ("*": the shared filesystem's total)
+    ranks: list[RankLoad]  # empty when the way the engines read is not modelled (``unmodelled`` says why)
+    gbps: dict[str, float]  # node -> GB/s it reads at ("*": the shared filesystem's total); with staging, the copy's source
     basis: str  # where the throughput came from, in words
     shared: bool  # every node reads one filesystem: all ranks contend for one throughput
+    reading: str = ""  # how the engines read the checkpoint (their load format and strategy), as modelled
+    notes: tuple[str, ...] = ()  # what the figure leaves out
+    unmodelled: str = ""  # why there is no figure ('' when there is one)
+    stage_gbps: dict[str, float] = field(default_factory=dict)  # node -> GB/s reading the staged copy ({}: not staged)
 
     @property
     def total_s(self) -> float:
-        """Until the last rank has its weights."""
+        """Until the last rank has its weights (0 when not modelled)."""
         return max((r.seconds for r in self.ranks), default=0.0)
 
     def seconds_of(self, process: str) -> float | None:
         return next((r.seconds for r in self.ranks if r.process == process), None)
 
     def rows(self) -> dict[str, object]:
-        """As ``--json`` prints it."""
-        return {"total_s": round(self.total_s, 1), "shared": self.shared, "basis": self.basis,
-                "gbps": {k: round(v, 3) for k, v in self.gbps.items()},
-                "processes": [{**asdict(r), "gb_per_rank": round(r.gb_per_rank, 2), "seconds": round(r.seconds, 1)} for r in self.ranks]}
+        """As ``--json`` prints it: ``total_s`` is null when not modelled (``unmodelled`` says why);
+        ``stage_gbps`` and each process's ``copy_s`` only with staging."""
+        staged = bool(self.stage_gbps)
+        procs = [{**{k: v for k, v in asdict(r).items() if k != "copy_s"}, "gb_per_rank": round(r.gb_per_rank, 2), "seconds": round(r.seconds, 1),
+                  **({"copy_s": round(r.copy_s, 1)} if staged else {})} for r in self.ranks]
+        out: dict[str, object] = {"total_s": None if self.unmodelled else round(self.total_s, 1), "shared": self.shared, "basis": self.basis,
+                                  "gbps": {k: round(v, 3) for k, v in self.gbps.items()}, "processes": procs, "reading": self.reading}
+        if staged:
+            out["stage_gbps"] = {k: round(v, 3) for k, v in self.stage_gbps.items()}
+        if self.notes:
+            out["notes"] = list(self.notes)
+        if self.unmodelled:
+            out["unmodelled"] = self.unmodelled
+        return out

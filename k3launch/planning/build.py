@@ -34,7 +34,7 @@ from k3launch.models.plan import (
 )
 from k3launch.models.recipe import KvOffloadOption
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
-from k3launch.planning import capacity, faulttol, rules
+from k3launch.planning import capacity, faulttol, loading, rules
 from k3launch.planning.capacity import NodeMemory
 from k3launch.planning.compose import LAYERS, Composed, Locked, Source, compose
 from k3launch.planning.faulttol import FaultTolerance, Rank
@@ -128,7 +128,8 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     kv = tree.taxonomy.kv_offload.get(r.kv_offload) if r.kv_offload != "off" else None
     locks = locks_for(r.recipe, r.hardware_id, r.hardware)
     model_id = r.variant.model_id or r.recipe.model.model_id
-    notices = list(r.notices)
+    stage, notices = loading.check(inventory, schema, model_id, locks)  # the inventory's weights section, against this vLLM
+    notices = list(r.notices) + notices
     kept_out = list(exclude)  # the plan's `exclude`: passed on to a Slurm job as sbatch --exclude
     if inventory is not None:
         placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude, cordoned)
@@ -226,7 +227,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
         processes=procs, ports=table, inventory=inventory.name if inventory else None,
         backend=inventory.backend if inventory else "none", engine=inventory.engine if inventory else "vllm", port_base=ports.serve,
-        platform=r.hardware.vendor_platform, exclude=kept_out, fault_tolerance=ft_pools, replicas=r.replicas,
+        platform=r.hardware.vendor_platform, exclude=kept_out, fault_tolerance=ft_pools, replicas=r.replicas, stage=stage,
     )
 
 
@@ -308,8 +309,8 @@ def _node_sources(sh: PoolShared, pool: Pool, i: int, node: NodeSpec, head: Node
     extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
     values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
     src = sh.src
-    sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra,
-               *[_resolve_source(s, values) for s in (*src.post, *src.tail)]]
+    sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra, *[_resolve_source(s, values) for s in src.post],
+               *loading.sources(inventory, node), *[_resolve_source(s, values) for s in src.tail]]
     if rank is not None:  # after the hardware layer: its all-to-all must not undo fault tolerance's
         cut = next((k for k, s in enumerate(sources) if LAYERS.index(s.layer) > LAYERS.index("hardware")), len(sources))
         sources.insert(cut, faulttol.source(rank.ft, rank.schema, sources[:cut]))
@@ -343,18 +344,25 @@ def _compose_pool(sh: PoolShared, pool: Pool, pool_nodes: Sequence[NodeSpec], sc
     for i, node in enumerate(pool_nodes):
         if ft is None:
             ns = _node_sources(sh, pool, i, node, head, ports, inventory)
-            c = compose(schema, ["vllm", "serve", model_id], ns.sources, locks, reserved)
+            c = _composed(schema, model_id, ns.sources, locks, reserved, inventory)
             out.append(Placed(node, c, ns.serves, ns.node_rank, ns.dp_start, ns.http, f"{pool.role}-{i}", i == 0, pool.gpus_per_node))
             continue
         for local in range(pool.gpus_per_node):
             rank = i * pool.gpus_per_node + local
             ns = _node_sources(sh, pool, i, node, head, ports, inventory, Rank(ft, schema, rank, local, platform))
-            c = compose(schema, ["vllm", "serve", model_id], ns.sources, locks, reserved)
+            c = _composed(schema, model_id, ns.sources, locks, reserved, inventory)
             if local:  # the node's first rank says once that the pool's port moved; the others' own ports are the point
                 c.notices = faulttol.without_port_overrides(c.notices)
             out.append(Placed(node, c, ns.serves, ns.node_rank, ns.dp_start, ns.http, f"{pool.role}-dp{rank}", rank == 0, 1,
                               faulttol.verify(ft, pool.role, c, schema)))
     return out
+
+
+def _composed(schema: FlagSchema, model_id: str, sources: list[Source], locks: list[Locked], reserved: dict[str, str],
+              inventory: Inventory | None) -> Composed:
+    c = compose(schema, ["vllm", "serve", model_id], sources, locks, reserved)
+    c.notices += loading.verify(inventory, c, locks, loading.known_formats(schema.version))  # how the weights load
+    return c
 
 
 def _host(node: NodeSpec, role: Role, gpus: int) -> Host:

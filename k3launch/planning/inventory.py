@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from k3launch.errors import K3Error
+from k3launch.models.backends import Feature
 from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
 from k3launch.models.plan import Runtime
@@ -186,11 +187,51 @@ class RouterSection(Strict):
 
 
 class WeightSource(Strict):
-    """Where the nodes' engines read the weights from, for load-time predictions (``weights probe``'s default directory too)."""
+    """The weights on the nodes: where the engines read them (load-time predictions, ``weights
+    probe``'s default directory), how (the load format and strategy every engine runs with,
+    :mod:`k3launch.planning.loading` checks them against the plan's vLLM version), and whether
+    ``up`` first stages them onto node-local disk."""
 
-    path: str | None = None  # the directory probed on each node (default: where the engine looks for the model)
+    path: str | None = None  # the directory probed on each node (default: where the engine looks for the model); with stage: the copy's source
     shared: bool = False  # one filesystem every node reads (NFS, Lustre, ...): all nodes' reads share one throughput
     read_gbps: float | None = Field(default=None, **READ_GBPS.field())  # GB/s (10^9 B/s): per node, or the shared total; beats a saved probe
+    load_format: str | None = None  # --load-format of every engine (it beats the recipe's; a --set of another one is refused)
+    load_strategy: str | None = None  # --safetensors-load-strategy of every engine
+    stage: str | None = None  # node-local directory: `up` copies the model there from `path` first, and the engines read it there
+    stage_read_gbps: float | None = Field(default=None, **READ_GBPS.field())  # GB/s reading the staged copy, per node
+
+    @field_validator("load_format", "load_strategy")
+    @classmethod
+    def _word(cls, v: str | None, info: ValidationInfo) -> str | None:
+        # vLLM lower-cases the load format; both are one argv word: a name, never an option or a path
+        if v is not None and not re.fullmatch(r"[a-z0-9][a-z0-9_.-]{0,63}", v.lower()):
+            raise ValueError(f"weights.{info.field_name} {v!r} is not a load format or strategy name (e.g. safetensors, prefetch)")
+        return None if v is None else v.lower()
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and ("\n" in v or "\r" in v or not v.strip()):
+            raise ValueError(f"weights.path {v!r} is not a directory name (empty, or it spans lines)")
+        return v
+
+    @field_validator("stage")
+    @classmethod
+    def _stage(cls, v: str | None) -> str | None:
+        # the containers' mount source (split on ':' and ','), the bare engines' HF_HUB_CACHE (never ~-expanded)
+        if v is not None and (not v.startswith("/") or v.rstrip("/") == "" or any(c in v for c in ":,\n\r")):
+            raise ValueError(f"weights.stage {v!r} must be an absolute directory on the nodes (not /), without ':' or ','")
+        return None if v is None else v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _staged(self) -> WeightSource:
+        if self.stage is not None and not self.path:
+            raise ValueError("weights.stage needs weights.path: the directory every node sees that the model is copied from")
+        if self.stage is not None and self.path is not None and self.stage == self.path.rstrip("/"):
+            raise ValueError(f"weights.stage and weights.path are both {self.stage}: the copy would be its own source")
+        if self.stage_read_gbps is not None and self.stage is None:
+            raise ValueError("weights.stage_read_gbps is the throughput of the staged copy: set weights.stage too")
+        return self
 
 
 class Inventory(Strict):
@@ -247,6 +288,9 @@ class Inventory(Strict):
                 "on slurm the router runs inside the allocation, on the first engine node: "
                 "router.node and router.address do not apply (router.port does)"
             )
+        if self.weights is not None and self.weights.stage is not None and not traits.supports(Feature.WEIGHTS):
+            raise ValueError(f"weights.stage: backend {self.backend} runs no commands on the nodes before the engines start, "
+                             "so it cannot stage the weights (an ssh or local inventory can)")
         if self.router.node != "login" and self.router.node not in names:
             raise ValueError(f"router.node {self.router.node!r} is neither 'login' nor a node of this inventory")
         return self

@@ -191,6 +191,8 @@ def node_spec(inv: Inventory, name: str, address: str | None, hw: str | None, ov
         if v is not None and key != "env":
             values[SETTING_NAMES.get(key, key)] = v
     env = {**(d.env or {}), **((over.env or {}) if over is not None else {})}
+    if inv.weights is not None and inv.weights.stage is not None:  # the engines read the staged copy (planning.loading)
+        values["hf_cache"] = inv.weights.stage
     return NodeSpec(name=name, address=address or name, placeholder=placeholder, hardware=hw, ssh_host=ssh_host,
                     env=tuple(env.items()), **values)  # type: ignore[arg-type]
 

@@ -328,6 +328,7 @@ def _kind(action: str | None, nargs: object) -> Kind:
 
 SERVE_FLAGS = "serve-flags.json"
 ENV_VARS = "env-vars.json"
+LOAD_FORMATS = "load-formats.json"  # optional beside them: the version's --load-format values (planning.loading)
 SCHEMA_DIR_ENV = "K3LAUNCH_SCHEMA_DIR"
 _VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_-]{0,63}")
 

@@ -1,6 +1,6 @@
 """Dump a vLLM version's ``vllm serve`` flag schema into the vendored format of :mod:`.schema`.
 
-``k3launch/data/vllm/<version>/`` holds two files per vLLM version:
+``k3launch/data/vllm/<version>/`` holds two files per vLLM version, and a third when it could be read:
 
 * ``serve-flags.json``: ``{"vllm_version", "command": "vllm serve", "actions": [...]}``, one entry
   per argparse action of vLLM's own ``vllm serve`` parser, in parser order:
@@ -11,6 +11,10 @@
 * ``env-vars.json``: ``{"vllm_version", "source", "env_vars": [...]}``, the sorted names of
   ``vllm.envs.environment_variables`` (every variable ``vllm/envs.py`` defines a reader for).
   Written with ``indent=0``.
+* ``load-formats.json``: ``{"vllm_version", "source", "load_formats": {format: loader class}}``,
+  the ``--load-format`` values vLLM's model loader registry knows (the flag itself takes any
+  string); what :mod:`.loading` checks an inventory's ``weights.load_format`` against. Written
+  with ``indent=1``.
 
 :func:`dump` produces both from a real vLLM install. vLLM is imported only in a child process
 run by the given interpreter (an engine's venv), never in k3launch's own process: k3launch does
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from k3launch.errors import K3Error
-from k3launch.planning.schema import FlagSchema, FlagSpec, spec_of
+from k3launch.planning.schema import LOAD_FORMATS, FlagSchema, FlagSpec, spec_of
 
 SERVE_FLAGS = "serve-flags.json"
 ENV_VARS = "env-vars.json"
@@ -111,6 +115,20 @@ files = {
         "env_vars": sorted(vllm.envs.environment_variables),
     }, indent=0),
 }
+# The load formats (``--load-format``) and the loader class of each: the flag itself is a free string.
+try:
+    import vllm.model_executor.model_loader as loaders
+    known = {fmt: target[1] if isinstance(target, tuple) else name_of(target)
+             for fmt, target in getattr(loaders, "_BUILTIN_LOADERS", {}).items()}  # later vLLMs import loaders lazily
+    known.update({fmt: name_of(cls) for fmt, cls in getattr(loaders, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).items()})
+    if known:
+        files["load-formats.json"] = json.dumps({
+            "vllm_version": version,
+            "source": f"vllm.model_executor.model_loader of the {dist} {version} wheel",
+            "load_formats": dict(sorted(known.items())),
+        }, indent=1)
+except Exception:
+    pass  # no list: an inventory's weights.load_format is then refused for this version, with the reason
 for name, text in files.items():
     tmp = os.path.join(vdir, "." + name + ".tmp")
     with open(tmp, "w") as f:
@@ -237,4 +255,13 @@ def check_dumped(vdir: Path) -> Dumped:
             raise _fail(vdir, f"action {i} ({act['dest']}): choices must be strings")
         if act["action"] != "_HelpAction":  # what load_schema keeps, built the same way
             specs.append(spec_of(act))
+    formats = vdir / LOAD_FORMATS  # optional: dumps by older k3launch versions lack it
+    if formats.is_file():
+        try:
+            doc = json.loads(formats.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise _fail(vdir, f"{LOAD_FORMATS} unreadable: {exc}") from exc
+        ok = isinstance(doc, dict) and doc.get("vllm_version") == version and isinstance(doc.get("load_formats"), dict)
+        if not ok or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc["load_formats"].items()):
+            raise _fail(vdir, f"{LOAD_FORMATS} must be {{vllm_version: {version!r}, source, load_formats: {{format: loader class}}}}")
     return Dumped(version, FlagSchema(version, specs, frozenset(env_vars)), actions, env_vars)

@@ -314,6 +314,9 @@ def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str
     head += token_snippet(hf_token_file, apptainer=any(runs_in_apptainer(p, host) for p in procs))
     if any(runs_in_background(p, host) for p in procs):
         head += _HELPER_NOTE + BACKGROUND_HELPER
+    if plan.stage is not None and any(p.role != "router" for p in procs):  # paths are one line each (the inventory model)
+        head += (f"\n# The engines read the staged copy of the weights in {shlex.quote(plan.stage.dir)}: `k3launch up` fills it first.\n"
+                 f"# Run by hand, copy it there first: k3launch weights fetch --from-path {shlex.quote(plan.stage.source)} (with this plan's options)\n")
     out = [head]
     for proc in procs:
         out.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on {node} ({host.address})")

@@ -19,10 +19,11 @@ from k3launch.deploy.power import FleetSampler, engine_nodes
 from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.ssh.bandwidth import measure
 from k3launch.deploy.ssh.doctor import doctor
-from k3launch.deploy.ssh.fetch import check, fetch
+from k3launch.deploy.ssh.fetch import check, fetch, fetch_command
 from k3launch.deploy.ssh.launch import Launch, node_script, start_steps
 from k3launch.deploy.ssh.observe import follow_logs, observe, tail_logs
 from k3launch.deploy.ssh.probe import probe
+from k3launch.deploy.ssh.stage import stage
 from k3launch.deploy.ssh.teardown import sweep, teardown
 from k3launch.deploy.ssh.watch import SshWatcher
 from k3launch.deploy.state import StateStore
@@ -77,6 +78,8 @@ class SshBackend:
             raise K3Error("nodes-in-use", f"nodes held by live deployments: {', '.join(clash)}",
                           "`k3launch down` that deployment, --exclude the nodes, or pass --force")
         with self._connect(plan, inv) as fleet:
+            if plan.stage is not None:  # the engines read a node-local copy: make it complete first
+                stage(plan, fleet, events.on_stage)
             if not opts.skip_doctor:
                 report = doctor(plan, fleet, [r.name for r in store.list()])
                 events.on_doctor(report)
@@ -120,6 +123,9 @@ class SshBackend:
         token_file = inv.hf_token_file if inv is not None else None
         fleet = Fleet.for_plan(plan)
         steps = []
+        if plan.stage is not None:  # what `up` runs first on each engine node whose staged copy is not complete
+            steps += [DryRunStep("weights", n, fleet.host(n).address, fetch_command(plan, fleet, n, Source("path", path=plan.stage.source)))
+                      for n in dict.fromkeys(p.node for p in plan.processes if p.role != "router")]
         for group in start_steps(plan):
             step = "router" if group[0].role == "router" else "engines"
             for node in dict.fromkeys(p.node for p in group):

@@ -100,11 +100,12 @@ def fetch_command(plan: Plan, fleet: Fleet, node: str, src: Source) -> str:
         base = w.word(src.path.rstrip("/") or "/")
         if spot.local:
             dst = w.word(spot.model)
-            return f"[ -d {base} ] || {{ echo 'k3: no directory {src.path}'; exit 3; }}; mkdir -p {dst} && cp -a {base}/. {dst}/ 2>&1"
-        name = shlex.quote(spot.repo_dir.rsplit("/", 1)[1])
-        return (
+            return f"[ -d {base} ] || {{ echo {shlex.quote('k3: no directory ' + src.path)}; exit 3; }}; mkdir -p {dst} && cp -a {base}/. {dst}/ 2>&1"
+        repo = spot.repo_dir.rsplit("/", 1)[1]
+        name = shlex.quote(repo)
+        return (  # the path is the user's: quoted in the message too
             f"if [ -d {base}/{name} ]; then s={base}/{name}; elif [ -d {base}/hub/{name} ]; then s={base}/hub/{name}; "
-            f"else echo 'k3: no {spot.repo_dir.rsplit('/', 1)[1]} in {src.path} or {src.path}/hub'; exit 3; fi; "
+            f"else echo {shlex.quote(f'k3: no {repo} in {src.path} or {src.path}/hub')}; exit 3; fi; "
             f'mkdir -p {w.word(spot.hub)} && cp -a "$s" {w.word(spot.hub)}/ 2>&1'
         )
     raise ValueError(src.kind)

@@ -26,6 +26,7 @@ from pathlib import Path
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import start_group, start_steps
 from k3launch.deploy.ssh.observe import keep_tails, poll, tail_logs
+from k3launch.deploy.ssh.stage import stage
 from k3launch.deploy.ssh.teardown import sessions, stop_left_behind, stop_processes, teardown
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
@@ -229,12 +230,18 @@ class SshWatcher:
         return None
 
     def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
-        """The doctor's failures on ``nodes`` for the processes ``plan`` puts there (spares about to be used)."""
+        """The doctor's failures on ``nodes`` for the processes ``plan`` puts there (spares about to be used);
+        with staged weights, the copy onto them first (its failure is the one problem then)."""
         sub = plan.model_copy(update={"hosts": [h for h in plan.hosts if h.name in nodes],
                                       "processes": [p for p in plan.processes if p.node in nodes],
                                       "ports": [u for u in plan.ports if u.node in nodes]})
         live = [r.name for r in self.store.list() if r.name != self.rec.name]
         with self.connect(self.rec.model_copy(update={"plan": sub, "left_behind": {}})) as fleet:  # the spares are not in our fleet yet
+            if sub.stage is not None:  # their engines read a node-local copy too, as `up` made it: first
+                try:
+                    stage(sub, fleet, lambda _stage, _message: None)
+                except K3Error as exc:
+                    return [exc.message]
             report = doctor(sub, fleet, live)
         # every node of a this-machine backend is this machine: the deployment's own running
         # engines are seen from the spares too, and are not leftovers there

@@ -202,16 +202,12 @@ def judge(plan: Plan, host: Host, lines: list[str]) -> list[Check]:
         ]
         return [*rows, Check(n, "disk", "pass", f"{free} beside the model")]
     where_ = state.dir or w.repo_dir
-    rows = [
-        Check(
-            n,
-            "weights",
-            "fail",
-            f"{w.model}@{w.revision} not complete in {where_}: {state.problem()}",
-            code="weights-missing",
-            hint=fetch_hint(plan),
-        )
-    ]
+    if plan.stage is not None:  # `up` copies it there before its doctor: only a standalone doctor sees this
+        rows = [Check(n, "weights", "warn", f"{w.model}@{w.revision} not staged in {where_} yet ({state.problem()}): "
+                      f"`up` copies it from {plan.stage.source} first")]
+    else:
+        rows = [Check(n, "weights", "fail", f"{w.model}@{w.revision} not complete in {where_}: {state.problem()}", code="weights-missing",
+                      hint=fetch_hint(plan))]
     if state.free is None:
         return [*rows, Check(n, "disk", "skip", f"free space of {w.hub} not reported")]
     short = state.free + state.bytes < need * GB
