@@ -119,7 +119,7 @@ def read_direct(paths: list[Path], readers: int) -> float:
 def shaped(plan: Plan, gb: float, readers: int) -> Plan:
     """The local plan reshaped to the generated model: its weights ``gb``; ``readers`` TP ranks on its one node."""
     pool = plan.capacity.pools[0].model_copy(update={"weights_gb": gb, "tp": readers, "dp": 1, "pp": 1, "parallelism": "tp"})
-    cap = plan.capacity.model_copy(update={"weights_gb": gb, "pools": [pool]})
+    cap = plan.capacity.model_copy(update={"weights_gb": gb, "checkpoint_gb": gb, "pools": [pool]})
     procs = [p.model_copy(update={"gpus": readers}) if p.role != "router" else p for p in plan.processes]
     return plan.model_copy(update={"capacity": cap, "processes": procs})
 

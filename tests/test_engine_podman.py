@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -261,6 +262,34 @@ def _compiling_s(timeline: dict[str, Any]) -> float:
     return sum(float(s["seconds"]) for p in timeline["processes"] if p["role"] != "router" for s in p["phases"] if s["phase"] == "compiling")
 
 
+HUB_MODEL = "k3launch/tiny-llama"  # the tiny model under a hub id, in a Hugging Face cache on a shared path
+HUB_REPO = "models--k3launch--tiny-llama"
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+HUB_RECIPE = "k3launch/tiny-llama-hub"
+
+
+def _hub_model(tmp: Path) -> tuple[Path, Path]:
+    """(recipes tree, shared HF home): the bundled recipes plus tiny-llama under a hub id, and that
+    model in a hub cache (refs/main -> a snapshot of blobs), as a cluster's shared filesystem holds it."""
+    recipes = tmp / "recipes"
+    shutil.copytree(HERE.parent / "recipes", recipes)
+    src = yaml.safe_load((recipes / "models" / "k3launch" / "tiny-llama.yaml").read_text())
+    src["meta"].update(slug="tiny-llama-hub", title="tiny-llama-hub")
+    src["model"]["model_id"] = HUB_MODEL
+    (recipes / "models" / "k3launch" / "tiny-llama-hub.yaml").write_text(yaml.safe_dump(src, sort_keys=False))
+    shared = tmp / "shared hf"
+    repo = shared / "hub" / HUB_REPO
+    snap = repo / "snapshots" / HUB_COMMIT
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(HUB_COMMIT)
+    for f in sorted(Path(MODEL).iterdir()):
+        shutil.copyfile(f, repo / "blobs" / f.name)
+        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
+    return recipes, shared
+
+
 def _files(d: Path) -> set[str]:
     """The files under a cache key's directory but k3launch's own note (rewritten at every start)."""
     return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file() and p.name != "k3launch.json"}
@@ -276,21 +305,26 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
     shipped = yaml.safe_load(LOCAL_CPU.read_text())
     host = ssh_hosts.names[0]
     cache = tmp_path / "compile"
+    recipes, shared = _hub_model(tmp_path)
+    stage = tmp_path / "local nvme"  # a space: the copy's and the mount's paths stay one word
     inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", hardware="cpu-x86", engine="vllm", runtime="podman", names=[host], extra={
         "vllm_version": shipped["vllm_version"],
         "defaults": {"image": vllm_image, "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"], "env": shipped["defaults"]["env"],
                      "compile_cache": str(cache)},
+        "weights": {"path": str(shared), "stage": str(stage), "load_format": "safetensors", "load_strategy": "eager"},
     })
     sfx, off = session(ssh_hosts)
     name = f"engps-{sfx}"
     cli = Cli(tmp_path / "state")
     ns = host_netns(ssh_hosts, host)
+    said: list[str] = []
 
     def up() -> tuple[float, dict[str, Any]]:
         t0 = time.monotonic()
-        r = cli.run("up", "-i", str(inv), "--recipe", RECIPE, "--strategy", "single_node_tp", "--name", name,
-                    "--port-base", str(21400 + off), "--ready-timeout", str(UP_TIMEOUT_S - 60), timeout=UP_TIMEOUT_S)
+        r = cli.run("up", "-i", str(inv), "--recipes-dir", str(recipes), "--recipe", HUB_RECIPE, "--strategy", "single_node_tp",
+                    "--name", name, "--port-base", str(21400 + off), "--ready-timeout", str(UP_TIMEOUT_S - 60), timeout=UP_TIMEOUT_S)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        said.append(r.stdout)
         tl: dict[str, Any] = cli.json("timeline", name)
         assert tl["ready"] is True, tl
         return time.monotonic() - t0, tl
@@ -314,6 +348,12 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
             mounts = {m["Destination"]: m["Source"] for m in info["Mounts"]}
             key_dir = Path(mounts["/root/.cache/k3launch-compile"])
             assert key_dir.parent == cache and (key_dir / "k3launch.json").is_file(), mounts
+            # the weights: copied from the shared path to the node-local one, which is the engine's HF home
+            assert "copied to 1, 0 already complete" in said[0], said[0][-3000:]
+            assert mounts["/root/.cache/huggingface"] == str(stage), mounts
+            assert (stage / "hub" / HUB_REPO / "snapshots" / HUB_COMMIT / "model.safetensors").is_file()
+            i = argv.index("--load-format")
+            assert argv[i + 1] == "safetensors" and argv[argv.index("--safetensors-load-strategy") + 1] == "eager", argv
             procs = _tree(int(info["State"]["ConmonPid"])) | _tree(pid)
             ours = _shm_of(_alive(procs))
             assert any(f.startswith("sem.mp-") for f in ours), ours  # a named semaphore (tqdm's lock): found by its inode
@@ -332,7 +372,9 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
             assert kept, sorted(key_dir.rglob("*"))  # what the first start compiled stayed on the node
 
             took_warm, warm = up()
+            assert "copied to 0, 1 already complete" in said[1], said[1][-3000:]  # the second `up` copies nothing
             text = cli.run("logs", name, "-n", "2000").stdout
+            assert "Loading weights took" in text and f"model='{HUB_MODEL}'" in text, text[-3000:]  # the hub id, read from the copy
             assert "Compiling model again" not in text, text[-3000:]  # what vLLM 0.32 says when its AOT artifact fails to load
             # a cache hit reads and writes nothing new: every compiled file is the first start's
             assert _files(key_dir) - kept == set(), sorted(_files(key_dir) - kept)

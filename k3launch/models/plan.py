@@ -96,6 +96,7 @@ class KvOffloadCapacity(Frozen):
 class Capacity(Frozen):
     weights_gb: float
     formula: str
+    checkpoint_gb: float | None = None  # the checkpoint's GB (parameters x bytes/param, no headroom): what a load reads
     gpu_memory_gb: float
     fits: bool
     pools: list[PoolCapacity]

@@ -258,6 +258,7 @@ class Resolved:
     node_memory_gb: float = 0.0  # what one node holds weights in: GPU memory, or host memory on a CPU profile
     feature_modes: dict[str, str] = field(default_factory=dict)  # modal feature -> the mode that runs
     replicas: int = 1  # independent copies of the pools, each on nodes of its own
+    checkpoint_gb: float | None = None  # the checkpoint's GB (parameters x bytes/param, no headroom): what loading reads; None when unknown
     replicas_from: str = "--replicas"  # who asked for them: --replicas, or the default that was taken (its words in notices)
 
     @property

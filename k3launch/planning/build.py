@@ -212,7 +212,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         if not any(h.name == rnode.name for h in hosts):
             hosts.append(_host(rnode, "router", 0))
     kv_cap = _kv_capacity(r, kv.host_memory_gib_per_rank if kv else None, placed[:r.nodes], notices)
-    cap = Capacity(weights_gb=r.weights_gb, formula=r.weights_formula, gpu_memory_gb=min(p.gpu_memory_gb for p in pool_caps),
+    cap = Capacity(weights_gb=r.weights_gb, formula=r.weights_formula, checkpoint_gb=r.checkpoint_gb, gpu_memory_gb=min(p.gpu_memory_gb for p in pool_caps),
                    fits=all(p.fits for p in pool_caps), pools=pool_caps, kv_offload=kv_cap)
     table = port_table(procs, ports)
     front = next((p for p in procs if p.role == "router"), None) or next(p for p in procs if p.http_port is not None)

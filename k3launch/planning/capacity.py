@@ -57,6 +57,7 @@ def parse_parameter_count(text: str) -> float | None:
 class Weights:
     gb: float
     formula: str
+    on_disk_gb: float | None = None  # parameters x bytes/param: the checkpoint a load reads (the headroom is GPU memory's)
 
 
 AGREE = 0.01  # an estimate within 1% of the recipe's figure explains it
@@ -74,10 +75,11 @@ def weights(recipe: Recipe, variant: Variant) -> Weights:
     if params is not None and bpp is not None:
         gb = params * bpp * HEADROOM / 1e9
         formula = f"{recipe.model.parameter_count} x {bpp:g} byte/param ({variant.precision}) x {HEADROOM:g} headroom"
+        disk = round(params * bpp / 1e9, 3)
         vmin = variant.vram_minimum_gb
         if vmin is not None and abs(vmin - gb) > AGREE * vmin:
-            return Weights(vmin, f"recipe vram_minimum_gb (estimate {formula} = {gb:.0f} GB)")
-        return Weights(round(gb, 3), formula)
+            return Weights(vmin, f"recipe vram_minimum_gb (estimate {formula} = {gb:.0f} GB)", disk)
+        return Weights(round(gb, 3), formula, disk)
     if variant.vram_minimum_gb is not None:
         return Weights(variant.vram_minimum_gb, "recipe vram_minimum_gb")
     raise K3Error(

@@ -130,7 +130,7 @@ def gb_per_rank(plan: Plan) -> dict[str, tuple[int, float]]:
         if mode is None:
             continue
         pool = pools.get(p.role)
-        w = pool.weights_gb if pool is not None else plan.capacity.weights_gb
+        w = on_disk(plan, pool.weights_gb if pool is not None else plan.capacity.weights_gb)
         r = on_node[(p.role, str(plan.replica_of(p)), p.node)]
         big_r = in_pool[(p.role, str(plan.replica_of(p)))]
         lazy_node = r * w / shards(pool) if pool is not None and pool.parallelism in EXPERT_PARALLEL else w  # the node's lazy read
@@ -138,6 +138,14 @@ def gb_per_rank(plan: Plan) -> dict[str, tuple[int, float]]:
                 "prefetch": w * r / big_r + lazy_node * (1 - r / big_r)}[mode]
         out[p.id] = (max(p.gpus, 1), node / r)
     return out
+
+
+def on_disk(plan: Plan, gb: float) -> float:
+    """``gb`` of weights in memory as the checkpoint's bytes: capacity counts the recipe's 1.2
+    headroom (GPU memory's, not the files'), a load reads the checkpoint. Unchanged when the
+    recipe gives only ``vram_minimum_gb`` (the checkpoint's size is not known then)."""
+    c = plan.capacity
+    return gb * c.checkpoint_gb / c.weights_gb if c.checkpoint_gb and c.weights_gb else gb
 
 
 def _how(plan: Plan) -> tuple[str, str]:
@@ -204,7 +212,7 @@ def predict(plan: Plan, node_gbps: Mapping[str, float], *, shared: bool = False,
         node_gb[node_of[pid]] += ranks * gb
     copy = dict.fromkeys(nodes, 0.0)
     if staged:  # each node copies the whole model first, then reads its copy on its own disk
-        w = plan.capacity.weights_gb
+        w = on_disk(plan, plan.capacity.weights_gb)
         copy = {n: len(nodes) * w / rates["*"] if shared else w / rates[n] for n in nodes}
         read = {n: node_gb[n] / (stage_gbps or {})[n] for n in nodes}
     elif shared:

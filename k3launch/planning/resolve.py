@@ -209,7 +209,7 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
     return Resolved(
         recipe_id=recipe_id, recipe=recipe, variant_name=vname, variant=variant, hardware_id=hw_id,
         hardware=hw, strategy=strategy, pools=pools, features=features, kv_offload=kv,
-        weights_gb=w.gb, weights_formula=w.formula, verified=verified, selection=sel, notices=notices, node_memory_gb=mem.gb,
+        weights_gb=w.gb, weights_formula=w.formula, checkpoint_gb=w.on_disk_gb, verified=verified, selection=sel, notices=notices, node_memory_gb=mem.gb,
         feature_modes=modes, replicas=replicas, replicas_from=replicas_from,
     )
 
