@@ -42,29 +42,29 @@ def reading_as(plan: Plan, load_format: str, strategy: str | None = None, extra:
 def test_bytes_per_rank_follow_the_layout() -> None:
     """vLLM's own safetensors iterator (lazy): what each rank keeps; a node's ranks share one copy."""
     tp3 = gb_per_rank(reading_as(golden("h100_multi_node_tp_3"), "auto"))  # TP 24 over 3 nodes of 8: each node reads a whole copy
-    assert tp3 == {f"serve-{i}": (8, pytest.approx(1680 / 8)) for i in range(3)}
+    assert tp3 == {f"serve-{i}": (8, pytest.approx(1400 / 8)) for i in range(3)}  # the checkpoint: 2.8T x 0.5 byte
     dep = gb_per_rank(reading_as(golden("b300_multi_node_dep_2"), "safetensors"))  # DEP 16: the experts split 16 ways
-    assert dep == {"serve-0": (8, 105.0), "serve-1": (8, 105.0)}
+    assert dep == {"serve-0": (8, 87.5), "serve-1": (8, 87.5)}
     tep = gb_per_rank(reading_as(golden("gb300_multi_node_tep_2"), "auto", "lazy"))  # TEP 8 over 2 nodes of 4
-    assert tep == {"serve-0": (4, 210.0), "serve-1": (4, 210.0)}
+    assert tep == {"serve-0": (4, 175.0), "serve-1": (4, 175.0)}
     pd = gb_per_rank(reading_as(golden("pd_cluster_h200_prefill_tp2_decode_dep2"), "auto"))  # TP prefill: each node a whole copy; DEP decode: shares
-    assert pd == {"prefill-0": (8, 210.0), "prefill-1": (8, 210.0), "decode-0": (8, 105.0), "decode-1": (8, 105.0)}
+    assert pd == {"prefill-0": (8, 175.0), "prefill-1": (8, 175.0), "decode-0": (8, 87.5), "decode-1": (8, 87.5)}
     copies = gb_per_rank(reading_as(golden("b300_multi_node_dep_2_replicas_2"), "auto"))  # two copies: each reads its own
-    assert set(copies) == {"r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1"} and {g for _, g in copies.values()} == {105.0}
+    assert set(copies) == {"r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1"} and {g for _, g in copies.values()} == {87.5}
 
 
 def test_each_way_of_reading_reads_its_own_bytes() -> None:
     """The plan's load format and strategy decide the bytes: DEP 16 on 2 nodes of 8 (experts split
-    16 ways) and TP 24 on 3 nodes of 8 (no expert skipped), 1680 GB."""
+    16 ways) and TP 24 on 3 nodes of 8 (no expert skipped), a 1400 GB checkpoint."""
     dep, tp3 = golden("b300_multi_node_dep_2"), golden("h100_multi_node_tp_3")
     per = {k: gb_per_rank(reading_as(dep, *args))["serve-0"][1] for k, args in {
         "lazy": ("auto",), "torchao": ("auto", "torchao"), "eager": ("safetensors", "eager"), "prefetch": ("auto", "prefetch"),
         "multithread": ("auto", None, '{"enable_multithread_load": true}'), "fast": ("fastsafetensors",), "dummy": ("dummy",)}.items()}
-    assert per == {"lazy": 105.0, "torchao": 105.0, "eager": 210.0, "multithread": 210.0, "fast": 105.0, "dummy": 0.0,
-                   "prefetch": pytest.approx((1680 * 8 / 16 + 8 * 105 * (1 - 8 / 16)) / 8)}  # its slice whole + the rest it needs
+    assert per == {"lazy": 87.5, "torchao": 87.5, "eager": 175.0, "multithread": 175.0, "fast": 87.5, "dummy": 0.0,
+                   "prefetch": pytest.approx((1400 * 8 / 16 + 8 * 87.5 * (1 - 8 / 16)) / 8)}  # its slice whole + the rest it needs
     flat = {k: gb_per_rank(reading_as(tp3, *args))["serve-2"][1] for k, args in {
         "lazy": ("hf",), "eager": ("auto", "eager"), "prefetch": ("auto", "prefetch"), "fast": ("fastsafetensors",)}.items()}
-    assert flat == {"lazy": 210.0, "eager": 210.0, "prefetch": pytest.approx(210.0), "fast": 70.0}  # fastsafetensors: each file once per pool
+    assert flat == {"lazy": 175.0, "eager": 175.0, "prefetch": pytest.approx(175.0), "fast": pytest.approx(1400 / 24)}  # fastsafetensors: each file once per pool
     assert gb_per_rank(tp3) == gb_per_rank(reading_as(tp3, "fastsafetensors"))  # the recipe's own: the goldens read through fastsafetensors
     assert gb_per_rank(reading_as(dep, "runai_streamer")) == {}  # not modelled: no bytes guessed
     assert reading(["vllm", "serve", "m", "--load-format=SafeTensors", "--safetensors-load-strategy", "None"]) == Reading("safetensors")
@@ -88,13 +88,13 @@ def test_staging_is_the_copy_then_the_read_of_the_copy() -> None:
     plan = reading_as(golden("b300_multi_node_dep_2"), "auto", "lazy").model_copy(update={"stage": WeightStage(source="/lustre", dir="/nvme")})
     pred = predict(plan, {}, shared=True, shared_gbps=20.0, stage_gbps={"node-0": 6.0, "node-1": 3.0})
     assert pred is not None and not pred.unmodelled
-    copy = 2 * 1680 / 20.0  # both nodes copy the whole model from one filesystem
+    copy = 2 * 1400 / 20.0  # both nodes copy the whole model from one filesystem
     assert [r.copy_s for r in pred.ranks] == [copy, copy]
-    assert pred.seconds_of("serve-0") == pytest.approx(copy + 840 / 6.0) and pred.total_s == pytest.approx(copy + 840 / 3.0)
+    assert pred.seconds_of("serve-0") == pytest.approx(copy + 700 / 6.0) and pred.total_s == pytest.approx(copy + 700 / 3.0)
     row = pred.rows()
-    assert row["stage_gbps"] == {"node-0": 6.0, "node-1": 3.0} and row["processes"][0]["copy_s"] == 168.0  # type: ignore[index]
+    assert row["stage_gbps"] == {"node-0": 6.0, "node-1": 3.0} and row["processes"][0]["copy_s"] == 140.0  # type: ignore[index]
     own = predict(plan, {"node-0": 2.0, "node-1": 4.0}, stage_gbps={"node-0": 6.0, "node-1": 6.0})  # each node copies from its own source
-    assert own is not None and [r.copy_s for r in own.ranks] == [840.0, 420.0]
+    assert own is not None and [r.copy_s for r in own.ranks] == [700.0, 350.0]
     blind = predict(plan, {}, shared=True, shared_gbps=20.0)
     assert blind is not None and blind.ranks == [] and "stage_read_gbps" in blind.unmodelled
     unstaged = predict(reading_as(golden("b300_multi_node_dep_2"), "auto", "lazy"), {"node-0": 2.0, "node-1": 2.0})
@@ -106,7 +106,7 @@ def test_staging_is_the_copy_then_the_read_of_the_copy() -> None:
     t = Tracker(plan, started=0.0)  # vLLM's clock starts once the copy is done: set beside the read alone
     t.update({"serve-0": LogDelta("(Worker_DP0) Loading weights took 280.00 seconds\n")}, (), "alive", 1.0)
     rows = {r["process"]: r for r in against(t.timeline(ready=True, now=2.0), pred)}
-    assert rows["serve-0"]["predicted_s"] == 140.0 and rows["serve-0"]["ratio"] == 2.0
+    assert rows["serve-0"]["predicted_s"] == 116.7 and rows["serve-0"]["ratio"] == 2.4  # 280 s against 700 GB / 6 GB/s
 
 
 def test_the_default_strategy_on_a_shared_filesystem_says_vllm_may_prefetch() -> None:
@@ -123,16 +123,16 @@ def test_ranks_on_a_node_contend_for_its_disk_and_a_shared_filesystem_for_one_th
     plan = golden("b300_multi_node_dep_2")
     pred = predict(plan, {"node-0": 2.0, "node-1": 1.0}, basis="test")
     assert pred is not None and not pred.shared
-    assert pred.seconds_of("serve-0") == pytest.approx(8 * 105 / 2.0) and pred.seconds_of("serve-1") == pytest.approx(8 * 105 / 1.0)
-    assert pred.total_s == pytest.approx(840.0)  # the slow node decides
+    assert pred.seconds_of("serve-0") == pytest.approx(8 * 87.5 / 2.0) and pred.seconds_of("serve-1") == pytest.approx(8 * 87.5 / 1.0)
+    assert pred.total_s == pytest.approx(700.0)  # the slow node decides
     shared = predict(plan, {"node-0": 2.0, "node-1": 1.0}, shared=True)  # one client's figure taken as the total: the slowest
-    assert shared is not None and shared.gbps == {"*": 1.0} and shared.total_s == pytest.approx(1680.0)
-    assert [round(r.seconds) for r in shared.ranks] == [1680, 1680]
+    assert shared is not None and shared.gbps == {"*": 1.0} and shared.total_s == pytest.approx(1400.0)
+    assert [round(r.seconds) for r in shared.ranks] == [1400, 1400]
     told = predict(plan, {}, shared=True, shared_gbps=10.0)
-    assert told is not None and told.total_s == pytest.approx(168.0)
+    assert told is not None and told.total_s == pytest.approx(140.0)
     assert predict(plan, {"node-0": 2.0}) is None  # a node without a figure: no prediction
     row = pred.rows()
-    assert row["total_s"] == 840.0 and row["processes"][0]["gb_per_rank"] == 105.0  # type: ignore[index]
+    assert row["total_s"] == 700.0 and row["processes"][0]["gb_per_rank"] == 87.5  # type: ignore[index]
 
 
 def _inventory(tmp: Path, weights: str = "") -> Path:
@@ -210,7 +210,7 @@ def test_vllms_loading_weights_took_is_read_per_rank_once_and_shown_beside_the_p
     assert took == {"serve-0": [10.0, 12.5], "serve-1": [], "router": []}
     procs = tl.as_dict()["processes"]
     assert [p.get("weights_took") for p in procs] == [[10.0, 12.5], None, None]  # type: ignore[union-attr]
-    pred = predict(plan, {"node-0": 84.0, "node-1": 84.0})  # 840 GB per node: 10 s
+    pred = predict(plan, {"node-0": 70.0, "node-1": 70.0})  # 700 GB per node: 10 s
     rows = {r["process"]: r for r in against(tl, pred)}
     assert rows["serve-0"]["predicted_s"] == 10.0 and rows["serve-0"]["slowest_took_s"] == 12.5 and rows["serve-0"]["ratio"] == 1.25
     assert rows["serve-1"]["took_s"] == [] and rows["serve-1"]["ratio"] is None and "router" not in rows
