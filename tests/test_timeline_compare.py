@@ -180,6 +180,17 @@ def test_a_bring_up_saved_before_down_compares_after_the_next_up(tmp_path: Path)
     assert text.code == 0 and f"{tmp_path / 'cold.json'} (dep): ready in 72.0s" in text.stdout
 
 
+def test_two_saved_bring_ups_compare_with_no_deployment_left(tmp_path: Path) -> None:
+    """NAME may be a saved file too, with --compare: both deployments long gone."""
+    root = _store(tmp_path, warm=_warm(), cold=_cold())
+    for name in ("warm", "cold"):
+        (tmp_path / f"{name}.json").write_text(_cli(tmp_path, name, "--json").stdout)
+        StateStore(root).delete(name)
+    data = _cli(tmp_path, str(tmp_path / "warm.json"), "--compare", str(tmp_path / "cold.json"), "--json").json()
+    assert data["other_deployment"] == "cold" and data["total"]["ratio"] == pytest.approx(37 / 72, abs=1e-3)
+    assert _cli(tmp_path, str(tmp_path / "warm.json"), "--json").error()["code"] == "bad-name"  # without --compare: a deployment
+
+
 def test_a_deployment_name_wins_over_a_file_of_that_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _store(tmp_path, warm=_warm(), cold=_cold())
     monkeypatch.chdir(tmp_path)

@@ -203,7 +203,8 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
 
 
 @app.command()
-def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`).")], state_dir: StateDir = None,
+def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3launch list`); with --compare, also a file "
+                                                      "`k3launch timeline NAME --json` wrote.")], state_dir: StateDir = None,
              compare: Annotated[str | None, typer.Option("--compare", metavar="OTHER",
                                                          help="Side by side with another bring-up, phase by phase: a deployment's name, "
                                                               "or a file `k3launch timeline NAME --json` wrote.")] = None,
@@ -215,22 +216,25 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
     from k3launch.models.bringups import compare as side_by_side
     from k3launch.models.bringups import no_timeline
 
+    if compare is not None:  # NAME too may be a saved file then: two bring-ups of deployments long gone
+        try:
+            mine, other = api.timeline(name, state_dir), api.timeline(compare, state_dir)
+        except K3Error as err:
+            fail(err)
+        cmp = side_by_side(mine.timeline, other.timeline, name, compare, other.deployment)
+        if json_out:
+            typer.echo(json.dumps(cmp.as_dict(), indent=2))
+        else:
+            show_progress.comparison(console(), cmp)
+        return
     try:
         rec = api.record(name, state_dir)
         if rec is None:
             raise K3Error("unknown-deployment", f"no deployment named {name!r}", "see `k3launch list`")
         if rec.timeline is None:
             raise no_timeline(name, rec.state)
-        other = api.timeline(compare, state_dir) if compare is not None else None
     except K3Error as err:
         fail(err)
-    if other is not None and compare is not None:
-        cmp = side_by_side(rec.timeline, other.timeline, name, compare, other.deployment)
-        if json_out:
-            typer.echo(json.dumps(cmp.as_dict(), indent=2))
-        else:
-            show_progress.comparison(console(), cmp)
-        return
     since = [e for e in api.events(name, state_dir=state_dir) if e.time >= rec.created]  # this life's supervision
     pred, loads = api.load_against(rec, state_dir)
     if json_out:
