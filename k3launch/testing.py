@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
+from k3launch.models.phases import Timeline
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport
@@ -327,6 +328,7 @@ class FakeWatcher:
         self.doctor_fails: list[str] = []  # what check() reports for spares
         self.plan: Plan | None = None  # the plan adopted last
         self.rec: DeploymentRecord | None = None  # what note() changes, when a test gives one
+        self.timelines: dict[str, Timeline] = {}  # unit -> the restart timeline restart_timeline() hands out
         self._last: Observation | None = None
 
     def observe(self, now: float) -> Observation:
@@ -344,6 +346,11 @@ class FakeWatcher:
             self.start_fails[unit.name] -= 1
             return [LaunchFailed(f"could not start {unit.processes[0]}: start command exited 1", "", unit.processes[0], "no such file\n")]
         return []
+
+    def restart_timeline(self, unit: str, ready: bool, now: float) -> Timeline | None:
+        """``timelines[unit]`` (set by a test), with ``ready`` as asked; once."""
+        tl = self.timelines.pop(unit, None)
+        return None if tl is None else tl.model_copy(update={"ready": ready})
 
     def stop(self, processes: Sequence[str], grace_s: float) -> TeardownReport:
         self.calls.append(("stop", *processes))

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
     )
     from k3launch.api.rollouts import rollout, rollout_continue, rollout_preview
     from k3launch.api.supervision import events, follow_events, restart_policy, stop_supervisor, supervise, supervise_detached
-    from k3launch.api.timelines import timeline
+    from k3launch.api.timelines import restart_timeline, timeline
 
 # Each name's module, imported on first use: `plan` then loads only the planning part of the API
 # (not the lifecycle, node operations or the backend table) on its way to start-up.
@@ -132,6 +132,7 @@ _HOMES: dict[str, str] = {
     "load_prediction": "nodes",
     "load_against": "nodes",
     "timeline": "timelines",
+    "restart_timeline": "timelines",
 }
 
 
@@ -186,6 +187,7 @@ __all__ = [
     "recipes",
     "record",
     "restart_policy",
+    "restart_timeline",
     "rollout",
     "rollout_continue",
     "rollout_preview",

@@ -1,5 +1,6 @@
 """Bring-up timelines to compare (``k3launch timeline NAME --compare OTHER``): a deployment's, from
-its record in the state directory, or one saved to a file (:mod:`k3launch.models.bringups`)."""
+its record in the state directory, or one saved to a file (:mod:`k3launch.models.bringups`); and
+the last restart a supervisor recorded in the deployment's event log (``timeline NAME --restart``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 from k3launch.api._common import store
 from k3launch.errors import K3Error
-from k3launch.models.bringups import SAVE_HINT, WRITTEN_BY, Saved, no_timeline, read_saved
+from k3launch.models.bringups import SAVE_HINT, WRITTEN_BY, Saved, no_restart, no_timeline, read_saved, restarts
+from k3launch.models.supervise import Event
 from k3launch.util.names import is_name
 
 
@@ -36,3 +38,15 @@ def timeline(source: str, state_dir: str | Path | None = None) -> Saved:
     except UnicodeDecodeError:
         raise K3Error("not-a-timeline", f"{source} is not text (not UTF-8)", SAVE_HINT) from None
     return read_saved(text, source)
+
+
+def restart_timeline(name: str, state_dir: str | Path | None = None) -> tuple[Event, Saved]:
+    """The last restart of a unit of ``name`` a supervisor recorded (its event log, kept after
+    ``down``): the ``restarted`` or ``restart-failed`` event, and the unit's timeline in it.
+    Refusal: ``no-restart-timeline``."""
+    from k3launch.api.supervision import events
+
+    got = restarts(events(name, state_dir=state_dir))
+    if not got or got[0].timeline is None:
+        raise no_restart(name)
+    return got[0], Saved(got[0].timeline, name)

@@ -208,6 +208,9 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
              compare: Annotated[str | None, typer.Option("--compare", metavar="OTHER",
                                                          help="Side by side with another bring-up, phase by phase: a deployment's name, "
                                                               "or a file `k3launch timeline NAME --json` wrote.")] = None,
+             restart: Annotated[bool, typer.Option("--restart", help="The last restart a supervisor recorded (of one unit: its "
+                                                                     "processes only) instead of the `up`; with --compare NAME, "
+                                                                     "against the same processes of the `up`.")] = False,
              json_out: JsonOut = False) -> None:
     """The bring-up's timeline: per process, each phase's start and end; the slowest rank and what it waited for."""
     STATE.json = json_out
@@ -216,6 +219,9 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
     from k3launch.models.bringups import compare as side_by_side
     from k3launch.models.bringups import no_timeline
 
+    if restart:
+        _restart_timeline(name, compare, state_dir, json_out)
+        return
     if compare is not None:  # NAME too may be a saved file then: two bring-ups of deployments long gone
         try:
             mine, other = api.timeline(name, state_dir), api.timeline(compare, state_dir)
@@ -256,6 +262,36 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
             con.print(f"[bold]since it served[/]: {len(shown)} supervisor event(s) (`k3launch events {name}`)")
             for e in shown:
                 con.print(line(e), markup=False, soft_wrap=True)
+
+
+def _restart_timeline(name: str, compare: str | None, state_dir: Path | None, json_out: bool) -> None:
+    """``timeline NAME --restart [--compare OTHER]``: the last restart's timeline, alone or against OTHER's same processes."""
+    from k3launch import api
+    from k3launch.cli import show_progress
+    from k3launch.models.bringups import compare as side_by_side
+    from k3launch.models.bringups import narrow
+
+    try:
+        ev, mine = api.restart_timeline(name, state_dir)
+        other = api.timeline(compare, state_dir) if compare is not None else None
+    except K3Error as err:
+        fail(err)
+    tl = mine.timeline
+    label = f"{name} restart of {ev.unit}" + (f" (attempt {ev.attempt})" if ev.attempt else "")
+    if other is not None:
+        cmp = side_by_side(tl, narrow(other.timeline, {p.id for p in tl.processes}), label, compare or "", other.deployment)
+        if json_out:
+            typer.echo(json.dumps(cmp.as_dict(), indent=2))
+        else:
+            show_progress.comparison(console(), cmp)
+        return
+    if json_out:
+        about = {"unit": ev.unit, "kind": ev.kind, "attempt": ev.attempt, "time": ev.time, "detected_to_serving_s": ev.seconds}
+        typer.echo(json.dumps({"name": name, "restart": about, **tl.as_dict()}, indent=2))
+    else:
+        show_progress.timeline(console(), label, tl)
+        if ev.seconds is not None:
+            typer.echo(f"from the failure's detection to serving: {ev.seconds:.1f}s (`k3launch events {name}`)")
 
 
 @app.command("list")

@@ -33,7 +33,13 @@ def line(e: Event) -> str:
     """One event as one line: time, kind, where, why."""
     where = " ".join(x for x in (e.unit and f"unit {e.unit}", e.process and f"process {e.process}", e.node and f"node {e.node}") if x)
     t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
-    return f"{t}  {e.kind:<16} {where + '  ' if where else ''}{e.reason}"
+    phases = ""
+    if e.timeline is not None:  # a restart's phases (`k3launch timeline NAME --restart` has them all)
+        from k3launch.models.bringups import in_brief
+
+        brief = in_brief(e.timeline)
+        phases = f" [{brief}]" if brief else ""
+    return f"{t}  {e.kind:<16} {where + '  ' if where else ''}{e.reason}{phases}"
 
 
 @app.command()

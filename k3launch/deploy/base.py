@@ -31,7 +31,7 @@ from k3launch.deploy.progress import ProgressFn, Tracker
 from k3launch.deploy.readiness import Readiness
 from k3launch.errors import K3Error
 from k3launch.models.caches import CacheDir
-from k3launch.models.phases import LogDelta
+from k3launch.models.phases import LogDelta, Timeline
 from k3launch.models.plan import FaultTolerancePool, Plan, Process
 from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
 from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport, DryRun, LaunchFailed, TeardownReport
@@ -162,6 +162,10 @@ class Watcher(Protocol):
     def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
         """Stop the unit's processes and, if ``proceed()`` still says so, start them again as ``up``
         did (the record saved); what failed to start."""
+        ...
+
+    def restart_timeline(self, unit: str, ready: bool, now: float) -> Timeline | None:
+        """The last restart of ``unit``, phase by phase, until ``now`` (None: not tracked); its tracking ends."""
         ...
 
     def stop(self, processes: Sequence[str], grace_s: float) -> TeardownReport: ...

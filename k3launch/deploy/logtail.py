@@ -11,6 +11,7 @@ read (or half of one) and is skipped, so a fragment is never taken for a line.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,13 @@ class LogCursor:
 
     offsets: dict[str, int] = field(default_factory=dict)  # bare logs: bytes of whole lines read
     since: dict[str, str] = field(default_factory=dict)  # container logs: the timestamp of the last line read
+
+    def forget(self, pids: Iterable[str]) -> None:
+        """These processes start anew: their logs are read from the beginning (a bare log is
+        truncated by the start, a container's is the new container's)."""
+        for pid in pids:
+            self.offsets.pop(pid, None)
+            self.since.pop(pid, None)
 
     def take(self, pid: str, text: str) -> LogDelta:
         """A bare log's new ``text`` (:func:`k3launch.render.logread.log_from` at the offset): whole

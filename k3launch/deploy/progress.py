@@ -4,7 +4,8 @@ The backends read what each process's log gained since the last poll in the roun
 already make (:class:`~k3launch.deploy.base.Progress` ``logs``); :func:`~k3launch.deploy.base.run_up`
 hands it to a :class:`Tracker`, which classifies the lines (:mod:`k3launch.models.phases`), reports
 a :class:`~k3launch.models.phases.BringUp` after every poll (``Events.on_progress``) and builds the
-timeline the record keeps. Times are this machine's, taken when a poll saw the line: nodes' clocks
+timeline the record keeps. A supervisor's restarts are tracked the same way, one unit at a time
+(:class:`Restarts`). Times are this machine's, taken when a poll saw the line: nodes' clocks
 never meet, and the resolution is one poll interval.
 """
 
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
+from k3launch.deploy.logtail import LogCursor
 from k3launch.models.phases import (
     BringUp,
     LogDelta,
@@ -120,3 +122,40 @@ class Tracker:
                 )
             )
         return Timeline(started=self.started, ended=now, ready=ready, processes=out)
+
+
+@dataclass
+class Restarts:
+    """The bring-ups of a supervisor's restarting units: one :class:`Tracker` per unit, over the
+    unit's processes only, from when its new processes start until the unit serves again (or the
+    restart fails). The looks read the logs of those processes only (:meth:`reading`), from the
+    start: a bare log is truncated by the start, a container's log is the new container's."""
+
+    cursor: LogCursor = field(default_factory=LogCursor)
+    _units: dict[str, Tracker] = field(default_factory=dict)
+
+    def start(self, unit: str, plan: Plan, processes: Collection[str], now: float | None = None) -> None:
+        """``unit``'s processes are about to start anew: its timeline starts now (a restart before, forgotten)."""
+        only = plan.model_copy(update={"processes": [p for p in plan.processes if p.id in processes]})
+        self.cursor.forget(processes)
+        self._units[unit] = Tracker(only, started=time.time() if now is None else now)
+
+    def reading(self) -> set[str]:
+        """The processes whose logs the next look reads (those of restarting units)."""
+        return {p.id for t in self._units.values() for p in t.plan.processes}
+
+    def update(self, logs: Mapping[str, LogDelta], healthy: Collection[str], now: float | None = None) -> None:
+        """One look: what the restarting processes' logs gained, and which of them answer ``/health``."""
+        for t in self._units.values():
+            t.update(logs, healthy, "restart", now)
+
+    def timeline(self, unit: str, ready: bool, now: float | None = None) -> Timeline | None:
+        """``unit``'s restart so far (None: not tracked), and the tracking ends."""
+        t = self._units.pop(unit, None)
+        return None if t is None else t.timeline(ready, now)
+
+    def drop(self, processes: Collection[str]) -> None:
+        """Stop tracking every unit with one of ``processes`` (stopped for good)."""
+        for unit, t in list(self._units.items()):
+            if any(p.id in processes for p in t.plan.processes):
+                del self._units[unit]

@@ -4,7 +4,8 @@ The loop (every ``poll`` seconds): one look through the backend's :class:`~k3lau
 the decisions of :class:`~k3launch.models.supervision.Supervision` (pure), then its actions —
 restart a unit, give a unit up, re-place a lost node's units (:class:`Places`), send vLLM's
 fault-tolerance ``retry``, or stop everything — and every event appended to the
-deployment's event log (:mod:`k3launch.deploy.eventlog`) and handed to ``on_event`` and the
+deployment's event log (:mod:`k3launch.deploy.eventlog`; ``restarted`` and ``restart-failed``
+carry the unit's restart timeline, phase by phase, when the watcher tracked it) and handed to ``on_event`` and the
 ``--on-event`` command (on a thread of its own: a slow hook never delays a detection).
 
 One supervisor per deployment: it holds ``<state>/supervise/NAME.lock`` while it runs (a second
@@ -86,6 +87,9 @@ class _Run:
 
     def emit(self, events: Sequence[Event]) -> None:
         for e in events:
+            if e.kind in ("restarted", "restart-failed") and e.unit and e.timeline is None:
+                # the unit's bring-up since its new processes started (a failed one: what it reached)
+                e.timeline = self.watcher.restart_timeline(e.unit, e.kind == "restarted", e.time)
             if e.kind == "gave-up" or (e.kind == "failed" and e.unit is None):
                 e.reason += f"; last log lines kept in {self.store.logs_dir(self.rec.name)}/"
             eventlog.append(self.store, e)

@@ -10,14 +10,17 @@ to the failure). A phase entered twice (compiling and KV cache alternate) counts
 bring-up only are listed apart.
 
 A record keeps the timeline of its ``up`` only: a clean ``down`` deletes the record, and a
-supervisor's restart or a rollout records none. So a bring-up is kept by saving its JSON
-(``timeline NAME --json > cold.json``), and :func:`read_saved` reads that back — or a copy of a
+rollout records none. A supervisor's restart records the unit's timeline in its ``restarted`` (or
+``restart-failed``) event (:func:`restarts` finds them; :func:`narrow` cuts a whole deployment's
+bring-up to the restarted unit's processes, to compare the two). So a bring-up is kept by saving its
+JSON (``timeline NAME --json > cold.json``), and :func:`read_saved` reads that back — or a copy of a
 deployment record (``deployments/NAME.json``), whose ``timeline`` it takes.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 
 from k3launch.errors import K3Error
 from k3launch.models.phases import Phase, PhaseSpan, ProcessTimeline, Timeline
+from k3launch.models.supervise import Event
 
 COMPARED = tuple(p for p in Phase if p != Phase.HEALTHY)  # the phases that take time; a process's end is its `done`
 WRITTEN_BY = "a file `k3launch timeline NAME --json` wrote"
@@ -144,6 +148,37 @@ def compare(tl: Timeline, other: Timeline, name: str = "name", other_name: str =
         only_other=tuple(Alone(q.id, q.role, q.node, _done(other, q)) for q in other.processes if q.id not in ours),
         other_deployment=other_deployment,
     )
+
+
+# ---------------------------------------------------------------------- a supervisor's restarts
+def restarts(events: Iterable[Event]) -> list[Event]:
+    """The restarts an event log recorded with their timeline (``restarted``, ``restart-failed``), the last first."""
+    return [e for e in reversed(list(events)) if e.kind in ("restarted", "restart-failed") and e.timeline is not None]
+
+
+def in_brief(tl: Timeline) -> str:
+    """One line for ``k3launch events``: the seconds the slowest process spent in each phase, in order."""
+    slow = tl.slowest()
+    p = next((q for q in tl.processes if slow is not None and q.id == slow.process), None)
+    if p is None:
+        return ""
+    spent = ", ".join(f"{ph.label} {s:.1f}s" for ph, s in phase_seconds(p).items() if ph != Phase.HEALTHY)
+    return f"{p.id}: {spent}" if spent else ""
+
+
+def no_restart(name: str) -> K3Error:
+    """The refusal for a deployment whose event log holds no restart timeline."""
+    return K3Error("no-restart-timeline", f"{name} has no recorded restart timeline",
+                   f"a supervisor (`k3launch supervise {name}`) records one each time it restarts a unit, "
+                   f"on the SSH and local backends; `k3launch events {name}` lists what it did")
+
+
+def narrow(tl: Timeline, ids: Collection[str]) -> Timeline:
+    """``tl`` with only the processes ``ids`` names (a deployment's ``up`` against one unit's
+    restart). A bring-up that served ends when the last of them was done."""
+    kept = [p for p in tl.processes if p.id in ids]
+    done = [t for p in kept if (t := p.reached()) is not None]
+    return tl.model_copy(update={"processes": kept, "ended": max(done) if tl.ready and done else tl.ended})
 
 
 # ---------------------------------------------------------------------- a saved bring-up

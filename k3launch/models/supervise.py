@@ -20,6 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from k3launch.models.phases import Timeline
 from k3launch.models.plan import Plan, Process
 
 # policy field -> supervise's flag
@@ -109,6 +110,8 @@ class Event(BaseModel):
     attempt: int | None = None  # the restart this is about (1: the first in the window)
     seconds: float | None = None  # restarted: from detection to serving; backoff: the wait
     log_tail: str = ""  # the failing process's last log lines
+    # restarted: the unit's bring-up, phase by phase, from its new processes' start (restart-failed: what it reached)
+    timeline: Timeline | None = None
 
 
 UnitKind = Literal["engine", "group", "router"]

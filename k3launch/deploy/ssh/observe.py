@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,16 +40,19 @@ class Poll:
     logs: dict[str, LogDelta] = field(default_factory=dict)  # with a cursor: process id → what its log gained
 
 
-def _log_reads(prs: list[ProcessRecord], cursor: LogCursor) -> list[str]:
-    """Live progress: what each process's log gained, in the same round trip as the liveness check."""
+def _log_reads(prs: list[ProcessRecord], cursor: LogCursor, logs_of: Collection[str] | None) -> list[str]:
+    """Live progress: what each process's log gained, in the same round trip as the liveness check
+    (``logs_of``: only these processes' logs; None: every process's)."""
     return [logread.container_log_since(p.id, p.runtime, p.handle, cursor.since.get(p.id, "")) if is_container(p.runtime)
-            else logread.log_from(p.id, p.log, cursor.offsets.get(p.id, 0)) for p in prs if is_container(p.runtime) or p.log]
+            else logread.log_from(p.id, p.log, cursor.offsets.get(p.id, 0)) for p in prs
+            if (is_container(p.runtime) or p.log) and (logs_of is None or p.id in logs_of)]
 
 
 def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lines: int = 30, cursor: LogCursor | None = None,
-         skip: Mapping[str, str] | None = None) -> Poll:
+         skip: Mapping[str, str] | None = None, logs_of: Collection[str] | None = None) -> Poll:
     """Liveness of every started process (and, with ``cursor``, what each log gained since the last
-    poll). ``skip``: nodes not asked this time (known silent: node -> why), reported unreachable."""
+    poll: every process's, or only ``logs_of``'s — a supervisor reads the logs of a restarting unit
+    only). ``skip``: nodes not asked this time (known silent: node -> why), reported unreachable."""
     by_node: dict[str, list[ProcessRecord]] = {}
     for pr in rec.processes.values():
         if pr.handle and pr.node not in (skip or {}):
@@ -62,7 +65,7 @@ def poll(rec: SshRecord, fleet: Fleet, timeout: float = POLL_TIMEOUT_S, tail_lin
             names = [p.handle for p in prs if p.runtime == rt]
             if names:
                 parts.append(remote.containers_alive(rt, names))
-        parts += _log_reads(prs, cursor) if cursor is not None else []  # after the status lines: they are parsed first
+        parts += _log_reads(prs, cursor, logs_of) if cursor is not None else []  # after the status lines: they are parsed first
         cmds[node] = "\n".join(parts) or "true"
     out = Poll()
     out.unreachable.update({n: why for n, why in (skip or {}).items() if any(p.node == n for p in rec.processes.values())})

@@ -8,7 +8,10 @@ fails or does not answer within ``probe_timeout`` counts toward a hung engine.
 A restart stops the unit's processes as ``down`` would (SIGTERM to each process group, SIGKILL
 after the grace period: a stopped or hung process dies too), keeps each bare process's previous
 log as ``<process>.log.1`` beside the new one, waits for the unit's ports to close, and starts the
-processes with the script ``up`` used (:func:`~k3launch.deploy.ssh.launch.start_group`).
+processes with the script ``up`` used (:func:`~k3launch.deploy.ssh.launch.start_group`). From that
+start until the unit serves again, each look also reads what the unit's logs gained (theirs only,
+in the same round trip) and tracks its phases as ``up`` does (:class:`~k3launch.deploy.progress.Restarts`):
+the supervisor attaches the timeline to the ``restarted`` (or ``restart-failed``) event.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from k3launch.deploy.progress import Restarts
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import start_group, start_steps
 from k3launch.deploy.ssh.observe import keep_tails, poll, tail_logs
@@ -31,6 +35,7 @@ from k3launch.deploy.ssh.teardown import sessions, stop_left_behind, stop_proces
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec as backend_spec
+from k3launch.models.phases import Timeline
 from k3launch.models.plan import FaultTolerancePool, Plan, Process, is_container
 from k3launch.models.record import DeploymentRecord, LeftBehind, SshRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
@@ -70,6 +75,7 @@ class SshWatcher:
         self.store = store
         self.probe_timeout = probe_timeout
         self.silent: dict[str, _Silent] = {}
+        self.restarts = Restarts()  # the bring-ups of restarting units
 
     def _skip(self, now: float) -> dict[str, str]:
         return {n: s.why for n, s in self.silent.items() if now < s.next_try}
@@ -86,7 +92,8 @@ class SshWatcher:
     def observe(self, now: float) -> Observation:
         rec = self.rec
         skip = self._skip(time.monotonic())
-        pl = poll(rec, self.fleet, skip=skip)
+        reading = self.restarts.reading()
+        pl = poll(rec, self.fleet, skip=skip, cursor=self.restarts.cursor if reading else None, logs_of=reading)
         self._heard(time.monotonic(), {p.node for p in rec.processes.values()} - set(skip), pl.unreachable)
         dead: dict[str, str] = {}
         for pid in pl.dead:
@@ -101,6 +108,8 @@ class SshWatcher:
         # a router's /health answers 503 while any of its workers is down: its own life is /liveness
         routers = {p.id: "/liveness" for p in rec.plan.processes if p.role == "router"}
         healthy = probe_all(urls, timeout=self.probe_timeout, paths=routers)
+        if reading:
+            self.restarts.update(pl.logs, [pid for pid, ok in healthy.items() if ok])
         ft = self._ft_status([p for p in rec.plan.processes if p.id in urls], {pid for f in rec.plan.fault_tolerance for pid in f.processes})
         reclaimed = self._reclaim()
         unreachable = {**self._still_silent(), **pl.unreachable}
@@ -269,6 +278,7 @@ class SshWatcher:
             return []  # `down` arrived meanwhile: it wins
         self._wait_ports(unit)
         procs = [p for p in rec.plan.processes if p.id in unit.processes]
+        self.restarts.start(unit.name, rec.plan, unit.processes)
         failed: list[LaunchFailed] = []
         for group in start_steps(rec.plan):
             mine = [p for p in group if p in procs]
@@ -278,6 +288,10 @@ class SshWatcher:
                 failed += bad
         self.store.save(rec)
         return failed
+
+    def restart_timeline(self, unit: str, ready: bool, now: float) -> Timeline | None:
+        """``unit``'s last restart, phase by phase, until ``now`` (None: none tracked); its tracking ends."""
+        return self.restarts.timeline(unit, ready, now)
 
     def _keep_previous_logs(self, unit: Unit) -> None:
         """The log of the run that failed, kept beside the new one (the start truncates ``<process>.log``)."""
@@ -309,6 +323,7 @@ class SshWatcher:
 
     def stop(self, processes: Sequence[str], grace_s: float) -> TeardownReport:
         report = TeardownReport()
+        self.restarts.drop(processes)
         stop_processes(self.rec, self.fleet, processes, grace_s, report)
         return report
 
