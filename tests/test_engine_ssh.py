@@ -268,11 +268,21 @@ def test_tp_over_two_hosts_serves_from_the_head_with_a_headless_rank(pair: Pair)
     assert "VLLM::Worker_TP0" in on[pair.names[0]] and "VLLM::Worker_TP1" in on[pair.names[1]], on
     kinds = [e["kind"] for e in events(pair.cli, name)]
     assert kinds.count("restarting") == 1 and kinds.count("restarted") == 1, kinds
+    # the restart's own bring-up, read from vLLM's logs of the new processes: phase by phase, as `up`'s
+    tl = back.get("timeline")
+    assert tl is not None and tl["ready"] is True and {p["id"] for p in tl["processes"]} == {"serve-0", "serve-1"}, back
+    seen = [s["phase"] for s in next(p for p in tl["processes"] if p["id"] == "serve-0")["phases"]]
+    assert seen[0] == "starting" and seen[-1] == "healthy" and {"loading_weights", "compiling"} <= set(seen), seen
+    cmp = pair.cli.json("timeline", name, "--restart", "--compare", name)  # the restart against the `up`
+    head_cmp = {ph["phase"]: ph for ph in next(p for p in cmp["processes"] if p["id"] == "serve-0")["phases"]}
+    compiling = head_cmp["compiling"]
+    assert compiling["name_s"] and compiling["other_s"], head_cmp
     tree = set(processes(name))
 
     t1 = time.monotonic()
     _down_leaves_nothing(pair, name, rec, shm_before, tree, supervisor=sv["supervisor"]["pid"])
-    print(f"\n[tp over 2 hosts: up {took:.1f}s, rank killed -> group serving again {back['time'] - t_kill:.1f}s, "
+    print(f"\n[tp over 2 hosts: up {took:.1f}s, rank killed -> group serving again {back['time'] - t_kill:.1f}s "
+          f"(head compiling {compiling['name_s']:.1f}s in the restart, {compiling['other_s']:.1f}s in the up), "
           f"down+checks {time.monotonic() - t1:.1f}s]")
 
 
