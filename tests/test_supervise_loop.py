@@ -56,8 +56,15 @@ def test_a_restart_is_made_counted_in_the_record_and_logged(tmp_path: Path) -> N
     out, seen = _run(store, rec.name, w, stop)
     assert out == "stopped"
     assert ("restart", "serve-1") in w.calls and w.closed
+    # the replica leaves the router's worker list before its restart, and is added back once it serves
+    s1 = next(p for p in rec.plan.processes if p.id == "serve-1")
+    url = f"http://{s1.address}:{s1.http_port}"
+    assert url in supervisor.worker_urls(next(p for p in rec.plan.processes if p.role == "router"))
+    calls = [c for c in w.calls if c[0] in ("reroute", "restart")]
+    assert calls == [("reroute", f"-{url}"), ("restart", "serve-1"), ("reroute", f"+{url}")], calls
     kinds = [e.kind for e in seen]
-    assert kinds == ["watching", "detected", "restarting", "restarted", "stopped-watching"], kinds
+    assert kinds == ["watching", "detected", "restarting", "rerouted", "restarted", "rerouted", "stopped-watching"], kinds
+    assert [e.reason for e in seen if e.kind == "rerouted"] == [f"removed {url} while serve-1 restarts", f"added {url}"]
     assert [e.kind for e in eventlog.read(store, rec.name)] == kinds  # the same events, in the log
     after = store.load(rec.name)
     assert after.supervisor is None and after.state == "ready"  # it let go: the deployment is as it was

@@ -34,7 +34,7 @@ from k3launch.deploy.supervisors import lock_path, stop_path, who
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord, Supervisor
-from k3launch.models.supervise import Event, RestartPolicy, reroutable, units, worker_urls
+from k3launch.models.supervise import Event, RestartPolicy, Unit, reroutable, units, worker_urls
 from k3launch.models.supervision import Action, FtRetry, GiveUp, Observation, Replace, Restart, StopAll, Supervision
 from k3launch.util.locks import locked
 
@@ -259,9 +259,32 @@ class _Run:
                          reason=f"{'; '.join(moves)}; restarted: {', '.join(u.name for u in changed)}")])
         return None
 
+    def _out_of_routers(self, unit: Unit) -> None:
+        """A unit's engines leave each (regular) router's worker list before it restarts, and come
+        back with ``/add_worker`` once it serves (``pending_adds``). Otherwise a head that still
+        answers while its group restarts (a TP copy whose other rank died) gets requests until it
+        is stopped, then until the router's next health check, and a retry may pick it again: one
+        request of 190 failed so. A P/D router cannot add a worker back over HTTP: left alone."""
+        if unit.name in self.pending_adds:
+            return  # out since an earlier attempt of this restart
+        mine = [p for p in self.rec.plan.processes if p.id in unit.processes and p.http_port is not None and p.role != "router"]
+        for r in self.rec.plan.processes:
+            if r.role != "router" or r.id in unit.processes or "--vllm-pd-disaggregation" in r.argv:
+                continue
+            out = [w for w in worker_urls(r) if w.split("//", 1)[-1].rstrip("/") in {f"{p.address}:{p.http_port}" for p in mine}]
+            if not out:
+                continue
+            why = self.watcher.reroute(r, out, [])
+            self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=self.rec.name,
+                             unit=r.id, reason=f"removed {', '.join(out)} while {unit.name} restarts" if why is None
+                             else f"router {r.id}: {why}")])
+            if why is None:
+                self.pending_adds.setdefault(unit.name, []).extend((r, w) for w in out)
+
     def _restart(self, a: Restart) -> str:
         name = self.rec.name
         t_end = time.monotonic() + LOCK_WAIT_S
+        self._out_of_routers(a.unit)
         while True:
             try:
                 with self.store.lock(name):
