@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -205,14 +206,26 @@ def test_stale_shared_memory_goes_and_what_a_process_maps_stays() -> None:
     left.close()  # nobody maps it now: a killed engine's
     resource_tracker.unregister(left._name, "shared_memory")  # type: ignore[attr-defined]  # removed below, not at exit
     held = shared_memory.SharedMemory(create=True, size=4096, name=f"psm_k3held{os.getpid()}")
+    # named semaphores: one left by a process gone, one a live process maps (under glibc's temporary name)
+    sem = "import _multiprocessing, sys, time; s = _multiprocessing.SemLock(1, 1, 1, sys.argv[1], False); print(flush=True); time.sleep(float(sys.argv[2]))"
+    sem_left, sem_held = Path(f"/dev/shm/sem.mp-k3l{os.getpid()}"), Path(f"/dev/shm/sem.mp-k3h{os.getpid()}")
+    subprocess.run([sys.executable, "-c", sem, f"/mp-k3l{os.getpid()}", "0"], check=True, capture_output=True)
+    holder = subprocess.Popen([sys.executable, "-c", sem, f"/mp-k3h{os.getpid()}", "60"], stdout=subprocess.PIPE, text=True)
     try:
+        assert holder.stdout is not None and holder.stdout.readline() == "\n"  # made and mapped
+        assert sem_left.exists() and sem_held.exists()
         out = subprocess.run(["bash", "-c", STALE_SHM], capture_output=True, text=True, check=True).stdout.split()
         assert f"/dev/shm/{left.name}" in out and not Path(f"/dev/shm/{left.name}").exists()
         assert f"/dev/shm/{held.name}" not in out and Path(f"/dev/shm/{held.name}").exists()
+        assert str(sem_left) in out and not sem_left.exists()
+        assert str(sem_held) not in out and sem_held.exists()  # its holder maps it: only the inode says so
     finally:
+        holder.kill()
+        holder.wait()
         held.close()
         held.unlink()
-        Path(f"/dev/shm/{left.name}").unlink(missing_ok=True)
+        for f in (Path(f"/dev/shm/{left.name}"), sem_left, sem_held):
+            f.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("shell", ["sh", "bash"])

@@ -263,8 +263,9 @@ def shm_files() -> str:
     return "ls -1 /dev/shm 2>/dev/null | grep -E '^(psm_|vllm|nccl-)' || true"
 
 
-# vLLM's shared memory (multiprocessing's psm_* segments, its own vllm* files) that no process
-# maps or holds open: what an engine killed with SIGKILL leaves behind, hundreds of MB each.
+# vLLM's shared memory (multiprocessing's psm_* segments and named semaphores, its own vllm*
+# files) that no process maps or holds open: what an engine killed with SIGKILL leaves behind,
+# hundreds of MB each (a semaphore: 32 bytes, but one more per kill).
 # Only files this user owns; run once the engine's processes are gone.
 STALE_SHM = r"""used=$( { cat /proc/[0-9]*/maps; ls -l /proc/[0-9]*/fd; } 2>/dev/null | grep -o '/dev/shm/[^ ]*' | sort -u)
 for f in /dev/shm/psm_* /dev/shm/vllm*; do
@@ -274,6 +275,16 @@ $used
 " in *"
 $f
 "*) continue ;; esac
+  rm -f -- "$f" && echo "$f"
+done
+# multiprocessing's named semaphores (sem.mp-*: tqdm's lock in vLLM's workers), unlinked by a
+# resource tracker that a SIGKILL took too. A process maps one under glibc's temporary name
+# ("/dev/shm/sem.XXXXXX (deleted)"), so "in use" is told by inode
+inodes=$(cat /proc/[0-9]*/maps 2>/dev/null | awk '$6 ~ /^\/dev\/shm\// {print $5}' | sort -u)
+for f in /dev/shm/sem.mp-*; do
+  [ -f "$f" ] && [ -O "$f" ] || continue
+  i=$(stat -c %i -- "$f" 2>/dev/null) || continue
+  printf '%s\n' "$inodes" | grep -qx "$i" && continue
   rm -f -- "$f" && echo "$f"
 done"""
 
