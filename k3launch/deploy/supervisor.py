@@ -163,9 +163,15 @@ class _Run:
     def _add_workers(self, served: Sequence[str]) -> None:
         for unit in served:
             for router, url in self.pending_adds.pop(unit, []):
-                why = self.watcher.reroute(router, [], [url])
-                self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=self.rec.name,
-                                 unit=router.id, reason=f"added {url}" if why is None else f"router {router.id}: {why}")])
+                self._reroute(router, [], [url], f"added {url}")
+
+    def _reroute(self, router: Process, remove: Sequence[str], add: Sequence[str], done: str) -> bool:
+        """Tell a running router of worker URLs to remove and add; a ``rerouted`` event saying
+        ``done``, else a ``supervisor-error`` with the router's words. True when it took."""
+        why = self.watcher.reroute(router, remove, add)
+        self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=self.rec.name,
+                         unit=router.id, reason=done if why is None else f"router {router.id}: {why}")])
+        return why is None
 
     def _guarded(self, a: Action) -> str:
         """``act``, with an unforeseen error reported as an event: a supervisor that dies leaves
@@ -239,9 +245,7 @@ class _Run:
             self.watcher.adopt(new, a.node)
             for r in rerouted:
                 gone = [w for w in worker_urls(before[r.id]) if w not in worker_urls(r)]
-                why = self.watcher.reroute(r, gone, [])
-                self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=name, unit=r.id,
-                                 reason=f"removed {', '.join(gone)}" if why is None else f"router {r.id}: {why}")])
+                self._reroute(r, gone, [], f"removed {', '.join(gone)}")
                 for w in worker_urls(r):
                     if w not in worker_urls(before[r.id]):
                         owner = next(u.name for u in units(new) for p in new.processes
@@ -267,18 +271,13 @@ class _Run:
         request of 190 failed so. A P/D router cannot add a worker back over HTTP: left alone."""
         if unit.name in self.pending_adds:
             return  # out since an earlier attempt of this restart
-        mine = [p for p in self.rec.plan.processes if p.id in unit.processes and p.http_port is not None and p.role != "router"]
+        mine = {f"{p.address}:{p.http_port}" for p in self.rec.plan.processes
+                if p.id in unit.processes and p.http_port is not None and p.role != "router"}
         for r in self.rec.plan.processes:
             if r.role != "router" or r.id in unit.processes or "--vllm-pd-disaggregation" in r.argv:
                 continue
-            out = [w for w in worker_urls(r) if w.split("//", 1)[-1].rstrip("/") in {f"{p.address}:{p.http_port}" for p in mine}]
-            if not out:
-                continue
-            why = self.watcher.reroute(r, out, [])
-            self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=self.rec.name,
-                             unit=r.id, reason=f"removed {', '.join(out)} while {unit.name} restarts" if why is None
-                             else f"router {r.id}: {why}")])
-            if why is None:
+            out = [w for w in worker_urls(r) if w.split("//", 1)[-1].rstrip("/") in mine]
+            if out and self._reroute(r, out, [], f"removed {', '.join(out)} while {unit.name} restarts"):
                 self.pending_adds.setdefault(unit.name, []).extend((r, w) for w in out)
 
     def _restart(self, a: Restart) -> str:

@@ -137,6 +137,10 @@ def containers_alive(runtime: str, names: Iterable[str]) -> str:
 done"""
 
 
+# "inode path" of every /dev/shm mapping in the /proc/PID/maps lines it reads
+SHM_MAPPINGS = r"awk '$6 ~ /^\/dev\/shm\// {print $5, $6}'"
+
+
 def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
     """Stop, remove, and (podman) drop the container's HF_TOKEN secret.
 
@@ -160,11 +164,10 @@ def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
     # named semaphore (multiprocessing's sem.mp-*, e.g. tqdm's lock) is mapped under the
     # temporary name glibc made it with, renamed since ("/dev/shm/sem.XXXXXX (deleted)"); a file
     # is unlinked only under a name the group mapped, or as a semaphore of an inode it mapped.
-    maps = "awk '$6 ~ /^\\/dev\\/shm\\// {print $5, $6}'"
     shm = ('shm=$(for d in /proc/[0-9]*; do s=$(cat "$d/stat" 2>/dev/null) || continue; s=${s##*) }; '
-           f'set -- $s; [ "${{3:-}}" = "$p" ] && {maps} "$d/maps" 2>/dev/null; done | sort -u) && ')
+           f'set -- $s; [ "${{3:-}}" = "$p" ] && {SHM_MAPPINGS} "$d/maps" 2>/dev/null; done | sort -u) && ')
     # cat, not awk, reads every process's maps: mawk stops at a file it cannot open (a process gone)
-    unlink = (f'if [ -n "$shm" ]; then used=$(cat /proc/[0-9]*/maps 2>/dev/null | {maps} | cut -d" " -f1 | sort -u); '
+    unlink = (f'if [ -n "$shm" ]; then used=$(cat /proc/[0-9]*/maps 2>/dev/null | {SHM_MAPPINGS} | cut -d" " -f1 | sort -u); '
               "find /dev/shm -maxdepth 1 -type f -printf '%i %p\\n' 2>/dev/null | while read -r i f; do "
               'printf "%s\\n" "$shm" | grep -q "^$i " || continue; '
               'case "$f" in /dev/shm/sem.*) ;; *) printf "%s\\n" "$shm" | grep -qxF "$i $f" || continue ;; esac; '
@@ -267,7 +270,8 @@ def shm_files() -> str:
 # files) that no process maps or holds open: what an engine killed with SIGKILL leaves behind,
 # hundreds of MB each (a semaphore: 32 bytes, but one more per kill).
 # Only files this user owns; run once the engine's processes are gone.
-STALE_SHM = r"""used=$( { cat /proc/[0-9]*/maps; ls -l /proc/[0-9]*/fd; } 2>/dev/null | grep -o '/dev/shm/[^ ]*' | sort -u)
+STALE_SHM = r"""maps=$(cat /proc/[0-9]*/maps 2>/dev/null | """ + SHM_MAPPINGS + r""" | sort -u)
+used=$( { printf '%s\n' "$maps" | cut -d' ' -f2-; ls -l /proc/[0-9]*/fd 2>/dev/null | grep -o '/dev/shm/[^ ]*'; } | sort -u)
 for f in /dev/shm/psm_* /dev/shm/vllm*; do
   [ -f "$f" ] && [ -O "$f" ] || continue
   case "
@@ -280,7 +284,7 @@ done
 # multiprocessing's named semaphores (sem.mp-*: tqdm's lock in vLLM's workers), unlinked by a
 # resource tracker that a SIGKILL took too. A process maps one under glibc's temporary name
 # ("/dev/shm/sem.XXXXXX (deleted)"), so "in use" is told by inode
-inodes=$(cat /proc/[0-9]*/maps 2>/dev/null | awk '$6 ~ /^\/dev\/shm\// {print $5}' | sort -u)
+inodes=$(printf '%s\n' "$maps" | cut -d' ' -f1)
 for f in /dev/shm/sem.mp-*; do
   [ -f "$f" ] && [ -O "$f" ] || continue
   i=$(stat -c %i -- "$f" 2>/dev/null) || continue
