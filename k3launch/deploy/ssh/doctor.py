@@ -47,7 +47,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check, DoctorReport
 from k3launch.render import snippets as remote
-from k3launch.render.scripts import Raw, home_path
+from k3launch.render.scripts import path_word
 from k3launch.transport.fleet import Fleet
 
 PROBE_TIMEOUT_S = 60.0
@@ -65,8 +65,7 @@ def _bounded(cmd: str, seconds: int) -> str:
 
 def _venv_bin(venv: str) -> str:
     """``<venv>/bin`` as one shell word (``~/...`` expands on the node)."""
-    word = home_path(venv.rstrip("/") + "/bin")
-    return word if isinstance(word, Raw) else shlex.quote(word)
+    return path_word(venv.rstrip("/") + "/bin")
 
 
 # What `vllm --version` prints is the version of the `vllm` distribution in the interpreter of the

@@ -26,7 +26,7 @@ import shlex
 from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check
 from k3launch.models.weights import State, Where
-from k3launch.render.scripts import Raw, home_path
+from k3launch.render.scripts import path_word
 
 OPT_IN = "K3LAUNCH_CHECK_WEIGHTS"  # a node env: "1" checks the simulated engine's weights too, "0" never checks
 GB = 1e9
@@ -131,14 +131,10 @@ def wanted(plan: Plan, node: str) -> str:
 
 def python_word(host: Host) -> str:
     """The node's interpreter as one shell word: the engine's venv, the inventory's ``python``, else python3."""
-    py = f"{host.venv.rstrip('/')}/bin/python" if host.venv else (host.python or "python3")
-    word = home_path(py)
-    return word if isinstance(word, Raw) else shlex.quote(word)
+    return path_word(f"{host.venv.rstrip('/')}/bin/python" if host.venv else (host.python or "python3"))
 
 
-def word(path: str) -> str:
-    word = home_path(path)
-    return word if isinstance(word, Raw) else shlex.quote(word)
+word = path_word  # a path on the node as one shell word (``~/...`` expands there)
 
 
 def check_command(host: Host, w: Where) -> str:
