@@ -16,6 +16,7 @@ from k3launch.util import bounds
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from k3launch.models.bringups import Comparison
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord
     from k3launch.models.reports import DryRun
@@ -227,11 +228,7 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
             mine, other = api.timeline(name, state_dir), api.timeline(compare, state_dir)
         except K3Error as err:
             fail(err)
-        cmp = side_by_side(mine.timeline, other.timeline, name, compare, other.deployment)
-        if json_out:
-            typer.echo(json.dumps(cmp.as_dict(), indent=2))
-        else:
-            show_progress.comparison(console(), cmp)
+        _show_comparison(side_by_side(mine.timeline, other.timeline, name, compare, other.deployment), json_out)
         return
     try:
         rec = api.record(name, state_dir)
@@ -264,6 +261,15 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
                 con.print(line(e), markup=False, soft_wrap=True)
 
 
+def _show_comparison(cmp: Comparison, json_out: bool) -> None:
+    from k3launch.cli import show_progress
+
+    if json_out:
+        typer.echo(json.dumps(cmp.as_dict(), indent=2))
+    else:
+        show_progress.comparison(console(), cmp)
+
+
 def _restart_timeline(name: str, compare: str | None, state_dir: Path | None, json_out: bool) -> None:
     """``timeline NAME --restart [--compare OTHER]``: the last restart's timeline, alone or against OTHER's same processes."""
     from k3launch import api
@@ -279,11 +285,8 @@ def _restart_timeline(name: str, compare: str | None, state_dir: Path | None, js
     tl = mine.timeline
     label = f"{name} restart of {ev.unit}" + (f" (attempt {ev.attempt})" if ev.attempt else "")
     if other is not None:
-        cmp = side_by_side(tl, narrow(other.timeline, {p.id for p in tl.processes}), label, compare or "", other.deployment)
-        if json_out:
-            typer.echo(json.dumps(cmp.as_dict(), indent=2))
-        else:
-            show_progress.comparison(console(), cmp)
+        _show_comparison(side_by_side(tl, narrow(other.timeline, {p.id for p in tl.processes}), label, compare or "", other.deployment),
+                         json_out)
         return
     if json_out:
         about = {"unit": ev.unit, "kind": ev.kind, "attempt": ev.attempt, "time": ev.time, "detected_to_serving_s": ev.seconds}
