@@ -330,6 +330,7 @@ class FakeWatcher:
         self.rec: DeploymentRecord | None = None  # what note() changes, when a test gives one
         self.timelines: dict[str, Timeline] = {}  # unit -> the restart timeline restart_timeline() hands out
         self._last: Observation | None = None
+        self.listed: list[str] | None = None  # the router's worker list workers() reports
 
     def observe(self, now: float) -> Observation:
         self.calls.append(("observe",))
@@ -374,7 +375,13 @@ class FakeWatcher:
 
     def reroute(self, router: object, remove: Sequence[str], add: Sequence[str]) -> str | None:
         self.calls.append(("reroute", *(f"-{u}" for u in remove), *(f"+{u}" for u in add)))
+        if self.listed is not None:  # the router's list as a real one keeps it
+            self.listed = [u for u in self.listed if u not in remove] + [u for u in add if u not in self.listed]
         return None
+
+    def workers(self, router: object) -> list[str] | None:
+        """What the router lists: ``listed`` (set by a test; None: the router does not answer)."""
+        return None if self.listed is None else list(self.listed)
 
     def adopt(self, plan: Plan, lost: str) -> None:
         self.calls.append(("adopt", lost))

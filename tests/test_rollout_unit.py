@@ -10,7 +10,7 @@ import pytest
 
 from k3launch.api.planning import plan
 from k3launch.deploy import rollout as ro
-from k3launch.models.plan import Plan, Process
+from k3launch.models.plan import Plan
 from k3launch.models.supervise import units
 from k3launch.models.supervision import Observation
 from k3launch.testing import FakeWatcher
@@ -32,58 +32,6 @@ def _completions(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _healthy(p: Plan) -> Observation:
     return Observation(0, healthy={x.id: True for x in p.processes if x.http_port})
-
-
-def _roller(w: FakeWatcher, old: Plan, new: Plan, marks: list[tuple[str, str, str]], **kw: object) -> ro.Roller:
-    return ro.Roller(w, old, new, drain_timeout=1, start_timeout=5, sleep=lambda s: None,
-                     mark=lambda u, on, why: marks.append((u, on, why)), **kw)  # type: ignore[arg-type]
-
-
-def test_batches_take_units_out_together_and_mark_each() -> None:
-    old, new = _plans(3)
-    w = FakeWatcher([_healthy(new)] * 20)
-    marks: list[tuple[str, str, str]] = []
-    todo = [u for u in units(new) if u.kind != "router"]
-    result = _roller(w, old, new, marks).run(todo, batch=2)
-    assert result.ok and [r.unit for r in result.rolled] == ["r0-serve-0", "r1-serve-0", "r2-serve-0"]
-    reroutes = [c for c in w.calls if c[0] == "reroute"]
-    # two out together, back together; then the third alone
-    assert [len(c) - 1 for c in reroutes] == [2, 2, 1, 1] and all(x.startswith("-") for x in reroutes[0][1:]), reroutes
-    restarts = [c[1] for c in w.calls if c[0] == "restart"]
-    assert restarts == ["r0-serve-0", "r1-serve-0", "r2-serve-0"]
-    assert [(u, on) for u, on, _ in marks] == [("r0-serve-0", "rolling"), ("r1-serve-0", "rolling"), ("r0-serve-0", "new"),
-                                              ("r1-serve-0", "new"), ("r2-serve-0", "rolling"), ("r2-serve-0", "new")]
-    assert result.plan.processes == new.processes and result.plan.origin == old.origin  # processes rolled; the caller adopts the rest
-
-
-def test_a_failed_gate_in_a_batch_rolls_back_that_unit_only() -> None:
-    old, new = _plans(2)
-    w = FakeWatcher([_healthy(new)] * 20, start_fails={"r1-serve-0": 1})
-    marks: list[tuple[str, str, str]] = []
-    todo = [u for u in units(new) if u.kind != "router"]
-    result = _roller(w, old, new, marks).run(todo, batch=2)
-    assert result.failed == "r1-serve-0" and "start command exited 1" in result.reason
-    runs = {p.id: p for p in result.plan.processes}
-    assert runs["r0-serve-0"] == next(p for p in new.processes if p.id == "r0-serve-0")
-    assert runs["r1-serve-0"] == next(p for p in old.processes if p.id == "r1-serve-0")
-    assert marks[-2:] == [("r0-serve-0", "new", ""), ("r1-serve-0", "old", marks[-1][2])] and "exited 1" in marks[-1][2]
-    assert [c[1] for c in w.calls if c[0] == "restart"] == ["r0-serve-0", "r1-serve-0", "r1-serve-0"]  # r1 again, on the old plan
-    assert w.plan is not None and {p.id: p for p in w.plan.processes}["r1-serve-0"] == runs["r1-serve-0"]
-    assert w.calls[-1][0] == "reroute" and len(w.calls[-1]) == 3  # both back in the router: r0 new, r1 as it was
-
-
-def test_the_extra_gate_fails_a_unit_with_its_words() -> None:
-    old, new = _plans(2)
-    w = FakeWatcher([_healthy(new)] * 20)
-    seen: list[Sequence[str]] = []
-
-    def gate(p: Plan, engines: Sequence[Process]) -> str:
-        seen.append([e.id for e in engines])
-        return "canary: 'The capital' expected [1, 2] got [1, 3]" if engines[0].id == "r0-serve-0" and len(seen) == 1 else ""
-
-    result = _roller(w, old, new, [], gate=gate).run([u for u in units(new) if u.kind != "router"])
-    assert result.failed == "r0-serve-0" and "expected [1, 2] got [1, 3]" in result.reason
-    assert seen == [["r0-serve-0"], ["r0-serve-0"]]  # the roll-back is gated too; r1 never rolled
 
 
 def test_surge_plans_rename_engines_into_the_next_generation_and_keep_the_router() -> None:
@@ -149,7 +97,7 @@ def test_the_stop_waits_out_vllms_own_shutdown_timeout() -> None:
     slow = plan(INV, selection={"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp", "replicas": 2,
                                 "sets": ["shutdown-timeout=90"]})
     w = FakeWatcher([_healthy(slow)] * 5)
-    r = _roller(w, old, slow, [])
+    r = ro.Roller(w, old, slow, drain_timeout=1, start_timeout=5, sleep=lambda s: None)
     unit = units(slow)[0]
     assert ro.shutdown_timeout(next(p for p in slow.processes if p.id == unit.processes[0])) == 90
     assert r._grace(slow, unit) == 90 + ro.SHUTDOWN_MARGIN_S  # SIGKILL only after vLLM's own drain on SIGTERM

@@ -5,31 +5,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from k3launch.deploy.rollout import Gate
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan, Process
 
-if TYPE_CHECKING:
-    from k3launch.api.rollouts import RolloutPreview
+
+def refuse_stale(st: StateStore, name: str, rebaseline_reasons: Sequence[str], rebaseline: bool) -> None:
+    """A change that makes the canary's recorded answers stale (another model, vLLM or
+    sampling-relevant flag) is refused unless ``rebaseline``: then the first unit rolled records
+    new answers, and every later one is compared with them."""
+    from k3launch.deploy import canary as io
+
+    if rebaseline_reasons and not rebaseline and io.load(st, name) is not None:
+        raise K3Error("canary-rebaseline", f"this change makes the canary's recorded answers stale ({rebaseline_reasons[0]})",
+                      "add --rebaseline (the first unit rolled records new answers, the others are compared with them), "
+                      "or --no-canary")
 
 
-def canary_gate(st: StateStore, name: str, preview: RolloutPreview, rebaseline: bool) -> Gate | None:
+def canary_gate(st: StateStore, name: str, rebaseline: bool) -> Gate | None:
     """The canary as a rollout gate: each restarted unit's targets (its engines, its P/D pairings,
-    the router) replay the baseline. None when there is no baseline. A change that makes the
-    recorded answers stale (another model, vLLM or sampling-relevant flag: ``preview.rebaseline``)
-    is refused unless ``rebaseline``: then the first unit rolled records new answers, and every
-    later one is compared with them."""
+    the router) replay the baseline. None when there is no baseline. ``rebaseline``: the first
+    unit that passes records new answers (:func:`refuse_stale` decided that it may)."""
     from k3launch.deploy import canary as io
 
     if io.load(st, name) is None:
         return None
-    if preview.rebaseline and not rebaseline:
-        raise K3Error("canary-rebaseline", f"this change makes the canary's recorded answers stale ({preview.rebaseline[0]})",
-                      "add --rebaseline (the first unit rolled records new answers, the others are compared with them), "
-                      "or --no-canary")
     fresh = [rebaseline]  # a new baseline is still to be recorded
 
     def gate(plan: Plan, engines: Sequence[Process]) -> str:
@@ -60,8 +62,3 @@ def canary_gate(st: StateStore, name: str, preview: RolloutPreview, rebaseline: 
     return gate
 
 
-def both_gates(first: Gate | None, second: Gate | None) -> Gate | None:
-    if first is None or second is None:
-        return first or second
-    a, b = first, second
-    return lambda plan, engines: a(plan, engines) or b(plan, engines)

@@ -155,7 +155,8 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
     snap = with_replicas(backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec), rec.plan)
     sv = rec.supervisor
     if sv is not None and alive(sv):
-        snap.supervisor = SupervisorStatus(host=sv.host, pid=sv.pid, since=sv.since, restarts=sv.restarts, detached=sv.detached)
+        snap.supervisor = SupervisorStatus(host=sv.host, pid=sv.pid, since=sv.since, detached=sv.detached,
+                                         restarts=max(sv.restarts, rec.control.restarts if rec.control is not None else 0))
     if snap.state == "failed" and rec.state == "ready":  # it failed on its own (a self-supervising job gave up): say so in the record
         with contextlib.suppress(K3Error), st.lock(name):  # another command acting on it (a `down`) has the last word
             cur = st.try_load(name)

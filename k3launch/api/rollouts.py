@@ -17,20 +17,20 @@ undone (:func:`rollout_continue` with ``rollback``), and a new one is refused un
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3launch.api._common import load, store
-from k3launch.api._rollgate import both_gates, canary_gate
-from k3launch.deploy.rollout import Gate, RolloutResult, pd_plan
+from k3launch.api._rollgate import refuse_stale
+from k3launch.deploy.rollout import RolloutResult, UnitRolled, pd_plan
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.backends import Feature, require
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
-from k3launch.models.rollout import On, RolloutState, RolloutUnit, changes_typed
-from k3launch.models.supervise import Unit, units
+from k3launch.models.rollout import RolloutState, RolloutUnit, changes_typed
+from k3launch.models.supervise import Event, Unit, units
 from k3launch.planning.diff import ProcessDiff, diff_plans
 
 ROLLABLE = ("ready",)
@@ -80,10 +80,11 @@ def rollout_preview(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str
     rec = st.load(name)
     if rec.state not in ROLLABLE:
         raise K3Error("not-ready", f"{name} is {rec.state}: only a ready deployment is rolled", f"`k3launch status {name}`")
-    if rec.rollout is not None:
-        if not rec.rollout.stopped:
-            with st.lock(name):  # deployment-busy while the rollout's command holds it; else that command died
-                pass
+    if rec.rollout is not None or _pending(st, name, rec):
+        if rec.rollout is None or not rec.rollout.stopped:
+            changes = " ".join(rec.rollout.changes) if rec.rollout is not None else "written, not yet taken up"
+            raise K3Error("rollout-running", f"{name} is in a rollout ({changes}) under way",
+                          f"`k3launch status {name}` follows it; change it again once it is done, or `--rollback` once it stopped")
         raise K3Error("rollout-stopped", f"{name} is in a rollout ({' '.join(rec.rollout.changes)}) that stopped: "
                       f"{rec.rollout.stopped or 'its command ended before it finished'}",
                       f"`k3launch rollout {name} --continue` to finish it, or `--rollback` to undo it")
@@ -173,19 +174,19 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
             vllm_version: str | None = None, drain_timeout: float = 120.0, start_timeout: float | None = None,
             max_unavailable: int = 1, allow_downtime: bool = False, say: Callable[[str], None] = lambda _: None,
             state_dir: str | Path | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0,
-            preview: RolloutPreview | None = None, gate: Gate | None = None, surge: bool = False, canary: bool = True,
+            preview: RolloutPreview | None = None, surge: bool = False, canary: bool = True,
             rebaseline: bool = False) -> RolloutResult:
-    """Apply :func:`rollout_preview`'s plan ``max_unavailable`` units at a time
-    (:mod:`k3launch.deploy.rollout`). A running supervisor is stopped for the rollout and started
-    again after it with its policy. A rollout that would leave no engine in the router (one engine
-    unit, or ``max_unavailable`` as many as there are) is refused unless ``allow_downtime``.
-    ``preview``: one the caller has shown already (else it is made here); ``gate``: an extra check
-    of each restarted unit. The record holds both plans and where each unit is throughout, and
-    the deployment's lock is held: a second rollout or a ``down`` meanwhile is ``deployment-busy``.
-    ``surge``: start the whole new set of engines on spare nodes beside the old one, gate it,
-    switch the router over, then drain and stop the old set (no unit is ever out of service).
-    ``canary``: each restarted unit also replays the correctness canary (:func:`canary_gate`;
-    ``rebaseline`` when the change makes its answers stale), after ``gate`` if one is given."""
+    """Roll :func:`rollout_preview`'s plan out, ``max_unavailable`` units at a time: a new revision
+    of the deployment's spec, converged by its controller (:mod:`k3launch.models.converge`). With
+    a controller running (``supervise``), this waits for it; without one, it runs the controller
+    here until the rollout is done or stopped. Either way the deployment stays supervised
+    throughout: a unit that fails meanwhile is restarted, and the rollout goes on.
+
+    Refused: a rollout that would leave no engine in the router (one engine unit, or
+    ``max_unavailable`` as many as there are) unless ``allow_downtime``; a P/D deployment unless
+    ``allow_downtime`` (it rolls in place). ``surge``: the whole new set of engines starts on
+    spare nodes beside the old one, gated, then the router switches. ``canary``: each rolled unit
+    also replays the correctness canary (``rebaseline`` when the change makes its answers stale)."""
     preview = preview or rollout_preview(name, sets=sets, unsets=unsets, env=env, image=image, vllm_version=vllm_version,
                                          surge=surge, state_dir=state_dir)
     if not preview.units:
@@ -202,24 +203,28 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
         raise K3Error("rollout-downtime", f"{name} is {what}: rolling {max_unavailable} at a time stops serving",
                       "--surge starts the new engines on spare nodes first; --allow-downtime restarts them anyway; "
                       "or a smaller --max-unavailable, or copies (--replicas 2) behind the router")
+    st = store(state_dir)
     if canary:
-        gate = both_gates(gate, canary_gate(store(state_dir), name, preview, rebaseline))
+        refuse_stale(st, name, preview.rebaseline, rebaseline)
+    rec = st.load(name)
+    require(rec.backend, Feature.ROLLOUT, "rollout")
     now = time.time()
+    router = any(p.role == "router" for p in preview.old.processes)
     state = RolloutState(old=preview.old, new=preview.new, changes=list(preview.changes), started=now, updated=now, surge=preview.surge,
-                         units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in preview.units])
-    return _roll(name, preview.old, preview.new, preview.units, state, lambda on: on, max_unavailable=max_unavailable,
-                 drain_timeout=drain_timeout, start_timeout=start_timeout, say=say, state_dir=state_dir,
-                 accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, gate=gate)
+                         units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in preview.units],
+                         max_unavailable=max_unavailable, drain_timeout=drain_timeout, start_timeout=start_timeout,
+                         canary=canary, rebaseline=rebaseline, routes=router and not pd_plan(preview.old))
+    return _converge(name, state, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
 
 
-def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float = 120.0, start_timeout: float | None = None,
-                     max_unavailable: int = 1, say: Callable[[str], None] = lambda _: None, state_dir: str | Path | None = None,
-                     accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, gate: Gate | None = None,
-                     canary: bool = True) -> RolloutResult:
+def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float | None = None, start_timeout: float | None = None,
+                     max_unavailable: int | None = None, say: Callable[[str], None] = lambda _: None, state_dir: str | Path | None = None,
+                     accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, canary: bool = True) -> RolloutResult:
     """Resume ``name``'s stopped rollout: roll the units that do not run the new plan yet (a unit
     that failed its gate is tried again). ``rollback``: take the units that run the new plan back
     to the old one instead, last rolled first. Either way the record drops the rollout once every
-    unit runs one plan. ``nothing-to-continue`` (exit 2) when no rollout stopped."""
+    unit runs one plan. ``nothing-to-continue`` (exit 2) when no rollout stopped. Options left
+    None keep the rollout's own."""
     st = store(state_dir)
     rec = st.load(name)
     state = rec.rollout
@@ -227,24 +232,33 @@ def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float 
         raise K3Error("nothing-to-continue", f"{name} has no stopped rollout", f"`k3launch rollout {name} --set FLAG=VALUE ...` starts one")
     if rec.state not in ROLLABLE:
         raise K3Error("not-ready", f"{name} is {rec.state}: only a ready deployment is rolled", f"`k3launch status {name}`")
+    if not state.stopped:
+        raise K3Error("rollout-running", f"{name}'s rollout ({' '.join(state.changes)}) is under way",
+                      f"`k3launch status {name}` follows it; `--rollback` once it stopped")
     if state.surge:
         if not rollback:
             raise K3Error("surge-stopped", f"{name}'s surge stopped midway ({state.stopped or 'its command ended'}); it is not resumed",
                           f"`k3launch rollout {name} --rollback` stops the new engines, then `rollout --surge` again")
         return _surge_back(name, state, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
                            connect_timeout=connect_timeout)
-    todo = list(reversed(state.rolled())) if rollback else state.pending()
-    target = state.old if rollback else state.new
-    order = {n: i for i, n in enumerate(todo)}
-    picked = sorted((u for u in units(target) if u.name in order), key=lambda u: order[u.name])
-    # back to the old plan, "new" means "old": the record names plans, the roller only its target
-    flip: Callable[[On], On] = (lambda on: "old" if on == "new" else "new" if on == "old" else on) if rollback else (lambda on: on)
-    if canary:  # answers recorded for the other plan are stale for this one: the first unit records anew
-        ahead = _with_rebaseline(st, name, RolloutPreview(rec.plan, target, [], picked))
-        gate = both_gates(gate, canary_gate(st, name, ahead, bool(ahead.rebaseline)))
-    return _roll(name, rec.plan, target, picked, state, flip, max_unavailable=max_unavailable, drain_timeout=drain_timeout,
-                 start_timeout=start_timeout, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
-                 connect_timeout=connect_timeout, gate=gate)
+    ahead = state.model_copy(deep=True)
+    ahead.stopped, ahead.logs = "", []
+    for u in ahead.units:
+        u.failed = ""
+        if u.on == "rolling":  # between two steps when it stopped: the controller finds which plan it serves
+            u.on = "new" if rollback else "old"
+    if rollback:
+        ahead.back = True
+        order = list(reversed(state.rolled()))
+        ahead.units.sort(key=lambda u: order.index(u.name) if u.name in order else len(order))
+    ahead.drain_timeout = drain_timeout if drain_timeout is not None else ahead.drain_timeout
+    ahead.start_timeout = start_timeout if start_timeout is not None else ahead.start_timeout
+    ahead.max_unavailable = max_unavailable if max_unavailable is not None else ahead.max_unavailable
+    ahead.canary = ahead.canary and canary
+    if ahead.canary:  # answers recorded for the other plan are stale for this one: the first unit records anew
+        target = ahead.old if rollback else ahead.new
+        ahead.rebaseline = bool(_with_rebaseline(st, name, RolloutPreview(rec.plan, target, [], [])).rebaseline)
+    return _converge(name, ahead, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
 
 
 def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], state_dir: str | Path | None,
@@ -256,7 +270,7 @@ def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], s
     from k3launch.deploy.rollout import GRACE_S
 
     st = store(state_dir)
-    with _supervisor_paused(st, name, say, state_dir), st.lock(name):
+    with st.lock(name):
         rec = st.load(name)
         old_ids = {p.id for p in state.old.processes}
         missing = sorted(old_ids - set(rec.processes))
@@ -282,78 +296,86 @@ def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], s
     return RolloutResult(state.old)
 
 
-def _roll(name: str, current: Plan, target: Plan, todo: Sequence[Unit], state: RolloutState, flip: Callable[[On], On], *,
-          max_unavailable: int, drain_timeout: float, start_timeout: float | None, say: Callable[[str], None],
-          state_dir: str | Path | None, accept_unknown_hosts: bool, connect_timeout: float, gate: Gate | None) -> RolloutResult:
-    from k3launch.api._common import access
-    from k3launch.api.lifecycle import ready_timeout
-    from k3launch.deploy.registry import supervise_ops
-    from k3launch.deploy.rollout import Roller
-    from k3launch.models.backends import Feature, require
+WAIT_POLL_S = 0.5
+
+
+def _pending(st: StateStore, name: str, rec: DeploymentRecord) -> bool:
+    """A rollout written to the spec that no controller has taken up yet."""
+    from k3launch.deploy.supervisors import read_spec
+
+    spec = read_spec(st, name)
+    done = rec.control.revision if rec.control is not None else 0
+    return spec is not None and spec.rollout is not None and spec.rollout.revision == spec.revision and spec.revision > done
+
+
+def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], state_dir: str | Path | None,
+              accept_unknown_hosts: bool, connect_timeout: float) -> RolloutResult:
+    """Write ``state`` as the spec's new rollout, then see it converge: a controller that runs
+    (``supervise``) adopts it at its next look, and this waits; with none, the controller runs
+    here until the rollout is done or stopped. Interrupted (Ctrl-C), a foreground controller
+    hands over to a detached one, which goes on from its saved memory: the rollout converges,
+    and no serving unit is left out of its router."""
+    from k3launch.api.supervision import refuse_self_supervised, supervise, supervise_detached, write_spec
+    from k3launch.deploy.supervisors import lock_path
+    from k3launch.util.locks import held
 
     st = store(state_dir)
-    rec = st.load(name)
-    require(rec.backend, Feature.ROLLOUT, "rollout")
-    ops = supervise_ops(rec.backend, "rollout", [access(accept_unknown_hosts, connect_timeout)])
-    state.stopped = ""
-    stopped = "interrupted: the rollout command ended"  # unless it gets further
-    with _supervisor_paused(st, name, say, state_dir):
-        # held throughout: a second rollout, a `down` or a restarting supervisor is refused meanwhile
-        with st.lock(name):
-            watcher = ops.watcher(st.load(name), st)
+    with st.lock(name):  # one writer of the spec at a time; a `down` meanwhile is refused
+        rec = st.load(name)
+        refuse_self_supervised(rec)
+        if (rec.rollout is not None and not rec.rollout.stopped) or _pending(st, name, rec):
+            raise K3Error("rollout-running", f"{name} is in a rollout under way", f"`k3launch status {name}` follows it; change it again once it is done")
+        revision = write_spec(st, name, rollout=state, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    if held(lock_path(st, name)):
+        say(f"the supervisor of {name} rolls it (spec revision {revision})")
+        return _follow(st, name, revision, say)
+    def on_event(e: Event) -> None:
+        if e.kind in ("rolling", "rolled", "roll-failed", "rolled-back", "restarting", "restarted", "detected"):
+            say(f"{e.unit or name}: {e.kind}: {e.reason}")
 
-            def keep(r: DeploymentRecord) -> None:
-                r.rollout = state
-
-            def mark(unit: str, on: On, why: str) -> None:
-                state.mark(unit, flip(on), why, time.time())
-                watcher.note(keep)
-
-            try:
-                watcher.note(keep)
-                roller = Roller(watcher, current, target, drain_timeout=drain_timeout, say=say, mark=mark, gate=gate,
-                                start_timeout=start_timeout or ready_timeout(target))
-                if state.surge:
-                    from k3launch.planning.surge import beside
-
-                    result = roller.surge(beside(current, target), target, todo, [u for u in units(current) if u.kind != "router"])
-                else:
-                    result = roller.run(todo, batch=max_unavailable)
-                stopped = "" if result.ok else f"{result.failed} failed its gate: {result.reason}"
-                one_plan = result.ok and (not state.pending() or not state.rolled())
-                if one_plan:
-                    watcher.adopt(target, "")  # the target plan whole: its origin, for the next rollout
-                    result.plan = target
-            finally:
-                state.stopped = stopped
-
-                def settle(r: DeploymentRecord) -> None:
-                    # a surge that failed left the old engines as they were: nothing to continue or undo
-                    done = not stopped and (not state.pending() or not state.rolled())
-                    r.rollout = None if done or (state.surge and stopped and not state.rolled()) else state
-
-                watcher.note(settle)
-                watcher.close()
-    return result
-
-
-@contextmanager
-def _supervisor_paused(st: StateStore, name: str, say: Callable[[str], None], state_dir: str | Path | None) -> Iterator[None]:
-    """A supervisor watching ``name`` is stopped meanwhile (it would restart a unit being
-    drained), then started again as it was started (policy, --on-event, SSH options)."""
-    from k3launch.api.supervision import stop_supervisor, supervise_detached
-    from k3launch.deploy.supervisors import last_args
-
-    sv = st.load(name).supervisor
-    if sv is not None:
-        say(stop_supervisor(name, state_dir=state_dir) or "supervisor stopped for the rollout")
+    outcome = "stopped"
     try:
-        yield
+        outcome = supervise(name, state_dir=state_dir, on_event=on_event, until_converged=True,
+                            accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     finally:
-        if sv is not None:
-            args = (last_args(st, name) if sv.detached else None) or sv.policy.args()  # a foreground one: by its policy
-            try:
-                supervise_detached(name, args, state_dir=state_dir)
-                say("supervisor started again")
-            except K3Error as exc:  # a `down` took the deployment meanwhile: nothing left to watch
-                say(f"supervisor not started again: {exc.message}")
+        if outcome == "stopped":  # interrupted: a detached controller finishes what this one started
+            cur = st.try_load(name)
+            if cur is not None and cur.state == "ready" and (cur.rollout is not None or cur.control is not None):
+                sv = supervise_detached(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+                say(f"interrupted: the rollout goes on under a detached supervisor (pid {sv.pid} on {sv.host}); "
+                    f"`k3launch status {name}` follows it")
+    return _result(st, name, revision)
+
+
+def _follow(st: StateStore, name: str, revision: int, say: Callable[[str], None]) -> RolloutResult:
+    """Wait for a running controller to converge the rollout of spec ``revision``; progress said per unit."""
+    seen: dict[str, str] = {}
+    while True:
+        rec = st.try_load(name)
+        if rec is None or rec.state != "ready":
+            raise K3Error("rollout-ended", f"{name} is {rec.state if rec else 'gone'}: the rollout ended with it", f"`k3launch events {name}`")
+        control, ro = rec.control, rec.rollout
+        adopted = control is not None and control.revision >= revision
+        if adopted and ro is not None:
+            for u in ro.units:
+                if seen.get(u.name) != u.on:
+                    seen[u.name] = u.on
+                    say(f"{u.name}: {u.on}" + (f" ({u.failed})" if u.failed else ""))
+        if adopted and (ro is None or (ro.stopped and not any(u.on == "rolling" for u in ro.units))):  # a failed unit is back too
+            return _result(st, name, revision)
+        time.sleep(WAIT_POLL_S)
+
+
+def _result(st: StateStore, name: str, revision: int) -> RolloutResult:
+    """What the rollout of spec ``revision`` came to, as the record says."""
+    rec = st.load(name)
+    ro = rec.rollout
+    if ro is None or ro.revision != revision:
+        done = rec.control.finished if rec.control is not None else None
+        if done is None or done.revision != revision:
+            return RolloutResult(rec.plan, failed="-", reason="the rollout did not finish: `k3launch status` says where it is")
+        ro = done
+    rolled = [UnitRolled(u.name, u.seconds, u.drained_s, u.downtime_s) for u in ro.units if u.on == ro.target and u.seconds]
+    bad = [u.name for u in ro.units if u.failed]
+    return RolloutResult(rec.plan, rolled=rolled, failed=", ".join(bad) if ro.stopped else "",
+                         reason=ro.stopped, logs=list(ro.logs))

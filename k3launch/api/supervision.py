@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +17,11 @@ from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
     from k3launch.deploy import supervisor as supervisor_mod
+    from k3launch.deploy.rollout import Gate
     from k3launch.deploy.state import StateStore
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, Supervisor
+    from k3launch.models.rollout import RolloutState
     from k3launch.models.supervise import Event, RestartPolicy
 
 
@@ -56,15 +58,15 @@ def _inventory_policy(rec: DeploymentRecord) -> RestartPolicy:
     return RestartPolicy()
 
 
-def canary_lines(st: StateStore, name: str) -> Callable[[Plan], list[str] | None]:
+def canary_lines(st: StateStore, name: str) -> Callable[[Plan, Collection[str] | None], list[str] | None]:
     """The supervisor's canary: ``name``'s baseline replayed on a plan, one line per mismatch
     (target, prompt, expected, got); None without a baseline. A target that does not answer is
     left to the health checks; a plan the baseline no longer describes (``rebaseline``) is not
     compared: its answers may differ on purpose."""
     from k3launch.deploy import canary as io
 
-    def lines(plan: Plan) -> list[str] | None:
-        report = io.check(st, name, plan)
+    def lines(plan: Plan, only: Collection[str] | None) -> list[str] | None:
+        report = io.check(st, name, plan, only=only)
         if report is None or report.rebaseline:
             return None
         return [m.line() for m in report.mismatches]
@@ -74,13 +76,16 @@ def canary_lines(st: StateStore, name: str) -> Callable[[Plan], list[str] | None
 
 def supervise(name: str, *, state_dir: str | Path | None = None, policy: RestartPolicy | Mapping[str, Any] | None = None,
               on_event: Callable[[Event], None] | None = None, on_event_command: str | None = None, stop: threading.Event | None = None,
-              accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, detached: bool = False) -> str:
+              accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, detached: bool = False,
+              until_converged: bool = False) -> str:
     """Watch deployment ``name`` and keep it serving until stopped (``stop`` set, SIGINT or
-    SIGTERM, a ``down``); the deployment itself is never stopped by stopping this.
+    SIGTERM, a ``down``); the deployment itself is never stopped by stopping this. This is the
+    one controller: it also converges the deployment's spec (a rollout written by ``rollout``).
 
     Returns why it ended: ``"stopped"``, ``"gone"`` (taken down), ``"failed"`` (gave up: nothing
-    left running; the record says why). ``on_event`` gets every event (also appended to the
-    event log: :func:`events`); ``on_event_command`` runs with each event as JSON on stdin."""
+    left running; the record says why), ``"converged"`` (``until_converged``: the spec's rollout
+    is done or stopped). ``on_event`` gets every event (also appended to the event log:
+    :func:`events`); ``on_event_command`` runs with each event as JSON on stdin."""
     from k3launch.deploy import supervisor
     from k3launch.deploy.registry import supervise_ops
     from k3launch.models.supervise import RestartPolicy
@@ -94,9 +99,26 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
     restore = _on_signals(stop)
     try:
         return supervisor.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
-                                    detached=detached, stop=stop, places=_places(rec, state_dir), canary=canary_lines(st, name))
+                                    detached=detached, stop=stop, places=_places(rec, state_dir), canary=canary_lines(st, name),
+                                    gate_for=rollout_gate(st, name), until_converged=until_converged)
     finally:
         restore()
+
+
+def rollout_gate(st: StateStore, name: str) -> Callable[[RolloutState], Gate | None]:
+    """A rollout's canary gate, made from the rollout's own settings (:func:`~k3launch.api._rollgate.canary_gate`)."""
+    from k3launch.api._rollgate import canary_gate
+
+    made: dict[int, Gate | None] = {}
+
+    def gate_for(ro: RolloutState) -> Gate | None:
+        key = id(ro)  # one gate per rollout: a rebaseline's first unit records, the later ones compare
+        if key not in made:
+            made.clear()
+            made[key] = canary_gate(st, name, ro.rebaseline)
+        return made[key]
+
+    return gate_for
 
 
 def _places(rec: DeploymentRecord, state_dir: str | Path | None) -> supervisor_mod.Places | None:
@@ -153,18 +175,52 @@ def _on_signals(stop: threading.Event) -> Callable[[], None]:
     return restore
 
 
-def supervise_detached(name: str, args: list[str] | None = None, *, state_dir: str | Path | None = None) -> Supervisor:
-    """Start a supervisor of ``name`` in the background (``k3launch supervise NAME ARGS``: its
-    flags) and return it once it runs (its host and pid are in the record)."""
+def supervise_detached(name: str, *, policy: RestartPolicy | Mapping[str, Any] | None = None, on_event_command: str | None = None,
+                       state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
+                       connect_timeout: float = 10.0) -> Supervisor:
+    """Start a controller of ``name`` in the background and return it once it runs (its host and
+    pid are in the record). Its policy (the inventory's, with ``policy``'s fields over it), hook
+    and SSH settings are written to the deployment's spec first, as a new revision; refused
+    (``already-supervised``, naming the pid) before anything is written when one runs already."""
     from k3launch.deploy import supervisors
+    from k3launch.models.backends import Feature, require
+    from k3launch.models.supervise import RestartPolicy
 
     st = store(state_dir)
     rec = st.load(name)
-    from k3launch.models.backends import Feature, require
-
     refuse_self_supervised(rec)
     require(rec.backend, Feature.SUPERVISE, "supervise")
-    return supervisors.detach(st, name, list(args or []))
+    refuse_supervised(st, rec)
+    pol = policy if isinstance(policy, RestartPolicy) else restart_policy(name, policy, state_dir=state_dir)
+    write_spec(st, name, policy=pol, hook=on_event_command, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    return supervisors.detach(st, name)
+
+
+def refuse_supervised(st: StateStore, rec: DeploymentRecord) -> None:
+    """``already-supervised`` when a controller of ``rec`` runs (its lock is held)."""
+    from k3launch.deploy.supervisors import lock_path, who
+    from k3launch.util.locks import held
+
+    if held(lock_path(st, rec.name)):
+        raise K3Error("already-supervised", f"{rec.name} is already watched by {who(rec.supervisor)}",
+                      "one supervisor per deployment: `k3launch status` shows it; stop it (Ctrl-C, or kill its pid) to start another")
+
+
+def write_spec(st: StateStore, name: str, **change: Any) -> int:
+    """A new revision of ``name``'s spec with ``change`` over the last one (fields of
+    :class:`~k3launch.models.control.Spec`); its revision number."""
+    from k3launch.deploy.supervisors import read_spec
+    from k3launch.deploy.supervisors import write_spec as write
+    from k3launch.models.control import Spec
+
+    last = read_spec(st, name) or Spec()
+    rec = st.try_load(name)
+    done = rec.control.revision if rec is not None and rec.control is not None else 0
+    spec = last.model_copy(update={**change, "revision": max(last.revision, done) + 1})
+    if spec.rollout is not None and "rollout" in change:
+        spec.rollout.revision = spec.revision  # adopted once, by the revision that brought it
+    write(st, name, spec)
+    return spec.revision
 
 
 def stop_supervisor(name: str, *, state_dir: str | Path | None = None) -> str | None:

@@ -82,8 +82,8 @@ def up(
     sv = None
     if supervise and not in_job:
         try:
-            sv = api.supervise_detached(rec.name, ["--accept-unknown-hosts"] * accept_unknown_hosts + ["--connect-timeout", str(connect_timeout)],
-                                        state_dir=state_dir)
+            sv = api.supervise_detached(rec.name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
+                                        connect_timeout=connect_timeout)
         except K3Error as err:  # it serves: say so, then why it is not supervised
             if not json_out:
                 show_deploy.ready(con, rec)

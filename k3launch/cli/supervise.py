@@ -22,13 +22,6 @@ def _opt(flag: str, what: str) -> Any:
     return typer.Option(flag, help=what, show_default=False)
 
 
-def policy_args(overrides: dict[str, Any]) -> list[str]:
-    """The flags given, as ``supervise`` takes them (handed to a detached supervisor)."""
-    from k3launch.models.supervise import POLICY_FLAGS
-
-    return [x for key, flag in POLICY_FLAGS.items() if overrides.get(key) is not None for x in (flag, str(overrides[key]))]
-
-
 def line(e: Event) -> str:
     """One event as one line: time, kind, where, why."""
     where = " ".join(x for x in (e.unit and f"unit {e.unit}", e.process and f"process {e.process}", e.node and f"node {e.node}") if x)
@@ -58,7 +51,6 @@ def supervise(
     stall_after: Annotated[Seconds, _opt("--stall-after", "Seconds a restarting engine may use no CPU at all before it counts as hung (default 120; 0: never).")] = None,
     canary_interval: Annotated[Seconds, _opt("--canary-interval", "Seconds between replays of the correctness canary while every engine serves (default 600; 0: never).")] = None,
     on_event: Annotated[str | None, _opt("--on-event", "A command run (bash -c, on this machine) with each event as JSON on stdin, e.g. to page someone.")] = None,
-    as_detached: Annotated[bool, typer.Option("--as-detached", hidden=True)] = False,
     state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
 ) -> None:
     """Keep a deployment serving until it is taken down: restart what died or hung, give up cleanly.
@@ -76,11 +68,8 @@ def supervise(
     try:
         policy = api.restart_policy(name, overrides, state_dir=state_dir)
         if detach:
-            args = policy_args(overrides)
-            args += ["--on-event", on_event] if on_event else []
-            args += ["--accept-unknown-hosts"] if accept_unknown_hosts else []
-            args += ["--connect-timeout", str(connect_timeout)]
-            sv = api.supervise_detached(name, args, state_dir=state_dir)
+            sv = api.supervise_detached(name, policy=policy, on_event_command=on_event, state_dir=state_dir,
+                                        accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
             if json_out:
                 typer.echo(json.dumps({"name": name, "supervisor": sv.model_dump(mode="json")}))
             else:
@@ -91,7 +80,7 @@ def supervise(
             typer.echo(e.model_dump_json(exclude_defaults=True) if json_out else line(e))
 
         outcome = api.supervise(name, state_dir=state_dir, policy=policy, on_event=show, on_event_command=on_event,
-                                accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, detached=as_detached)
+                                accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     except K3Error as err:
         fail(err)
     except KeyboardInterrupt:

@@ -190,6 +190,10 @@ class Watcher(Protocol):
         """Tell the running router of moved engines (remove, then add worker URLs); None, or why not."""
         ...
 
+    def workers(self, router: Process) -> list[str] | None:
+        """The worker URLs a running (regular) router lists (``/list_workers``); None if it does not answer."""
+        ...
+
     def adopt(self, plan: Plan, lost: str) -> None:
         """Run on ``plan`` from now on; what ran on ``lost`` is left behind (stopped when it answers)."""
         ...

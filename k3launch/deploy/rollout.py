@@ -1,21 +1,10 @@
-"""Apply a rollout one recovery unit at a time, through a supervisor's :class:`Watcher`.
-
-For each unit whose processes change (engines first, the router last):
-
-1. out of the router: its HTTP servers leave vllm-router's worker list (``/remove_worker``), so
-   no new request reaches them;
-2. drain: wait until each of them reports ``vllm:num_requests_running`` 0 on ``/metrics`` (or
-   ``drain_timeout`` passes: what still runs is cut by the stop), then stop the unit as a
-   supervisor restart does (SIGTERM, SIGKILL after the grace);
-3. start it on the new plan (same nodes and ports: the rollout's preview refuses anything else);
-4. gate: every HTTP server of the unit answers ``/health`` and a real completion within
-   ``start_timeout``; then back into the router (``/add_worker``).
-
-A unit that fails its gate is started again on the plan it had (the same steps), and the rollout
-stops there with the reason and the unit's last log lines kept; the units before it stay on the
-new plan, the rest on the old one, and the record says which runs which. A unit without a router
-in front (one engine alone) is simply restarted: that is downtime, and the caller must have
-asked for it. Time is read through ``clock`` and waits go through ``sleep`` so tests can drive it.
+"""The parts of a rollout beyond the controller's decisions: a rollout's result, a half-rolled
+plan (:func:`with_processes`), an engine's ``vllm:num_requests_running`` for the drain, vLLM's own
+``--shutdown-timeout`` for the grace, and ``--surge`` (:meth:`Roller.surge`), which starts a whole
+new set of engines beside the old one, gates it, switches the router and stops the old set as
+one action of the controller. Rolling unit by unit is the controller's
+(:mod:`k3launch.models.converge` decides, :mod:`k3launch.deploy.actor` acts). Time is read through
+``clock`` and waits go through ``sleep`` so tests can drive it.
 """
 
 from __future__ import annotations
@@ -105,11 +94,8 @@ def running_requests(url: str, timeout: float = 3.0) -> float | None:
 
 
 class Roller:
-    """One rollout's steps over ``watcher``, from ``current`` (what runs now) to ``target``.
-
-    ``batch`` units at a time (``--max-unavailable``): out of the router together, drained
-    together, started together and gated together. ``mark(unit, on, why)`` is told each unit's
-    progress (the record's rollout state); ``gate`` is an extra check of restarted engines."""
+    """A ``--surge`` over ``watcher``, from ``current`` (what runs now) to ``target``.
+    ``mark(unit, on, why)`` is told each unit's progress; ``gate`` is an extra check of the new engines."""
 
     def __init__(self, watcher: Watcher, current: Plan, target: Plan, *, drain_timeout: float, start_timeout: float,
                  grace_s: float = GRACE_S, say: Callable[[str], None] = lambda _: None,
@@ -123,56 +109,6 @@ class Roller:
         # restart of the router can): its instances roll in place, the router's health checks
         # skipping each while it restarts (the caller refuses that without --allow-downtime)
         self.routes = self.router is not None and not pd_plan(current)
-
-    def run(self, units: Sequence[Unit], batch: int = 1) -> RolloutResult:
-        current = self.current
-        result = RolloutResult(current)
-        for i in range(0, len(units), max(1, batch)):
-            group = list(units[i:i + max(1, batch)])
-            t0 = self.clock()
-            urls = {u.name: [_url(p) for p in current.processes if p.id in u.http and u.kind != "router"] for u in group}
-            every = [x for u in group for x in urls[u.name]]
-            router = self.router if every and self.routes else None  # the router in front of these units, if any
-            names = ", ".join(u.name for u in group)
-            if router is not None:
-                why = self.w.reroute(router, every, [])
-                if why:
-                    return self._stop(result, names, f"the router did not take {names} out: {why}")
-            for u in group:
-                self.mark(u.name, "rolling", "")
-            self.say(f"{names}: out of the router, draining" if router else f"{names}: restarting")
-            drained = self._drain(every) if router else 0.0
-            target = with_processes(current, self.target, [p for u in group for p in u.processes])
-            failed = self._swap(target, group, current)
-            if failed:
-                bad = [u for u in group if u.name in failed]
-                for u in bad:
-                    self.say(f"{u.name}: {failed[u.name]}; rolling it back")
-                result.logs = [str(p) for p in self.w.keep_logs([p for u in bad for p in u.processes])]
-                rolled = target
-                target = with_processes(target, current, [p for u in bad for p in u.processes])
-                back = self._swap(target, bad, rolled)
-                if router is not None:
-                    self.w.reroute(router, [], [x for u in group if u.name not in back for x in urls[u.name]])
-                for u in group:
-                    self.mark(u.name, "old" if u.name in failed else "new", failed.get(u.name, ""))
-                result.plan = target
-                why = "; ".join(f"{n}: {w}" + (f" (rolling back failed too: {back[n]})" if n in back else "") for n, w in failed.items())
-                return self._stop(result, ", ".join(failed), why)
-            if router is not None:
-                why = self.w.reroute(router, [], every)
-                if why:  # serving, but not in the router: said, and the rollout goes no further
-                    for u in group:
-                        self.mark(u.name, "new", "")
-                    result.plan = target
-                    return self._stop(result, names, f"{names} serves the new plan but the router did not take it back: {why}")
-            current = target
-            result.plan = current
-            for u in group:
-                self.mark(u.name, "new", "")
-                result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained, 0.0 if router else self.clock() - t0))
-            self.say(f"{names}: rolled in {self.clock() - t0:.1f}s")
-        return result
 
     def surge(self, both: Plan, final: Plan, new: Sequence[Unit], old: Sequence[Unit]) -> RolloutResult:
         """``--surge``: start the ``new`` units (on spare nodes; ``both`` is the plan with both
@@ -264,19 +200,6 @@ class Roller:
         in-flight requests for up to S seconds after SIGTERM, so the grace covers that, and more."""
         asked = [shutdown_timeout(p) for p in plan.processes if p.id in u.processes]
         return max([self.grace_s, *(s + SHUTDOWN_MARGIN_S for s in asked if s)])
-
-    def _swap(self, plan: Plan, group: Sequence[Unit], running: Plan) -> dict[str, str]:
-        """Run ``group`` (as ``running`` has it now) on ``plan``: unit name -> why it did not pass
-        the gate (empty: all did)."""
-        self.w.adopt(plan, "")
-        failed: dict[str, str] = {}
-        for u in group:
-            # the stop is of what runs now: the grace its own --shutdown-timeout asks for
-            broken = self.w.restart(u, self._grace(running, u), lambda: True)
-            if broken:
-                failed[u.name] = broken[0].message
-        started = [u for u in group if u.name not in failed]
-        return failed | self._gate(plan, started)
 
     def _gate(self, plan: Plan, group: Sequence[Unit]) -> dict[str, str]:
         """Every HTTP server of each unit healthy (the watcher's look: it also sees a process that

@@ -20,49 +20,47 @@ start, and the restart's processes, if any started, are ``down``'s to stop.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 from k3launch.deploy import eventlog
+from k3launch.deploy.actor import GRACE_S, Actor, Places
 from k3launch.deploy.base import SuperviseOps, Watcher
 from k3launch.deploy.readiness import ready_timeout
+from k3launch.deploy.rollout import Gate, running_requests
 from k3launch.deploy.state import StateStore, me
-from k3launch.deploy.supervisors import lock_path, stop_path, who
+from k3launch.deploy.supervisors import lock_path, read_spec, stop_path, who
 from k3launch.errors import K3Error
-from k3launch.models.plan import Plan, Process
+from k3launch.models.actions import Observation, StopAll, UnitState
+from k3launch.models.converge import url
+from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, Supervisor
-from k3launch.models.supervise import Event, RestartPolicy, Unit, reroutable, units, worker_urls
-from k3launch.models.supervision import Action, FtRetry, GiveUp, Observation, Replace, Restart, StopAll, Supervision
+from k3launch.models.rollout import RolloutState
+from k3launch.models.supervise import Event, RestartPolicy
+from k3launch.models.supervision import Supervision
 from k3launch.util.locks import locked
 
-GRACE_S = 10.0  # SIGTERM to SIGKILL when a unit restarts
-HUNG_GRACE_S = 2.0  # the same for a unit restarted because it hung (a stopped or deadlocked process ignores SIGTERM)
-LOCK_WAIT_S = 30.0  # a restart waits this long for another k3launch command on the deployment
+__all__ = ["CanaryFn", "EventFn", "GateFor", "Places", "supervise"]
 
 EventFn = Callable[[Event], None]
-CanaryFn = Callable[[Plan], "list[str] | None"]
-"""The correctness canary on a plan: one line per mismatch (target, prompt, expected, got), or
-None when there is nothing to compare with (no baseline recorded)."""
-
-
-@dataclass(frozen=True)
-class Places:
-    """How a supervisor re-places units off a lost node: cordon it in the inventory, plan again
-    (the same selection; cordoned nodes and those other deployments hold are skipped)."""
-
-    cordon: Callable[[str, str], None]  # (node, reason)
-    replan: Callable[[], Plan]
+CanaryFn = Callable[[Plan, "Collection[str] | None"], "list[str] | None"]
+"""The correctness canary on a plan's targets (None: all; else the targets of these processes and
+the router): one line per mismatch (target, prompt, expected, got), or None when there is nothing
+to compare with (no baseline recorded)."""
+GateFor = Callable[[RolloutState], "Gate | None"]
+"""A rollout's gate beyond health and a completion (the canary), made from the rollout's own settings."""
 
 
 # ---------------------------------------------------------------------- the loop
 class _Run:
-    """One supervisor's watch over one deployment."""
+    """One controller's watch over one deployment."""
 
     def __init__(self, rec: DeploymentRecord, store: StateStore, watcher: Watcher, policy: RestartPolicy, on_event: EventFn,
-                 hook: str | None, stop: threading.Event, places: Places | None = None, canary: CanaryFn | None = None) -> None:
+                 hook: str | None, stop: threading.Event, places: Places | None = None, canary: CanaryFn | None = None,
+                 gate_for: GateFor | None = None, until_converged: bool = False) -> None:
         self.rec = rec
         self.places = places
         self.store = store
@@ -71,10 +69,19 @@ class _Run:
         self.on_event = on_event
         self.hook = hook
         self.stop = stop
+        self.gate_for_ = gate_for
+        self.until_converged = until_converged
         self.sup = Supervision(rec.plan, policy, ready_timeout(rec.plan, None))
+        self.sup.rollout = rec.rollout
+        saved = rec.control
+        if saved is not None:  # a controller before this one: its memory goes on (restart counts, windows, rolls)
+            self.sup.restore(saved, time.time())
+        self.revision = saved.revision if saved is not None else 0
+        self.finished = saved.finished if saved is not None else None
+        self.actor = Actor(self)
+        self.saved = ""
         self.hooks = ThreadPoolExecutor(max_workers=1) if hook else None
         self.kept: set[str] = set()  # processes whose last log lines are kept already
-        self.pending_adds: dict[str, list[tuple[Process, str]]] = {}  # unit -> (router, URL) to add once it serves
         # the canary replays in a thread of its own: a slow engine must not hold up the looks
         self.canary, self.canary_last, self.canary_bad = canary, time.monotonic(), False
         self.canary_job: Future[list[str] | None] | None = None
@@ -84,6 +91,12 @@ class _Run:
         if self.stop.is_set() or stop_path(self.store, self.rec.name).exists():
             self.stop.set()
         return self.stop.is_set()
+
+    def wait(self, seconds: float) -> None:
+        self.stop.wait(seconds)
+
+    def gate_for(self, ro: RolloutState) -> Gate | None:
+        return self.gate_for_(ro) if self.gate_for_ is not None and ro.canary else None
 
     def emit(self, events: Sequence[Event]) -> None:
         for e in events:
@@ -112,29 +125,102 @@ class _Run:
             return
         self.store.save(self.rec)
 
+    # ------------------------------------------------------------------ the spec and the memory
+    def adopt_spec(self) -> None:
+        """A spec revision newer than the one adopted: its policy, and the rollout (new, continued
+        or rolled back) when that revision brought it."""
+        spec = read_spec(self.store, self.rec.name)
+        if spec is None or spec.revision <= self.revision:
+            return
+        self.revision = spec.revision
+        if spec.rollout is not None and spec.rollout.revision == spec.revision:
+            self.sup.rollout = spec.rollout.model_copy(deep=True)
+            self.finished = None
+        if spec.policy is not None and spec.policy != self.policy:
+            self.policy = self.sup.policy = spec.policy
+
+    def busy(self) -> bool:
+        """A roll is under way (a unit between leaving its router and its gate, or a surge)."""
+        return self.sup.surging or any(self.sup.memory[u.name].to for u in self.sup.units)
+
+    def settle(self) -> None:
+        """A rollout every unit of which runs its target plan: that plan, whole, runs from now on."""
+        ro = self.sup.rollout
+        if ro is not None and ro.surge and ro.stopped and not ro.rolled() and not self.busy():
+            self.sup.rollout, self.finished = None, ro  # a failed surge left the old engines as they were: nothing to continue
+            return
+        if ro is None or self.busy() or not ro.done():
+            return
+        target = ro.old if ro.back else ro.new
+        with contextlib.suppress(K3Error), self.store.lock(self.rec.name):
+            self.watcher.adopt(target, "")  # its origin too: the next rollout plans from it
+            self.sup.plan = target
+        self.sup.rollout, self.finished = None, ro
+        rolled = [u.name for u in ro.units]
+        self.emit([Event(time=time.time(), kind="rollout-done", deployment=self.rec.name,
+                         reason=f"{' '.join(ro.changes)}{' rolled back' if ro.back else ''}: {', '.join(rolled)}")])
+
+    def persist(self) -> None:
+        """The memory and the rollout's progress into the record, when they changed."""
+        mem = self.sup.dump(self.revision)
+        mem.finished = self.finished
+        ro = self.sup.rollout
+        blob = json.dumps([mem.model_dump(mode="json"), ro.model_dump(mode="json") if ro is not None else None], sort_keys=True)
+        if blob == self.saved:
+            return
+
+        def change(r: DeploymentRecord) -> None:
+            r.control, r.rollout = mem, ro
+
+        self.watcher.note(change)
+        self.saved = blob
+
+    def converged(self) -> bool:
+        """Nothing left to converge to: no rollout, or one stopped with no unit between two steps."""
+        ro = self.sup.rollout
+        return not self.busy() and (ro is None or bool(ro.stopped))
+
+    # ------------------------------------------------------------------ one look
+    def look(self) -> Observation:
+        obs = self.watcher.observe(time.time())
+        obs.now = time.time()  # events are stamped when the look saw them, not when it began (a silent node costs seconds)
+        if not obs.routers:  # each regular router's worker list: membership is observed, not remembered
+            listed = {r.id: self.watcher.workers(r) for r in self.sup.routers() if obs.healthy.get(r.id)}
+            obs.routers = {rid: tuple(urls) if urls is not None else None for rid, urls in listed.items()}
+        draining = [p for u in self.sup.units if self.sup.state(u.name) is UnitState.DRAINING
+                    for p in self.rec.plan.processes if p.id in u.http]
+        if draining and not obs.running:
+            obs.running = {p.id: running_requests(url(p)) for p in draining}
+        return obs
+
     def run(self) -> str:
         while not self.stopping():
             t0 = time.monotonic()
             cur = self.store.try_load(self.rec.name)
             if cur is None or cur.state not in ("ready",):
                 return "gone" if cur is None else cur.state
-            obs = self.watcher.observe(time.time())
-            obs.now = time.time()  # events are stamped when the look saw them, not when it began (a silent node costs seconds)
+            self.adopt_spec()
+            obs = self.look()
             events, actions = self.sup.step(obs)
+            self.persist()  # before acting: a controller killed mid-action is followed by one that knows what was decided
             self.emit(events)
-            self._add_workers([e.unit for e in events if e.kind == "restarted" and e.unit])
             for a in actions:
                 if self.stopping():
                     break
-                if self._guarded(a) == "failed":
+                if self.actor.guarded(a) == "failed":
                     return "failed"
-            self._canary(obs, busy=bool(actions) or any(e.kind != "rerouted" for e in events))
+            self.settle()
+            self.persist()
+            if self.until_converged and self.converged():
+                return "converged"
+            self._canary(busy=bool(actions) or any(e.kind != "rerouted" for e in events))
             self.stop.wait(max(0.0, self.policy.poll - (time.monotonic() - t0)))
         return "stopped"
 
-    def _canary(self, obs: Observation, busy: bool) -> None:
+    def _canary(self, busy: bool) -> None:
         """Collect a finished replay (its mismatches are events), and start the next one every
-        ``canary_interval`` while every HTTP process serves and nothing is being restarted."""
+        ``canary_interval`` on every unit that serves, while nothing is being changed: a degraded
+        deployment is watched for correctness too (its serving units, and the router)."""
         if self.canaries is None or self.canary is None:
             return
         job = self.canary_job
@@ -155,181 +241,20 @@ class _Run:
             if found is not None:  # None: nothing to compare with (no baseline)
                 self.canary_bad = bool(found)
             return
-        serving = all(obs.healthy.get(p.id) for p in self.rec.plan.processes if p.http_port) and not obs.dead
-        if busy or not serving or time.monotonic() - self.canary_last < self.policy.canary_interval:
+        serving = [p for u in self.sup.units if self.sup.state(u.name) is UnitState.SERVING for p in u.processes]
+        if busy or self.busy() or not serving or time.monotonic() - self.canary_last < self.policy.canary_interval:
             return
-        self.canary_job = self.canaries.submit(self.canary, self.rec.plan)
+        every = len(serving) == len(self.rec.plan.processes)
+        self.canary_job = self.canaries.submit(self.canary, self.rec.plan, None if every else serving)
 
-    def _add_workers(self, served: Sequence[str]) -> None:
-        for unit in served:
-            for router, url in self.pending_adds.pop(unit, []):
-                self._reroute(router, [], [url], f"added {url}")
-
-    def _reroute(self, router: Process, remove: Sequence[str], add: Sequence[str], done: str) -> bool:
-        """Tell a running router of worker URLs to remove and add; a ``rerouted`` event saying
-        ``done``, else a ``supervisor-error`` with the router's words. True when it took."""
-        why = self.watcher.reroute(router, remove, add)
-        self.emit([Event(time=time.time(), kind="rerouted" if why is None else "supervisor-error", deployment=self.rec.name,
-                         unit=router.id, reason=done if why is None else f"router {router.id}: {why}")])
-        return why is None
-
-    def _guarded(self, a: Action) -> str:
-        """``act``, with an unforeseen error reported as an event: a supervisor that dies leaves
-        the deployment unwatched, which is worse than one action not taken."""
-        try:
-            return self.act(a)
-        except K3Error as exc:
-            why = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
-        except Exception as exc:  # any bug: said, not fatal
-            why = f"{type(exc).__name__}: {exc}; report this as a k3launch bug"
-        unit = getattr(a, "unit", None)
-        self.emit([Event(time=time.time(), kind="supervisor-error", deployment=self.rec.name, unit=unit.name if unit else None,
-                         node=getattr(a, "node", None), reason=f"{type(a).__name__.lower()} failed: {why}")])
-        return "ok"
-
-    def act(self, a: Action) -> str:
-        if isinstance(a, Restart):
-            return self._restart(a)
-        if isinstance(a, GiveUp):
-            self._keep(a.failing)
-            self.watcher.stop(a.unit.processes, GRACE_S)
-            return "ok"
-        if isinstance(a, Replace):
-            self._replace(a)
-            return "ok"
-        if isinstance(a, FtRetry):
-            why = self.watcher.ft_retry(a.pool)
-            if why is not None:  # not fatal: sent again later, and the recovery timeout falls back to a restart
-                self.emit([Event(time=time.time(), kind="supervisor-error", deployment=self.rec.name, unit=a.unit.name,
-                                 reason=f"retry: {why}")])
-            return "ok"
-        return self._stop_all(a)
-
-    def _replace(self, a: Replace) -> None:
-        """Cordon the lost node, plan again without it, check the spares, restart what moved."""
-        name = self.rec.name
-        now = time.time()
-
-        def failed(why: str) -> None:
-            self.emit([Event(time=now, kind="replace-failed", deployment=name, node=a.node,
-                             reason=f"{why}; waiting for {a.node} to answer again instead")])
-
-        if self.places is None:
-            return failed("no inventory to re-plan on (the record names none, or it is gone)")
-        try:
-            self.places.cordon(a.node, f"lost by the supervisor of {name}: {a.reason}")
-        except K3Error as exc:
-            return failed(f"could not cordon {a.node}: {exc.message}")
-        self.emit([Event(time=now, kind="cordoned", deployment=name, node=a.node,
-                         reason=f"kept out of plans until `k3launch uncordon {a.node}`")])
-        old = self.rec.plan
-        try:
-            new = self.places.replan()
-        except K3Error as exc:
-            return failed(f"no spare node fits: {exc.message}")
-        before = {p.id: p for p in old.processes}
-        moves = [f"{p.id} {before[p.id].node} -> {p.node}" for p in new.processes if p.id in before and before[p.id].node != p.node]
-        if a.node in {p.node for p in new.processes} or not moves:
-            return failed("the new plan does not move off the lost node")
-        spares = sorted({p.node for p in new.processes if p.id not in before or before[p.id].node != p.node})
-        problems = self.watcher.check(new, spares)
-        if problems:
-            return failed(f"a spare failed the doctor: {problems[0]}")
-        # a unit restarts when any of its processes changed: moved, or its argv names a moved peer (a
-        # head, a worker URL) -- except a router that only needs other worker URLs: it is told so
-        # (no outage for the clients), adding each new URL once its engine serves
-        changed = [u for u in units(new) if any(before.get(p.id) != p for p in new.processes if p.id in u.processes)]
-        rerouted = [p for p in new.processes if p.id in before and before[p.id] != p and reroutable(before[p.id], p)]
-        changed = [u for u in changed if not any(p.id in u.processes for p in rerouted)]
-        with self.store.lock(name):
-            self.watcher.adopt(new, a.node)
-            for r in rerouted:
-                gone = [w for w in worker_urls(before[r.id]) if w not in worker_urls(r)]
-                self._reroute(r, gone, [], f"removed {', '.join(gone)}")
-                for w in worker_urls(r):
-                    if w not in worker_urls(before[r.id]):
-                        owner = next(u.name for u in units(new) for p in new.processes
-                                     if p.id in u.processes and f"//{p.address}:{p.http_port}" in w)
-                        self.pending_adds.setdefault(owner, []).append((r, w))
-            for u in changed:
-                if self.stopping():
-                    return None
-                bad = self.watcher.restart(u, GRACE_S, lambda: not self.stopping())
-                if bad:
-                    self.emit([Event(time=time.time(), kind="restart-failed", deployment=name, unit=u.name, process=bad[0].failing,
-                                     reason=bad[0].message, log_tail=bad[0].log_tail)])
-        self.sup.replaced(new, [u.name for u in changed], time.time())
-        self.emit([Event(time=time.time(), kind="replaced", deployment=name, node=a.node,
-                         reason=f"{'; '.join(moves)}; restarted: {', '.join(u.name for u in changed)}")])
-        return None
-
-    def _out_of_routers(self, unit: Unit) -> None:
-        """A unit's engines leave each (regular) router's worker list before it restarts, and come
-        back with ``/add_worker`` once it serves (``pending_adds``). Otherwise a head that still
-        answers while its group restarts (a TP copy whose other rank died) gets requests until it
-        is stopped, then until the router's next health check, and a retry may pick it again: one
-        request of 190 failed so. A P/D router cannot add a worker back over HTTP: left alone."""
-        if unit.name in self.pending_adds:
-            return  # out since an earlier attempt of this restart
-        mine = {f"{p.address}:{p.http_port}" for p in self.rec.plan.processes
-                if p.id in unit.processes and p.http_port is not None and p.role != "router"}
-        for r in self.rec.plan.processes:
-            if r.role != "router" or r.id in unit.processes or "--vllm-pd-disaggregation" in r.argv:
-                continue
-            out = [w for w in worker_urls(r) if w.split("//", 1)[-1].rstrip("/") in mine]
-            if out and self._reroute(r, out, [], f"removed {', '.join(out)} while {unit.name} restarts"):
-                self.pending_adds.setdefault(unit.name, []).extend((r, w) for w in out)
-
-    def _restart(self, a: Restart) -> str:
-        name = self.rec.name
-        t_end = time.monotonic() + LOCK_WAIT_S
-        self._out_of_routers(a.unit)
-        while True:
-            try:
-                with self.store.lock(name):
-                    # a hung engine will not stop on SIGTERM: it gets the SIGKILL sooner
-                    grace = HUNG_GRACE_S if a.hung else GRACE_S
-                    failed = self.watcher.restart(a.unit, grace, lambda: not self.stopping())
-                    if self.rec.supervisor is not None:
-                        self.rec.supervisor.restarts += 1
-                    self.save()
-                break
-            except K3Error as exc:
-                if exc.code != "deployment-busy" or time.monotonic() > t_end or self.stopping():
-                    failed_msg = exc.message
-                    events, actions = self.sup.start_failed(a.unit, time.time(), failed_msg)
-                    return self._then(events, actions)
-                self.stop.wait(1.0)
-        if self.stopping():
-            return "ok"
-        if failed:
-            f = failed[0]
-            events, actions = self.sup.start_failed(a.unit, time.time(), f.message, f.failing, f.log_tail)
-            return self._then(events, actions)
-        self.sup.started(a.unit, time.time())
-        return "ok"
-
-    def _then(self, events: list[Event], actions: list[Action]) -> str:
-        self.emit(events)
-        for b in actions:
-            if self.stopping():
-                return "ok"
-            if self._guarded(b) == "failed":
-                return "failed"
-        if not self.sup.can_serve():
-            why = "; ".join(e.reason for e in events if e.kind == "gave-up") or "no unit left to serve"
-            self.emit([Event(time=time.time(), kind="failed", deployment=self.rec.name, reason=why)])
-            return self._stop_all(StopAll(why))
-        return "ok"
-
-    def _keep(self, ids: Sequence[str]) -> None:
+    def keep(self, ids: Sequence[str]) -> None:
         todo = [i for i in ids if i not in self.kept]
         if todo:
             self.watcher.keep_logs(todo)
             self.kept.update(todo)
 
-    def _stop_all(self, a: StopAll) -> str:
-        self._keep(self.sup.failing())
+    def stop_all(self, a: StopAll) -> str:
+        self.keep(self.sup.failing())
         self.watcher.stop_all(GRACE_S)
         self.rec.state = "failed"
         self.rec.error = f"supervisor gave up: {a.reason}; last log lines kept in {self.store.logs_dir(self.rec.name)}/"
@@ -345,10 +270,12 @@ class _Run:
 
 def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPolicy, *, on_event: EventFn,
               hook: str | None = None, detached: bool = False, stop: threading.Event | None = None, places: Places | None = None,
-              canary: CanaryFn | None = None) -> str:
+              canary: CanaryFn | None = None, gate_for: GateFor | None = None, until_converged: bool = False) -> str:
     """Watch ``name`` until stopped: ``"stopped"`` (asked to), ``"failed"`` (gave up: nothing left
-    running), ``"gone"`` (taken down), or the state it left ``ready`` for. ``canary``: the
-    correctness check replayed every ``policy.canary_interval`` while everything serves."""
+    running), ``"gone"`` (taken down), ``"converged"`` (``until_converged``: the spec's rollout is
+    done or stopped), or the state it left ``ready`` for. ``canary``: the correctness check
+    replayed every ``policy.canary_interval`` on every serving unit; ``gate_for``: a rollout's
+    gate beyond health and a completion."""
     stop = stop or threading.Event()
     sdir = store.supervise_dir()
     try:
@@ -367,7 +294,7 @@ def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPo
         watcher = ops.watcher(rec, store)
         ident = me()
         rec.supervisor = Supervisor(host=ident.host, pid=ident.pid, started=ident.started, since=time.time(), detached=detached, policy=policy)
-        run = _Run(rec, store, watcher, policy, on_event, hook, stop, places, canary)
+        run = _Run(rec, store, watcher, policy, on_event, hook, stop, places, canary, gate_for, until_converged)
         with store.lock(name):
             run.save()
         run.emit([Event(time=time.time(), kind="watching", deployment=name,

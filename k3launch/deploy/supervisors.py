@@ -1,5 +1,5 @@
-"""Supervisors as processes: where their lock, stop request and output live, who runs one,
-stopping one (``down`` does, first) and starting one in the background (``--detach``).
+"""Controllers as processes: where their lock, stop request, spec and output live, who runs
+one, stopping one (``down`` does, first) and starting one in the background (``--detach``).
 
 One supervisor per deployment holds ``<state>/supervise/NAME.lock`` while it runs. ``down``
 stops it with a stop request file (seen by a supervisor on any login node sharing the state
@@ -10,18 +10,17 @@ is :mod:`k3launch.deploy.supervisor`.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 from k3launch.deploy.state import StateStore, _start_time
 from k3launch.errors import K3Error
+from k3launch.models.control import Spec
 from k3launch.models.record import Supervisor
 from k3launch.util.locks import held
 
@@ -41,24 +40,36 @@ def log_path(store: StateStore, name: str) -> Path:
     return store.supervise_dir() / f"{name}.log"
 
 
-def args_path(store: StateStore, name: str) -> Path:
-    return store.supervise_dir() / f"{name}.args.json"
+def spec_path(store: StateStore, name: str) -> Path:
+    return store.supervise_dir() / f"{name}.spec.json"
 
 
-def last_args(store: StateStore, name: str) -> list[str] | None:
-    """The flags the last detached supervisor of ``name`` was started with (a rollout that paused
-    it starts it again with them: its policy, hook and SSH options), None if unknown."""
+def read_spec(store: StateStore, name: str) -> Spec | None:
+    """``name``'s spec (:mod:`k3launch.models.control`), None if none was written or it cannot be read."""
     try:
-        got = json.loads(args_path(store, name).read_text())
+        return Spec.model_validate_json(spec_path(store, name).read_text())
     except (OSError, ValueError):
         return None
-    return [str(a) for a in got] if isinstance(got, list) else None
+
+
+def write_spec(store: StateStore, name: str, spec: Spec) -> None:
+    """Write ``spec`` (atomically; owner-only: its ``--on-event`` command may carry a webhook's token)."""
+    path = spec_path(store, name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(spec.model_dump_json())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise K3Error("state-dir", f"cannot write {path}: {exc.strerror or exc}", "pass --state-dir DIR on a writable filesystem") from None
 
 
 def forget(store: StateStore, name: str) -> None:
-    """What a detached supervisor of ``name`` left to start it again (``down`` of the deployment)."""
+    """A deployment's spec (``down`` of the deployment: nothing of it is kept)."""
     with contextlib.suppress(OSError):
-        args_path(store, name).unlink()
+        spec_path(store, name).unlink()
 
 
 def who(info: Supervisor | None) -> str:
@@ -103,20 +114,18 @@ def stop(store: StateStore, name: str, wait_s: float = STOP_WAIT_S) -> str | Non
     return f"stopped {who(info)}"
 
 
-def detach(store: StateStore, name: str, args: Sequence[str]) -> Supervisor:
-    """Start ``k3launch supervise NAME ARGS`` in the background (its own session, output in
-    ``<state>/supervise/NAME.log``) and return once it named itself in the record."""
+def detach(store: StateStore, name: str) -> Supervisor:
+    """Start a controller of ``name`` in the background (its own session, output in
+    ``<state>/supervise/NAME.log``), through the module entry point
+    :mod:`k3launch.api._controller`: its policy, hook and SSH settings are the spec's (written
+    first), not a command line. Returns once it named itself in the record."""
     sdir = store.supervise_dir()
     try:
         sdir.mkdir(parents=True, exist_ok=True)
         out = open(log_path(store, name), "ab")
     except OSError as exc:
         raise K3Error("state-dir", f"cannot write {log_path(store, name)}: {exc.strerror or exc}", "pass --state-dir DIR") from None
-    cmd = [sys.executable, "-m", "k3launch", "supervise", name, "--state-dir", str(store.root), "--as-detached", *args]
-    # owner-only: an --on-event command may carry a webhook's token
-    fd = os.open(args_path(store, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(list(args), f)
+    cmd = [sys.executable, "-m", "k3launch.api._controller", name, str(store.root)]
     with out:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     t_end = time.monotonic() + DETACH_WAIT_S

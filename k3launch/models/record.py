@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, model_validator
 
+from k3launch.models.control import ControlMemory
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import Host, Plan
 from k3launch.models.rollout import RolloutState, RolloutStatus
@@ -134,6 +135,7 @@ class RecordBase(Record):
     supervisor: Supervisor | None = None  # set while a supervisor watches it
     rollout: RolloutState | None = None  # a rollout under way or stopped: both plans, which unit runs which
     canary: CanaryNote | None = None  # up's canary (None: not asked for, or a record older than the canary)
+    control: ControlMemory | None = None  # the controller's memory (restart counts, backoff, rolls under way): a new one goes on from it
 
     @property
     def job(self) -> SlurmJob | None:

@@ -9,9 +9,14 @@ later command, on this login node or another one:
   record's own ``plan`` is always what runs now (old for some units, new for the others);
 * ``units`` lists the units to roll, in order, each with the plan it runs (``on``), and why its
   last attempt failed its gate, if it did;
-* ``stopped`` says why the rollout stopped ("" while a command rolls it).
+* ``stopped`` says why the rollout stopped ("" while the controller rolls it);
+* the rollout's parameters (``max_unavailable``, ``drain_timeout``, ``start_timeout``, the canary
+  gate) and its ``revision``: a rollout is a change of the deployment's desired state, written by
+  the ``rollout`` command (:mod:`k3launch.models.control`) and converged by the one controller
+  (:mod:`k3launch.deploy.supervisor`), unit by unit, which records each unit's progress here.
 
-The record drops the rollout once every unit runs the new plan (or, after ``--rollback``, the old).
+The record drops the rollout once every unit runs the new plan (or, after ``--rollback``, the old:
+``back``).
 """
 
 from __future__ import annotations
@@ -33,8 +38,11 @@ class _Rec(BaseModel):
 class RolloutUnit(_Rec):
     name: str
     processes: list[str]
-    on: On = "old"  # "rolling": out of the router and restarting (a command died there if none holds the lock)
+    on: On = "old"  # "rolling": out of the router and restarting
     failed: str = ""  # why its last attempt failed the gate
+    seconds: float = 0.0  # its last roll: from leaving the router to serving the target plan, gated
+    drained_s: float = 0.0  # of which waiting for its in-flight requests
+    downtime_s: float = 0.0  # no router in front (--allow-downtime): from its stop until it served again
 
 
 class RolloutState(_Rec):
@@ -44,16 +52,37 @@ class RolloutState(_Rec):
     units: list[RolloutUnit]
     started: float
     updated: float
-    stopped: str = ""  # why it stopped; "" while a rollout command runs it
+    stopped: str = ""  # why it stopped; "" while the controller rolls it
     surge: bool = False  # --surge: the new set started beside the old one (units: the new set's)
+    revision: int = 0  # the spec revision that asked for it (the controller adopts a higher one)
+    back: bool = False  # --rollback: the rolled units go back to ``old``, last rolled first
+    max_unavailable: int = 1  # units out of the router at once
+    drain_timeout: float = 120.0
+    start_timeout: float | None = None  # None: the plan's ready timeout
+    canary: bool = True  # the gate replays the correctness canary too
+    rebaseline: bool = False  # the first unit rolled records the canary anew
+    routes: bool = True  # units leave the router while they roll (False: P/D, or no router: in place, --allow-downtime)
+    logs: list[str] = []  # the kept log tails of the unit that failed its gate
+
+    @property
+    def target(self) -> On:
+        """The plan the units roll to: ``new``, or ``old`` for a rollback."""
+        return "old" if self.back else "new"
 
     def pending(self) -> list[str]:
-        """The units that do not run the new plan yet, in rollout order."""
-        return [u.name for u in self.units if u.on != "new"]
+        """The units that do not run the target plan yet, in rollout order."""
+        return [u.name for u in self.units if u.on != self.target]
 
     def rolled(self) -> list[str]:
         """The units that run (or may run: "rolling") the new plan: what ``--rollback`` takes back."""
         return [u.name for u in self.units if u.on != "old"]
+
+    def unit(self, name: str) -> RolloutUnit | None:
+        return next((u for u in self.units if u.name == name), None)
+
+    def done(self) -> bool:
+        """Every unit runs the target plan."""
+        return not self.pending()
 
     def mark(self, unit: str, on: On, failed: str, now: float) -> None:
         for u in self.units:

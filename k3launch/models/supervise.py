@@ -23,12 +23,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import Plan, Process
 
-# policy field -> supervise's flag
-POLICY_FLAGS = {"policy": "--restart", "max_restarts": "--max-restarts", "window": "--window", "backoff": "--backoff",
-                "backoff_max": "--backoff-max", "unhealthy_after": "--unhealthy-after", "node_lost_after": "--node-lost-after",
-                "poll": "--poll", "start_timeout": "--start-timeout", "stall_after": "--stall-after",
-                "canary_interval": "--canary-interval"}
-
 
 class RestartPolicy(BaseModel):
     """The inventory's ``restart:`` section (and ``supervise``'s flags): how a supervisor restarts.
@@ -56,10 +50,6 @@ class RestartPolicy(BaseModel):
     # Plans of DEP pools on this inventory use vLLM's own fault tolerance (planning reads it: `--fault-tolerance`
     # / `--no-fault-tolerance` override it per plan; docs/supervise.md ("vLLM's own fault tolerance")).
     fault_tolerance: bool = False
-
-    def args(self) -> list[str]:
-        """This policy as ``supervise``'s flags (a supervisor paused by a rollout is started again with it)."""
-        return [x for key, flag in POLICY_FLAGS.items() if (v := getattr(self, key)) is not None for x in (flag, str(v))]
 
     def delay(self, restarts_in_window: int) -> float:
         """Seconds to wait before the next restart, after ``restarts_in_window`` earlier ones."""
@@ -91,6 +81,11 @@ EventKind = Literal[
     "recovered",  # ... and every rank is healthy again, without a restart
     "canary-mismatch",  # a canary replay got other tokens than the baseline (prompt, expected, got in the reason)
     "canary-ok",  # a replay matched again after a mismatch
+    "rolling",  # a unit of a rollout left the router (or restarts in place) to run the rollout's plan
+    "rolled",  # ... and serves it, gated (seconds: from leaving the router)
+    "roll-failed",  # ... it failed its gate or did not start: it goes back to the plan it had, and the rollout stops
+    "rolled-back",  # ... and serves that plan again
+    "rollout-done",  # every unit runs the rollout's plan
     "supervisor-error",  # an action failed in a way k3launch did not foresee (a bug): reported, and the watch goes on
 ]
 

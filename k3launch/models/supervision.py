@@ -9,104 +9,38 @@ happened to a restart or a re-placement. Policy, units and events: :mod:`k3launc
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from collections.abc import Iterable
 
-from k3launch.models.plan import FaultTolerancePool, Plan
+from k3launch.models.actions import (
+    Action,
+    FtRetry,
+    Gate,
+    GiveUp,
+    Memory,
+    Observation,
+    Replace,
+    Restart,
+    Route,
+    StopAll,
+    Surge,
+    Swap,
+    UnitState,
+)
+from k3launch.models.control import ControlMemory, UnitMemory
+from k3launch.models.converge import Converge
+from k3launch.models.plan import Plan
+from k3launch.models.rollout import RolloutState
 from k3launch.models.supervise import Event, EventKind, RestartPolicy, Unit, units
 
-
-@dataclass
-class Observation:
-    """One look at a deployment: what the backend saw (the supervisor's only input)."""
-
-    now: float
-    dead: Mapping[str, str] = field(default_factory=dict)  # process id -> how it ended ("exited with code 1: ...")
-    unreachable: Mapping[str, str] = field(default_factory=dict)  # node -> why
-    healthy: Mapping[str, bool] = field(default_factory=dict)  # HTTP process id -> /health answered 200 in time
-    tails: Mapping[str, str] = field(default_factory=dict)  # dead process id -> its last log lines
-    reclaimed: Mapping[str, Sequence[str]] = field(default_factory=dict)  # lost node answering again -> processes stopped there
-    ft: Mapping[str, str] = field(default_factory=dict)  # fault-tolerant rank -> its engine's FT status ("healthy", "unhealthy", ...)
-    # process id -> (CPU ticks its whole session used, "state R"): asked only while some engine does not serve
-    cpu: Mapping[str, tuple[int, str]] = field(default_factory=dict)
+__all__ = ["Action", "FtRetry", "Gate", "GiveUp", "Memory", "Observation", "Replace", "Restart", "Route", "StopAll", "Supervision",
+           "Surge", "Swap", "UnitState"]
 
 
 FT_MARGIN_S = 15.0  # past the engines' recovery timeout: they die by then; a group restart follows
 FT_RETRY_AGAIN_S = 30.0  # a retry that did not take (a rank missed it) is sent again
 
 
-class UnitState(StrEnum):
-    SERVING = "serving"
-    BACKOFF = "backoff"  # failed; restarts at ``until``
-    STARTING = "starting"  # restarted; must serve by ``until``
-    WAITING_NODE = "waiting-node"  # a node of the unit does not answer
-    GAVE_UP = "gave-up"
-    RECOVERING = "recovering"  # vLLM's own fault tolerance: ranks unhealthy, every process alive; retry sent or due
-
-
-@dataclass(frozen=True)
-class Restart:
-    """Stop the unit and start it again (the executor reports back with :meth:`Supervision.started`)."""
-
-    unit: Unit
-    attempt: int
-    reason: str
-    hung: bool = False  # it stopped answering: it will not stop gracefully either
-
-
-@dataclass(frozen=True)
-class GiveUp:
-    """Stop the unit for good (failed too often)."""
-
-    unit: Unit
-    reason: str
-    failing: tuple[str, ...]  # the processes whose last log lines to keep
-
-
-@dataclass(frozen=True)
-class Replace:
-    """A node is lost: cordon it and re-place its units onto spare nodes (the executor reports
-    back with :meth:`Supervision.replaced`, or leaves the units waiting for the node)."""
-
-    node: str
-    units: tuple[Unit, ...]
-    reason: str
-
-
-@dataclass(frozen=True)
-class FtRetry:
-    """vLLM's fault tolerance: POST ``retry`` to every rank's API server of ``pool`` (all at once:
-    recovery completes only once every rank got it)."""
-
-    unit: Unit
-    pool: FaultTolerancePool
-
-
-@dataclass(frozen=True)
-class StopAll:
-    """The deployment cannot serve any more: stop everything, record ``failed``."""
-
-    reason: str
-
-
-Action = Restart | GiveUp | Replace | FtRetry | StopAll
-
-
-@dataclass
-class _Memory:
-    state: UnitState = UnitState.SERVING
-    until: float = 0.0
-    restarts: deque[float] = field(default_factory=deque)  # times of restarts within the window
-    detected: float | None = None  # when the current outage was detected
-    reason: str = ""
-    failing: tuple[str, ...] = ()
-    unhealthy_since: dict[str, float] = field(default_factory=dict)
-    ft_sent: float | None = None  # when the last retry went out
-    progress: dict[str, tuple[int, float]] = field(default_factory=dict)  # starting process -> (CPU ticks, since when unchanged)
-
-
-class Supervision:
+class Supervision(Converge):
     """The decisions of a supervisor over one deployment (no I/O: the caller observes and acts)."""
 
     _newly_lost: list[str]
@@ -115,9 +49,12 @@ class Supervision:
         self.name = plan.name
         self.policy = policy
         self.start_timeout = policy.start_timeout or start_timeout
+        self.plan = plan
         self.units = units(plan)
         self.node_of = {p.id: p.node for p in plan.processes}
-        self.memory = {u.name: _Memory() for u in self.units}
+        self.rollout: RolloutState | None = None  # the spec's rollout, converged unit by unit (:mod:`k3launch.models.converge`)
+        self.surging = False  # a --surge is under way (one action: the executor reports back)
+        self.memory = {u.name: Memory() for u in self.units}
         self.node_down: dict[str, float] = {}  # node -> since when it does not answer
         self.lost: set[str] = set()
         self.restarts = 0  # restarts done, in all
@@ -146,7 +83,10 @@ class Supervision:
             if m.state is UnitState.GAVE_UP:
                 continue
             down = [n for n in u.nodes if n in obs.unreachable]
-            if m.state in (UnitState.SERVING, UnitState.STARTING) and down:
+            if down and m.state is UnitState.DRAINING:
+                self.abandon(u, m)
+                m.state = UnitState.SERVING
+            if m.state in (UnitState.SERVING, UnitState.STARTING, UnitState.GATING) and down:
                 m.state, m.detected = UnitState.WAITING_NODE, now if m.detected is None else m.detected
                 m.reason = f"node {down[0]} stopped answering: {obs.unreachable[down[0]]}"
                 events.append(self._event(now, "detected", u, node=down[0], reason=m.reason))
@@ -159,6 +99,11 @@ class Supervision:
             if failure is None and u.name in self.ft and m.state in (UnitState.SERVING, UnitState.RECOVERING):
                 failure, recovery = self._recovery(u, m, obs, events)
                 actions += recovery
+            if failure is not None and m.to and self.rolls_forward(m):
+                if m.state is UnitState.STARTING:  # the new plan does not start or serve: rolled back, the rollout stops
+                    actions += self.roll_failed(u, m, now, failure[0], events, proc=failure[1], tail=failure[2])
+                    continue
+                self.abandon(u, m)  # failed while draining: repaired on the plan it runs, rolled later
             if failure is not None:
                 why, proc, tail = failure
                 if m.state is UnitState.STARTING:
@@ -172,19 +117,23 @@ class Supervision:
                 continue
             if m.state is UnitState.BACKOFF and now >= m.until:
                 actions.append(self._restart(u, m, now, events))
+            elif m.state is UnitState.STARTING and self._serves(u, obs) and m.to:
+                actions += self.swapped(u, m, now, events)
             elif m.state is UnitState.STARTING and self._serves(u, obs):
                 m.state = UnitState.SERVING
-                m.unhealthy_since.clear()
+                m.last_ok.clear()
                 m.progress.clear()
                 took = now - (now if m.detected is None else m.detected)
                 events.append(self._event(now, "restarted", u, reason=f"serving again after {took:.1f}s", seconds=round(took, 3),
                                           attempt=len(m.restarts)))
                 m.detected = None
+        actions += self.roll(obs, events)
         if not self.can_serve() and not any(isinstance(a, StopAll) for a in actions):
             why = self._why_not()
             events.append(self._event(now, "failed", reason=why))
             actions.append(StopAll(why))
-        return events, actions
+        # router membership first: a unit about to restart or swap leaves its router before it stops
+        return events, self.routes(obs) + actions
 
     def _node(self, proc: str | None) -> str | None:
         return self.node_of.get(proc) if proc else None
@@ -212,7 +161,7 @@ class Supervision:
                                       seconds=round(obs.now - since, 3)))
         return events
 
-    def _failure(self, u: Unit, m: _Memory, obs: Observation) -> tuple[str, str | None, str] | None:
+    def _failure(self, u: Unit, m: Memory, obs: Observation) -> tuple[str, str | None, str] | None:
         """Why the unit failed in this look (reason, process, its last lines), or None."""
         if m.state in (UnitState.BACKOFF, UnitState.WAITING_NODE):
             return None
@@ -231,14 +180,16 @@ class Supervision:
             if ok is None:
                 continue
             if ok:
-                m.unhealthy_since.pop(pid, None)
+                m.last_ok[pid] = obs.now
                 continue
-            since = m.unhealthy_since.setdefault(pid, obs.now)
+            # silence counts from the last good answer, not from the first failed probe (which itself
+            # may have waited out the probe's timeout)
+            since = m.last_ok.setdefault(pid, obs.now)
             if obs.now - since >= self.policy.unhealthy_after:
                 return f"{pid} hung: /health failing or silent for {obs.now - since:.0f}s", pid, ""
         return None
 
-    def _stalled(self, u: Unit, m: _Memory, obs: Observation) -> tuple[str, str | None, str] | None:
+    def _stalled(self, u: Unit, m: Memory, obs: Observation) -> tuple[str, str | None, str] | None:
         """A starting process whose session used no CPU for ``stall_after`` seconds never serves (a
         task stuck in the kernel, stopped, or blocked on storage that does not answer): failed now,
         not at ``start_timeout``, which is sized for the slowest honest start. Every look with new
@@ -258,7 +209,7 @@ class Supervision:
                 return f"{pid} hung: no CPU time used for {obs.now - seen[1]:.0f}s while starting{how}", pid, ""
         return None
 
-    def _recovery(self, u: Unit, m: _Memory, obs: Observation, events: list[Event]) -> tuple[tuple[str, str | None, str] | None, list[Action]]:
+    def _recovery(self, u: Unit, m: Memory, obs: Observation, events: list[Event]) -> tuple[tuple[str, str | None, str] | None, list[Action]]:
         """vLLM's fault tolerance on a DEP pool whose processes all live: ranks go ``unhealthy``
         while ``/health`` stays 200; once every rank is, ``retry`` goes to all of them (again
         every :data:`FT_RETRY_AGAIN_S`); all ``healthy`` again is a recovery. Not healthy within
@@ -291,7 +242,7 @@ class Supervision:
     def _serves(self, u: Unit, obs: Observation) -> bool:
         return all(obs.healthy.get(pid) is True for pid in u.http)
 
-    def _fail(self, u: Unit, m: _Memory, now: float, why: str, events: list[Event], proc: str | None = None,
+    def _fail(self, u: Unit, m: Memory, now: float, why: str, events: list[Event], proc: str | None = None,
               counted: bool = True) -> list[Action]:
         p = self.policy
         while m.restarts and now - m.restarts[0] > p.window:
@@ -312,7 +263,7 @@ class Supervision:
             return []
         return [self._restart(u, m, now, events, counted)]
 
-    def _restart(self, u: Unit, m: _Memory, now: float, events: list[Event], counted: bool = True) -> Restart:
+    def _restart(self, u: Unit, m: Memory, now: float, events: list[Event], counted: bool = True) -> Restart:
         if counted:
             m.restarts.append(now)
         self._starting(m, now)
@@ -321,11 +272,12 @@ class Supervision:
         events.append(self._event(now, "restarting", u, reason=m.reason, attempt=attempt))
         return Restart(u, attempt, m.reason, hung=" hung: " in m.reason)
 
-    def _starting(self, m: _Memory, now: float) -> None:
-        """A unit (re)started now: ``start_timeout`` to serve, and the hung and stall clocks start
-        again with its new processes."""
-        m.state, m.until = UnitState.STARTING, now + self.start_timeout
-        m.unhealthy_since.clear()
+    def _starting(self, m: Memory, now: float) -> None:
+        """A unit (re)started now: ``start_timeout`` to serve (a roll's own, if it set one), and the
+        hung and stall clocks start again with its new processes."""
+        limit = self.rollout.start_timeout if m.to and self.rollout is not None and self.rollout.start_timeout else self.start_timeout
+        m.state, m.until = UnitState.STARTING, now + limit
+        m.last_ok.clear()
         m.progress.clear()
 
     # ------------------------------------------------------------------ what the executor reports
@@ -336,6 +288,9 @@ class Supervision:
     def start_failed(self, unit: Unit, now: float, why: str, proc: str | None = None, tail: str = "") -> tuple[list[Event], list[Action]]:
         """A restart could not even start the unit (a start command failed, a node refused)."""
         m = self.memory[unit.name]
+        if self.rolls_forward(m):  # the rollout's plan does not even start: back to the plan the unit had
+            events: list[Event] = []
+            return events, self.roll_failed(unit, m, now, why, events, proc=proc, tail=tail)
         events = [self._event(now, "restart-failed", unit, process=proc, node=self._node(proc), reason=why, attempt=len(m.restarts),
                               log_tail=tail)]
         actions = self._fail(unit, m, now, why, events, proc=proc)
@@ -344,10 +299,11 @@ class Supervision:
     def replaced(self, plan: Plan, restarted: Iterable[str], now: float) -> None:
         """The executor re-placed units onto a new plan and restarted ``restarted`` (unit names):
         they have ``start_timeout`` to serve; every unit keeps its restart history by name."""
+        self.plan = plan
         self.units = units(plan)
         self.node_of = {p.id: p.node for p in plan.processes}
         old = self.memory
-        self.memory = {u.name: old.get(u.name) or _Memory() for u in self.units}
+        self.memory = {u.name: old.get(u.name) or Memory() for u in self.units}
         for name in restarted:
             m = self.memory[name]
             self._starting(m, now)
@@ -368,6 +324,35 @@ class Supervision:
     def failing(self) -> tuple[str, ...]:
         """Every process a give-up blamed (their last log lines are kept)."""
         return tuple(pid for u in self.units for pid in self.memory[u.name].failing if self.memory[u.name].state is UnitState.GAVE_UP)
+
+    # ------------------------------------------------------------------ memory, saved in the record
+    def dump(self, revision: int) -> ControlMemory:
+        """What a controller started again needs to go on where this one was."""
+        return ControlMemory(revision=revision, restarts=self.restarts, node_down=dict(self.node_down), lost=sorted(self.lost), units={
+            u.name: UnitMemory(state=(m := self.memory[u.name]).state.value, until=m.until, restarts=list(m.restarts), detected=m.detected,
+                               reason=m.reason, failing=list(m.failing), to=m.to, undo=m.undo, since=m.since, drained_s=m.drained_s)
+            for u in self.units})
+
+    def restore(self, saved: ControlMemory, now: float) -> None:
+        """Adopt a saved memory (a controller killed, or started on another login node). A unit
+        caught draining is serving its old plan again (it rolls later); one caught gating gets
+        ``start_timeout`` to serve again, then its gate; restart counts and windows go on. Call it
+        after setting :attr:`rollout` (a draining unit's roll is given back to it)."""
+        self.restarts, self.node_down, self.lost = saved.restarts, dict(saved.node_down), set(saved.lost)
+        for u in self.units:
+            got = saved.units.get(u.name)
+            if got is None:
+                continue
+            m = self.memory[u.name]
+            m.restarts = deque(got.restarts)
+            m.until, m.detected, m.reason, m.failing = got.until, got.detected, got.reason, tuple(got.failing)
+            m.to, m.undo, m.since, m.drained_s = got.to, got.undo, got.since, got.drained_s
+            m.state = UnitState(got.state) if got.state in {s.value for s in UnitState} else UnitState.SERVING
+            if m.state is UnitState.DRAINING:  # never swapped: it runs (and serves) the plan it had; it rolls again
+                self.abandon(u, m)
+                m.state = UnitState.SERVING
+            elif m.state is UnitState.GATING:  # swapped, not gated: serving again is followed by its gate
+                self._starting(m, now)
 
     def summary(self) -> dict[str, str]:
         return {u.name: self.memory[u.name].state.value for u in self.units}

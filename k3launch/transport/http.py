@@ -149,3 +149,15 @@ def in_background(fn: Callable[[], Completion]) -> InFlight:
 
     threading.Thread(target=work, name="k3launch-completion", daemon=True).start()
     return job
+
+
+def list_workers(base: str, timeout: float = 3.0) -> list[str] | None:
+    """The worker URLs vllm-router lists (``GET /list_workers``: ``{"urls": [...]}``); None when it
+    does not answer or says something else."""
+    try:
+        with urllib.request.urlopen(base.rstrip("/") + "/list_workers", timeout=timeout) as r:
+            got = json.loads(r.read() or b"null")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    urls = got.get("urls") if isinstance(got, dict) else None
+    return [str(u) for u in urls] if isinstance(urls, list) else None

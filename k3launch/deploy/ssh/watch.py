@@ -42,6 +42,7 @@ from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.models.supervise import Unit
 from k3launch.models.supervision import Observation
 from k3launch.render import snippets as remote
+from k3launch.transport import http
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.http import probe_all
 from k3launch.util.polling import poll_until
@@ -237,6 +238,9 @@ class SshWatcher:
                 except (urllib.error.URLError, OSError) as exc:
                     return f"{route} {url}: {getattr(exc, 'reason', exc)}"
         return None
+
+    def workers(self, router: Process) -> list[str] | None:
+        return http.list_workers(f"http://{router.address}:{router.http_port}", timeout=self.probe_timeout)
 
     def check(self, plan: Plan, nodes: Sequence[str]) -> list[str]:
         """The doctor's failures on ``nodes`` for the processes ``plan`` puts there (spares about to be used);

@@ -1,0 +1,65 @@
+"""The one controller's data: the desired state commands write, and the memory it keeps.
+
+A deployment's **spec** (:class:`Spec`) is what it should be beyond its plan: the rollout it is
+to converge to and the policy its controller follows. Commands never act on a live deployment
+themselves: ``rollout``, ``rollout --continue`` / ``--rollback`` and ``supervise`` write a new
+spec revision (``<state>/supervise/NAME.spec.json``, owner-only: an ``--on-event`` command may
+carry a webhook's token) under the deployment's lock, and the controller
+(:mod:`k3launch.deploy.supervisor`) adopts a higher revision at its next look and converges to it
+(LeaderWorkerSet's reconcile: a rollout is a spec change). The spec lives beside the record, not
+in it, so the controller's own saves of the record (processes, progress) never write an older
+spec over a newer one.
+
+The controller's **memory** (:class:`ControlMemory`: each unit's state, restart times within the
+policy's window, backoff deadline, the revision it runs) is saved in the record after every look
+that changed it, so a controller started again (killed, or another login node) adopts the
+deployment with its memory: restart counts and backoff windows go on where they were.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+from k3launch.models.rollout import RolloutState
+from k3launch.models.supervise import RestartPolicy
+
+
+class _Rec(BaseModel):
+    model_config = ConfigDict(extra="forbid", defer_build=True)
+
+
+class Spec(_Rec):
+    """A deployment's desired state beyond its plan (a revision of it)."""
+
+    revision: int = 0
+    rollout: RolloutState | None = None  # the rollout to converge to (None: the running plan as it is)
+    policy: RestartPolicy | None = None  # the controller's policy (None: the inventory's ``restart:``)
+    hook: str | None = None  # --on-event: a command run with each event as JSON on stdin
+    accept_unknown_hosts: bool = False  # the SSH client settings a detached controller uses
+    connect_timeout: float = 10.0
+
+
+class UnitMemory(_Rec):
+    """What the controller remembers of one recovery unit (models.supervision's ``_Memory``, saved)."""
+
+    state: str = "serving"
+    until: float = 0.0
+    restarts: list[float] = []  # times of restarts within the policy's window
+    detected: float | None = None
+    reason: str = ""
+    failing: list[str] = []
+    to: str = ""  # a roll under way: the plan the unit is swapped to ("new", or "old" when rolled back)
+    undo: bool = False  # ... to take back a roll that failed its gate
+    since: float = 0.0  # a roll under way: when the unit left the router
+    drained_s: float = 0.0
+
+
+class ControlMemory(_Rec):
+    """The controller's memory of a deployment, saved in its record."""
+
+    revision: int = 0  # the spec revision adopted last
+    restarts: int = 0  # restarts made, in all, by every controller of the deployment
+    units: dict[str, UnitMemory] = {}
+    node_down: dict[str, float] = {}  # node -> since when it does not answer
+    lost: list[str] = []
+    finished: RolloutState | None = None  # the last rollout that converged (what its command reports)

@@ -1,0 +1,171 @@
+"""The one controller's decisions on a fake clock: a rollout is desired state that the same step
+which restarts units converges, unit by unit (:mod:`k3launch.models.converge`); router
+membership is observed and repaired; the memory survives a new controller; silence counts from
+the last good answer."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from k3launch.api.planning import plan
+from k3launch.models.actions import Gate, Restart, Route, Swap, UnitState
+from k3launch.models.converge import url
+from k3launch.models.plan import Plan
+from k3launch.models.rollout import RolloutState, RolloutUnit
+from k3launch.models.supervise import RestartPolicy, units
+from k3launch.models.supervision import Action, Observation, Supervision
+
+INV = Path(__file__).resolve().parents[1] / "inventories" / "local.yaml"
+
+
+@cache
+def _plans(copies: int) -> tuple[Plan, Plan]:
+    sel = {"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp", "replicas": copies}
+    return plan(INV, selection=sel), plan(INV, selection={**sel, "sets": ["max-num-seqs=4"]})
+
+
+def _rollout(old: Plan, new: Plan, **kw: object) -> RolloutState:
+    todo = [u for u in units(new) if u.kind != "router"]
+    return RolloutState(old=old, new=new, changes=["--set max-num-seqs=4"], started=0, updated=0,
+                        units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in todo], **kw)  # type: ignore[arg-type]
+
+
+class World:
+    """A deployment as the step sees it: which HTTP processes answer, what the router lists."""
+
+    def __init__(self, p: Plan) -> None:
+        self.plan = p
+        self.healthy = {x.id: True for x in p.processes if x.http_port}
+        self.router = next(x for x in p.processes if x.role == "router")
+        self.listed = [url(x) for x in p.processes if x.role != "router" and x.http_port]
+        self.dead: dict[str, str] = {}
+        self.events: list[str] = []  # kinds of the events the executor's reports produced
+
+    def look(self, now: float, **kw: object) -> Observation:
+        return Observation(now, healthy=dict(self.healthy), dead=dict(self.dead), routers={self.router.id: tuple(self.listed)},
+                           **kw)  # type: ignore[arg-type]
+
+    def apply(self, sup: Supervision, actions: list[Action], now: float, gate: str = "") -> list[str]:
+        """Carry out what the step asked, as the executor would; what was done, in order."""
+        done = []
+        for a in actions:
+            if isinstance(a, Route):
+                self.listed = [u for u in self.listed if u not in a.remove] + list(a.add)
+                done += [f"+{u}" for u in a.add] + [f"-{u}" for u in a.remove]  # added first: never an empty router
+            elif isinstance(a, Swap):
+                done.append(f"swap {a.unit.name} {a.to}")
+                sup.started(a.unit, now)
+            elif isinstance(a, Restart):
+                done.append(f"restart {a.unit.name}")
+                self.dead.pop(a.unit.processes[0], None)
+                sup.started(a.unit, now)
+            elif isinstance(a, Gate):
+                done.append(f"gate {a.unit.name}")
+                events, more = sup.gated(a.unit, gate, now)
+                self.events += [e.kind for e in events]
+                done += self.apply(sup, more, now)
+        return done
+
+
+def _sup(p: Plan, **policy: object) -> Supervision:
+    return Supervision(p, RestartPolicy.model_validate({"backoff": 0, **policy}), start_timeout=60.0)
+
+
+def test_a_rollout_rolls_one_copy_at_a_time_out_of_the_router_drained_swapped_gated_and_back() -> None:
+    old, new = _plans(2)
+    w, sup = World(old), _sup(old)
+    sup.rollout = _rollout(old, new)
+    u0, u1 = (url(x) for x in old.processes if x.role != "router")
+    done: list[str] = []
+    kinds: list[str] = []
+    for t in range(12):
+        events, actions = sup.step(w.look(float(t), running={"r0-serve-0": 0.0 if t > 1 else 2.0, "r1-serve-0": 0.0}))
+        kinds += [e.kind for e in events]
+        done += w.apply(sup, actions, float(t))
+    assert done == [f"-{u0}", "swap r0-serve-0 new", "gate r0-serve-0", f"+{u0}",
+                    f"-{u1}", "swap r1-serve-0 new", "gate r1-serve-0", f"+{u1}"], done  # r0 back in before r1 leaves
+    assert [u.on for u in sup.rollout.units] == ["new", "new"] and sup.rollout.done() and not sup.rollout.stopped
+    assert kinds.count("rolling") == 2 and w.events.count("rolled") == 2
+    assert sup.rollout.units[0].drained_s == 2.0  # running requests at t=1, none at t=2: drained after two looks
+
+
+def test_a_kill_of_the_other_copy_during_a_roll_is_repaired_and_the_rollout_goes_on_after_it() -> None:
+    old, new = _plans(2)
+    w, sup = World(old), _sup(old)
+    sup.rollout = _rollout(old, new)
+    done: list[str] = []
+    for t in range(16):
+        if t == 1:  # r0 drains; r1 is killed
+            w.dead["r1-serve-0"] = "exited with code 137"
+            w.healthy["r1-serve-0"] = False
+        if t == 2:
+            w.healthy["r1-serve-0"] = True
+        _events, actions = sup.step(w.look(float(t), running={"r0-serve-0": 0.0, "r1-serve-0": 0.0}))
+        done += w.apply(sup, actions, float(t))
+    r1 = [d for d in done if "r1-serve-0" in d or "12:" in d]
+    assert "restart r1-serve-0" in done and done.index("restart r1-serve-0") < done.index("swap r1-serve-0 new"), done
+    assert [u.on for u in sup.rollout.units] == ["new", "new"], (sup.rollout.units, r1)
+    assert sup.restarts == 1 and len(sup.memory["r1-serve-0"].restarts) == 1  # counted as any restart
+
+
+def test_a_unit_that_fails_its_gate_goes_back_and_the_rollout_stops_with_the_other_untouched() -> None:
+    old, new = _plans(2)
+    w, sup = World(old), _sup(old)
+    sup.rollout = _rollout(old, new)
+    done: list[str] = []
+    for t in range(10):
+        _events, actions = sup.step(w.look(float(t), running={"r0-serve-0": 0.0}))
+        done += w.apply(sup, actions, float(t), gate="canary: 'Hello' expected [1] got [2]")
+    assert "swap r0-serve-0 old" in done and "swap r1-serve-0 new" not in done, done
+    assert sup.rollout.stopped.startswith("r0-serve-0 failed its gate: canary") and sup.rollout.units[0].failed
+    assert [u.on for u in sup.rollout.units] == ["old", "old"]
+    assert all(sup.state(u.name) is UnitState.SERVING for u in sup.units)
+    assert sorted(w.listed) == sorted(url(x) for x in old.processes if x.role != "router")  # everyone back in
+
+
+def test_max_unavailable_rolls_a_batch_together() -> None:
+    old, new = _plans(3)
+    w, sup = World(old), _sup(old)
+    sup.rollout = _rollout(old, new, max_unavailable=2)
+    _events, actions = sup.step(w.look(0.0))
+    assert next(a for a in actions if isinstance(a, Route)).remove and len(next(a for a in actions if isinstance(a, Route)).remove) == 2
+    assert [sup.state(n) for n in ("r0-serve-0", "r1-serve-0", "r2-serve-0")] == [UnitState.DRAINING, UnitState.DRAINING, UnitState.SERVING]
+
+
+def test_membership_is_observed_a_serving_copy_missing_from_the_router_is_added_a_stranger_removed() -> None:
+    old, _ = _plans(2)
+    w, sup = World(old), _sup(old)
+    u0 = url(next(x for x in old.processes if x.id == "r0-serve-0"))
+    w.listed = [x for x in w.listed if x != u0] + ["http://10.9.9.9:8000"]  # r0 left out (an interrupted command), a stray worker
+    _, actions = sup.step(w.look(0.0))
+    route = next(a for a in actions if isinstance(a, Route))
+    assert route.add == (u0,) and route.remove == ("http://10.9.9.9:8000",) and "not an engine of the plan" in route.reason
+    w.apply(sup, actions, 0.0)
+    assert not [a for a in sup.step(w.look(1.0))[1] if isinstance(a, Route)]  # converged: nothing more to do
+
+
+def test_a_new_controller_adopts_the_memory_restart_counts_and_a_roll_under_way() -> None:
+    old, new = _plans(2)
+    w, sup = World(old), _sup(old)
+    sup.rollout = _rollout(old, new)
+    w.apply(sup, sup.step(w.look(0.0, running={"r0-serve-0": 1.0}))[1], 0.0)  # r0 leaves the router, draining
+    w.dead["r1-serve-0"] = "exited with code 137"
+    w.apply(sup, sup.step(w.look(1.0, running={"r0-serve-0": 1.0}))[1], 1.0)
+    saved = sup.dump(revision=3)
+    assert saved.units["r0-serve-0"].state == "draining" and saved.restarts == 1
+    again = _sup(old)
+    again.rollout = sup.rollout
+    again.restore(saved, 2.0)
+    assert again.restarts == 1 and len(again.memory["r1-serve-0"].restarts) == 1
+    # caught draining, r0 never swapped: it serves its old plan, and rolls again once the others serve
+    assert again.state("r0-serve-0") is UnitState.SERVING and again.rollout is not None and again.rollout.units[0].on == "old"
+
+
+def test_silence_counts_from_the_last_good_answer() -> None:
+    old, _ = _plans(2)
+    w, sup = World(old), _sup(old, unhealthy_after=3, poll=0.5)
+    sup.step(w.look(0.0))
+    w.healthy["r0-serve-0"] = False  # SIGSTOP: the first failed probe returns after its 3 s timeout
+    _, actions = sup.step(w.look(3.5))
+    assert any(isinstance(a, Restart) and a.hung for a in actions), actions  # 3.5 s after the last answer, not 3 s after this look
