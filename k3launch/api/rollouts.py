@@ -297,6 +297,7 @@ def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], s
 
 
 WAIT_POLL_S = 0.5
+TAKEOVER_S = 10.0  # a rollout's command waits this long for a killed supervisor's successor before it rolls on itself
 
 
 def _pending(st: StateStore, name: str, rec: DeploymentRecord) -> bool:
@@ -328,7 +329,10 @@ def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], sta
         revision = write_spec(st, name, rollout=state, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     if held(lock_path(st, name)):
         say(f"the supervisor of {name} rolls it (spec revision {revision})")
-        return _follow(st, name, revision, say)
+        followed = _follow(st, name, revision, say)
+        if followed is not None:
+            return followed
+        say(f"no supervisor has watched {name} for {TAKEOVER_S:g}s: this command rolls it on from the saved memory")
     def on_event(e: Event) -> None:
         if e.kind in ("rolling", "rolled", "roll-failed", "rolled-back", "restarting", "restarted", "detected"):
             say(f"{e.unit or name}: {e.kind}: {e.reason}")
@@ -347,10 +351,22 @@ def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], sta
     return _result(st, name, revision)
 
 
-def _follow(st: StateStore, name: str, revision: int, say: Callable[[str], None]) -> RolloutResult:
-    """Wait for a running controller to converge the rollout of spec ``revision``; progress said per unit."""
+def _follow(st: StateStore, name: str, revision: int, say: Callable[[str], None]) -> RolloutResult | None:
+    """Wait for a running controller to converge the rollout of spec ``revision``; progress said
+    per unit. None when no controller has run for :data:`TAKEOVER_S` (killed, and nobody started
+    another): the caller runs one."""
+    from k3launch.deploy.supervisors import lock_path
+    from k3launch.util.locks import held
+
     seen: dict[str, str] = {}
+    gone: float | None = None
     while True:
+        if held(lock_path(st, name)):
+            gone = None
+        elif gone is None:
+            gone = time.monotonic()
+        elif time.monotonic() - gone > TAKEOVER_S:
+            return None
         rec = st.try_load(name)
         if rec is None or rec.state != "ready":
             raise K3Error("rollout-ended", f"{name} is {rec.state if rec else 'gone'}: the rollout ended with it", f"`k3launch events {name}`")

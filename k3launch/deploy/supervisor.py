@@ -30,11 +30,12 @@ from k3launch.deploy import eventlog
 from k3launch.deploy.actor import GRACE_S, Actor, Places
 from k3launch.deploy.base import SuperviseOps, Watcher
 from k3launch.deploy.readiness import ready_timeout
-from k3launch.deploy.rollout import Gate, running_requests
+from k3launch.deploy.rollout import Gate as GateFn
+from k3launch.deploy.rollout import running_requests
 from k3launch.deploy.state import StateStore, me
 from k3launch.deploy.supervisors import lock_path, read_spec, stop_path, who
 from k3launch.errors import K3Error
-from k3launch.models.actions import Observation, StopAll, UnitState
+from k3launch.models.actions import Gate, Observation, StopAll, UnitState
 from k3launch.models.converge import url
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, Supervisor
@@ -50,7 +51,7 @@ CanaryFn = Callable[[Plan, "Collection[str] | None"], "list[str] | None"]
 """The correctness canary on a plan's targets (None: all; else the targets of these processes and
 the router): one line per mismatch (target, prompt, expected, got), or None when there is nothing
 to compare with (no baseline recorded)."""
-GateFor = Callable[[RolloutState], "Gate | None"]
+GateFor = Callable[[RolloutState], "GateFn | None"]
 """A rollout's gate beyond health and a completion (the canary), made from the rollout's own settings."""
 
 
@@ -95,7 +96,7 @@ class _Run:
     def wait(self, seconds: float) -> None:
         self.stop.wait(seconds)
 
-    def gate_for(self, ro: RolloutState) -> Gate | None:
+    def gate_for(self, ro: RolloutState) -> GateFn | None:
         return self.gate_for_(ro) if self.gate_for_ is not None and ro.canary else None
 
     def emit(self, events: Sequence[Event]) -> None:
@@ -185,13 +186,22 @@ class _Run:
         obs = self.watcher.observe(time.time())
         obs.now = time.time()  # events are stamped when the look saw them, not when it began (a silent node costs seconds)
         if not obs.routers:  # each regular router's worker list: membership is observed, not remembered
-            listed = {r.id: self.watcher.workers(r) for r in self.sup.routers() if obs.healthy.get(r.id)}
-            obs.routers = {rid: tuple(urls) if urls is not None else None for rid, urls in listed.items()}
+            self.listed(obs)
         draining = [p for u in self.sup.units if self.sup.state(u.name) is UnitState.DRAINING
                     for p in self.rec.plan.processes if p.id in u.http]
         if draining and not obs.running:
             obs.running = {p.id: running_requests(url(p)) for p in draining}
         return obs
+
+    def listed(self, obs: Observation) -> None:
+        got = {r.id: self.watcher.workers(r) for r in self.sup.routers() if obs.healthy.get(r.id)}
+        obs.routers = {rid: tuple(urls) if urls is not None else None for rid, urls in got.items()}
+
+    def rejoin(self, obs: Observation) -> None:
+        """A unit that passed its gate in this look is back in its router now, not a poll later."""
+        self.listed(obs)
+        for a in self.sup.routes(obs):
+            self.actor.guarded(a)
 
     def run(self) -> str:
         while not self.stopping():
@@ -209,9 +219,11 @@ class _Run:
                     break
                 if self.actor.guarded(a) == "failed":
                     return "failed"
+            if any(isinstance(a, Gate) for a in actions) and not self.stopping():
+                self.rejoin(obs)
             self.settle()
             self.persist()
-            if self.until_converged and self.converged():
+            if self.until_converged and self.converged() and not actions:  # a look with nothing to do: the routers list every serving unit too
                 return "converged"
             self._canary(busy=bool(actions) or any(e.kind != "rerouted" for e in events))
             self.stop.wait(max(0.0, self.policy.poll - (time.monotonic() - t0)))

@@ -1,0 +1,122 @@
+"""The one controller against real processes: three copies of the simulated engine (``--replicas
+3``, ``local`` backend) behind the real vllm-router, under a steady bounded client load. One
+deployment serves three scenarios of a rollout that others interfere with:
+
+1. ``kill -9`` of one copy while another is being rolled: the same controller restarts it, and
+   the rollout completes on every copy;
+2. SIGINT to the ``rollout`` command midway: a detached controller takes over from the saved
+   memory and the rollout converges; the router lists every copy at the end;
+3. ``kill -9`` of that controller midway, then ``supervise --detach`` again: the new one adopts
+   the memory (the restart count is unchanged) and finishes the rollout.
+
+No client request fails in any of them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e_helpers import Cli, Load, local_leftovers, wait_for_record
+
+pytestmark = [pytest.mark.e2e]
+
+
+def _seqs(pid: int) -> str | None:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    return argv[argv.index("--max-num-seqs") + 1] if "--max-num-seqs" in argv else None
+
+
+def _rolling(rec: dict[str, Any]) -> bool:
+    ro = rec.get("rollout")
+    return bool(ro) and any(u["on"] == "rolling" for u in ro["units"])
+
+
+def _listed(endpoint: str) -> list[str]:
+    with urllib.request.urlopen(endpoint + "/list_workers", timeout=5) as r:
+        return sorted(json.loads(r.read())["urls"])
+
+
+def _all_listed(endpoint: str, every: list[str], within: float = 10.0) -> list[str]:
+    """What the router lists once it lists every copy (or after ``within`` s): a rolled copy
+    rejoins in the look that gated it, the record says the rollout is done in the same look."""
+    deadline = time.monotonic() + within
+    while (got := _listed(endpoint)) != every and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return got
+
+
+def _engines(cli: Cli, name: str) -> dict[str, int]:
+    return {i: int(p["handle"]) for i, p in cli.record(name)["processes"].items() if i != "router"}
+
+
+def test_one_controller_rolls_while_copies_die_commands_are_interrupted_and_controllers_are_killed(
+        state_cli: Cli, local_inventory: Path, tmp_path: Path) -> None:
+    cli = state_cli
+    inv = yaml.safe_load(local_inventory.read_text())
+    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "2"}  # each start takes a while: there is a "midway"
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    name = "ctl-sim"
+    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "3",
+                "--name", name, "--port-base", "23740", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    endpoint, model = json.loads(r.stdout)["endpoint"], cli.record(name)["plan"]["model"]
+    every = _listed(endpoint)
+    assert len(every) == 3
+    with Load(endpoint, model, workers=2, limit=6000, pause=0.02, client="openai") as load:
+        # 1. a copy killed while another rolls (no supervisor: the command runs the controller)
+        t0 = time.monotonic()
+        first = cli.start("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", "--json")
+        wait_for_record(cli, name, lambda rec: _rolling(rec) and rec["rollout"]["units"][0]["on"] == "rolling", 60, first)
+        victim = _engines(cli, name)["r2-serve-0"]
+        os.kill(victim, signal.SIGKILL)
+        one = cli.wait(first, 240, ("rollout",))
+        took_1 = time.monotonic() - t0
+        after_1 = cli.record(name)
+        restarts_1 = after_1["control"]["restarts"]
+        seqs_1 = {i: _seqs(pid) for i, pid in _engines(cli, name).items()}
+        listed_1 = _listed(endpoint)
+
+        # 2. SIGINT to the command midway: a detached controller goes on from the saved memory
+        second = cli.start("rollout", name, "--set", "max-num-seqs=16", "--drain-timeout", "10")
+        wait_for_record(cli, name, _rolling, 60, second)
+        os.killpg(second.pid, signal.SIGINT)
+        two = cli.wait(second, 120, ("rollout",))
+        _, done_2 = wait_for_record(cli, name, lambda rec: rec.get("rollout") is None, 240)
+        seqs_2 = {i: _seqs(pid) for i, pid in _engines(cli, name).items()}
+        listed_2 = _all_listed(endpoint, every)
+        sv = done_2["supervisor"]
+
+        # 3. that controller killed midway, then a new one: it adopts the memory and finishes
+        third = cli.start("rollout", name, "--set", "max-num-seqs=32", "--drain-timeout", "10", "--json")
+        wait_for_record(cli, name, _rolling, 60, third)
+        os.kill(sv["pid"], signal.SIGKILL)
+        time.sleep(1.0)
+        again = cli.json("supervise", name, "--detach")
+        three = cli.wait(third, 240, ("rollout",))
+        _, done_3 = wait_for_record(cli, name, lambda rec: rec.get("rollout") is None and rec.get("supervisor"), 120)
+        seqs_3 = {i: _seqs(pid) for i, pid in _engines(cli, name).items()}
+        listed_3 = _all_listed(endpoint, every)
+    print(f"\n[controller: rollout with a kill {took_1:.1f}s; restarts {restarts_1}; client {load.ok} ok, {load.failed} failed]")
+    ok = json.loads(one.stdout)
+    assert one.returncode == 0 and ok["ok"] and sorted(u["unit"] for u in ok["rolled"]) == ["r0-serve-0", "r1-serve-0", "r2-serve-0"], ok
+    assert restarts_1 >= 1 and seqs_1 == {"r0-serve-0": "8", "r1-serve-0": "8", "r2-serve-0": "8"}, (restarts_1, seqs_1)
+    assert listed_1 == every
+    assert "goes on under a detached supervisor" in two.stdout + two.stderr, two.stdout + two.stderr
+    assert seqs_2 == {"r0-serve-0": "16", "r1-serve-0": "16", "r2-serve-0": "16"} and listed_2 == every, (seqs_2, listed_2)
+    assert again["supervisor"]["pid"] != sv["pid"]
+    assert three.returncode == 0 and json.loads(three.stdout)["ok"], three.stdout + three.stderr
+    assert seqs_3 == {"r0-serve-0": "32", "r1-serve-0": "32", "r2-serve-0": "32"} and listed_3 == every, (seqs_3, listed_3)
+    assert done_3["control"]["restarts"] >= restarts_1  # the memory went on: no count started over
+    assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
+    rec = cli.record(name)
+    d = cli.json("down", name, timeout=120)
+    assert d["clean"] is True, d
+    assert local_leftovers(rec) == ({}, [])
