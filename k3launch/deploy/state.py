@@ -17,6 +17,7 @@ command was killed, the record says ``interrupted`` instead of pretending to sta
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
+from k3launch.models import identity
 from k3launch.models.record import LIVE_STATES, TRANSIENT_STATES, DeploymentRecord, Owner, parse_record
 from k3launch.util.locks import locked
 from k3launch.util.names import check_name
@@ -154,6 +156,56 @@ class StateStore:
 
     def cordons_path(self) -> Path:
         return self.root / "cordons.json"
+
+    def state_id(self, create: bool = True) -> str | None:
+        """This state directory's id (``<state>/id``, 8 hex, made once): the first part of every
+        deployment id made here, so ``down`` of a name whose record is lost still knows which
+        processes this directory started (:mod:`k3launch.models.identity`). None when there is
+        none yet and ``create`` is false (nothing started from here carries one)."""
+        path = self.root / "id"
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            if not create:
+                return None
+            self._ensure()
+            try:  # O_EXCL: two first commands at once agree on one id
+                with path.open("x") as f:
+                    f.write(identity.new_state_id() + "\n")
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise io_error(exc, path, "write") from None
+            return self.state_id(create=False)
+        except OSError as exc:
+            raise io_error(exc, path, "read") from None
+        if not identity.STATE_ID.fullmatch(text):
+            raise K3Error("bad-state", f"{path}: not a state directory id (8 hex digits)",
+                          "restore it, or remove it if no deployment started from this state directory runs (a new one is made)")
+        return text
+
+    def new_deployment_id(self) -> str:
+        """A new deployment's id: this state directory's id, then 6 random hex."""
+        return identity.new_deployment_id(self.state_id() or "")
+
+    def gone_path(self, name: str) -> Path:
+        """Left by a clean ``down`` (the deployment id and when): the name was this directory's,
+        so a repeated ``down`` of it is a no-op, not an unknown name."""
+        return self.dir / f"{check_name(name)}.gone"
+
+    def mark_gone(self, rec: DeploymentRecord) -> None:
+        self._ensure()
+        write_atomic(self.gone_path(rec.name), json.dumps({"deployment_id": rec.deployment_id, "down": time.time()}) + "\n")
+
+    def knew(self, name: str) -> bool:
+        """Whether this directory ever held ``name``: a record, one set aside, or a clean ``down`` of it."""
+        return self.exists(name) or self.gone_path(name).is_file() or any(self.dir.glob(f"{check_name(name)}.json.corrupt-*"))
+
+    def near_names(self, name: str) -> list[str]:
+        """Live deployment names close to ``name`` (a typo's likely meaning), best first."""
+        import difflib
+
+        return difflib.get_close_matches(name, [r.name for r in self.list()], n=3, cutoff=0.6)
 
     def _ensure(self) -> None:
         try:
