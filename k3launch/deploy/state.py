@@ -169,13 +169,16 @@ class StateStore:
             if not create:
                 return None
             self._ensure()
-            try:  # O_EXCL: two first commands at once agree on one id
-                with path.open("x") as f:
-                    f.write(identity.new_state_id() + "\n")
+            tmp = self.root / f".id.{os.getpid()}"
+            try:  # whole (written aside first) and made once: two first commands at once agree on one id
+                write_atomic(tmp, identity.new_state_id() + "\n")
+                os.link(tmp, path)
             except FileExistsError:
                 pass
             except OSError as exc:
                 raise io_error(exc, path, "write") from None
+            finally:
+                tmp.unlink(missing_ok=True)
             return self.state_id(create=False)
         except OSError as exc:
             raise io_error(exc, path, "read") from None
