@@ -69,14 +69,25 @@ def test_one_check_for_names() -> None:
 
 
 # -------------------------------------------------------------------------------------- lock files
-def test_down_of_an_unknown_name_is_idempotent_and_leaves_no_lock(tmp_path: Path) -> None:
+def test_down_of_an_unknown_name_says_so_and_leaves_no_lock(tmp_path: Path) -> None:
+    """A name the state directory never held, with nothing of it running: a refusal (a typo is
+    likelier than a deployment), every time, and no lock file or state id left behind."""
     state = tmp_path / "state"
     for _ in range(2):
         r = run_cli(["down", "never-was", "--state-dir", str(state), "--json"], tmp_path / "home")
-        assert r.code == 0, r.stdout + r.stderr
-        out = r.json()
-        assert out["clean"] and out["stopped"] == [] and "this machine" in out["verified"], out
+        err = r.error()
+        assert r.code == 2 and err["code"] == "unknown-deployment" and "this machine" in err["message"], err
     assert sorted(p.name for p in state.rglob("*")) == ["deployments"]  # no never-was.lock
+
+
+def test_down_is_idempotent_for_a_name_this_state_directory_took_down(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    _sample_record(store, "dep")  # nothing of it runs: the teardown finds nothing, cleanly
+    for _ in range(2):
+        r = run_cli(["down", "dep", "--state-dir", str(tmp_path), "--grace", "1", "--json"], tmp_path / "home")
+        assert r.code == 0, r.stdout + r.stderr
+        assert r.json()["clean"], r.stdout
+    assert not store.exists("dep") and store.gone_path("dep").is_file()
 
 
 def test_failed_up_leaves_no_lock(tmp_path: Path) -> None:
