@@ -108,7 +108,9 @@ class StateStore:
     """The state directory (``--state-dir``, ``$K3LAUNCH_STATE_DIR``, else ``~/.k3launch``): every
     path k3launch keeps there is spelled here, once.
 
-    ``deployments/NAME.json`` (the records), ``logs/NAME/`` (a failed ``up``'s last log lines),
+    ``id`` (this directory's id, the first part of every deployment id made here:
+    :mod:`k3launch.models.identity`), ``deployments/NAME.json`` (the records),
+    ``deployments/NAME.gone`` (left by a clean ``down``), ``logs/NAME/`` (a failed ``up``'s last log lines),
     ``bench/NAME/`` (``bench`` results), ``slurm/NAME/`` (a Slurm job's shared logs, unless the
     inventory's ``slurm.log_dir`` says otherwise), ``slurm/arrays/`` (job arrays),
     ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused), ``cordons.json`` (cordoned nodes
