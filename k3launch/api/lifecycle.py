@@ -227,7 +227,8 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
             if report.clean:
                 from k3launch.deploy import canary
 
-                st.mark_gone(rec)  # before the record goes: a repeated `down` of the name is a no-op, not a typo
+                with contextlib.suppress(K3Error):  # a nicety: a full disk must not fail a finished teardown
+                    st.mark_gone(name, rec.deployment_id)  # before the record goes: a repeated `down` of the name is a no-op, not a typo
                 st.delete(name)
                 forget(st, name)
                 canary.forget(st, name)
@@ -244,6 +245,9 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
             from k3launch.deploy import canary
 
             canary.forget(st, name)
+            if report.stopped and not any_owner:  # what it stopped was this directory's: the name was too
+                with contextlib.suppress(K3Error):
+                    st.mark_gone(name)
         report.set_aside = aside
         where = "this machine" if here else f"the machines of inventory {inv.name}"
         if report.clean and not report.stopped and not known:

@@ -198,9 +198,9 @@ class StateStore:
         so a repeated ``down`` of it is a no-op, not an unknown name."""
         return self.dir / f"{check_name(name)}.gone"
 
-    def mark_gone(self, rec: DeploymentRecord) -> None:
+    def mark_gone(self, name: str, deployment_id: str = "") -> None:
         self._ensure()
-        write_atomic(self.gone_path(rec.name), json.dumps({"deployment_id": rec.deployment_id, "down": time.time()}) + "\n")
+        write_atomic(self.gone_path(name), json.dumps({"deployment_id": deployment_id, "down": time.time()}) + "\n")
 
     def knew(self, name: str) -> bool:
         """Whether this directory ever held ``name``: a record, one set aside, or a clean ``down`` of it."""
