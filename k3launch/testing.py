@@ -168,7 +168,8 @@ class FakeSlurm(SlurmClient):
     * ``sbatch``: job ids ``first_id``, ``first_id + 1``, ...; ``refuse``: sbatch refuses with
       that reason; ``output``: written to ``<cwd>/slurm-<id>.out`` at submission (None: no
       output ever shows up on this machine). The script must exist, as for the real sbatch.
-    * ``named``: this user's active jobs by job name (``squeue --me -n NAME``), name -> job ids.
+    * ``named``: this user's active jobs by job name (``squeue --me -n NAME``), name -> job ids,
+      each optionally followed by its ``--comment`` (``"42 k3launch-id=<deployment id>"``).
     * ``scancel`` ends the job (CANCELLED) unless ``stuck`` (a job that never ends).
     * ``sinfo -N``: ``nodes``; ``scontrol show partition``: a default partition of
       ``partition_size`` nodes (None: scontrol fails).
@@ -216,15 +217,16 @@ class FakeSlurm(SlurmClient):
             return self._tasks(_opt(args, "-j"))
         if prog == "squeue" and "-j" in args:
             return self._job()
-        if prog == "squeue":  # by name (an sbatch that timed out, a `down` without a record)
-            return 0, "".join(f"{j}\n" for j in self.named.get(_opt(args, "-n"), [])), ""
+        if prog == "squeue":  # by name (an sbatch that timed out, a `down` without a record); "%i %k": with the comment
+            full = _opt(args, "-o") == "%i %k"
+            return 0, "".join(f"{j if full else j.split()[0]}\n" for j in self.named.get(_opt(args, "-n"), [])), ""
         if prog == "sacct":
             return self._sacct()
         if prog == "scancel":
             if not self.stuck:
                 job = args[-1]
                 self.states, self.running_steps = [JobInfo(job, "CANCELLED")], {}
-                self.named = {k: [j for j in v if j != job] for k, v in self.named.items()}
+                self.named = {k: [j for j in v if j.split()[0] != job] for k, v in self.named.items()}
             return 0, "", ""
         if prog == "sinfo":
             return 0, "".join(f"{n}\n" for n in self.nodes), ""

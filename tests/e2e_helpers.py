@@ -229,7 +229,7 @@ def processes(name: str) -> dict[int, str]:
             cwd = os.readlink(d / "cwd")
         except OSError:
             continue
-        if f"/k3launch/{name}/" in cwd + "/":
+        if f"/k3launch/{name}/" in cwd + "/" or f"/k3launch/{name}." in cwd:  # <name>.<deployment id>; before ids <name>
             found[int(d.name)] = cwd.rstrip("/").rsplit("/", 1)[-1]
     return found
 

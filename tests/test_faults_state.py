@@ -69,14 +69,25 @@ def test_one_check_for_names() -> None:
 
 
 # -------------------------------------------------------------------------------------- lock files
-def test_down_of_an_unknown_name_is_idempotent_and_leaves_no_lock(tmp_path: Path) -> None:
+def test_down_of_an_unknown_name_says_so_and_leaves_no_lock(tmp_path: Path) -> None:
+    """A name the state directory never held, with nothing of it running: a refusal (a typo is
+    likelier than a deployment), every time, and no lock file or state id left behind."""
     state = tmp_path / "state"
     for _ in range(2):
         r = run_cli(["down", "never-was", "--state-dir", str(state), "--json"], tmp_path / "home")
-        assert r.code == 0, r.stdout + r.stderr
-        out = r.json()
-        assert out["clean"] and out["stopped"] == [] and "this machine" in out["verified"], out
+        err = r.error()
+        assert r.code == 2 and err["code"] == "unknown-deployment" and "this machine" in err["message"], err
     assert sorted(p.name for p in state.rglob("*")) == ["deployments"]  # no never-was.lock
+
+
+def test_down_is_idempotent_for_a_name_this_state_directory_took_down(tmp_path: Path) -> None:
+    store = StateStore(tmp_path)
+    _sample_record(store, "dep")  # nothing of it runs: the teardown finds nothing, cleanly
+    for _ in range(2):
+        r = run_cli(["down", "dep", "--state-dir", str(tmp_path), "--grace", "1", "--json"], tmp_path / "home")
+        assert r.code == 0, r.stdout + r.stderr
+        assert r.json()["clean"], r.stdout
+    assert not store.exists("dep") and store.gone_path("dep").is_file()
 
 
 def test_failed_up_leaves_no_lock(tmp_path: Path) -> None:
@@ -156,7 +167,7 @@ def test_full_state_disk_is_one_line_naming_the_path(tmp_path: Path, full_fs: Pa
                                    "nodes": [{"name": "l1", "address": "127.0.78.91"}], "router": {"node": "login", "address": "127.0.78.90"}}))
     r = run_cli(["up", "-i", str(inv), "--state-dir", str(full_fs / "state"), "--port-base", "23100", "--json"], tmp_path / "home")
     err = r.error()
-    assert err["code"] == "state-dir" and str(full_fs / "state" / "deployments") in err["message"], err
+    assert err["code"] == "state-dir" and str(full_fs / "state") in err["message"], err  # its id, or its deployments
     assert "No space left" in err["message"] and "free space" in err["hint"], err
     assert not [p for p in (full_fs / "state").rglob("*") if p.name != "deployments"]  # no temp file, no lock
 

@@ -128,12 +128,24 @@ def pwned() -> Iterator[str]:
     assert not hits, f"shell injection: {hits}"
 
 
+# The deployment id rendered scripts carry is a new one of the state directory (models.identity):
+# fixed here, so goldens stay byte-identical.
+FIXED_ID = "5a1e0b3c-d00d1e"
+
+
+@pytest.fixture(autouse=True)
+def _fixed_deployment_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    from k3launch.models import identity
+
+    monkeypatch.setattr(identity, "new_deployment_id", lambda state_id: FIXED_ID)
+
+
 @pytest.fixture()
 def deployment() -> Iterator[str]:
-    """A unique deployment name; bare processes log under /tmp/k3launch/<name>, removed afterwards."""
+    """A unique deployment name; bare processes log under /tmp/k3launch/<name>.<id>, removed afterwards."""
     name = f"k3t-{uuid.uuid4().hex[:10]}"
     yield name
-    shutil.rmtree(Path("/tmp/k3launch") / name, ignore_errors=True)
+    shutil.rmtree(Path("/tmp/k3launch") / f"{name}.{FIXED_ID}", ignore_errors=True)
 
 
 # ------------------------------------------------------------------ goldens and structure
@@ -218,8 +230,9 @@ def test_local_bare_scripts_start_exactly_the_planned_argv(tmp_path: Path, deplo
         else:
             assert (prog, argv) == ("python3", ["-m", "k3launch.sim", *proc.argv[1:]])
         assert {k: env.get(k) for k in proc.env} == proc.env
-        assert env["K3LAUNCH_DEPLOYMENT"] == deployment
-        assert (Path("/tmp/k3launch") / deployment / proc.id / f"{proc.id}.log").is_file()
+        assert (env["K3LAUNCH_DEPLOYMENT"], env["K3LAUNCH_ID"]) == (deployment, FIXED_ID)
+        # the run directory is the deployment identity's: name and id
+        assert (Path("/tmp/k3launch") / f"{deployment}.{FIXED_ID}" / proc.id / f"{proc.id}.log").is_file()
 
 
 # Inventory env values (defaults, node override): `env K=V` on a bare runtime.
@@ -386,7 +399,9 @@ def test_hostile_container_values_end_up_as_data(tmp_path: Path, pwned: str, dep
             assert _after(argv, "-v") == [f"{cache}:/root/.cache/huggingface", f"{compiled}:/root/.cache/k3launch-compile"]
             token = {"HF_TOKEN"} if runtime == "docker" else {"HF_TOKEN_PATH=/run/secrets/hf_token"}
             assert set(_after(argv, "-e")) == {f"{k}={v}" for k, v in proc.env.items()} | {
-                f"K3LAUNCH_DEPLOYMENT={deployment}", f"K3LAUNCH_PROCESS={proc.id}"} | token | kept
+                f"K3LAUNCH_DEPLOYMENT={deployment}", f"K3LAUNCH_PROCESS={proc.id}", f"K3LAUNCH_ID={FIXED_ID}"} | token | kept
+            labels = set(_after(argv, "--label"))
+            assert {f"k3launch.deployment={deployment}", f"k3launch.id={FIXED_ID}", "k3launch.owner=5a1e0b3c"} <= labels
             if runtime == "docker":
                 assert env.get("HF_TOKEN") == SECRET  # passed by name from the caller's environment
             else:  # podman inspect would show an -e value: a secret file instead

@@ -204,9 +204,12 @@ def case_plan(case: str) -> tuple[Plan, SlurmSection, Case]:
     return plan, inv.slurm, c
 
 
+SLURM_ID = "5a1e0b3c-d00d1e"  # the deployment id of the goldens' jobs (`up` makes a new one: models.identity)
+
+
 def case_script(case: str, log_dir: str = LOG_DIR) -> str:
     plan, slurm, c = case_plan(case)
-    return make_sbatch_string(plan, slurm, log_dir, c.extra_sbatch, c.exclude)
+    return make_sbatch_string(plan, slurm, log_dir, c.extra_sbatch, c.exclude, ident=SLURM_ID)
 
 
 # ------------------------------------------------------------------ reading plans and scripts
@@ -300,7 +303,7 @@ def test_sbatch_structure(case: str, tmp_path: Path) -> None:
     assert d[len(d) - len(extra):] == extra
     gpus = f"--gres=gpu:{plan.gpus_per_node}" if slurm.gres == "gres" else f"--gpus-per-node={plan.gpus_per_node}"
     want = {f"--job-name=k3-{plan.name}", f"--nodes={len(order)}", "--ntasks-per-node=1", f"--output={LOG_DIR}/slurm-%j.out",
-            f"--time={slurm.time_limit}", gpus, "--no-requeue"}
+            f"--time={slurm.time_limit}", gpus, "--no-requeue", f"--comment=k3launch-id={SLURM_ID}"}
     want |= {f"--{k}={getattr(slurm, k)}" for k in ("partition", "account", "qos", "reservation", "constraint") if getattr(slurm, k)}
     want |= {"--exclusive"} if slurm.exclusive else set()
     excl = [x for x in [slurm.exclude, *c.exclude] if x]
@@ -490,7 +493,7 @@ def expected_step(plan: Plan, proc: Process, container: str, hf_cache: str, sub:
     # compile/JIT caches: a bare engine's in the node's cache directory, a container's where that is mounted
     caches = [f"{k}={kept}/{d}" for k, d in CACHE_ENV.items()] if kept and container == "bare" else []
     inside = [f"{k}={CC}/{d}" for k, d in CACHE_ENV.items()] if kept else []
-    env = {**{k: sub(v) for k, v in proc.env.items()}, "K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
+    env = {**{k: sub(v) for k, v in proc.env.items()}, "K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id, "K3LAUNCH_ID": SLURM_ID}
     argv = [sub(w) for w in proc.argv]
     opts = {"--nodes=1", "--ntasks=1", f"--nodelist={host}", "--kill-on-bad-exit=1", f"--job-name={proc.id}", "--overlap"}
     if proc.role == "router" or container == "bare":
@@ -625,7 +628,7 @@ def test_hostile_values_end_up_as_data(container: str, tmp_path: Path) -> None:
     plan = build_plan(TREE, Selection(strategy="multi_node_dep", nodes=2), inventory=inv, name=f"k3t-{uuid.uuid4().hex[:8]}")
     log_dir = f"{tmp_path}/logs $(touch {tmp_path}/pwned-log) 'x"
     extra = (f"--comment=$(touch {tmp_path}/pwned-sbatch1) `touch {tmp_path}/pwned-sbatch2`; touch {tmp_path}/pwned-sbatch3",)
-    script = make_sbatch_string(plan, inv.slurm, log_dir, extra)
+    script = make_sbatch_string(plan, inv.slurm, log_dir, extra, ident=SLURM_ID)
     run = run_fake(script, tmp_path, len(plan.processes), list(FAKE_HOSTS), extra_env={"K3_FAKE_PREPARE": "1"})
     check_steps(run, plan, container, str(inv.defaults.hf_cache))
     # the prepare step made every directory, by its exact name, the key's with what it stands for

@@ -138,8 +138,12 @@ def test_render_writes_the_sbatch_script_up_would_submit(tmp_path: Path) -> None
     plan = Plan.model_validate_json((tmp_path / "out" / "plan.json").read_text())
     inv = Inventory.model_validate({"name": "r", "backend": "slurm", "hardware": "b300", "slurm": {"partition": "gpu", "container": "pyxis"}})
     assert inv.slurm is not None
-    want = make_sbatch_string(plan, inv.slurm, str((tmp_path / "st").resolve() / "slurm" / "u-render"))
-    assert (tmp_path / "out" / "u-render.sbatch").read_text() == want
+    got = (tmp_path / "out" / "u-render.sbatch").read_text()
+    # its jobs' id is a new one of the state directory's (`up` makes its own): models.identity
+    ident = next(ln.split("=", 2)[2] for ln in got.splitlines() if ln.startswith("#SBATCH --comment=k3launch-id="))
+    assert ident.startswith((tmp_path / "st" / "id").read_text().strip() + "-"), ident
+    want = make_sbatch_string(plan, inv.slurm, str((tmp_path / "st").resolve() / "slurm" / "u-render"), ident=ident)
+    assert got == want
 
 
 def test_a_running_job_whose_output_never_appears_means_an_unshared_log_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

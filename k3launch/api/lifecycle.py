@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from k3launch.api._common import InventoryArg, access, load, store
 from k3launch.errors import K3Error
+from k3launch.models.identity import ANY, Owned
 
 if TYPE_CHECKING:
+    from k3launch.deploy.state import StateStore
     from k3launch.models.phases import BringUp
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, StageFn, Status
@@ -187,17 +189,28 @@ def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, nod
 
 
 def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, accept_unknown_hosts: bool = False,
-         connect_timeout: float = 10.0, inventory: InventoryArg = None) -> TeardownReport:
+         connect_timeout: float = 10.0, inventory: InventoryArg = None, any_owner: bool = False) -> TeardownReport:
     """Stop everything of ``name`` and verify; the record is deleted only when nothing is left.
 
     A supervisor watching it is stopped first (it never revives what ``down`` stops; one
-    in the middle of a restart gives way). Works from any state. With a readable record: its processes, in order. Without one — no
-    record, or one that cannot be read (garbage, empty, the wrong shape: the file is kept aside as
+    in the middle of a restart gives way). Works from any state. With a readable record: its
+    processes, in order -- those carrying its deployment id (:mod:`k3launch.models.identity`;
+    a record older than ids: every process of its name). Without one — no record, or one that
+    cannot be read (garbage, empty, the wrong shape: the file is kept aside as
     ``NAME.json.corrupt-<time>``, never deleted) — the deployment's processes, containers or Slurm
     jobs are searched for by name on ``inventory``'s machines, else on those of the inventory an
     unreadable record still names, else on this machine (the report's ``hint`` then says to pass
-    ``inventory`` if it ran elsewhere). Idempotent: a clean report when nothing of ``name`` is
-    left (``report.verified`` says where that was checked)."""
+    ``inventory`` if it ran elsewhere), and only those started from this state directory (their
+    deployment id starts with its id) are stopped: a same-named deployment of another state
+    directory is never touched, only named in ``report.others``. ``any_owner``: stop every
+    process of the name, whoever started it (a deployment of another state directory, one started
+    before deployment ids, a rendered script run by hand elsewhere).
+
+    Idempotent for a name this state directory knows (a record, one set aside, or a clean
+    ``down`` of it before: ``NAME.gone``): a clean report when nothing of ``name`` is left
+    (``report.verified`` says where that was checked). A name it never knew, with nothing found,
+    is a typo more likely than a deployment: K3Error ``unknown-deployment``, naming the
+    deployments it holds whose names are close."""
     from k3launch.deploy.registry import backend
     from k3launch.deploy.supervisors import forget
     from k3launch.deploy.supervisors import stop as stop_supervisor
@@ -215,25 +228,59 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
             if report.clean:
                 from k3launch.deploy import canary
 
+                with contextlib.suppress(K3Error):  # a nicety: a full disk must not fail a finished teardown
+                    st.mark_gone(name, rec.deployment_id)  # before the record goes: a repeated `down` of the name is a no-op, not a typo
                 st.delete(name)
                 forget(st, name)
                 canary.forget(st, name)
             return report
         unreadable = st.exists(name)
+        known = st.knew(name)
         if inventory is None and unreadable:
             inventory = _inventory_named_in(st.path(name))
         here = inventory is None
         inv = load(inventory).inventory  # None: the bundled local inventory, this machine
         aside = str(st.set_aside(name)) if unreadable else None
-        report = backend(inv.backend, [conn]).sweep(name, inv, grace)
+        report = backend(inv.backend, [conn]).sweep(name, inv, grace, ANY if any_owner else Owned.from_state(st.state_id(create=False)))
         if report.clean:
             from k3launch.deploy import canary
 
             canary.forget(st, name)
+            if report.stopped and not any_owner:  # what it stopped was this directory's: the name was too
+                with contextlib.suppress(K3Error):
+                    st.mark_gone(name)
         report.set_aside = aside
-        if here:
+        where = "this machine" if here else f"the machines of inventory {inv.name}"
+        if report.clean and not report.stopped and not known:
+            raise _unknown(st, name, where, any_owner, report.others)
+        if report.others:
+            report.hint = (f"{name} also runs under another owner (another state directory's deployment, or one started before "
+                           f"deployment ids) and was left alone: `k3launch down {name} --any-owner` stops it too")
+        elif here:
             report.hint = f"only this machine was searched: `k3launch down {name} --inventory FILE` searches the nodes of an inventory"
         return report
+
+
+def _unknown(st: StateStore, name: str, where: str, any_owner: bool, others: Mapping[str, Sequence[str]]) -> K3Error:
+    """``down`` of a name this state directory never held, with nothing of it found that is its
+    own: say so, and name the close ones (a typo is the likely cause) -- or, when the name runs
+    under another owner (``others``), where, and how to stop it anyway."""
+    if others:
+        seen = "; ".join(f"{', '.join(items)} on {node}" for node, items in sorted(others.items()))
+        return K3Error("unknown-deployment", f"no deployment named {name!r} in {st.root}; one of another state directory "
+                       f"(or an older k3launch) runs on {where} and was left alone: {seen}",
+                       f"stop it from the state directory that started it (--state-dir), or `k3launch down {name} --any-owner`")
+    near = st.near_names(name)
+    if near:
+        hint = f"did you mean {' or '.join(near)}? `k3launch list` shows the deployments"
+    else:
+        known = [r.name for r in st.list()]
+        hint = f"deployments here: {', '.join(known[:10])}{', ...' if len(known) > 10 else ''}" if known else "no deployment is recorded here"
+        hint += "; pass --state-dir (or K3LAUNCH_STATE_DIR) if it was started from another state directory"
+        if where == "this machine":
+            hint += ", or --inventory FILE if it ran elsewhere"
+    searched = f"nothing of it{'' if any_owner else ' started from here'} runs on {where}"
+    return K3Error("unknown-deployment", f"no deployment named {name!r} in {st.root}, and {searched}", hint)
 
 
 def _inventory_named_in(path: Path) -> str | None:

@@ -178,25 +178,28 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
          grace: Annotated[float, number_option("--grace", bounds.GRACE, "Seconds between SIGTERM and SIGKILL.")] = 10.0,
          state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0,
          inventory: Annotated[Path | None, typer.Option("--inventory", "-i", help="Without a readable record: search this inventory's machines for the deployment (default: the inventory an unreadable record names, else this machine).")] = None,
+         any_owner: Annotated[bool, typer.Option("--any-owner", help="Without a readable record: stop every process, container or Slurm job named NAME, whoever started it (another state directory, an older k3launch, a rendered script run by hand); by default only those started from this state directory.")] = False,
          json_out: JsonOut = False) -> None:
     """Stop every process (router, heads, headless), then verify nothing is left and ports are free.
 
     Works without a record too (lost or unreadable: it is kept aside as NAME.json.corrupt-TIME):
-    the deployment's processes, containers or Slurm jobs are found by name. Exit 0 when nothing
-    of NAME is left, 1 when something is."""
+    the deployment's processes, containers or Slurm jobs are found by name, and only those
+    started from this state directory are stopped (--any-owner: anyone's). Exit 0 when nothing
+    of NAME is left, 1 when something is, 2 when NAME is unknown here and nothing of it runs."""
     STATE.json = json_out
     from k3launch import api
     from k3launch.cli import show_deploy
 
     try:
         report = api.down(name, state_dir=state_dir, grace=grace, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
-                          inventory=inventory)
+                          inventory=inventory, any_owner=any_owner)
     except K3Error as err:
         fail(err)
     if json_out:
         typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "leftovers": report.leftovers,
                                "unreachable": report.unreachable, "busy_ports": report.busy_ports, "verified": report.verified,
-                               "set_aside": report.set_aside, "hint": report.hint, "supervisor": report.supervisor}, indent=2))
+                               "set_aside": report.set_aside, "hint": report.hint, "supervisor": report.supervisor, "others": report.others},
+                              indent=2))
     else:
         show_deploy.down(console(), name, report)
     if not report.clean:

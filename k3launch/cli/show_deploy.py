@@ -146,6 +146,8 @@ def down(con: Console, name: str, report: TeardownReport) -> None:
     if report.clean:
         what = f"{len(report.stopped)} process(es) stopped" if report.stopped else "nothing was running"
         con.print(f"[green]{name} is down[/]: {what}; {report.verified}")
+        for node, items in report.others.items():
+            con.print(f"  left alone on {node} (not started from this state directory): {', '.join(items)}", markup=False)
         if report.hint:
             con.print(f"hint: {report.hint}")
         return
@@ -156,6 +158,8 @@ def down(con: Console, name: str, report: TeardownReport) -> None:
         con.print(f"  left on {node}: {', '.join(items)}")
     for p in report.busy_ports:
         con.print(f"  port still in use: {p}")
+    for node, items in report.others.items():
+        con.print(f"  left alone on {node} (not started from this state directory): {', '.join(items)}", markup=False)
 
 
 def listing(con: Console, recs: list[DeploymentRecord]) -> None:

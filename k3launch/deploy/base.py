@@ -31,6 +31,7 @@ from k3launch.deploy.progress import ProgressFn, Tracker
 from k3launch.deploy.readiness import Readiness
 from k3launch.errors import K3Error
 from k3launch.models.caches import CacheDir
+from k3launch.models.identity import Owned
 from k3launch.models.phases import LogDelta, Timeline
 from k3launch.models.plan import FaultTolerancePool, Plan, Process
 from k3launch.models.record import DeploymentRecord, RecordBase, Stage, StageFn, Status
@@ -98,9 +99,10 @@ class Backend(Protocol):
 
     def down(self, rec: DeploymentRecord, store: StateStore, grace_s: float) -> TeardownReport: ...
 
-    def sweep(self, name: str, inv: Inventory, grace_s: float) -> TeardownReport:
+    def sweep(self, name: str, inv: Inventory, grace_s: float, owned: Owned) -> TeardownReport:
         """``down`` without a (readable) record: find what runs of deployment ``name`` where ``inv``
-        runs deployments (processes by marker, containers by label, jobs by name), stop it, verify."""
+        runs deployments (processes by marker, containers by label, jobs by name) -- only what
+        ``owned`` says is the deployment's (:mod:`k3launch.models.identity`) -- stop it, verify."""
         ...
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:

@@ -17,6 +17,7 @@ command was killed, the record says ``interrupted`` instead of pretending to sta
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
+from k3launch.models import identity
 from k3launch.models.record import LIVE_STATES, TRANSIENT_STATES, DeploymentRecord, Owner, parse_record
 from k3launch.util.locks import locked
 from k3launch.util.names import check_name
@@ -106,7 +108,9 @@ class StateStore:
     """The state directory (``--state-dir``, ``$K3LAUNCH_STATE_DIR``, else ``~/.k3launch``): every
     path k3launch keeps there is spelled here, once.
 
-    ``deployments/NAME.json`` (the records), ``logs/NAME/`` (a failed ``up``'s last log lines),
+    ``id`` (this directory's id, the first part of every deployment id made here:
+    :mod:`k3launch.models.identity`), ``deployments/NAME.json`` (the records),
+    ``deployments/NAME.gone`` (left by a clean ``down``), ``logs/NAME/`` (a failed ``up``'s last log lines),
     ``bench/NAME/`` (``bench`` results), ``slurm/NAME/`` (a Slurm job's shared logs, unless the
     inventory's ``slurm.log_dir`` says otherwise), ``slurm/arrays/`` (job arrays),
     ``slurm-bad-nodes.json`` (nodes a Slurm job's doctor refused), ``cordons.json`` (cordoned nodes
@@ -154,6 +158,59 @@ class StateStore:
 
     def cordons_path(self) -> Path:
         return self.root / "cordons.json"
+
+    def state_id(self, create: bool = True) -> str | None:
+        """This state directory's id (``<state>/id``, 8 hex, made once): the first part of every
+        deployment id made here, so ``down`` of a name whose record is lost still knows which
+        processes this directory started (:mod:`k3launch.models.identity`). None when there is
+        none yet and ``create`` is false (nothing started from here carries one)."""
+        path = self.root / "id"
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            if not create:
+                return None
+            self._ensure()
+            tmp = self.root / f".id.{os.getpid()}"
+            try:  # whole (written aside first) and made once: two first commands at once agree on one id
+                write_atomic(tmp, identity.new_state_id() + "\n")
+                os.link(tmp, path)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise io_error(exc, path, "write") from None
+            finally:
+                tmp.unlink(missing_ok=True)
+            return self.state_id(create=False)
+        except OSError as exc:
+            raise io_error(exc, path, "read") from None
+        if not identity.STATE_ID.fullmatch(text):
+            raise K3Error("bad-state", f"{path}: not a state directory id (8 hex digits)",
+                          "restore it, or remove it if no deployment started from this state directory runs (a new one is made)")
+        return text
+
+    def new_deployment_id(self) -> str:
+        """A new deployment's id: this state directory's id, then 6 random hex."""
+        return identity.new_deployment_id(self.state_id() or "")
+
+    def gone_path(self, name: str) -> Path:
+        """Left by a clean ``down`` (the deployment id and when): the name was this directory's,
+        so a repeated ``down`` of it is a no-op, not an unknown name."""
+        return self.dir / f"{check_name(name)}.gone"
+
+    def mark_gone(self, name: str, deployment_id: str = "") -> None:
+        self._ensure()
+        write_atomic(self.gone_path(name), json.dumps({"deployment_id": deployment_id, "down": time.time()}) + "\n")
+
+    def knew(self, name: str) -> bool:
+        """Whether this directory ever held ``name``: a record, one set aside, or a clean ``down`` of it."""
+        return self.exists(name) or self.gone_path(name).is_file() or any(self.dir.glob(f"{check_name(name)}.json.corrupt-*"))
+
+    def near_names(self, name: str) -> list[str]:
+        """Live deployment names close to ``name`` (a typo's likely meaning), best first."""
+        import difflib
+
+        return difflib.get_close_matches(name, [r.name for r in self.list()], n=3, cutoff=0.6)
 
     def _ensure(self) -> None:
         try:

@@ -21,7 +21,7 @@ from enum import StrEnum
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
 from k3launch.models.control import ControlMemory
 from k3launch.models.phases import Timeline
@@ -136,6 +136,8 @@ class RecordBase(Record):
     rollout: RolloutState | None = None  # a rollout under way or stopped: both plans, which unit runs which
     canary: CanaryNote | None = None  # up's canary (None: not asked for, or a record older than the canary)
     control: ControlMemory | None = None  # the controller's memory (restart counts, backoff, rolls under way): a new one goes on from it
+    # its processes' K3LAUNCH_ID (models.identity); "": a record older than ids (its processes are found by name)
+    deployment_id: str = Field("", pattern=r"^(?:[0-9a-f]{8}-[0-9a-f]{6})?$")
 
     @property
     def job(self) -> SlurmJob | None:

@@ -42,6 +42,9 @@ class TeardownReport:
     set_aside: str | None = None  # an unreadable record, renamed NAME.json.corrupt-<time> before the search
     hint: str = ""  # what the user may still have to do (e.g. search another inventory)
     supervisor: str | None = None  # the supervisor `down` stopped first, if one watched
+    # node -> what carries the name but is not this deployment's (a record-less `down`: another
+    # state directory's same-named deployment, or one older than deployment ids): left alone
+    others: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def clean(self) -> bool:

@@ -51,6 +51,7 @@ PLACEMENT_ENV = frozenset(
         "VLLM_NIXL_SIDE_CHANNEL_PORT",
         "K3LAUNCH_DEPLOYMENT",
         "K3LAUNCH_PROCESS",
+        "K3LAUNCH_ID",
     }
 )
 

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Sequence
 
 from k3launch.errors import K3Error
 from k3launch.models import caches
+from k3launch.models.identity import JOB_COMMENT
 from k3launch.models.plan import Plan, Process
 from k3launch.models.supervise import RestartPolicy, units
 from k3launch.planning.inventory import SlurmSection
@@ -107,13 +108,13 @@ def _bare(proc: Process, slurm: SlurmSection, image: str | None) -> bool:
     return proc.role == "router" or slurm.container == "bare" or not image
 
 
-def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int], image: str | None) -> list[str]:
+def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int], image: str | None, ident: str = "") -> list[str]:
     """srun options and command of one process (after ``k3_step NAME I``). Its compile/JIT caches
     (models.caches) are the node's ``<compile_cache>/<key>``, which :func:`_prepare_lines` makes first:
     a bare engine's variables point there, a container gets it mounted at ``CONTAINER_CACHE``."""
     pat = address_pattern(addrs)
     host = next(h for h in plan.hosts if h.name == proc.node)
-    env = {**proc.env, **markers(plan, proc)}
+    env = {**proc.env, **markers(plan, proc, ident)}
     bare = _bare(proc, slurm, image)
     argv = engine_argv(plan, proc, host.model_copy(update={"runtime": "bare"}) if bare else host)
     hf = host.hf_cache or DEFAULT_HF_CACHE  # "$HOME"/... expands on the node
@@ -194,9 +195,9 @@ def unit_lines(plan: Plan, addrs: dict[str, int]) -> list[str]:
 
 
 def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bool = True, work: Sequence[str] = (),
-                    hf_token_file: str | None = None, supervise: RestartPolicy | None = None) -> list[str]:
+                    hf_token_file: str | None = None, supervise: RestartPolicy | None = None, ident: str = "") -> list[str]:
     """The calls of the job library that start ``plan`` in the current allocation (and, with
-    ``supervise``, keep it serving: the watch library's calls)."""
+    ``supervise``, keep it serving: the watch library's calls); ``ident``: the deployment id."""
     order = node_order(plan)
     index = {n: i for i, n in enumerate(order)}
     addrs = {h.address: index[h.name] for h in plan.hosts if h.name in index}
@@ -219,7 +220,7 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
         node_i = index.get(proc.node, 0)
         lines.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on plan node {node_i} ({proc.node})")
         start = "k3_step" if supervise is None else "k3_start"
-        lines.append(shell_join([start, proc.id, str(node_i), *_step(plan, proc, slurm, addrs, image)]))
+        lines.append(shell_join([start, proc.id, str(node_i), *_step(plan, proc, slurm, addrs, image, ident)]))
     if work:
         lines.append(shell_join(["k3_work", *work]))
     if supervise is not None:
@@ -241,13 +242,15 @@ def _check_lines(*values: str) -> None:
 
 
 def directives(plan: Plan, slurm: SlurmSection, output: str, extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (),
-               job_name: str | None = None) -> list[str]:
+               job_name: str | None = None, ident: str = "") -> list[str]:
     _check_lines(*extra_sbatch, *exclude, output)
     gpus = gpus_requested(plan)
     # --no-requeue: a requeued job would start over on other nodes behind the login node's back
     # (its binding, endpoint and record would all be stale); k3launch resubmits itself instead.
     d = [f"--job-name={job_name or 'k3-' + plan.name}", f"--nodes={len(node_order(plan))}", "--ntasks-per-node=1",
          f"--output={output}", f"--time={slurm.time_limit}"]
+    if ident:  # whose job it is: `down` without a record cancels only its own state directory's (models.identity)
+        d.append(f"--comment={JOB_COMMENT}{ident}")
     if gpus:
         d.append(f"--gres=gpu:{gpus}" if slurm.gres == "gres" else f"--gpus-per-node={gpus}")
     d.append("--no-requeue")
@@ -264,15 +267,17 @@ def directives(plan: Plan, slurm: SlurmSection, output: str, extra_sbatch: Seque
 
 
 def make_sbatch_string(plan: Plan, slurm: SlurmSection, log_dir: str, extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (),
-                       *, doctor: bool = True, hf_token_file: str | None = None, supervise: RestartPolicy | None = None) -> str:
+                       *, doctor: bool = True, hf_token_file: str | None = None, supervise: RestartPolicy | None = None,
+                       ident: str = "") -> str:
     """The job script of one deployment: it serves until cancelled, a step ends (with ``supervise``: until
-    its restart policy gives up), or the time limit."""
+    its restart policy gives up), or the time limit. ``ident``: the deployment id every step's
+    markers carry (:mod:`k3launch.models.identity`)."""
     # Copies run in this one job (docs/planning.md, "Copies of an engine"): the header says how many share it.
     copies = f" x {plan.replicas} copies" if plan.replicas > 1 else ""
     head = ["#!/bin/bash", f"# Generated by k3launch: deployment {plan.name} ({plan.recipe}, {plan.strategy}{copies} on {plan.nodes} x {plan.hardware}).",
             f"# By hand: mkdir -p {shlex.quote(log_dir)} && sbatch THIS_FILE (slurmd opens --output before the script runs)."]
-    head += directives(plan, slurm, f"{log_dir}/slurm-%j.out", extra_sbatch, [*plan.exclude, *exclude])
-    body = deployment_body(plan, slurm, log_dir, doctor=doctor, hf_token_file=hf_token_file, supervise=supervise)
+    head += directives(plan, slurm, f"{log_dir}/slurm-%j.out", extra_sbatch, [*plan.exclude, *exclude], ident=ident)
+    body = deployment_body(plan, slurm, log_dir, doctor=doctor, hf_token_file=hf_token_file, supervise=supervise, ident=ident)
     return "\n".join([*head, job_library(supervise is not None).rstrip("\n"), "", *body, ""])
 
 

@@ -8,7 +8,8 @@ Runtimes:
 * ``docker``: ``docker run -d`` with ``--gpus all`` (CUDA) or ``/dev/kfd`` + ``/dev/dri`` +
   ``video`` group (ROCm), ``--ipc=host --network host --shm-size``, the HF cache mounted at
   ``/root/.cache/huggingface``, ``--entrypoint`` + the plan's argv so the engine command line is
-  exactly the plan's, and labels ``k3launch.deployment/process/role`` so a deployment's
+  exactly the plan's, and labels ``k3launch.deployment/process/role`` (and ``k3launch.id``,
+  ``k3launch.owner``: whose it is, :mod:`k3launch.models.identity`) so a deployment's
   containers are found even without local state.
 * ``podman``: the same, with CDI (``--device nvidia.com/gpu=all``) for CUDA GPUs, minus
   ``--shm-size`` (podman refuses it with ``--ipc=host``, where it means nothing), the HF cache
@@ -34,6 +35,7 @@ import shlex
 from collections.abc import Sequence
 
 from k3launch.models import caches
+from k3launch.models.identity import ID_ENV, ID_LABEL, OWNER_LABEL, owner_of
 from k3launch.models.plan import Host, Plan, Process, is_container
 
 CONTAINER_HF_CACHE = "/root/.cache/huggingface"
@@ -136,15 +138,19 @@ def cache_list(root: str, clear: Sequence[str] = (), clear_all: bool = False) ->
     return "\n".join(parts) + "\n"
 
 
-def run_dir(plan: Plan, proc: Process, host: Host, log_dir: str = "") -> str:
-    """The process's working directory and log home: ``<workdir>/k3launch/<deployment>/<process>``.
+def run_dir(plan: Plan, proc: Process, host: Host, log_dir: str = "", ident: str = "") -> str:
+    """The process's working directory and log home: ``<workdir>/k3launch/<deployment>.<id>/<process>``
+    (``ident``: the deployment id, :mod:`k3launch.models.identity`; without one, as before ids,
+    ``<workdir>/k3launch/<deployment>/<process>``).
 
-    Being the cwd matters: tools like setproctitle (vLLM and vllm-router use it) clobber
+    Per deployment identity, not per name: two state directories' deployments of one name on a
+    node never share a directory (one's logs, pid and exit files are not the other's). Being the
+    cwd matters: tools like setproctitle (vLLM and vllm-router use it) clobber
     ``/proc/PID/environ``, so a process whose environment markers vanished is still recognised
-    by its working directory.
+    -- name and id -- by its working directory.
     """
     root = (log_dir or host.workdir or "/tmp").rstrip("/")
-    return f"{root}/k3launch/{plan.name}/{proc.id}"
+    return f"{root}/k3launch/{plan.name}{'.' + ident if ident else ''}/{proc.id}"
 
 
 def container_name(plan: Plan, proc: Process) -> str:
@@ -156,9 +162,12 @@ def token_secret(container: str) -> str:
     return f"{container}-hf-token"
 
 
-def markers(plan: Plan, proc: Process) -> dict[str, str]:
-    """Env markers on every process, so a bare process is found from /proc even without state."""
-    return {"K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id}
+def markers(plan: Plan, proc: Process, ident: str = "") -> dict[str, str]:
+    """Env markers on every process, so a bare process is found from /proc even without state:
+    the deployment's name, the process id and (``ident``) the deployment id. The id comes last:
+    a title written over the environment (setproctitle) clobbers it from the front, so the id
+    survives whenever the name does."""
+    return {"K3LAUNCH_DEPLOYMENT": plan.name, "K3LAUNCH_PROCESS": proc.id, **({ID_ENV: ident} if ident else {})}
 
 
 def engine_argv(plan: Plan, proc: Process, host: Host) -> list[str]:
@@ -193,18 +202,20 @@ def venv_path(venv: str | None, tools: str | None = None) -> list[str]:
     return [Raw("PATH=" + ":".join(words) + ':"$PATH"')] if words else []
 
 
-def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tools: str | None = None) -> list[str]:
+def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tools: str | None = None, ident: str = "") -> list[str]:
     # Words of type Raw are pre-quoted shell words; everything else is quoted by shell_join.
     """argv that starts ``proc`` detached on ``host`` (joined with shlex by :func:`script`).
     ``tools``: a directory whose programs a bare process finds before the node's PATH (``up`` on
     this machine: the directory of k3launch's interpreter, where ``vllm-router`` installed with
-    k3launch lives)."""
-    env = {**proc.env, **markers(plan, proc)}
+    k3launch lives). ``ident``: the deployment id its markers, labels and run directory carry."""
+    env = {**proc.env, **markers(plan, proc, ident)}
     argv = engine_argv(plan, proc, host)
     runtime = host.runtime if proc.role != "router" else "bare"
     if is_container(runtime):
         cmd = [runtime, "run", "-d", "--name", container_name(plan, proc),
                "--label", f"{LABEL}={plan.name}", "--label", f"k3launch.process={proc.id}", "--label", f"k3launch.role={proc.role}"]
+        if ident:
+            cmd += ["--label", f"{ID_LABEL}={ident}", "--label", f"{OWNER_LABEL}={owner_of(ident)}"]
         if proc.gpus and plan.engine != "sim":  # the simulated engine needs (and has) no GPUs
             cmd += _gpu_flags(runtime, plan.platform)
         cmd += ["--ipc=host", "--network", "host"]
@@ -220,7 +231,7 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
             for k in SECRET_ENV:
                 cmd += ["-e", k]  # by name: the value stays in the caller's environment
         return [*cmd, "--entrypoint", argv[0], proc.image or "", *argv[1:]]
-    log = home_path(run_dir(plan, proc, host, log_dir) + f"/{proc.id}.log")
+    log = home_path(run_dir(plan, proc, host, log_dir, ident) + f"/{proc.id}.log")
     if runtime == "apptainer":
         inner = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", _mount(host.hf_cache or DEFAULT_HF_CACHE, CONTAINER_HF_CACHE)]
         inner += cache_mount(plan, proc, host, "--bind", "--env")
@@ -234,9 +245,9 @@ def start_command(plan: Plan, proc: Process, host: Host, log_dir: str = "", tool
     return ["k3launch_background", log, *inner]
 
 
-def start_line(plan: Plan, proc: Process, host: Host, log_dir: str = "", tools: str | None = None) -> str:
+def start_line(plan: Plan, proc: Process, host: Host, log_dir: str = "", tools: str | None = None, ident: str = "") -> str:
     """The shell text that starts ``proc``: :func:`start_command`, after what podman needs first."""
-    run = cache_prep(plan, proc, host) + shell_join(start_command(plan, proc, host, log_dir, tools))
+    run = cache_prep(plan, proc, host) + shell_join(start_command(plan, proc, host, log_dir, tools, ident))
     if proc.role == "router" or host.runtime not in ("podman", "apptainer"):
         return run
     made = f"mkdir -p {path_word(host.hf_cache or DEFAULT_HF_CACHE)}\n"  # both refuse a missing bind source (docker makes it)
@@ -305,9 +316,10 @@ def runs_in_apptainer(proc: Process, host: Host) -> bool:
     return proc.role != "router" and host.runtime == "apptainer"
 
 
-def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str = "") -> str:
+def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str = "", ident: str = "") -> str:
     """The launch script of every process of ``plan`` on ``node``: the background helper and the
-    token lines only when a process of the node uses them."""
+    token lines only when a process of the node uses them. ``ident``: the deployment id its
+    processes carry (``render``: one of the state directory it was rendered from)."""
     host = next(h for h in plan.hosts if h.name == node)
     procs = [p for p in plan.processes if p.node == node]
     head = _PRELUDE.format(name=plan.name, recipe=plan.recipe, strategy=plan.strategy, hardware=plan.hardware)
@@ -320,7 +332,7 @@ def script(plan: Plan, node: str, hf_token_file: str | None = None, log_dir: str
     out = [head]
     for proc in procs:
         out.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on {node} ({host.address})")
-        out.append(start_line(plan, proc, host, log_dir))
+        out.append(start_line(plan, proc, host, log_dir, ident=ident))
         out.append("")
     return "\n".join(out)
 

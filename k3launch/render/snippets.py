@@ -12,9 +12,14 @@ from __future__ import annotations
 import shlex
 from collections.abc import Iterable, Mapping
 
-# Finding a deployment's processes on a node. Lines "PID DEPLOYMENT PROCESS_ID", by the
-# environment marker, or -- when setproctitle (vLLM, vllm-router) clobbered the environment --
-# by a working directory inside a run directory (.../k3launch/DEPLOYMENT/PROCESS).
+from k3launch.models.identity import ANY, Owned
+
+# Finding a deployment's processes on a node. Lines "PID DEPLOYMENT ID PROCESS_ID" (ID: the
+# K3LAUNCH_ID marker, "-" for a process started before ids existed), by the environment markers,
+# or -- when setproctitle (vLLM, vllm-router) clobbered the environment -- by a working
+# directory inside a run directory (.../k3launch/DEPLOYMENT.ID/PROCESS, or .../DEPLOYMENT/PROCESS
+# before ids). K3_NAME keeps one name's; K3_ID, a case pattern, one deployment's or one state
+# directory's (models.identity); empty, either keeps everything.
 #
 # Only processes in the scanning shell's network namespace count: that is the node. Every
 # process k3launch starts shares it (bare processes, `--network host` containers), while test
@@ -26,15 +31,17 @@ from collections.abc import Iterable, Mapping
 # Without them (busybox), the portable per-process loop.
 _SCAN = r"""k3_scan() {
   if printf 'x\0' | grep -qz x 2>/dev/null && find / -maxdepth 0 -printf '' 2>/dev/null; then
-    grep -a -s -z -H -e '^K3LAUNCH_DEPLOYMENT=' -e '^K3LAUNCH_PROCESS=' /proc/[0-9]*/environ | tr '\0' '\n' | awk '
+    grep -a -s -z -H -e '^K3LAUNCH_DEPLOYMENT=' -e '^K3LAUNCH_PROCESS=' -e '^K3LAUNCH_ID=' /proc/[0-9]*/environ | tr '\0' '\n' | awk '
       { i = index($0, ":"); split(substr($0, 1, i - 1), a, "/"); kv = substr($0, i + 1); j = index(kv, "=")
         k = substr(kv, 1, j - 1); v = substr(kv, j + 1)
-        if (k == "K3LAUNCH_DEPLOYMENT") d[a[3]] = v; else if (!(a[3] in p)) p[a[3]] = v }
-      END { for (x in d) print x, d[x], p[x] }'
+        if (k == "K3LAUNCH_DEPLOYMENT") d[a[3]] = v; else if (k == "K3LAUNCH_ID") { if (!(a[3] in q)) q[a[3]] = v } else if (!(a[3] in p)) p[a[3]] = v }
+      END { for (x in d) print x, d[x], (q[x] == "" ? "-" : q[x]), p[x] }'
     find /proc/[0-9]*/cwd -maxdepth 0 -lname '*/k3launch/*/*' -printf '%h %l\n' 2>/dev/null | while read -r d c; do
       e=$(tr -d '\0' 2>/dev/null < "$d/environ") || continue
       case "$e" in *=*) continue ;; esac
-      n=${c%/*}; echo "${d#/proc/} ${n##*/} ${c##*/}"
+      n=${c%/*}; n=${n##*/}
+      case "$n" in *.*) i=${n#*.}; n=${n%%.*} ;; *) i=- ;; esac
+      echo "${d#/proc/} $n $i ${c##*/}"
     done
   else
     for d in /proc/[0-9]*; do
@@ -42,45 +49,50 @@ _SCAN = r"""k3_scan() {
       n=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_DEPLOYMENT=//p' | head -n1)
       if [ -n "$n" ]; then
         p=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_PROCESS=//p' | head -n1)
+        i=$(printf '%s\n' "$e" | sed -n 's/^K3LAUNCH_ID=//p' | head -n1)
       elif ! printf '%s' "$e" | grep -q '='; then
         c=$(readlink "$d/cwd" 2>/dev/null) || continue
         case "$c" in */k3launch/*/*) p=${c##*/}; n=${c%/*}; n=${n##*/} ;; *) continue ;; esac
+        case "$n" in *.*) i=${n#*.}; n=${n%%.*} ;; *) i= ;; esac
       else
         continue
       fi
-      echo "${d#/proc/} $n $p"
+      echo "${d#/proc/} $n ${i:--} $p"
     done
-  fi | while read -r pid n p; do
+  fi | while read -r pid n i p; do
     [ -z "$K3_NAME" ] || [ "$n" = "$K3_NAME" ] || continue
+    [ -z "$K3_ID" ] || case "$i" in $K3_ID) ;; *) continue ;; esac
     s=; { read -r s < "/proc/$pid/stat"; } 2>/dev/null || continue
     s=${s##*) }; s=${s%% *}
     [ "$s" != Z ] && [ "$s" != X ] || continue
     [ -z "$K3_NETNS" ] || [ "$(readlink "/proc/$pid/ns/net" 2>/dev/null)" = "$K3_NETNS" ] || continue
-    echo "$pid $n $p"
+    echo "$pid $n $i $p"
   done
 }
 K3_NETNS=$(readlink /proc/self/ns/net 2>/dev/null || true)
 """
 
 
-def _scan(name: str) -> str:
-    return f"K3_NAME={shlex.quote(name)}\n{_SCAN}"
+def _scan(name: str, owned: Owned = ANY) -> str:
+    return f"K3_NAME={shlex.quote(name)}\nK3_ID={shlex.quote(owned.glob())}\n{_SCAN}"
 
 
-def find_processes(name: str) -> str:
-    """Lines ``PID PROCESS_ID`` of live (non-zombie) processes of deployment ``name`` on this node."""
-    return _scan(name) + "k3_scan | while read -r pid n p; do echo \"$pid $p\"; done"
+def find_processes(name: str, owned: Owned = ANY) -> str:
+    """Lines ``PID PROCESS_ID`` of live (non-zombie) processes of deployment ``name`` on this node
+    (only those ``owned`` says are the deployment's)."""
+    return _scan(name, owned) + "k3_scan | while read -r pid n i p; do echo \"$pid $p\"; done"
 
 
 def find_any_deployment() -> str:
     """Lines ``PID DEPLOYMENT PROCESS_ID`` of every k3launch-started process on the node."""
-    return _scan("") + "k3_scan"
+    return _scan("") + "k3_scan | while read -r pid n i p; do echo \"$pid $n $p\"; done"
 
 
 def find_and_signal(name: str, ids: Iterable[str] | None, sig: str | None, skip: Iterable[str] = (),
-                    sessions: Mapping[str, str] | None = None) -> str:
+                    sessions: Mapping[str, str] | None = None, owned: Owned = ANY) -> str:
     """One round trip of teardown: print ``PID PROCESS_ID`` of every live process of deployment
-    ``name`` whose process id is in ``ids`` (None: every process of ``name``), and send ``sig``
+    ``name`` (only those ``owned`` says are the deployment's) whose process id is in ``ids``
+    (None: every process of ``name``), and send ``sig``
     (if any) to its process group (engines are started with setsid, so the pid leads its group)
     -- except to pids in ``skip``, which were signalled before (a second SIGTERM makes vLLM skip
     its graceful shutdown). ``sessions``: recorded engine pid (a session leader) -> process id:
@@ -90,7 +102,7 @@ def find_and_signal(name: str, ids: Iterable[str] | None, sig: str | None, skip:
         f'case " {skipped} " in *" $pid "*) continue ;; esac\n'
         f"  kill -s {shlex.quote(sig)} -- -$pid 2>/dev/null || kill -s {shlex.quote(sig)} $pid 2>/dev/null || true")
     want = "" if ids is None else f"  case \" {' '.join(shlex.quote(i) for i in ids)} \" in *\" $p \"*) ;; *) continue ;; esac\n"
-    out = _scan(name) + f"k3_scan | while read -r pid n p; do\n{want}  echo \"$pid $p\"\n  {kill or 'true'}\ndone"
+    out = _scan(name, owned) + f"k3_scan | while read -r pid n i p; do\n{want}  echo \"$pid $p\"\n  {kill or 'true'}\ndone"
     if sessions:
         # The members of each recorded engine's session, found by session id: a worker whose
         # leader was killed (SIGKILL, a crash) is orphaned out of its process group, and when
@@ -179,8 +191,10 @@ def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
     )
 
 
-def labelled_containers(runtime: str, name: str) -> str:
-    return f"{shlex.quote(runtime)} ps -a --filter label=k3launch.deployment={shlex.quote(name)} --format '{{{{.Names}}}}' 2>/dev/null || true"
+def labelled_containers(runtime: str, name: str, owned: Owned = ANY) -> str:
+    """Names of the containers labelled as deployment ``name``'s (only those ``owned`` says are its)."""
+    also = "".join(f" --filter {shlex.quote(f)}" for f in owned.label_filters())
+    return f"{shlex.quote(runtime)} ps -a --filter label=k3launch.deployment={shlex.quote(name)}{also} --format '{{{{.Names}}}}' 2>/dev/null || true"
 
 
 def path_word(path: str) -> str:

@@ -26,6 +26,7 @@ from k3launch.deploy.slurm.ops import cancel_job, cancel_named, follow_files, ob
 from k3launch.deploy.slurm.power import SrunSampler
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.identity import Owned
 from k3launch.models.plan import Plan
 from k3launch.models.power import Sampler
 from k3launch.models.record import DeploymentRecord, SlurmRecord, Status
@@ -71,15 +72,16 @@ class SlurmBackend:
             eventlog.adopt(store, r.name, Path(r.slurm.log_dir) / eventlog.JOB_EVENTS)
         return report
 
-    def sweep(self, name: str, inv: Inventory, grace_s: float) -> TeardownReport:
-        return cancel_named(name)
+    def sweep(self, name: str, inv: Inventory, grace_s: float, owned: Owned) -> TeardownReport:
+        return cancel_named(name, owned=owned)
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """The sbatch script ``up`` would submit (without the submission-time exclusions)."""
         if inv is None or inv.slurm is None:  # the inventory model requires a slurm section for backend slurm
             raise K3Error("not-slurm", "a Slurm dry run needs the slurm inventory", "pass --inventory FILE")
         text = make_sbatch_string(plan, inv.slurm, log_dir_for(store, inv, plan.name), self.options.extra_sbatch,
-                                  hf_token_file=inv.hf_token_file, supervise=job_policy(plan, opts.supervise))
+                                  hf_token_file=inv.hf_token_file, supervise=job_policy(plan, opts.supervise),
+                                  ident=store.new_deployment_id())  # `up` makes its own: this one is what `render`'s script carries
         return DryRun(plan.name, sbatch=text, files=((f"{plan.name}.sbatch", text),))
 
     # ------------------------------------------------------------------ power

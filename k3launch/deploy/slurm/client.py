@@ -11,12 +11,14 @@ and a job the controller has already forgotten (``MinJobAge``, 300 s by default)
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
+from k3launch.models.identity import ANY, JOB_COMMENT, Owned
 from k3launch.models.selection import SECRET_NAMES
 from k3launch.transport.runners import CommandRunner, LocalRunner, Result, Target
 from k3launch.util.hosts import expand_hostlist
@@ -157,14 +159,24 @@ class SlurmClient:
                 return min(int(total), int(cap)) if cap.isdigit() else int(total)
         return None
 
-    def jobs_named(self, job_name: str) -> list[str]:
-        """The ids of this user's queued or running jobs named ``job_name``."""
-        r = self.call(["squeue", "-h", "--me", "-n", job_name, "-o", "%i"])
+    def jobs_named(self, job_name: str, owned: Owned = ANY) -> list[str]:
+        """The ids of this user's queued or running jobs named ``job_name``: only those whose
+        ``--comment`` carries a deployment id ``owned`` matches (:mod:`k3launch.models.identity`),
+        unless it matches anyone's."""
+        r = self.call(["squeue", "-h", "--me", "-n", job_name, "-o", "%i" if owned.anyone else "%i %k"])
         if r.exit_code == 127:
             raise K3Error("slurm-missing", "squeue not found on this machine", SLURM_HINT)
         if not r.ok:
             raise K3Error("slurm-unavailable", f"squeue failed: {r.stderr.strip()[:200]}", SLURM_HINT)
-        return r.stdout.split()
+        if owned.anyone:
+            return r.stdout.split()
+        out = []
+        for line in r.stdout.splitlines():
+            job, _, comment = line.strip().partition(" ")
+            ident = comment.strip().removeprefix(JOB_COMMENT) if comment.strip().startswith(JOB_COMMENT) else ""
+            if job and ident and fnmatch.fnmatchcase(ident, owned.glob()):
+                out.append(job)
+        return out
 
     def steps(self, job_id: str) -> dict[str, str]:
         r = self.call(["squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j|%N"])

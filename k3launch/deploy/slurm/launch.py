@@ -119,7 +119,7 @@ class SlurmLaunch:
         now = time.time()
         self.supervise = job_policy(self.plan, self.supervise)
         self.record = SlurmRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
-                                  endpoint=self.plan.endpoint, plan=self.plan,
+                                  endpoint=self.plan.endpoint, plan=self.plan, deployment_id=self.store.new_deployment_id(),
                                   slurm=SlurmJob(job_id="", log_dir="", script="", supervised=self.supervise))
 
     @property
@@ -129,7 +129,7 @@ class SlurmLaunch:
     def script(self, log_dir: str, exclude: Sequence[str]) -> str:
         assert self.inv.slurm is not None
         return make_sbatch_string(self.plan, self.inv.slurm, log_dir, self.extra_sbatch, exclude, doctor=self.doctor,
-                                  hf_token_file=self.inv.hf_token_file, supervise=self.supervise)
+                                  hf_token_file=self.inv.hf_token_file, supervise=self.supervise, ident=self.record.deployment_id)
 
     def submit(self, rec: SlurmRecord, exclude: Sequence[str]) -> str:
         log_dir = Path(rec.slurm.log_dir)

@@ -14,6 +14,7 @@ from k3launch.deploy import eventlog
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
 from k3launch.deploy.slurm.job import bind_plan, tail_file
 from k3launch.deploy.state import StateStore
+from k3launch.models.identity import ANY, Owned
 from k3launch.models.record import JobStatus, ProcessStatus, SlurmRecord, Status, SupervisorStatus, observed_state
 from k3launch.models.reports import TeardownReport
 from k3launch.models.supervise import restarts_of
@@ -128,17 +129,23 @@ def cancel_job(rec: SlurmRecord, store: StateStore, grace_s: float = 10.0, clien
     return report
 
 
-def cancel_named(name: str, client: SlurmClient | None = None, wait_s: float = CANCEL_WAIT_S) -> TeardownReport:
+def cancel_named(name: str, client: SlurmClient | None = None, wait_s: float = CANCEL_WAIT_S, owned: Owned = ANY) -> TeardownReport:
     """``down`` without a (readable) record: ``scancel`` this user's jobs named after deployment
-    ``name`` (``k3-<name>``, as ``up`` submits them) and verify they ended."""
+    ``name`` (``k3-<name>``, as ``up`` submits them) whose ``--comment`` carries a deployment id
+    ``owned`` matches (any, with ``down --any-owner``) and verify they ended; the other jobs of the
+    name are left alone and named in ``report.others``."""
     cl = client or SlurmClient()
     job_name = f"k3-{name}"
-    jobs = cl.jobs_named(job_name)
-    report = TeardownReport(verified=f"no job named {job_name} of yours left in the queue")
+    jobs = cl.jobs_named(job_name, owned)
+    report = TeardownReport(verified=f"no job named {job_name}{owned.says()} of yours left in the queue")
     for job in jobs:
         cl.cancel(job)
         report.stopped.append(f"job {job}")
-    left = poll_until(lambda: cl.jobs_named(job_name), lambda ids: not ids, timeout=wait_s, interval=0.5) if jobs else []
+    left = poll_until(lambda: cl.jobs_named(job_name, owned), lambda ids: not ids, timeout=wait_s, interval=0.5) if jobs else []
     if left:
         report.leftovers["slurm"] = [f"job {j} still queued or running" for j in left]
+    if not owned.anyone:
+        others = [j for j in cl.jobs_named(job_name) if j not in jobs]
+        if others:
+            report.others["slurm"] = [f"job {j}" for j in others]
     return report

@@ -30,6 +30,7 @@ from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec
 from k3launch.models.caches import CacheDir
+from k3launch.models.identity import Owned
 from k3launch.models.plan import Host, Plan
 from k3launch.models.power import Sampler
 from k3launch.models.record import DeploymentRecord, SshRecord, Stage, Status
@@ -111,17 +112,18 @@ class SshBackend:
         with self._connect(r.plan, r) as fleet:
             return teardown(r, fleet, store, grace_s=grace_s)
 
-    def sweep(self, name: str, inv: Inventory, grace_s: float) -> TeardownReport:
+    def sweep(self, name: str, inv: Inventory, grace_s: float, owned: Owned) -> TeardownReport:
         hosts = inventory_hosts(inv)
         where = "this machine" if spec(inv.backend).this_machine else f"the {len(hosts)} machine(s) of inventory {inv.name}"
         with _fleet(inv.backend, hosts, inv.ssh_config, inv.known_hosts, self.access) as fleet:
-            return sweep(name, fleet, where, grace_s)
+            return sweep(name, fleet, where, grace_s, owned)
 
     def dry_run(self, plan: Plan, inv: Inventory | None, store: StateStore, opts: UpOptions) -> DryRun:
         """Exactly the text ``up`` hands to ``bash -c`` on each node, in order (nothing is connected
         to), and one runnable launch script per node (and the router)."""
         token_file = inv.hf_token_file if inv is not None else None
         fleet = Fleet.for_plan(plan)
+        ident = store.new_deployment_id()  # `up` makes its own: this one is what `render`'s scripts carry
         steps = []
         if plan.stage is not None:  # what `up` runs first on each engine node whose staged copy is not complete
             steps += [DryRunStep("weights", n, fleet.host(n).address, fetch_command(plan, fleet, n, Source("path", path=plan.stage.source)))
@@ -129,9 +131,9 @@ class SshBackend:
         for group in start_steps(plan):
             step = "router" if group[0].role == "router" else "engines"
             for node in dict.fromkeys(p.node for p in group):
-                text = node_script(plan, fleet, [p for p in group if p.node == node], token_file)
+                text = node_script(plan, fleet, [p for p in group if p.node == node], token_file, ident=ident)
                 steps.append(DryRunStep(step, node, fleet.host(node).address, text))
-        files = tuple((fname, script(plan, node, token_file)) for node, fname in script_names(plan).items())
+        files = tuple((fname, script(plan, node, token_file, ident=ident)) for node, fname in script_names(plan).items())
         return DryRun(plan.name, steps=tuple(steps), files=files)
 
     def caches(self, inv: Inventory, nodes: Sequence[str], clear: Sequence[str], clear_all: bool) -> tuple[list[CacheDir], dict[str, str]]:

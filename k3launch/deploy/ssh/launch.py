@@ -89,11 +89,11 @@ def router_install_hint(node: str, local: bool) -> str:
     return f"install vllm-router on {node} (`pip install vllm-router`) where a non-interactive ssh shell finds it, or put the router on the login node"
 
 
-def _start_line(plan: Plan, proc: Process, fleet: Fleet, hf_token_file: str | None, log_dir: str) -> str:
+def _start_line(plan: Plan, proc: Process, fleet: Fleet, hf_token_file: str | None, log_dir: str, ident: str) -> str:
     host = run_host(fleet, proc.node)
     helper = BACKGROUND_HELPER if runs_in_background(proc, host) else ""  # containers start without it
     return helper + token_snippet(hf_token_file, apptainer=runs_in_apptainer(proc, host)) + start_line(
-        plan, proc, host, log_dir, tools_dir(fleet, proc.node))
+        plan, proc, host, log_dir, tools_dir(fleet, proc.node), ident)
 
 
 def start_steps(plan: Plan) -> list[list[Process]]:
@@ -103,13 +103,14 @@ def start_steps(plan: Plan) -> list[list[Process]]:
     return [g for g in (engines, routers) if g]
 
 
-def node_script(plan: Plan, fleet: Fleet, procs: Sequence[Process], hf_token_file: str | None, log_dir: str = "") -> str:
+def node_script(plan: Plan, fleet: Fleet, procs: Sequence[Process], hf_token_file: str | None, log_dir: str = "",
+                ident: str = "") -> str:
     """What one step of ``up`` runs on one node (run by bash, whatever the login shell): each
     process's start in a subshell of its own, so one failing start does not skip the others,
-    its output and exit code framed by ``@@`` markers."""
+    its output and exit code framed by ``@@`` markers. ``ident``: the deployment id the processes carry."""
     parts = []
     for p in procs:
-        parts.append(f"echo {shlex.quote('@@start ' + p.id)}\n(\n{_start_line(plan, p, fleet, hf_token_file, log_dir)}\n) 2>&1\n"
+        parts.append(f"echo {shlex.quote('@@start ' + p.id)}\n(\n{_start_line(plan, p, fleet, hf_token_file, log_dir, ident)}\n) 2>&1\n"
                      f"echo {shlex.quote('@@rc ' + p.id)} $?")
     return "\n".join(parts) + "\n"
 
@@ -133,24 +134,25 @@ def _sections(out: str) -> dict[str, tuple[int | None, str]]:
     return got
 
 
-def _record_for(plan: Plan, proc: Process, fleet: Fleet, out: str, log_dir: str) -> ProcessRecord:
+def _record_for(plan: Plan, proc: Process, fleet: Fleet, out: str, log_dir: str, ident: str) -> ProcessRecord:
     host = fleet.host(proc.node)
     runtime = "bare" if proc.role == "router" else host.runtime
     if is_container(runtime):
         return ProcessRecord(id=proc.id, node=proc.node, runtime=runtime, handle=container_name(plan, proc), started=True)
     pid = next((ln.split()[2] for ln in out.splitlines() if ln.startswith("started pid ")), "")
-    log = start_command(plan, proc, host, log_dir)[1]
+    log = start_command(plan, proc, host, log_dir, ident=ident)[1]
     return ProcessRecord(id=proc.id, node=proc.node, runtime=runtime, handle=pid, log=str(log), started=bool(pid))
 
 
 def start_group(plan: Plan, fleet: Fleet, group: Sequence[Process], hf_token_file: str | None,
-                log_dir: str = "") -> tuple[dict[str, ProcessRecord], list[LaunchFailed]]:
+                log_dir: str = "", ident: str = "") -> tuple[dict[str, ProcessRecord], list[LaunchFailed]]:
     """Start ``group`` (one step of ``up``, or a unit a supervisor restarts): one script per node,
-    all nodes at once. The processes that started, and a failure per process that did not."""
+    all nodes at once. The processes that started, and a failure per process that did not.
+    ``ident``: the deployment's id (``record.deployment_id``), which every process carries."""
     by_node: dict[str, list[Process]] = {}
     for p in group:
         by_node.setdefault(p.node, []).append(p)
-    scripts = {n: "bash -c " + shlex.quote(node_script(plan, fleet, ps, hf_token_file, log_dir)) for n, ps in by_node.items()}
+    scripts = {n: "bash -c " + shlex.quote(node_script(plan, fleet, ps, hf_token_file, log_dir, ident)) for n, ps in by_node.items()}
     started: dict[str, ProcessRecord] = {}
     failed: list[LaunchFailed] = []
     for node, o in fleet.run_many(scripts, timeout=START_TIMEOUT_S).items():
@@ -161,7 +163,7 @@ def start_group(plan: Plan, fleet: Fleet, group: Sequence[Process], hf_token_fil
         got = _sections(o.stdout)
         for p in by_node[node]:
             rc, text = got.get(p.id, (None, ""))
-            pr = _record_for(plan, p, fleet, text, log_dir)
+            pr = _record_for(plan, p, fleet, text, log_dir, ident)
             if rc == 0 and not pr.started:
                 rc = -1  # a bare process without a pid: it did not start
             if rc == 0:
@@ -199,14 +201,14 @@ class Launch:
         # ssh settings from the start: a `down` after a failed `up` must check the same host keys
         self.record = SshRecord(name=self.plan.name, state="starting", created=now, updated=now, inventory=self.inventory,
                                 backend=backend, ssh_config=self.ssh_config, known_hosts=self.known_hosts, endpoint=self.plan.endpoint,
-                                plan=self.plan, hf_token_file=self.hf_token_file)
+                                plan=self.plan, hf_token_file=self.hf_token_file, deployment_id=self.store.new_deployment_id())
 
     # ------------------------------------------------------------------ start
     def start(self) -> None:
         rec = self.record
         self.store.save(rec)
         for group in start_steps(self.plan):
-            started, failed = start_group(self.plan, self.fleet, group, self.hf_token_file, self.log_dir)
+            started, failed = start_group(self.plan, self.fleet, group, self.hf_token_file, self.log_dir, rec.deployment_id)
             # Record every process that did start before reporting any failure, so teardown knows about all of them.
             rec.processes.update(started)
             self.store.save(rec)

@@ -4,8 +4,10 @@ Order: the router, then the HTTP-serving heads, then headless ranks (so no reque
 a half-stopped deployment and heads do not wait on vanished workers). Each phase sends SIGTERM
 to whole process groups (containers too: their first process leads the group; then ``stop``),
 waits up to the grace period, then SIGKILLs what is left. Reality, not the record, decides what
-runs: processes are found on each node by their ``K3LAUNCH_DEPLOYMENT`` marker (containers by
-label), so processes whose pid was never recorded are stopped too. Verification: no marked process or labelled container remains
+runs: processes are found on each node by their ``K3LAUNCH_DEPLOYMENT`` marker and the
+record's deployment id (``K3LAUNCH_ID``; containers by labels, :mod:`k3launch.models.identity`),
+so processes whose pid was never recorded are stopped too, and a same-named deployment of another
+state directory never is. Verification: no marked process or labelled container remains
 and every planned port is free. Unreachable nodes are reported and kept in the record so the
 next ``down`` finishes the job; ``down`` is idempotent.
 
@@ -23,6 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.identity import ANY, Owned
 from k3launch.models.plan import is_container
 from k3launch.models.record import ProcessRecord, SshRecord
 from k3launch.models.reports import TeardownReport
@@ -79,7 +82,8 @@ def _stop_phase(rec: SshRecord, fleet: Fleet, ids: list[str], grace_s: float, re
     node_of = {p.id: p.node for p in rec.plan.processes}
     _stop_containers(rec, fleet, ids, grace_s, report)
     # On a shared machine (local backend) every "node" sees every process: act only on this phase's process ids.
-    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report, sessions(rec.processes, ids))
+    _signal_until_gone(fleet, rec.name, ids, sorted({node_of[i] for i in ids}), grace_s, report, sessions(rec.processes, ids),
+                       Owned.of(rec.deployment_id))
     report.stopped += ids
 
 
@@ -109,15 +113,16 @@ def stop_left_behind(rec: SshRecord, fleet: Fleet, node: str, grace_s: float, re
     ids = sorted(lb.processes)
     view = rec.model_copy(update={"processes": lb.processes, "left_behind": {}})
     _stop_containers(view, fleet, ids, grace_s, report)  # by the recorded node of each container
-    _signal_until_gone(fleet, rec.name, ids, [node], grace_s, report, sessions(lb.processes, ids))
+    _signal_until_gone(fleet, rec.name, ids, [node], grace_s, report, sessions(lb.processes, ids), Owned.of(rec.deployment_id))
     if node not in report.unreachable:
         report.stopped += [f"{pid} on {node} (left there when the node was lost)" for pid in ids]
 
 
 def _signal_until_gone(fleet: Fleet, name: str, ids: list[str] | None, nodes: list[str], grace_s: float,
-                       report: TeardownReport, sessions: Mapping[str, Mapping[str, str]] | None = None) -> dict[str, dict[str, str]]:
-    """SIGTERM to each process group of ``name`` found on ``nodes`` (only process ids ``ids``;
-    None: all), and to the orphans of each recorded engine's session (``sessions``: node ->
+                       report: TeardownReport, sessions: Mapping[str, Mapping[str, str]] | None = None,
+                       owned: Owned = ANY) -> dict[str, dict[str, str]]:
+    """SIGTERM to each process group of ``name`` found on ``nodes`` (only those ``owned`` says are
+    the deployment's, and only process ids ``ids``; None: all), and to the orphans of each recorded engine's session (``sessions``: node ->
     {leader pid: process id}), once per pid; SIGKILL every round after ``grace_s``, until none is
     found or the kill wait is over (what is left is reported by the verification). Node -> {pid:
     process id} of everything found, in the order first seen."""
@@ -126,7 +131,7 @@ def _signal_until_gone(fleet: Fleet, name: str, ids: list[str] | None, nodes: li
     while nodes:
         now = time.monotonic()
         sig = "KILL" if now > t_term else "TERM"
-        cmds = {n: remote.find_and_signal(name, ids, sig, found_all[n] if sig == "TERM" else (), (sessions or {}).get(n)) for n in nodes}
+        cmds = {n: remote.find_and_signal(name, ids, sig, found_all[n] if sig == "TERM" else (), (sessions or {}).get(n), owned) for n in nodes}
         found = {n: _pairs(text) for n, text in _run(fleet, cmds, report).items()}
         for n, items in found.items():
             for pid, proc in items:
@@ -152,9 +157,10 @@ def _sections(text: str) -> dict[str, list[str]]:
 
 
 def _verify_script(rec: SshRecord, node_runtimes: Iterable[str], ports: Iterable[int] = ()) -> str:
-    parts = [f"echo @@procs\n{remote.find_processes(rec.name)}", f"echo @@listening\n{remote.LISTENING}"]
+    owned = Owned.of(rec.deployment_id)
+    parts = [f"echo @@procs\n{remote.find_processes(rec.name, owned)}", f"echo @@listening\n{remote.LISTENING}"]
     for rt in sorted(set(node_runtimes)):
-        parts.append(f"echo @@containers\n{remote.labelled_containers(rt, rec.name)}")
+        parts.append(f"echo @@containers\n{remote.labelled_containers(rt, rec.name, owned)}")
     ports = sorted(set(ports))
     if ports:
         parts.append(f"echo @@holders\n{remote.port_holders(ports)}")
@@ -232,13 +238,17 @@ def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = D
     return report
 
 
-def sweep(name: str, fleet: Fleet, what: str, grace_s: float = DEFAULT_GRACE_S) -> TeardownReport:
+def sweep(name: str, fleet: Fleet, what: str, grace_s: float = DEFAULT_GRACE_S, owned: Owned = ANY) -> TeardownReport:
     """``down`` without a (readable) record: on every machine of ``fleet`` find the processes of
-    deployment ``name`` (by their marker or run directory) and its labelled containers, stop them
-    (SIGTERM to each process group, SIGKILL after ``grace_s``) and verify none is left. ``what``
-    names the machines for the report. Planned ports are not checked: without the plan they are
-    unknown. Machines this host reaches as itself (the ``local`` backend, the login node) are
-    searched once."""
+    deployment ``name`` (by their marker or run directory) and its labelled containers -- only
+    those ``owned`` says are the deployment's: those of this state directory's deployments, unless
+    the user asked for any owner's (``down --any-owner``) -- stop them (SIGTERM to each process
+    group, SIGKILL after ``grace_s``) and verify none is left. ``what`` names the machines for the
+    report. Planned ports are not checked: without the plan they are unknown. Machines this host
+    reaches as itself (the ``local`` backend, the login node) are searched once.
+
+    What carries the name but is not ``owned`` is left alone and named in ``report.others`` (a
+    same-named deployment of another state directory, or one started before deployment ids)."""
     nodes: list[str] = []
     local_seen = False
     for n in fleet.nodes():
@@ -247,26 +257,34 @@ def sweep(name: str, fleet: Fleet, what: str, grace_s: float = DEFAULT_GRACE_S) 
                 continue
             local_seen = True
         nodes.append(n)
-    report = TeardownReport(verified=f"no process or container of {name} left on {what}")
+    report = TeardownReport(verified=f"no process or container of {name}{owned.says()} left on {what}")
     runtimes = {n: sorted({h.runtime for h in fleet.hosts if h.name == n and is_container(h.runtime)}) for n in nodes}
-    listed = _run(fleet, {n: "\n".join(remote.labelled_containers(rt, name) for rt in rts) for n, rts in runtimes.items() if rts}, report)
+    listed = _run(fleet, {n: "\n".join(remote.labelled_containers(rt, name, owned) for rt in rts) for n, rts in runtimes.items() if rts}, report)
     cmds = {n: "\n".join(remote.stop_containers(rt, text.split(), int(grace_s)) for rt in runtimes[n]) for n, text in listed.items() if text.split()}
     if cmds:
         _run(fleet, cmds, report, timeout=grace_s + 60)
         report.stopped += [f"container {c} on {n}" for n, text in listed.items() for c in text.split()]
-    found = _signal_until_gone(fleet, name, None, nodes, grace_s, report)
+    found = _signal_until_gone(fleet, name, None, nodes, grace_s, report, owned=owned)
     report.stopped += [f"{proc or 'pid ' + pid} on {n}" for n, procs in found.items() for pid, proc in procs.items()]
 
     def check() -> TeardownReport:
         report.leftovers.clear()
-        scripts = {n: "\n".join([f"echo @@procs\n{remote.find_processes(name)}\necho @@containers",
-                                 *(remote.labelled_containers(rt, name) for rt in runtimes[n])]) for n in nodes}
+        report.others.clear()
+        scripts = {n: "\n".join([f"echo @@procs\n{remote.find_processes(name, owned)}\necho @@containers",
+                                 *(remote.labelled_containers(rt, name, owned) for rt in runtimes[n]),
+                                 *([] if owned.anyone else [f"echo @@others\n{remote.find_processes(name)}\necho @@other-containers",
+                                                            *(remote.labelled_containers(rt, name) for rt in runtimes[n])])]) for n in nodes}
         for n, text in _run(fleet, scripts, report).items():
             sec = _sections(text)
             left = [f"pid {pid} ({proc})" for pid, proc in _pairs("\n".join(sec.get("procs", [])))]
             left += [f"container {c}" for c in sec.get("containers", [])]
             if left:
                 report.leftovers[n] = left
+            # the name's processes (then containers) of any owner, less ours: not touched, but said
+            others = [f"pid {pid} ({proc})" for pid, proc in _pairs("\n".join(ln for ln in sec.get("others", []) if ln not in sec.get("procs", [])))]
+            others += [f"container {c}" for c in sec.get("other-containers", []) if c not in sec.get("containers", [])]
+            if others:
+                report.others[n] = others
         return report
 
     poll_until(check, lambda r: r.clean or bool(r.unreachable), timeout=VERIFY_S, interval=0.2)

@@ -287,7 +287,7 @@ class SshWatcher:
         for group in start_steps(rec.plan):
             mine = [p for p in group if p in procs]
             if mine:
-                started, bad = start_group(rec.plan, self.fleet, mine, rec.hf_token_file)
+                started, bad = start_group(rec.plan, self.fleet, mine, rec.hf_token_file, ident=rec.deployment_id)
                 rec.processes.update(started)
                 failed += bad
         self.store.save(rec)

@@ -7,7 +7,7 @@ set -euo pipefail
 k3launch_background() { local log=$1 dir; shift; dir=$(dirname "$log"); mkdir -p "$dir"; rm -f "$dir/.k3launch-pid" "$dir/.k3launch-exit"; (cd "$dir" || exit 1; trap '' HUP; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo $! >.k3launch-pid; wait $!; echo "$? ${EPOCHREALTIME:-$(date +%s.%N)}" >.k3launch-exit) </dev/null >/dev/null 2>&1 & local i=0; while [ ! -s "$dir/.k3launch-pid" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i + 1)); done; echo "started pid $(cat "$dir/.k3launch-pid" 2>/dev/null)"; }
 
 # router: router (head) on login (127.0.0.1)
-k3launch_background /tmp/k3launch/kimi-k3-dep-gb300-d565b8/router/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-gb300-d565b8 K3LAUNCH_PROCESS=router vllm-router \
+k3launch_background /tmp/k3launch/kimi-k3-dep-gb300-d565b8.5a1e0b3c-d00d1e/router/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-gb300-d565b8 K3LAUNCH_PROCESS=router K3LAUNCH_ID=5a1e0b3c-d00d1e vllm-router \
   --worker-urls http://tray-1:8000 http://tray-2:8000 http://tray-3:8000 http://tray-4:8000 \
   --policy round_robin \
   --host 127.0.0.1 \

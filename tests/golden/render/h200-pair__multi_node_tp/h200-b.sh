@@ -10,6 +10,8 @@ docker run \
   --label k3launch.deployment=kimi-k3-tp-h200-8c123e \
   --label k3launch.process=serve-1 \
   --label k3launch.role=serve \
+  --label k3launch.id=5a1e0b3c-d00d1e \
+  --label k3launch.owner=5a1e0b3c \
   --gpus all \
   --ipc=host \
   --network host \
@@ -28,6 +30,7 @@ docker run \
   -e VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION=1 \
   -e K3LAUNCH_DEPLOYMENT=kimi-k3-tp-h200-8c123e \
   -e K3LAUNCH_PROCESS=serve-1 \
+  -e K3LAUNCH_ID=5a1e0b3c-d00d1e \
   -e HF_TOKEN \
   --entrypoint vllm vllm/vllm-openai:kimi-k3 serve moonshotai/Kimi-K3 \
   --trust-remote-code \

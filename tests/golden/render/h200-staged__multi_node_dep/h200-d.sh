@@ -13,6 +13,8 @@ docker run \
   --label k3launch.deployment=kimi-k3-dep-h200-e275c6 \
   --label k3launch.process=serve-1 \
   --label k3launch.role=serve \
+  --label k3launch.id=5a1e0b3c-d00d1e \
+  --label k3launch.owner=5a1e0b3c \
   --gpus all \
   --ipc=host \
   --network host \
@@ -31,6 +33,7 @@ docker run \
   -e VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION=1 \
   -e K3LAUNCH_DEPLOYMENT=kimi-k3-dep-h200-e275c6 \
   -e K3LAUNCH_PROCESS=serve-1 \
+  -e K3LAUNCH_ID=5a1e0b3c-d00d1e \
   -e HF_TOKEN \
   --entrypoint vllm vllm/vllm-openai:kimi-k3 serve moonshotai/Kimi-K3 \
   --trust-remote-code \

@@ -7,7 +7,7 @@ set -euo pipefail
 k3launch_background() { local log=$1 dir; shift; dir=$(dirname "$log"); mkdir -p "$dir"; rm -f "$dir/.k3launch-pid" "$dir/.k3launch-exit"; (cd "$dir" || exit 1; trap '' HUP; nohup setsid "$@" >"$log" 2>&1 </dev/null & echo $! >.k3launch-pid; wait $!; echo "$? ${EPOCHREALTIME:-$(date +%s.%N)}" >.k3launch-exit) </dev/null >/dev/null 2>&1 & local i=0; while [ ! -s "$dir/.k3launch-pid" ] && [ $i -lt 500 ]; do sleep 0.01; i=$((i + 1)); done; echo "started pid $(cat "$dir/.k3launch-pid" 2>/dev/null)"; }
 
 # decode-1: decode on local-3 (127.0.0.13)
-k3launch_background /tmp/k3launch/kimi-k3-pd-b300-e01ec0/decode-1/decode-1.log env VLLM_NIXL_SIDE_CHANNEL_PORT=5558 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.13 VLLM_SSM_CONV_STATE_LAYOUT=DS VLLM_HOST_IP=127.0.0.13 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION=1 UCX_TLS=rc,cuda_copy K3LAUNCH_DEPLOYMENT=kimi-k3-pd-b300-e01ec0 K3LAUNCH_PROCESS=decode-1 python3 \
+k3launch_background /tmp/k3launch/kimi-k3-pd-b300-e01ec0.5a1e0b3c-d00d1e/decode-1/decode-1.log env VLLM_NIXL_SIDE_CHANNEL_PORT=5558 VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.13 VLLM_SSM_CONV_STATE_LAYOUT=DS VLLM_HOST_IP=127.0.0.13 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo VLLM_ENABLE_K3_LATENT_MOE_TAIL_FUSION=1 UCX_TLS=rc,cuda_copy K3LAUNCH_DEPLOYMENT=kimi-k3-pd-b300-e01ec0 K3LAUNCH_PROCESS=decode-1 K3LAUNCH_ID=5a1e0b3c-d00d1e python3 \
   -m k3launch.sim serve moonshotai/Kimi-K3 \
   --trust-remote-code \
   --load-format fastsafetensors \

@@ -18,6 +18,8 @@ podman run \
   --label k3launch.deployment=kimi-k3-dep-mi355x-a12f46 \
   --label k3launch.process=serve-0 \
   --label k3launch.role=serve \
+  --label k3launch.id=5a1e0b3c-d00d1e \
+  --label k3launch.owner=5a1e0b3c \
   --device /dev/kfd \
   --device /dev/dri \
   --group-add video \
@@ -41,7 +43,8 @@ podman run \
   -e AITER_BF16_FP8_MOE_BOUND=0 \
   -e VLLM_USE_BREAKABLE_CUDAGRAPH=0 \
   -e K3LAUNCH_DEPLOYMENT=kimi-k3-dep-mi355x-a12f46 \
-  -e K3LAUNCH_PROCESS=serve-0 "${K3_SECRET[@]}" \
+  -e K3LAUNCH_PROCESS=serve-0 \
+  -e K3LAUNCH_ID=5a1e0b3c-d00d1e "${K3_SECRET[@]}" \
   --entrypoint vllm vllm/vllm-openai-rocm:kimi-k3 serve moonshotai/Kimi-K3 \
   --trust-remote-code \
   --moe-backend auto \
@@ -65,7 +68,7 @@ podman run \
   --reasoning-parser kimi_k3
 
 # router: router (head) on mi355x-01 (10.3.0.21)
-k3launch_background /tmp/k3launch/kimi-k3-dep-mi355x-a12f46/router/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-mi355x-a12f46 K3LAUNCH_PROCESS=router vllm-router \
+k3launch_background /tmp/k3launch/kimi-k3-dep-mi355x-a12f46.5a1e0b3c-d00d1e/router/router.log env K3LAUNCH_DEPLOYMENT=kimi-k3-dep-mi355x-a12f46 K3LAUNCH_PROCESS=router K3LAUNCH_ID=5a1e0b3c-d00d1e vllm-router \
   --worker-urls http://10.3.0.21:8000 http://10.3.0.22:8000 \
   --policy round_robin \
   --host 10.3.0.21 \

@@ -14,6 +14,8 @@ podman run \
   --label k3launch.deployment=kimi-k3-dep-mi355x-a12f46 \
   --label k3launch.process=serve-1 \
   --label k3launch.role=serve \
+  --label k3launch.id=5a1e0b3c-d00d1e \
+  --label k3launch.owner=5a1e0b3c \
   --device /dev/kfd \
   --device /dev/dri \
   --group-add video \
@@ -37,7 +39,8 @@ podman run \
   -e AITER_BF16_FP8_MOE_BOUND=0 \
   -e VLLM_USE_BREAKABLE_CUDAGRAPH=0 \
   -e K3LAUNCH_DEPLOYMENT=kimi-k3-dep-mi355x-a12f46 \
-  -e K3LAUNCH_PROCESS=serve-1 "${K3_SECRET[@]}" \
+  -e K3LAUNCH_PROCESS=serve-1 \
+  -e K3LAUNCH_ID=5a1e0b3c-d00d1e "${K3_SECRET[@]}" \
   --entrypoint vllm vllm/vllm-openai-rocm:kimi-k3 serve moonshotai/Kimi-K3 \
   --trust-remote-code \
   --moe-backend auto \
