@@ -169,3 +169,20 @@ def test_silence_counts_from_the_last_good_answer() -> None:
     w.healthy["r0-serve-0"] = False  # SIGSTOP: the first failed probe returns after its 3 s timeout
     _, actions = sup.step(w.look(3.5))
     assert any(isinstance(a, Restart) and a.hung for a in actions), actions  # 3.5 s after the last answer, not 3 s after this look
+
+
+def test_re_placement_keeps_every_slot_but_the_lost_one_on_its_node() -> None:
+    """The first copy's node is lost: planning again from the origin alone would shift the second
+    copy onto the first one's slot (and call its own node a spare); with ``keep`` only the lost
+    slot takes a spare."""
+    sel = {"recipe": "k3launch/tiny-llama", "strategy": "single_node_tp", "replicas": 2}
+    old = plan(INV, selection=sel)
+    nodes = {p.id: p.node for p in old.processes if p.role != "router"}
+    lost = nodes["r0-serve-0"]
+    slots = list(dict.fromkeys(p.node for p in old.processes if p.role != "router"))
+    shifted = plan(INV, selection=sel, exclude=[lost])
+    again = plan(INV, selection=sel, exclude=[lost], keep=slots)
+    moved = {p.id: p.node for p in again.processes if p.role != "router"}
+    assert {p.id: p.node for p in shifted.processes if p.role != "router"}["r1-serve-0"] != nodes["r1-serve-0"]  # the bug it fixes
+    assert moved["r1-serve-0"] == nodes["r1-serve-0"] and moved["r0-serve-0"] not in nodes.values(), (nodes, moved)
+    assert [p for p in again.processes if p.id == "r1-serve-0"] == [p for p in old.processes if p.id == "r1-serve-0"]

@@ -75,6 +75,7 @@ def test_one_controller_rolls_while_copies_die_commands_are_interrupted_and_cont
         t0 = time.monotonic()
         first = cli.start("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", "--json")
         wait_for_record(cli, name, lambda rec: _rolling(rec) and rec["rollout"]["units"][0]["on"] == "rolling", 60, first)
+        mid = cli.json("status", name)  # never "ready" while a unit rolls
         victim = _engines(cli, name)["r2-serve-0"]
         os.kill(victim, signal.SIGKILL)
         one = cli.wait(first, 240, ("rollout",))
@@ -83,6 +84,10 @@ def test_one_controller_rolls_while_copies_die_commands_are_interrupted_and_cont
         restarts_1 = after_1["control"]["restarts"]
         seqs_1 = {i: _seqs(pid) for i, pid in _engines(cli, name).items()}
         listed_1 = _listed(endpoint)
+        # a serving copy out of its router (as an interrupted command used to leave one): degraded, and repaired
+        out = every[0]
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/remove_worker?url={out}", data=b"", method="POST"), timeout=10).read()
+        outside = cli.json("status", name)
 
         # 2. SIGINT to the command midway: a detached controller goes on from the saved memory
         second = cli.start("rollout", name, "--set", "max-num-seqs=16", "--drain-timeout", "10")
@@ -109,6 +114,9 @@ def test_one_controller_rolls_while_copies_die_commands_are_interrupted_and_cont
     assert one.returncode == 0 and ok["ok"] and sorted(u["unit"] for u in ok["rolled"]) == ["r0-serve-0", "r1-serve-0", "r2-serve-0"], ok
     assert restarts_1 >= 1 and seqs_1 == {"r0-serve-0": "8", "r1-serve-0": "8", "r2-serve-0": "8"}, (restarts_1, seqs_1)
     assert listed_1 == every
+    assert mid["state"] == "rolling" and mid["reason"].startswith("rolling: --set max-num-seqs=8"), mid
+    assert outside["state"] == "degraded" and "the router does not list it" in outside["reason"], outside
+    assert [u["in_router"] for u in outside["units"] if u["name"] != "router"].count(False) == 1, outside["units"]
     assert "goes on under a detached supervisor" in two.stdout + two.stderr, two.stdout + two.stderr
     assert seqs_2 == {"r0-serve-0": "16", "r1-serve-0": "16", "r2-serve-0": "16"} and listed_2 == every, (seqs_2, listed_2)
     assert again["supervisor"]["pid"] != sv["pid"]
@@ -116,6 +124,8 @@ def test_one_controller_rolls_while_copies_die_commands_are_interrupted_and_cont
     assert seqs_3 == {"r0-serve-0": "32", "r1-serve-0": "32", "r2-serve-0": "32"} and listed_3 == every, (seqs_3, listed_3)
     assert done_3["control"]["restarts"] >= restarts_1  # the memory went on: no count started over
     assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
+    end = cli.json("status", name)
+    assert end["state"] == "ready" and all(u["in_router"] for u in end["units"] if u["name"] != "router"), end
     rec = cli.record(name)
     d = cli.json("down", name, timeout=120)
     assert d["clean"] is True, d

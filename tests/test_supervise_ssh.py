@@ -21,7 +21,9 @@ pytest_plugins = ["sshhosts"]
 pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 
-def test_a_cut_host_is_cordoned_its_replica_re_placed_on_a_spare_and_reclaimed_when_it_heals(ssh_hosts: Hosts, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cut", [1, 0])
+def test_a_cut_host_is_cordoned_its_copy_re_placed_on_a_spare_and_reclaimed_when_it_heals(ssh_hosts: Hosts, tmp_path: Path, cut: int) -> None:
+    """Either copy's host cut: that copy alone moves to the spare; the other keeps its node and its pid."""
     if ssh_hosts.mode != "netns":
         pytest.skip("loopback mode: a host cannot be cut from the network")
     names = ssh_hosts.names[:3]
@@ -31,36 +33,41 @@ def test_a_cut_host_is_cordoned_its_replica_re_placed_on_a_spare_and_reclaimed_w
     })
     cli = Cli(tmp_path / "state")
     sfx, off = session(ssh_hosts)
-    name = f"sv-cut-{sfx}"
+    name = f"sv-cut{cut}-{sfx}"
     try:
-        r = cli.run("up", "-i", str(inv), "--recipe", "k3launch/tiny-llama", "--strategy", "multi_node_replicas", "--name", name,
-                    "--port-base", str(23500 + off), "--supervise", "--connect-timeout", "3", "--json", timeout=180)
+        r = cli.run("up", "-i", str(inv), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "2",
+                    "--name", name, "--port-base", str(23500 + off + 16 * cut), "--supervise", "--connect-timeout", "3", "--json",
+                    timeout=180)
         assert r.returncode == 0, r.stdout + r.stderr
         out = json.loads(r.stdout)
         rec = cli.record(name)
         model = rec["plan"]["model"]
         engines = {p["id"]: p["node"] for p in rec["plan"]["processes"] if p["role"] != "router"}
-        assert engines == {"serve-0": names[0], "serve-1": names[1]}, engines
-        old = int(rec["processes"]["serve-1"]["handle"])
+        assert engines == {"r0-serve-0": names[0], "r1-serve-0": names[1]}, engines
+        gone_id, kept_id = (f"r{cut}-serve-0", f"r{1 - cut}-serve-0")
+        old = int(rec["processes"][gone_id]["handle"])
+        kept_pid = rec["processes"][kept_id]["handle"]
 
         with Load(out["endpoint"], model, workers=2, limit=2000) as load:
             time.sleep(1)
             t_cut = time.time()
-            ssh_hosts.isolate(names[1])
+            ssh_hosts.isolate(names[cut])
             lost = wait_event(cli, name, "node-lost", after=t_cut, within=60)
             moved = wait_event(cli, name, "replaced", after=t_cut, within=60)
-            back = wait_event(cli, name, "restarted", "serve-1", after=t_cut, within=60)
+            back = wait_event(cli, name, "restarted", gone_id, after=t_cut, within=60)
             time.sleep(1)
-        assert lost["node"] == names[1]
-        assert f"serve-1 {names[1]} -> {names[2]}" in moved["reason"], moved
+        assert lost["node"] == names[cut]
+        assert f"{gone_id} {names[cut]} -> {names[2]}" in moved["reason"] and moved["reason"].endswith(f"restarted: {gone_id}"), moved
         assert try_complete(out["endpoint"], model) is None
         now = cli.record(name)
-        assert {p["id"]: p["node"] for p in now["plan"]["processes"] if p["role"] != "router"} == {"serve-0": names[0], "serve-1": names[2]}
-        assert names[1] in now["left_behind"] and now["left_behind"][names[1]]["processes"]["serve-1"]["handle"] == str(old)
+        assert {p["id"]: p["node"] for p in now["plan"]["processes"] if p["role"] != "router"} == {
+            gone_id: names[2], kept_id: names[1 - cut]}
+        assert now["processes"][kept_id]["handle"] == kept_pid  # the other copy was not touched
+        assert names[cut] in now["left_behind"] and now["left_behind"][names[cut]]["processes"][gone_id]["handle"] == str(old)
         cordoned = cli.json("cordon", "-i", str(inv))
-        assert [c["node"] for c in cordoned["cordoned"]] == [names[1]], cordoned
+        assert [c["node"] for c in cordoned["cordoned"]] == [names[cut]], cordoned
         assert f"supervisor of {name}" in cordoned["cordoned"][0]["by"]
-        print(f"\n[host cut: lost after {lost['time'] - t_cut:.1f}s, re-placed {moved['time'] - t_cut:.1f}s, "
+        print(f"\n[host of r{cut} cut: lost after {lost['time'] - t_cut:.1f}s, re-placed {moved['time'] - t_cut:.1f}s, "
               f"serving on {names[2]} {back['time'] - t_cut:.1f}s; client {load.ok} ok, {load.failed} failed]")
         for t, why in load.failures[:3] + load.failures[-3:]:
             print(f"  failed {t - t_cut:+.1f}s after the cut: {why}")
@@ -68,11 +75,11 @@ def test_a_cut_host_is_cordoned_its_replica_re_placed_on_a_spare_and_reclaimed_w
 
         # the host heals: the replica left there (it kept running, cut off) is stopped by the supervisor
         t_heal = time.time()
-        ssh_hosts.heal(names[1])
+        ssh_hosts.heal(names[cut])
         gone = wait_event(cli, name, "reclaimed", after=t_heal, within=90)
-        assert gone["node"] == names[1] and "serve-1" in gone["reason"]
+        assert gone["node"] == names[cut] and gone_id in gone["reason"]
         assert old not in processes(name) and cli.record(name)["left_behind"] == {}
-        u = cli.run("uncordon", names[1], "-i", str(inv))
+        u = cli.run("uncordon", names[cut], "-i", str(inv))
         assert u.returncode == 0, u.stdout + u.stderr
         assert cli.json("cordon", "-i", str(inv))["cordoned"] == []
 
@@ -84,5 +91,5 @@ def test_a_cut_host_is_cordoned_its_replica_re_placed_on_a_spare_and_reclaimed_w
         kinds = [e["kind"] for e in events(cli, name)]
         assert kinds.index("node-unreachable") < kinds.index("node-lost") < kinds.index("cordoned") < kinds.index("replaced"), kinds
     finally:
-        ssh_hosts.heal(names[1])
+        ssh_hosts.heal(names[cut])
         cleanup(cli, [name])

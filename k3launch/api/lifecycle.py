@@ -170,6 +170,12 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
         from k3launch.models.rollout import RolloutStatus
 
         snap.rollout = RolloutStatus.of(rec.rollout)
+    if rec.holds_nodes:  # ssh and local: the router is reached from here (a Slurm job's is on its allocation)
+        from k3launch.api._units import unit_states
+
+        snap.units, why = unit_states(rec, snap)
+        if why is not None:
+            snap.state, snap.reason = why.split(":", 1)[0], why
     return snap
 
 

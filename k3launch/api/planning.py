@@ -42,12 +42,14 @@ def _selection(selection: Selection | Mapping[str, Any] | None, fields: Mapping[
 def plan(inventory: InventoryArg = None, *, selection: Selection | Mapping[str, Any] | None = None,
          name: str | None = None, exclude: Sequence[str] = (), port_base: int | None = None, recipes_dir: str | Path | None = None,
          placeholders: bool = False, state_dir: str | Path | None = None, cordons: Mapping[str, Cordon] | None = None,
-         **fields: Any) -> Plan:
+         keep: Sequence[str] = (), **fields: Any) -> Plan:
     """Build a plan from a :class:`~k3launch.models.selection.Selection` (or its fields as a mapping),
     and/or its fields as keywords (``strategy``, ``nodes``, ``hardware``, ``features``, ``sets``, ...;
     keywords win). ``placeholders``: on placeholder nodes, without an inventory (``k3launch plan``
     without ``--inventory``); else on ``inventory``'s nodes (``None``: the bundled local inventory),
-    skipping those cordoned in ``state_dir`` (``cordons``: these cordons instead, node → Cordon)."""
+    skipping those cordoned in ``state_dir`` (``cordons``: these cordons instead, node → Cordon).
+    ``keep``: the engine nodes, slot by slot, of a plan being re-placed: each slot keeps its node
+    while it is usable, and only the others take spare nodes."""
     from k3launch.planning.build import build_plan
     from k3launch.planning.recipes import RecipeTree
 
@@ -60,7 +62,7 @@ def plan(inventory: InventoryArg = None, *, selection: Selection | Mapping[str, 
 
     loaded = load(inventory)
     built = build_plan(tree, sel, inventory=loaded.inventory, exclude=tuple(exclude), port_base=port_base, name=name,
-                       cordoned=for_planning(loaded, state_dir, cordons))
+                       cordoned=for_planning(loaded, state_dir, cordons), keep=tuple(keep))
     origin = PlanOrigin(selection=sel.model_dump(mode="json", exclude_defaults=True), exclude=list(exclude), port_base=port_base,
                         recipes_dir=str(recipes_dir) if recipes_dir else None)
     return built.model_copy(update={"origin": origin})

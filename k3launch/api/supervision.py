@@ -142,8 +142,12 @@ def _places(rec: DeploymentRecord, state_dir: str | Path | None) -> supervisor_m
         held = st.nodes_in_use(exclude=rec.name)  # address -> deployment: other deployments' nodes are not spares
         inv = load(inv_path)
         taken = [n.name for n in inv.inventory.nodes if (n.address or n.name) in held]
+        # every slot keeps its node unless it is lost: only the lost node's units move, onto spares
+        # (planning again from the origin alone would shift every copy after the lost one by a node)
+        cur = st.try_load(rec.name)
+        slots = list(dict.fromkeys(p.node for p in (cur or rec).plan.processes if p.role != "router"))
         return plan(inv, selection=origin.selection, name=rec.name, exclude=[*origin.exclude, *taken], port_base=origin.port_base,
-                    recipes_dir=origin.recipes_dir, state_dir=state_dir)
+                    recipes_dir=origin.recipes_dir, state_dir=state_dir, keep=slots)
 
     return Places(cordon, replan)
 

@@ -100,6 +100,13 @@ def status(con: Console, snap: Status) -> None:
     con.print(t)
     for r in snap.replicas:
         con.print(f"copy r{r.replica}: {REPLICA_STATE[r.state]}{escape(_replica_detail(r, snap))}", highlight=False)
+    if snap.reason:
+        con.print(f"[yellow]{escape(snap.reason)}[/]", highlight=False)
+    for s in snap.units if len(snap.units) > 1 else []:
+        router = "" if s.in_router is None else ("; in the router" if s.in_router else "; [red]not in the router[/]")
+        plans = "" if s.desired == s.running == "current" else f"; runs the {s.running} plan, should run the {s.desired}"
+        con.print(f"unit {escape(s.name)}: {'serving' if s.serving else '[red]not serving[/]'}{router}{escape(plans)}"
+                  + (f" ({escape(s.controller)})" if s.controller not in (None, "serving") else ""), highlight=False)
     for u in snap.unreachable:
         con.print(f"[red]unreachable[/]: {u}")
     if snap.error:

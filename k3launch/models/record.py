@@ -297,11 +297,24 @@ class SupervisorStatus(Record):
     job: str | None = None  # Slurm: the id of the job that supervises itself
 
 
+class UnitStatus(Record):
+    """``status``: one recovery unit as the controller sees it, and whether its router lists it."""
+
+    name: str
+    serving: bool  # every HTTP server of the unit answers /health
+    in_router: bool | None = None  # its engines are in the (regular) router's worker list; None: no such router, or it did not answer
+    desired: str = "current"  # the plan it should run: "current", or a rollout's "new" / "old"
+    running: str = "current"  # the plan it runs: "current", or "old" / "rolling" / "new" during a rollout
+    controller: str | None = None  # the controller's state of it (serving, draining, starting, backoff, gave-up, ...); None: no memory
+
+
 class Status(Record):
     """A deployment now: exactly what ``k3launch status --json`` prints."""
 
     name: str
-    state: str  # the record's state; "degraded" when ready but a process is gone or unhealthy; Slurm: "queued", "ended (STATE)"
+    # the record's state; "degraded" when ready but a process is gone or unhealthy, a serving unit is out of
+    # its router or a rollout stopped halfway; "rolling" while a rollout is under way; Slurm: "queued", "ended (STATE)"
+    state: str
     endpoint: str
     processes: list[ProcessStatus]
     unreachable: list[str] = []  # nodes that did not answer, with the reason
@@ -310,14 +323,18 @@ class Status(Record):
     error: str | None = None  # why it failed (state "failed")
     replicas: list[ReplicaStatus] = []  # each copy of the engine (--replicas 2 or more); one copy: left out
     rollout: RolloutStatus | None = None  # a rollout under way or stopped: which unit runs which plan
+    units: list[UnitStatus] = []  # each recovery unit: serving, in its router, which plan it runs and should run
+    reason: str | None = None  # why the state is not "ready" although the record is (degraded, rolling)
 
     def as_dict(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
-        for key in ("job", "error", "rollout"):
+        for key in ("job", "error", "rollout", "reason"):
             if data[key] is None:
                 del data[key]  # ssh/local status has no job; a deployment that did not fail, no error
         if not data["replicas"]:  # a one-copy deployment's status reads as before copies existed
             del data["replicas"]
+        if not data["units"]:  # a Slurm job's: its router is on its allocation, not asked from here
+            del data["units"]
         for proc in data["processes"]:
             if proc["replica"] is None:
                 del proc["replica"]

@@ -99,22 +99,23 @@ def _image(r: Resolved, node: NodeSpec) -> str | None:
 
 def build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None = None, *,
                inventory: Inventory | None = None, exclude: Sequence[str] = (), port_base: int | None = None,
-               name: str | None = None, cordoned: Cordoned = NO_CORDONS) -> Plan:
+               name: str | None = None, cordoned: Cordoned = NO_CORDONS, keep: Sequence[str] = ()) -> Plan:
     """``cordoned``: the inventory's cordoned nodes (read by the caller: planning does no I/O),
-    skipped with a notice and kept out of a Slurm job with the excluded ones."""
+    skipped with a notice and kept out of a Slurm job with the excluded ones. ``keep``: the engine
+    nodes, slot by slot, of a plan being re-placed (:func:`~k3launch.planning.placement.select_nodes`)."""
     # A plan is a burst of small acyclic objects (one composed command per node); the cyclic
     # GC would rescan all of them again and again on large inventories, so it waits until done.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build_plan(tree, sel, nodes, inventory, exclude, port_base, name, cordoned)
+        return _build_plan(tree, sel, nodes, inventory, exclude, port_base, name, cordoned, keep)
     finally:
         if enabled:
             gc.enable()
 
 
 def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | None, inventory: Inventory | None,
-                exclude: Sequence[str], port_base: int | None, name: str | None, cordoned: Cordoned) -> Plan:
+                exclude: Sequence[str], port_base: int | None, name: str | None, cordoned: Cordoned, keep: Sequence[str] = ()) -> Plan:
     # The name becomes a file name, a job name, container names and #SBATCH values: plain words only.
     if name is not None:
         check_name(name, example="--name k3-tep-lab")
@@ -132,7 +133,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     notices = list(r.notices) + notices
     kept_out = list(exclude)  # the plan's `exclude`: passed on to a Slurm job as sbatch --exclude
     if inventory is not None:
-        placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude, cordoned)
+        placed = select_nodes(inventory, r.hardware_id, r.nodes, exclude, cordoned, keep)
         notices.extend(cordoned.notices(inventory, r.hardware_id, exclude))
         kept_out += [n for n in cordoned.kept_out(inventory) if n not in exclude]
         if any(n.placeholder for n in placed):

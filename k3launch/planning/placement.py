@@ -197,8 +197,11 @@ def node_spec(inv: Inventory, name: str, address: str | None, hw: str | None, ov
                     env=tuple(env.items()), **values)  # type: ignore[arg-type]
 
 
-def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[str] = (), cordoned: Cordoned = NO_CORDONS) -> list[NodeSpec]:
-    """The first ``count`` usable nodes of ``hardware``, or a refusal saying what is missing."""
+def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[str] = (), cordoned: Cordoned = NO_CORDONS,
+                 keep: Sequence[str] = ()) -> list[NodeSpec]:
+    """The first ``count`` usable nodes of ``hardware``, or a refusal saying what is missing.
+    ``keep``: the node each slot had in the plan being re-placed; a slot keeps its node while it is
+    usable, and only the others take spares (nodes ``keep`` does not name), in inventory order."""
     unknown = [x for x in exclude if x not in {n.name for n in inv.nodes}] if inv.nodes else []
     if unknown:
         raise K3Error("unknown-node", f"--exclude {unknown[0]}: no such node in inventory {inv.name}", "node names: " + ", ".join(n.name for n in inv.nodes))
@@ -245,7 +248,19 @@ def select_nodes(inv: Inventory, hardware: str, count: int, exclude: Sequence[st
             (cordoned.hint(held) + "; or " if held else "")
             + f"add {count - len(usable)} more {hardware} node(s) to the inventory, or choose a smaller selection",
         )
-    return usable[:count]
+    return _keeping(usable, keep, count) if keep else usable[:count]
+
+
+def _keeping(usable: Sequence[NodeSpec], keep: Sequence[str], count: int) -> list[NodeSpec]:
+    """Slot by slot, the node ``keep`` names if usable, else the next spare: re-placing a lost node
+    moves only what ran there, never another copy onto the lost one's slot."""
+    by_name = {n.name: n for n in usable}
+    spares = [n for n in usable if n.name not in set(keep)]
+    out: list[NodeSpec] = []
+    for i in range(count):
+        want = by_name.get(keep[i]) if i < len(keep) else None
+        out.append(want if want is not None else spares.pop(0))  # enough: len(usable) >= count was checked
+    return out
 
 
 def host_memory(inv: Inventory, exclude: Sequence[str] = (), cordoned: Cordoned = NO_CORDONS) -> HostMemory:
