@@ -186,3 +186,59 @@ def test_re_placement_keeps_every_slot_but_the_lost_one_on_its_node() -> None:
     assert {p.id: p.node for p in shifted.processes if p.role != "router"}["r1-serve-0"] != nodes["r1-serve-0"]  # the bug it fixes
     assert moved["r1-serve-0"] == nodes["r1-serve-0"] and moved["r0-serve-0"] not in nodes.values(), (nodes, moved)
     assert [p for p in again.processes if p.id == "r1-serve-0"] == [p for p in old.processes if p.id == "r1-serve-0"]
+
+
+def test_scale_out_is_one_resize_while_everything_serves_and_new_copies_beyond_the_wanted_are_standbys() -> None:
+    from k3launch.models.actions import Resize
+
+    old, _ = _plans(2)
+    w, sup = World(old), _sup(old)
+    sup.copies_wanted, sup.standby_wanted = 3, 1
+    _, actions = sup.step(w.look(0.0))
+    assert [a for a in actions if isinstance(a, Resize)] == [Resize(4, (), "out to 4 copies")]
+    assert not [a for a in sup.step(w.look(1.0))[1] if isinstance(a, Resize)]  # one at a time: the executor reports back
+    big, _ = _plans(4)
+    started = [u.name for u in units(big) if u.name.startswith(("r2", "r3"))]
+    sup.resized(big, started, 2.0)
+    w = World(big)
+    w.listed = [x for x in w.listed if "13:" not in x and "14:" not in x]  # the router knows the first two copies
+    events, actions = sup.step(w.look(3.0))
+    done = w.apply(sup, actions, 3.0)
+    assert sup.standby == {"r3"} and sup.scaled(), (sup.standby, [e.kind for e in events])
+    r2 = url(next(x for x in big.processes if x.id == "r2-serve-0"))
+    assert done == [f"+{r2}"], done  # r2 joins the router; the standby r3 serves, out of it
+
+
+def test_scale_in_drains_the_highest_copies_then_resizes() -> None:
+    from k3launch.models.actions import Resize
+
+    big, _ = _plans(4)
+    w, sup = World(big), _sup(big)
+    sup.copies_wanted = 2
+    events, actions = sup.step(w.look(0.0, running={"r2-serve-0": 1.0, "r3-serve-0": 0.0}))
+    done = w.apply(sup, actions, 0.0)
+    assert [sup.state(f"r{i}-serve-0") for i in range(4)] == [UnitState.SERVING] * 2 + [UnitState.DRAINING] * 2
+    assert len(done) == 2 and all(d.startswith("-") for d in done), done  # both leave the router first
+    _, actions = sup.step(w.look(1.0, running={"r2-serve-0": 1.0, "r3-serve-0": 0.0}))
+    assert not [a for a in actions if isinstance(a, Resize)]  # r2 still has a request running
+    _, actions = sup.step(w.look(2.0, running={"r2-serve-0": 0.0, "r3-serve-0": 0.0}))
+    assert [a for a in actions if isinstance(a, Resize)] == [Resize(2, ("r2", "r3"), "in to 2 copies: r2, r3 drained")]
+
+
+def test_a_standby_takes_a_failed_copys_place_in_the_same_look() -> None:
+    old, _ = _plans(3)
+    w, sup = World(old), _sup(old)
+    sup.copies_wanted, sup.standby_wanted = 2, 1
+    w.apply(sup, sup.step(w.look(0.0))[1], 0.0)  # r2 becomes the standby and leaves the router
+    r2 = url(next(x for x in old.processes if x.id == "r2-serve-0"))
+    r0 = url(next(x for x in old.processes if x.id == "r0-serve-0"))
+    assert sup.standby == {"r2"} and r2 not in w.listed
+    w.dead["r0-serve-0"] = "exited with code 137"
+    w.healthy["r0-serve-0"] = False
+    events, actions = sup.step(w.look(1.0))
+    done = w.apply(sup, actions, 1.0)
+    assert "promoted" in [e.kind for e in events] and sup.standby == {"r0"}
+    assert done[:2] == [f"+{r2}", f"-{r0}"] and "restart r0-serve-0" in done, done  # in before the failed one is out
+    w.healthy["r0-serve-0"] = True
+    w.apply(sup, sup.step(w.look(2.0))[1], 2.0)
+    assert sup.state("r0-serve-0") is UnitState.SERVING and r0 not in w.listed and sup.scaled()  # back, as the standby

@@ -52,6 +52,12 @@ def _all_listed(endpoint: str, every: list[str], within: float = 10.0) -> list[s
     return got
 
 
+def _urls(cli: Cli, name: str, by_id: bool = False) -> Any:
+    """The engines' URLs as the router lists them (sorted), or (id, URL) pairs."""
+    pairs = [(p["id"], f"http://{p['address']}:{p['http_port']}") for p in cli.record(name)["plan"]["processes"] if p["role"] != "router"]
+    return pairs if by_id else sorted(u for _, u in pairs)
+
+
 def _engines(cli: Cli, name: str) -> dict[str, int]:
     return {i: int(p["handle"]) for i, p in cli.record(name)["processes"].items() if i != "router"}
 
@@ -126,6 +132,63 @@ def test_one_controller_rolls_while_copies_die_commands_are_interrupted_and_cont
     assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
     end = cli.json("status", name)
     assert end["state"] == "ready" and all(u["in_router"] for u in end["units"] if u["name"] != "router"), end
+    rec = cli.record(name)
+    d = cli.json("down", name, timeout=120)
+    assert d["clean"] is True, d
+    assert local_leftovers(rec) == ({}, [])
+
+
+def test_scale_out_and_in_then_a_standby_takes_a_killed_copys_place(state_cli: Cli, local_inventory: Path, tmp_path: Path) -> None:
+    """Two copies, supervised: ``scale --replicas 4`` then ``--replicas 2`` under load (the router
+    lists exactly the serving copies, freed nodes hold nothing); then ``--standby 1`` and a
+    ``kill -9`` of a serving copy: the standby is in the router in the look that saw the kill."""
+    from e2e_helpers import events
+
+    cli = state_cli
+    inv = yaml.safe_load(local_inventory.read_text())
+    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "1"}
+    path = tmp_path / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    name = "ctl-scale"
+    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "2",
+                "--name", name, "--port-base", "23780", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    endpoint, model = json.loads(r.stdout)["endpoint"], cli.record(name)["plan"]["model"]
+    cli.json("supervise", name, "--detach", "--poll", "0.5")
+    with Load(endpoint, model, workers=2, limit=6000, pause=0.02, client="openai") as load:
+        t0 = time.monotonic()
+        out = cli.json("scale", name, "--replicas", "4", timeout=180)
+        t_out = time.monotonic() - t0
+        four = _all_listed(endpoint, _urls(cli, name))
+        t0 = time.monotonic()
+        back = cli.json("scale", name, "--replicas", "2", timeout=180)
+        t_in = time.monotonic() - t0
+        two_rec = cli.record(name)
+        two = _listed(endpoint)
+        urls = _urls(cli, name)
+        sb = cli.json("scale", name, "--standby", "1", timeout=180)
+        listed_sb = _all_listed(endpoint, urls)
+        r2 = next(u for i, u in _urls(cli, name, by_id=True) if i == "r2-serve-0")
+        victim = _engines(cli, name)["r0-serve-0"]
+        t_kill = time.time()
+        os.kill(victim, signal.SIGKILL)
+        _, healed = wait_for_record(cli, name, lambda rec: rec.get("control", {}).get("standby") == ["r0"]
+                                    and rec["control"]["units"]["r0-serve-0"]["state"] == "serving", 60)
+        after_kill = _listed(endpoint)
+    log = [e for e in events(cli, name) if e["time"] >= t_kill]
+    detected = next(e for e in log if e["kind"] == "detected" and e.get("unit") == "r0-serve-0")
+    added = next(e for e in log if e["kind"] == "rerouted" and f"added {r2}" in e["reason"])
+    print(f"\n[scale 2->4 {t_out:.1f}s, 4->2 {t_in:.1f}s; standby promoted {added['time'] - detected['time']:.2f}s after detection "
+          f"({detected['time'] - t_kill:.1f}s after the kill); client {load.ok} ok, {load.failed} failed]")
+    assert out["copies"] == 4 and back["copies"] == 2 and sb == {"name": name, "copies": 3, "standby": ["r2"], "seconds": sb["seconds"]}, sb
+    assert len(four) == 4, four
+    assert two == urls and len(two) == 2, two
+    assert sorted(two_rec["processes"]) == ["r0-serve-0", "r1-serve-0", "router"]
+    assert listed_sb == urls, listed_sb  # the standby r2 serves, out of the router
+    assert added["time"] - detected["time"] < 2.0, (detected, added)
+    assert after_kill == sorted([urls[1], r2]), after_kill  # r0 came back as the standby
+    assert healed["control"]["restarts"] >= 1
+    assert load.failed == 0 and load.ok > 50, (load.ok, load.failures[:5])
     rec = cli.record(name)
     d = cli.json("down", name, timeout=120)
     assert d["clean"] is True, d

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
         schema_dump,
     )
     from k3launch.api.rollouts import rollout, rollout_continue, rollout_preview
+    from k3launch.api.scaling import scale
     from k3launch.api.supervision import events, follow_events, restart_policy, stop_supervisor, supervise, supervise_detached
     from k3launch.api.timelines import restart_timeline, timeline
 
@@ -112,6 +113,7 @@ _HOMES: dict[str, str] = {
     "rollout": "rollouts",
     "rollout_continue": "rollouts",
     "rollout_preview": "rollouts",
+    "scale": "scaling",
     "recipe": "planning",
     "recipes": "planning",
     "record": "lifecycle",
@@ -192,6 +194,7 @@ __all__ = [
     "rollout_continue",
     "rollout_preview",
     "saved_probe",
+    "scale",
     "schema_dump",
     "state_root",
     "status",

@@ -30,7 +30,7 @@ from k3launch.models.backends import Feature, require
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.rollout import RolloutState, RolloutUnit, changes_typed
-from k3launch.models.supervise import Event, Unit, units
+from k3launch.models.supervise import Unit, units
 from k3launch.planning.diff import ProcessDiff, diff_plans
 
 ROLLABLE = ("ready",)
@@ -296,8 +296,6 @@ def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], s
     return RolloutResult(state.old)
 
 
-WAIT_POLL_S = 0.5
-TAKEOVER_S = 10.0  # a rollout's command waits this long for a killed supervisor's successor before it rolls on itself
 
 
 def _pending(st: StateStore, name: str, rec: DeploymentRecord) -> bool:
@@ -311,75 +309,25 @@ def _pending(st: StateStore, name: str, rec: DeploymentRecord) -> bool:
 
 def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], state_dir: str | Path | None,
               accept_unknown_hosts: bool, connect_timeout: float) -> RolloutResult:
-    """Write ``state`` as the spec's new rollout, then see it converge: a controller that runs
-    (``supervise``) adopts it at its next look, and this waits; with none, the controller runs
-    here until the rollout is done or stopped. Interrupted (Ctrl-C), a foreground controller
-    hands over to a detached one, which goes on from its saved memory: the rollout converges,
-    and no serving unit is left out of its router."""
-    from k3launch.api.supervision import refuse_self_supervised, supervise, supervise_detached, write_spec
-    from k3launch.deploy.supervisors import lock_path
-    from k3launch.util.locks import held
+    """Write ``state`` as the spec's new rollout and see the controller converge to it
+    (:func:`k3launch.api._converge.converge`): done, or stopped with every unit back on one plan."""
+    from k3launch.api._converge import converge
 
-    st = store(state_dir)
-    with st.lock(name):  # one writer of the spec at a time; a `down` meanwhile is refused
-        rec = st.load(name)
-        refuse_self_supervised(rec)
+    def refuse(st: StateStore, rec: DeploymentRecord) -> None:
         if (rec.rollout is not None and not rec.rollout.stopped) or _pending(st, name, rec):
             raise K3Error("rollout-running", f"{name} is in a rollout under way", f"`k3launch status {name}` follows it; change it again once it is done")
-        revision = write_spec(st, name, rollout=state, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    if held(lock_path(st, name)):
-        say(f"the supervisor of {name} rolls it (spec revision {revision})")
-        followed = _follow(st, name, revision, say)
-        if followed is not None:
-            return followed
-        say(f"no supervisor has watched {name} for {TAKEOVER_S:g}s: this command rolls it on from the saved memory")
-    def on_event(e: Event) -> None:
-        if e.kind in ("rolling", "rolled", "roll-failed", "rolled-back", "restarting", "restarted", "detected"):
-            say(f"{e.unit or name}: {e.kind}: {e.reason}")
 
-    outcome = "stopped"
-    try:
-        outcome = supervise(name, state_dir=state_dir, on_event=on_event, until_converged=True,
-                            accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    finally:
-        if outcome == "stopped":  # interrupted: a detached controller finishes what this one started
-            cur = st.try_load(name)
-            if cur is not None and cur.state == "ready" and (cur.rollout is not None or cur.control is not None):
-                sv = supervise_detached(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-                say(f"interrupted: the rollout goes on under a detached supervisor (pid {sv.pid} on {sv.host}); "
-                    f"`k3launch status {name}` follows it")
-    return _result(st, name, revision)
+    def done(rec: DeploymentRecord) -> bool:
+        ro = rec.rollout
+        return ro is None or (bool(ro.stopped) and not any(u.on == "rolling" for u in ro.units))  # a failed unit is back too
 
+    def progress(rec: DeploymentRecord) -> list[str]:
+        ro = rec.rollout
+        return [f"{u.name}: {u.on}" + (f" ({u.failed})" if u.failed else "") for u in ro.units] if ro is not None else []
 
-def _follow(st: StateStore, name: str, revision: int, say: Callable[[str], None]) -> RolloutResult | None:
-    """Wait for a running controller to converge the rollout of spec ``revision``; progress said
-    per unit. None when no controller has run for :data:`TAKEOVER_S` (killed, and nobody started
-    another): the caller runs one."""
-    from k3launch.deploy.supervisors import lock_path
-    from k3launch.util.locks import held
-
-    seen: dict[str, str] = {}
-    gone: float | None = None
-    while True:
-        if held(lock_path(st, name)):
-            gone = None
-        elif gone is None:
-            gone = time.monotonic()
-        elif time.monotonic() - gone > TAKEOVER_S:
-            return None
-        rec = st.try_load(name)
-        if rec is None or rec.state != "ready":
-            raise K3Error("rollout-ended", f"{name} is {rec.state if rec else 'gone'}: the rollout ended with it", f"`k3launch events {name}`")
-        control, ro = rec.control, rec.rollout
-        adopted = control is not None and control.revision >= revision
-        if adopted and ro is not None:
-            for u in ro.units:
-                if seen.get(u.name) != u.on:
-                    seen[u.name] = u.on
-                    say(f"{u.name}: {u.on}" + (f" ({u.failed})" if u.failed else ""))
-        if adopted and (ro is None or (ro.stopped and not any(u.on == "rolling" for u in ro.units))):  # a failed unit is back too
-            return _result(st, name, revision)
-        time.sleep(WAIT_POLL_S)
+    revision = converge(name, {"rollout": state}, done=done, refuse=refuse, what="rollout", say=say, state_dir=state_dir,
+                        accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, progress=progress)
+    return _result(store(state_dir), name, revision)
 
 
 def _result(st: StateStore, name: str, revision: int) -> RolloutResult:

@@ -149,7 +149,16 @@ def _places(rec: DeploymentRecord, state_dir: str | Path | None) -> supervisor_m
         return plan(inv, selection=origin.selection, name=rec.name, exclude=[*origin.exclude, *taken], port_base=origin.port_base,
                     recipes_dir=origin.recipes_dir, state_dir=state_dir, keep=slots)
 
-    return Places(cordon, replan)
+    def resize(total: int) -> Plan:
+        held = st.nodes_in_use(exclude=rec.name)
+        inv = load(inv_path)
+        taken = [n.name for n in inv.inventory.nodes if (n.address or n.name) in held]
+        cur = st.try_load(rec.name)
+        slots = list(dict.fromkeys(p.node for p in (cur or rec).plan.processes if p.role != "router"))
+        return plan(inv, selection={**origin.selection, "replicas": total}, name=rec.name, exclude=[*origin.exclude, *taken],
+                    port_base=origin.port_base, recipes_dir=origin.recipes_dir, state_dir=state_dir, keep=slots)
+
+    return Places(cordon, replan, resize)
 
 
 def refuse_self_supervised(rec: DeploymentRecord) -> None:

@@ -240,6 +240,7 @@ COMMANDS: dict[str, Lazy] = {
         "k3launch.cli.rollout",
         "Change a live deployment one unit at a time: out of the router, drained, restarted on the new plan, gated, back in.",
     ),
+    "scale": Lazy("k3launch.cli.rollout", "Change how many copies of the engine serve, and how many hot standbys wait beside them."),
     "canary": Lazy(
         "k3launch.cli.canary",
         "Replay the deployment's recorded greedy answers on every engine, P/D pairing and the router, and compare (exit 1 on a difference).",

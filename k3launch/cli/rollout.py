@@ -90,3 +90,32 @@ def rollout(
         con.print(f"`k3launch rollout {name} --continue` tries again; `--rollback` undoes what rolled", markup=False)
     if not result.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def scale(
+    name: Annotated[str, typer.Argument(help="Deployment name.")],
+    replicas: Annotated[int | None, typer.Option("--replicas", help="Copies that serve behind the router (default: as now).")] = None,
+    standby: Annotated[int | None, typer.Option("--standby", help="Hot standbys: copies started and serving, kept out of the router, that take a failed copy's place at once (default: as now).")] = None,
+    state_dir: StateDir = None, accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
+) -> None:
+    """Change how many copies of the engine serve, and how many hot standbys wait beside them.
+
+    Out: new copies start on free nodes of the inventory (the doctor first), then join the router (standbys stay out). In: the copies with the highest indices leave the router, drain and stop. The deployment's supervisor does it; without one, this command does until it is done."""
+    STATE.json = json_out
+    from k3launch.api.scaling import scale as do_scale
+
+    con = console()
+    say = (lambda s: None) if json_out else (lambda s: con.print(s, markup=False))
+    try:
+        if replicas is None and standby is None:
+            raise K3Error("no-change", "nothing to scale", "give --replicas N and/or --standby K")
+        result = do_scale(name, replicas=replicas, standby=standby, say=say, state_dir=state_dir,
+                          accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    except KeyboardInterrupt:
+        raise typer.Exit(INTERRUPTED) from None
+    if json_out:
+        typer.echo(json.dumps({"name": name, "copies": result.copies, "standby": result.standby, "seconds": result.seconds}))
+    else:
+        extra = f", {len(result.standby)} standby ({', '.join(result.standby)})" if result.standby else ""
+        con.print(f"{name} runs {result.copies} copies{extra} after {result.seconds:.1f}s", markup=False)

@@ -22,11 +22,12 @@ from k3launch.deploy.rollout import Gate as GateFn
 from k3launch.deploy.rollout import Roller, shutdown_timeout, with_processes
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.actions import Action, FtRetry, Gate, GiveUp, Replace, Restart, Route, StopAll, Surge, Swap, UnitState
+from k3launch.models.actions import Action, FtRetry, Gate, GiveUp, Replace, Resize, Restart, Route, StopAll, Surge, Swap, UnitState
 from k3launch.models.converge import url
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.rollout import RolloutState
+from k3launch.models.scaling import copy_of
 from k3launch.models.supervise import Event, Unit, reroutable, units
 from k3launch.models.supervision import Supervision
 from k3launch.transport import http
@@ -44,6 +45,7 @@ class Places:
 
     cordon: Callable[[str, str], None]  # (node, reason)
     replan: Callable[[], Plan]
+    resize: Callable[[int], Plan] | None = None  # the plan with this many copies, every existing copy on its nodes
 
 
 class Host(Protocol):
@@ -106,6 +108,8 @@ class Actor:
             return self.gate(a.unit)
         if isinstance(a, Surge):
             return self.surge()
+        if isinstance(a, Resize):
+            return self.resize(a)
         if isinstance(a, GiveUp):
             h.keep(a.failing)
             h.watcher.stop(a.unit.processes, GRACE_S)
@@ -240,6 +244,42 @@ class Actor:
             ro.logs = result.logs
         took = max((r.seconds for r in result.rolled), default=0.0)
         h.emit(h.sup.surged(result.ok, result.reason, now, failed=result.failed, seconds=took))
+        return "ok"
+
+    # ------------------------------------------------------------------ a copy count
+    def resize(self, a: Resize) -> str:
+        """Run on a plan of ``a.total`` copies: the leaving ones (drained) stop and leave the
+        record, new ones start on free nodes the doctor passed; the router is told, not restarted
+        (the membership of the next looks)."""
+        h = self.h
+        if h.places is None or h.places.resize is None:
+            return self.then(h.sup.resize_failed("no inventory to plan the copies on (the record names none, or it is gone)", time.time()), [])
+        try:
+            new = h.places.resize(a.total)
+        except K3Error as exc:
+            return self.then(h.sup.resize_failed(f"no free node fits: {exc.message}", time.time()), [])
+        before = {p.id: p for p in h.rec.plan.processes}
+        gone = [p.id for p in h.rec.plan.processes if copy_of(p.id) in a.leaving]
+        fresh = sorted({p.node for p in new.processes if p.id not in before})
+        problems = h.watcher.check(new, fresh) if fresh else []
+        if problems:
+            return self.then(h.sup.resize_failed(f"a free node failed the doctor: {problems[0]}", time.time()), [])
+        started = [u for u in units(new) if u.kind != "router" and not set(u.processes) & set(before)]
+        with h.store.lock(h.rec.name):
+            if gone:
+                h.watcher.stop(gone, GRACE_S)
+
+                def drop(r: DeploymentRecord) -> None:
+                    for i in gone:
+                        r.processes.pop(i, None)
+
+                h.watcher.note(drop)
+            h.watcher.adopt(new, "")
+            for u in started:
+                bad = h.watcher.restart(u, GRACE_S, lambda: not h.stopping())
+                if bad:
+                    h.emit([event(h.rec, "restart-failed", unit=u.name, process=bad[0].failing, reason=bad[0].message, log_tail=bad[0].log_tail)])
+        h.emit(h.sup.resized(new, [u.name for u in started], time.time()))
         return "ok"
 
     # ------------------------------------------------------------------ a lost node

@@ -131,7 +131,10 @@ class _Run:
         """A spec revision newer than the one adopted: its policy, and the rollout (new, continued
         or rolled back) when that revision brought it."""
         spec = read_spec(self.store, self.rec.name)
-        if spec is None or spec.revision <= self.revision:
+        if spec is None:
+            return
+        self.sup.copies_wanted, self.sup.standby_wanted = spec.replicas, spec.standby  # a scale converges from any look
+        if spec.revision <= self.revision:
             return
         self.revision = spec.revision
         if spec.rollout is not None and spec.rollout.revision == spec.revision:
@@ -142,7 +145,7 @@ class _Run:
 
     def busy(self) -> bool:
         """A roll is under way (a unit between leaving its router and its gate, or a surge)."""
-        return self.sup.surging or any(self.sup.memory[u.name].to for u in self.sup.units)
+        return self.sup.surging or self.sup.resizing or any(self.sup.memory[u.name].to for u in self.sup.units)
 
     def settle(self) -> None:
         """A rollout every unit of which runs its target plan: that plan, whole, runs from now on."""
@@ -177,9 +180,10 @@ class _Run:
         self.saved = blob
 
     def converged(self) -> bool:
-        """Nothing left to converge to: no rollout, or one stopped with no unit between two steps."""
+        """Nothing left to converge to: no rollout (or one stopped with no unit between two steps),
+        and the copies and standbys as the spec wants them, every unit serving."""
         ro = self.sup.rollout
-        return not self.busy() and (ro is None or bool(ro.stopped))
+        return not self.busy() and (ro is None or bool(ro.stopped)) and self.sup.scaled()
 
     # ------------------------------------------------------------------ one look
     def look(self) -> Observation:

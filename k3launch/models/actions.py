@@ -123,7 +123,17 @@ class Surge:
     set (the executor reports back with :meth:`Supervision.surged`)."""
 
 
-Action = Restart | GiveUp | Replace | FtRetry | StopAll | Route | Swap | Gate | Surge
+@dataclass(frozen=True)
+class Resize:
+    """Run on a plan of ``total`` copies: the ``leaving`` ones (drained) stop, new ones start (the
+    executor reports back with ``resized`` or ``resize_failed``: :mod:`k3launch.models.scaling`)."""
+
+    total: int
+    leaving: tuple[str, ...]
+    reason: str
+
+
+Action = Restart | GiveUp | Replace | FtRetry | StopAll | Route | Swap | Gate | Surge | Resize
 
 
 @dataclass
@@ -139,5 +149,6 @@ class Memory:
     progress: dict[str, tuple[int, float]] = field(default_factory=dict)  # starting process -> (CPU ticks, since when unchanged)
     to: str = ""  # a roll under way: the plan it is swapped to
     undo: bool = False  # ... to take back a roll that failed its gate
+    leaving: bool = False  # its copy is scaled in: out of the router, drained, then stopped
     since: float = 0.0  # a roll under way: when it left the router
     drained_s: float = 0.0

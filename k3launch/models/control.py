@@ -35,6 +35,8 @@ class Spec(_Rec):
     rollout: RolloutState | None = None  # the rollout to converge to (None: the running plan as it is)
     policy: RestartPolicy | None = None  # the controller's policy (None: the inventory's ``restart:``)
     hook: str | None = None  # --on-event: a command run with each event as JSON on stdin
+    replicas: int | None = None  # serving copies wanted (``scale``; None: as many as the plan has)
+    standby: int = 0  # hot standbys wanted beside them
     accept_unknown_hosts: bool = False  # the SSH client settings a detached controller uses
     connect_timeout: float = 10.0
 
@@ -50,6 +52,7 @@ class UnitMemory(_Rec):
     failing: list[str] = []
     to: str = ""  # a roll under way: the plan the unit is swapped to ("new", or "old" when rolled back)
     undo: bool = False  # ... to take back a roll that failed its gate
+    leaving: bool = False  # its copy is scaled in
     since: float = 0.0  # a roll under way: when the unit left the router
     drained_s: float = 0.0
 
@@ -63,3 +66,6 @@ class ControlMemory(_Rec):
     node_down: dict[str, float] = {}  # node -> since when it does not answer
     lost: list[str] = []
     finished: RolloutState | None = None  # the last rollout that converged (what its command reports)
+    standby: list[str] = []  # copies serving as hot standbys, out of the router
+    copies: int = 0  # copies the plan runs
+    scaled: bool = True  # the copy count and standbys are as the spec wants, every unit serving

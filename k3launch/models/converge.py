@@ -63,6 +63,10 @@ class Converge:
     def _starting(self, m: Memory, now: float) -> None:
         raise NotImplementedError
 
+    def out_of_router(self, u: Unit) -> bool:
+        """Serving but not the router's (a standby, a leaving copy: :mod:`k3launch.models.scaling`)."""
+        return False
+
     # ------------------------------------------------------------------ who serves behind which router
     def routers(self) -> list[Process]:
         """The routers whose worker list is the controller's to keep (not P/D: vllm-router 0.1.17
@@ -79,7 +83,7 @@ class Converge:
     def routes(self, obs: Observation) -> list[Action]:
         """What each regular router must add and remove to list exactly the serving units' engines."""
         out: list[Action] = []
-        want = {_norm(x) for u in self.units if self.memory[u.name].state in _IN_ROUTER for x in self.urls(u)}
+        want = {_norm(x) for u in self.units if self.memory[u.name].state in _IN_ROUTER and not self.out_of_router(u) for x in self.urls(u)}
         for r in self.routers():
             listed = obs.routers.get(r.id)
             if listed is None or not obs.healthy.get(r.id, True):
@@ -97,6 +101,10 @@ class Converge:
         if owner is None:
             return "(not an engine of the plan)"
         state = self.memory[owner.name].state
+        if self.memory[owner.name].leaving:
+            return f"while {owner.name} leaves (scaled in)"
+        if self.out_of_router(owner):
+            return f"({owner.name} is a standby)"
         return {UnitState.DRAINING: f"while {owner.name} drains for a roll", UnitState.GAVE_UP: f"({owner.name} was given up)",
                 UnitState.WAITING_NODE: f"while {owner.name} waits for its node"}.get(state, f"while {owner.name} restarts")
 
@@ -192,7 +200,7 @@ class Converge:
         out: list[Action] = []
         for u in self.units:
             m = self.memory[u.name]
-            if m.state is UnitState.DRAINING:
+            if m.state is UnitState.DRAINING and not m.leaving:
                 left = [obs.running.get(pid) for pid in u.http]
                 if all(n is None or n == 0 for n in left) or now >= m.until:
                     m.drained_s = now - m.since

@@ -86,6 +86,11 @@ EventKind = Literal[
     "roll-failed",  # ... it failed its gate or did not start: it goes back to the plan it had, and the rollout stops
     "rolled-back",  # ... and serves that plan again
     "rollout-done",  # every unit runs the rollout's plan
+    "scaling",  # the copy count changes (scale): copies start, or a leaving copy drains
+    "scaled",  # ... and the deployment runs that many copies
+    "scale-failed",  # ... it could not (no free node fits, the doctor refused one): tried again later
+    "standby",  # a serving copy is kept out of the router as a hot standby
+    "promoted",  # a standby joined the router in place of a copy that failed (or fewer standbys are wanted)
     "supervisor-error",  # an action failed in a way k3launch did not foresee (a bug): reported, and the watch goes on
 ]
 

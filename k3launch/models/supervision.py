@@ -9,7 +9,7 @@ happened to a restart or a re-placement. Policy, units and events: :mod:`k3launc
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from k3launch.models.actions import (
     Action,
@@ -30,6 +30,7 @@ from k3launch.models.control import ControlMemory, UnitMemory
 from k3launch.models.converge import Converge
 from k3launch.models.plan import Plan
 from k3launch.models.rollout import RolloutState
+from k3launch.models.scaling import Scale
 from k3launch.models.supervise import Event, EventKind, RestartPolicy, Unit, units
 
 __all__ = ["Action", "FtRetry", "Gate", "GiveUp", "Memory", "Observation", "Replace", "Restart", "Route", "StopAll", "Supervision",
@@ -40,7 +41,7 @@ FT_MARGIN_S = 15.0  # past the engines' recovery timeout: they die by then; a gr
 FT_RETRY_AGAIN_S = 30.0  # a retry that did not take (a rank missed it) is sent again
 
 
-class Supervision(Converge):
+class Supervision(Scale, Converge):
     """The decisions of a supervisor over one deployment (no I/O: the caller observes and acts)."""
 
     _newly_lost: list[str]
@@ -54,6 +55,11 @@ class Supervision(Converge):
         self.node_of = {p.id: p.node for p in plan.processes}
         self.rollout: RolloutState | None = None  # the spec's rollout, converged unit by unit (:mod:`k3launch.models.converge`)
         self.surging = False  # a --surge is under way (one action: the executor reports back)
+        self.copies_wanted: int | None = None  # the spec's copies (None: as the plan has them) (:mod:`k3launch.models.scaling`)
+        self.standby_wanted = 0
+        self.standby: set[str] = set()  # copies serving as hot standbys, out of the router
+        self.resizing = False
+        self.resize_blocked = 0.0
         self.memory = {u.name: Memory() for u in self.units}
         self.node_down: dict[str, float] = {}  # node -> since when it does not answer
         self.lost: set[str] = set()
@@ -99,6 +105,9 @@ class Supervision(Converge):
             if failure is None and u.name in self.ft and m.state in (UnitState.SERVING, UnitState.RECOVERING):
                 failure, recovery = self._recovery(u, m, obs, events)
                 actions += recovery
+            if failure is not None and m.leaving:  # a copy being scaled in: gone is as good as drained
+                m.state, m.until = UnitState.DRAINING, now
+                continue
             if failure is not None and m.to and self.rolls_forward(m):
                 if m.state is UnitState.STARTING:  # the new plan does not start or serve: rolled back, the rollout stops
                     actions += self.roll_failed(u, m, now, failure[0], events, proc=failure[1], tail=failure[2])
@@ -113,6 +122,7 @@ class Supervision(Converge):
                 else:
                     m.detected = now
                     events.append(self._event(now, "detected", u, process=proc, node=self._node(proc), reason=why, log_tail=tail))
+                    self.promote(u, now, events)  # a standby takes its place in the router at once
                     actions += self._fail(u, m, now, why, events, proc=proc)
                 continue
             if m.state is UnitState.BACKOFF and now >= m.until:
@@ -128,6 +138,8 @@ class Supervision(Converge):
                                           attempt=len(m.restarts)))
                 m.detected = None
         actions += self.roll(obs, events)
+        calm = (self.rollout is None or bool(self.rollout.stopped)) and not self.surging and not any(m.to for m in self.memory.values())
+        actions += self.scale(obs, events, calm)
         if not self.can_serve() and not any(isinstance(a, StopAll) for a in actions):
             why = self._why_not()
             events.append(self._event(now, "failed", reason=why))
@@ -310,6 +322,14 @@ class Supervision(Converge):
             m.detected = now if m.detected is None else m.detected
             self.restarts += 1
 
+    def resized(self, plan: Plan, started: Sequence[str], now: float) -> list[Event]:
+        """The executor ran the deployment on ``plan`` (a copy count changed): ``started`` (unit
+        names) are starting; the leaving copies are gone."""
+        self.resizing = False
+        self.replaced(plan, started, now)
+        self.restarts -= len(started)  # new copies are not restarts
+        return [self._event(now, "scaled", reason=f"runs {len(self.copies())} copies")]
+
     # ------------------------------------------------------------------ the deployment as a whole
     def can_serve(self) -> bool:
         """Every role keeps a unit that is not given up (a P/D deployment needs both pools), and the router."""
@@ -328,9 +348,11 @@ class Supervision(Converge):
     # ------------------------------------------------------------------ memory, saved in the record
     def dump(self, revision: int) -> ControlMemory:
         """What a controller started again needs to go on where this one was."""
-        return ControlMemory(revision=revision, restarts=self.restarts, node_down=dict(self.node_down), lost=sorted(self.lost), units={
+        return ControlMemory(revision=revision, restarts=self.restarts, node_down=dict(self.node_down), lost=sorted(self.lost),
+                             standby=sorted(self.standby), copies=len(self.copies()), scaled=self.scaled(), units={
             u.name: UnitMemory(state=(m := self.memory[u.name]).state.value, until=m.until, restarts=list(m.restarts), detected=m.detected,
-                               reason=m.reason, failing=list(m.failing), to=m.to, undo=m.undo, since=m.since, drained_s=m.drained_s)
+                               reason=m.reason, failing=list(m.failing), to=m.to, undo=m.undo, since=m.since, drained_s=m.drained_s,
+                               leaving=m.leaving)
             for u in self.units})
 
     def restore(self, saved: ControlMemory, now: float) -> None:
@@ -339,6 +361,7 @@ class Supervision(Converge):
         ``start_timeout`` to serve again, then its gate; restart counts and windows go on. Call it
         after setting :attr:`rollout` (a draining unit's roll is given back to it)."""
         self.restarts, self.node_down, self.lost = saved.restarts, dict(saved.node_down), set(saved.lost)
+        self.standby = set(saved.standby)
         for u in self.units:
             got = saved.units.get(u.name)
             if got is None:
@@ -346,9 +369,11 @@ class Supervision(Converge):
             m = self.memory[u.name]
             m.restarts = deque(got.restarts)
             m.until, m.detected, m.reason, m.failing = got.until, got.detected, got.reason, tuple(got.failing)
-            m.to, m.undo, m.since, m.drained_s = got.to, got.undo, got.since, got.drained_s
+            m.to, m.undo, m.since, m.drained_s, m.leaving = got.to, got.undo, got.since, got.drained_s, got.leaving
             m.state = UnitState(got.state) if got.state in {s.value for s in UnitState} else UnitState.SERVING
-            if m.state is UnitState.DRAINING:  # never swapped: it runs (and serves) the plan it had; it rolls again
+            if m.state is UnitState.DRAINING and m.leaving:
+                m.until = now + 10.0  # a leaving copy's drain goes on a little; then it stops
+            elif m.state is UnitState.DRAINING:  # never swapped: it runs (and serves) the plan it had; it rolls again
                 self.abandon(u, m)
                 m.state = UnitState.SERVING
             elif m.state is UnitState.GATING:  # swapped, not gated: serving again is followed by its gate
