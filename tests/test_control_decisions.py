@@ -215,7 +215,7 @@ def test_scale_in_drains_the_highest_copies_then_resizes() -> None:
     big, _ = _plans(4)
     w, sup = World(big), _sup(big)
     sup.copies_wanted = 2
-    events, actions = sup.step(w.look(0.0, running={"r2-serve-0": 1.0, "r3-serve-0": 0.0}))
+    _events, actions = sup.step(w.look(0.0, running={"r2-serve-0": 1.0, "r3-serve-0": 0.0}))
     done = w.apply(sup, actions, 0.0)
     assert [sup.state(f"r{i}-serve-0") for i in range(4)] == [UnitState.SERVING] * 2 + [UnitState.DRAINING] * 2
     assert len(done) == 2 and all(d.startswith("-") for d in done), done  # both leave the router first

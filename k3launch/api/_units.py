@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from k3launch.models.converge import url
 from k3launch.models.record import DeploymentRecord, Status, UnitStatus
+from k3launch.models.scaling import copy_of
 from k3launch.models.supervise import units
 from k3launch.transport import http
 
@@ -23,6 +24,7 @@ def unit_states(rec: DeploymentRecord, snap: Status, ask_router: bool = True) ->
         listed = {u.rstrip("/") for u in got} if got is not None else None
     ro = rec.rollout
     memory = rec.control.units if rec.control is not None else {}
+    standby = set(rec.control.standby) if rec.control is not None else set()
     out = []
     for u in units(plan):
         mine = [url(p) for p in plan.processes if p.id in u.http and p.role != "router"]
@@ -31,14 +33,14 @@ def unit_states(rec: DeploymentRecord, snap: Status, ask_router: bool = True) ->
             name=u.name, serving=all(healthy.get(pid, False) for pid in u.http),
             in_router=None if listed is None or not mine or u.kind == "router" else all(m in listed for m in mine),
             desired=ro.target if ru is not None and ro is not None else "current", running=ru.on if ru is not None else "current",
-            controller=memory[u.name].state if u.name in memory else None))
+            controller=memory[u.name].state if u.name in memory else None, standby=copy_of(u.name) in standby))
     if snap.state != "ready":
         return out, None
     if ro is not None and not ro.stopped:
         return out, f"rolling: {' '.join(ro.changes)} ({sum(u.on == ro.target for u in ro.units)} of {len(ro.units)} unit(s) on the target plan)"
     if ro is not None:
         return out, f"degraded: a rollout stopped halfway ({ro.stopped}); `k3launch rollout {rec.name} --continue` or `--rollback`"
-    outside = [s.name for s in out if s.serving and s.in_router is False]
+    outside = [s.name for s in out if s.serving and s.in_router is False and not s.standby]
     if outside:
         return out, f"degraded: {', '.join(outside)} serve(s) but the router does not list it"
     return out, None

@@ -41,6 +41,7 @@ def up(
     queue_timeout: Annotated[float | None, number_option("--queue-timeout", bounds.QUEUE_TIMEOUT,
                                                          "Slurm: seconds the job may wait in the queue (default: no limit).")] = None,
     no_canary: Annotated[bool, typer.Option("--no-canary", help="Record no correctness canary once it serves (see `k3launch canary`).")] = False,
+    standby: Annotated[int, typer.Option("--standby", min=0, max=64, help="Hot standbys: this many more copies, started and gated, kept out of the router by the supervisor until one takes a failed copy's place (implies --supervise).")] = 0,
     accept_unknown_hosts: AcceptUnknown = False, connect_timeout: ConnectTimeout = 10.0, json_out: JsonOut = False,
     *, args: PlanArgs,
 ) -> None:
@@ -58,8 +59,19 @@ def up(
             if not json_out:
                 con.print(f"[dim]no --inventory: using the embedded default {args.inventory_path} (simulated engine on this machine)[/]")
         plan = args.build()
+        serving = 0
+        if standby:  # the standbys are more copies of the same plan; the supervisor keeps them out of the router
+            from k3launch.models.scaling import copy_of
+
+            serving = len({copy_of(p.id) for p in plan.processes if p.role != "router"} - {None}) or 1
+            args = PlanArgs({**args.values, "replicas": serving + standby})
+            plan = args.build()
+            supervise = True
         state_dir = args.state_dir  # a placement option: planning read the inventory's cordoned nodes there
         in_job = supervise and _supervises_itself(plan.backend)  # Slurm: the job script watches its own steps
+        if in_job and standby:
+            raise K3Error("standby-slurm", "hot standbys are kept by a supervisor on the login node, not by a Slurm job yet",
+                          "drop --standby, or bring it up with --replicas N+1")
         if dry_run:
             _dry_run(con, plan, api.dry_run(plan, args.inventory, state_dir=state_dir, extra_sbatch=tuple(extra_sbatch or ()),
                                             supervise=in_job), json_out)
@@ -84,6 +96,9 @@ def up(
         try:
             sv = api.supervise_detached(rec.name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
                                         connect_timeout=connect_timeout)
+            if standby:  # the supervisor keeps the last copies out of the router, serving, as standbys
+                api.scale(rec.name, replicas=serving, standby=standby, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
+                          connect_timeout=connect_timeout)
         except K3Error as err:  # it serves: say so, then why it is not supervised
             if not json_out:
                 show_deploy.ready(con, rec)
@@ -105,6 +120,8 @@ def up(
             con.print(("" if rec.canary.agree else "notice: ") + rec.canary.message, style=None if rec.canary.agree else "yellow", markup=False)
         if sv is not None:
             con.print(f"supervised in the background: pid {sv.pid} on {sv.host}; `k3launch events {rec.name} -f` follows it")
+        if standby:
+            con.print(f"hot standby: {standby} cop{'y' if standby == 1 else 'ies'} serving out of the router, ready to take a failed copy's place")
         elif in_job and rec.job is not None:
             con.print(f"supervised by job {rec.job.job_id} itself: it restarts failed steps inside its allocation; "
                       f"`k3launch events {rec.name} -f` follows it", markup=False)

@@ -103,7 +103,8 @@ def status(con: Console, snap: Status) -> None:
     if snap.reason:
         con.print(f"[yellow]{escape(snap.reason)}[/]", highlight=False)
     for s in snap.units if len(snap.units) > 1 else []:
-        router = "" if s.in_router is None else ("; in the router" if s.in_router else "; [red]not in the router[/]")
+        router = "" if s.in_router is None else ("; in the router" if s.in_router else "; standby, out of the router" if s.standby
+                                                 else "; [red]not in the router[/]")
         plans = "" if s.desired == s.running == "current" else f"; runs the {s.running} plan, should run the {s.desired}"
         con.print(f"unit {escape(s.name)}: {'serving' if s.serving else '[red]not serving[/]'}{router}{escape(plans)}"
                   + (f" ({escape(s.controller)})" if s.controller not in (None, "serving") else ""), highlight=False)

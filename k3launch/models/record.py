@@ -306,6 +306,7 @@ class UnitStatus(Record):
     desired: str = "current"  # the plan it should run: "current", or a rollout's "new" / "old"
     running: str = "current"  # the plan it runs: "current", or "old" / "rolling" / "new" during a rollout
     controller: str | None = None  # the controller's state of it (serving, draining, starting, backoff, gave-up, ...); None: no memory
+    standby: bool = False  # a hot standby's: serving, kept out of the router on purpose
 
 
 class Status(Record):
