@@ -340,6 +340,23 @@ def cleanup(cli: Cli, names: Iterable[str]) -> None:
 
 
 # ---- the public endpoint ---------------------------------------------------------------------
+def up_copies(cli: Cli, local_inventory: Path, tmp_path: Path, name: str, port_base: int, copies: int,
+              defaults: Mapping[str, Any]) -> tuple[str, str]:
+    """``copies`` copies of the tiny simulated engine (``single_node_tp``) on the local inventory
+    with ``defaults`` over its own (e.g. ``{"env": {"K3LAUNCH_SIM_LOAD_S": "1"}}``), behind the real
+    router: (endpoint, model)."""
+    import yaml
+
+    inv = yaml.safe_load(local_inventory.read_text())
+    inv["defaults"].update(defaults)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(inv))
+    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", str(copies),
+                "--name", name, "--port-base", str(port_base), "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(r.stdout)["endpoint"], cli.record(name)["plan"]["model"]
+
+
 def complete(endpoint: str, prompt: str = "Hello from the e2e test", max_tokens: int = 8) -> dict[str, Any]:
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens}).encode()
     req = urllib.request.Request(endpoint.rstrip("/") + "/v1/completions", data=body, headers={"Content-Type": "application/json"})

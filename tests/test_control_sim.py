@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from e2e_helpers import Cli, Load, local_leftovers, wait_for_record
+from e2e_helpers import Cli, Load, local_leftovers, up_copies, wait_for_record
 
 pytestmark = [pytest.mark.e2e]
 
@@ -64,16 +63,9 @@ def _engines(cli: Cli, name: str) -> dict[str, int]:
 
 def test_one_controller_rolls_while_copies_die_commands_are_interrupted_and_controllers_are_killed(
         state_cli: Cli, local_inventory: Path, tmp_path: Path) -> None:
-    cli = state_cli
-    inv = yaml.safe_load(local_inventory.read_text())
-    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "2"}  # each start takes a while: there is a "midway"
-    path = tmp_path / "inv.yaml"
-    path.write_text(yaml.safe_dump(inv))
-    name = "ctl-sim"
-    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "3",
-                "--name", name, "--port-base", "23740", "--json", timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    endpoint, model = json.loads(r.stdout)["endpoint"], cli.record(name)["plan"]["model"]
+    cli, name = state_cli, "ctl-sim"
+    # each start takes a while: there is a "midway"
+    endpoint, model = up_copies(cli, local_inventory, tmp_path, name, 23740, 3, {"env": {"K3LAUNCH_SIM_LOAD_S": "2"}})
     every = _listed(endpoint)
     assert len(every) == 3
     with Load(endpoint, model, workers=2, limit=6000, pause=0.02, client="openai") as load:
@@ -144,16 +136,8 @@ def test_scale_out_and_in_then_a_standby_takes_a_killed_copys_place(state_cli: C
     ``kill -9`` of a serving copy: the standby is in the router in the look that saw the kill."""
     from e2e_helpers import events
 
-    cli = state_cli
-    inv = yaml.safe_load(local_inventory.read_text())
-    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "1"}
-    path = tmp_path / "inv.yaml"
-    path.write_text(yaml.safe_dump(inv))
-    name = "ctl-scale"
-    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "2",
-                "--name", name, "--port-base", "23780", "--json", timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    endpoint, model = json.loads(r.stdout)["endpoint"], cli.record(name)["plan"]["model"]
+    cli, name = state_cli, "ctl-scale"
+    endpoint, model = up_copies(cli, local_inventory, tmp_path, name, 23780, 2, {"env": {"K3LAUNCH_SIM_LOAD_S": "1"}})
     cli.json("supervise", name, "--detach", "--poll", "0.5")
     with Load(endpoint, model, workers=2, limit=6000, pause=0.02, client="openai") as load:
         t0 = time.monotonic()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e_helpers import Cli, Load, local_leftovers, try_complete
+from e2e_helpers import Cli, Load, local_leftovers, try_complete, up_copies
 
 pytestmark = [pytest.mark.e2e]
 
@@ -38,16 +38,8 @@ def _seqs(argv: list[str]) -> str | None:
 
 
 def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory: Path, tmp_path: Path) -> None:
-    cli = state_cli
-    inv = yaml.safe_load(local_inventory.read_text())
-    inv["defaults"]["env"] = {"K3LAUNCH_SIM_LOAD_S": "1"}
-    path = tmp_path / "inv.yaml"
-    path.write_text(yaml.safe_dump(inv))
-    name = "ro-sim"
-    r = cli.run("up", "-i", str(path), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "2",
-                "--name", name, "--port-base", "23540", "--json", timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = json.loads(r.stdout)
+    cli, name = state_cli, "ro-sim"
+    endpoint, _ = up_copies(cli, local_inventory, tmp_path, name, 23540, 2, {"env": {"K3LAUNCH_SIM_LOAD_S": "1"}})
     rec = cli.record(name)
     before = json.dumps([rec["plan"], rec["processes"]], sort_keys=True)
     hook = tmp_path / "hook.jsonl"
@@ -71,7 +63,7 @@ def test_rollout_of_two_copies_behind_the_router(state_cli: Cli, local_inventory
         {"process": "r0-serve-0", "changes": ["+ --max-num-seqs 8"]}, {"process": "r1-serve-0", "changes": ["+ --max-num-seqs 8"]}]
     assert all(_seqs(a) is None for a in _running(cli, name).values())  # a dry run touches nothing
 
-    with Load(out["endpoint"], rec["plan"]["model"], workers=2, limit=4000, pause=0.02, client="openai") as load:
+    with Load(endpoint, rec["plan"]["model"], workers=2, limit=4000, pause=0.02, client="openai") as load:
         t_roll = time.time()
         first = cli.start("rollout", name, "--set", "max-num-seqs=8", "--drain-timeout", "10", "--json")
         spec = cli.state_dir / "supervise" / f"{name}.spec.json"

@@ -36,6 +36,7 @@ GRACE_S = 10.0  # SIGTERM to SIGKILL when a unit restarts
 HUNG_GRACE_S = 2.0  # the same for a unit restarted because it hung (a stopped or deadlocked process ignores SIGTERM)
 LOCK_WAIT_S = 30.0  # a restart waits this long for another k3launch command on the deployment
 SHUTDOWN_MARGIN_S = 10.0
+PD_REJOIN_S = 60.0  # a P/D router takes a restarted instance back by its own health checks within this
 
 
 @dataclass(frozen=True)
@@ -139,18 +140,19 @@ class Actor:
         return "ok"
 
     # ------------------------------------------------------------------ the router
-    def route(self, router_id: str, remove: Sequence[str], add: Sequence[str], done: str) -> bool:
-        """The one place a running router's worker list changes; a ``rerouted`` event saying
-        ``done``, else a ``supervisor-error`` with the router's words. True when it took."""
+    def route(self, router_id: str, remove: Sequence[str], add: Sequence[str], done: str) -> str | None:
+        """The one place a running router's worker list changes (restarts, rolls, scaling, standbys,
+        a surge's switch); a ``rerouted`` event saying ``done``, else a ``supervisor-error`` with the
+        router's words. None when it took, else why not."""
         h = self.h
         router = next((p for p in h.rec.plan.processes if p.id == router_id), None)
         if router is None:
-            return False
+            return f"no router {router_id} in the plan"
         # added first, then removed: a router never lists fewer serving engines than it must
         why = (h.watcher.reroute(router, [], add) if add else None) or (h.watcher.reroute(router, remove, []) if remove else None)
         h.emit([event(h.rec, "rerouted" if why is None else "supervisor-error", unit=router.id,
                       reason=done if why is None else f"router {router.id}: {why}")])
-        return why is None
+        return why
 
     # ------------------------------------------------------------------ stop and start a unit
     def change(self, unit: Unit, plan: Plan | None, grace: float, keep_logs: bool = False) -> str:
@@ -213,7 +215,10 @@ class Actor:
                 break
         router = next((p for p in plan.processes if p.role == "router"), None)
         if not why and router is not None and not h.sup.routers() and engines:
-            c = http.completion(url(router), plan.model, timeout=60.0)  # P/D: it pairs with the unit again by its own checks
+            # P/D: the router pairs with the unit again by its own health checks (about a second); until then it refuses
+            t_end = time.monotonic() + (ro.start_timeout if ro is not None and ro.start_timeout else PD_REJOIN_S)
+            while not (c := http.completion(url(router), plan.model, timeout=60.0)).ok and time.monotonic() < t_end and not h.stopping():
+                h.wait(0.5)
             why = "" if c.ok else f"the router does not serve through {unit.name}: {c.detail}"
         fn = h.gate_for(ro) if ro is not None and engines else None
         if not why and fn is not None:
@@ -232,7 +237,8 @@ class Actor:
         new_units = [u for u in units(ro.new) if u.kind != "router"]
         old_units = [u for u in units(current) if u.kind != "router"]
         roller = Roller(h.watcher, current, ro.new, drain_timeout=ro.drain_timeout, start_timeout=ro.start_timeout or ready_timeout(ro.new, None),
-                        gate=h.gate_for(ro))
+                        gate=h.gate_for(ro), route=lambda r, remove, add: self.route(r.id, remove, add, "--surge: " + "; ".join(
+                            [f"added {', '.join(add)}"] * bool(add) + [f"removed {', '.join(remove)}"] * bool(remove))))
         with h.store.lock(h.rec.name):
             result = roller.surge(beside(current, ro.new), ro.new, new_units, old_units)
         now = time.time()

@@ -100,8 +100,11 @@ class Roller:
     def __init__(self, watcher: Watcher, current: Plan, target: Plan, *, drain_timeout: float, start_timeout: float,
                  grace_s: float = GRACE_S, say: Callable[[str], None] = lambda _: None,
                  mark: Callable[[str, On, str], None] = lambda *_: None, gate: Gate | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 route: Callable[[Process, Sequence[str], Sequence[str]], str | None] | None = None) -> None:
         self.w, self.current, self.target = watcher, current, target
+        # the router's worker list changes through the controller's one router function (its events), when given
+        self.route = route or watcher.reroute
         self.drain_timeout, self.start_timeout, self.grace_s = drain_timeout, start_timeout, grace_s
         self.say, self.mark, self.extra_gate, self.clock, self.sleep = say, mark, gate, clock, sleep
         self.router = next((p for p in current.processes if p.role == "router"), None)
@@ -141,9 +144,9 @@ class Roller:
         old_urls = [_url(p) for p in self.current.processes if p.role != "router" and p.http_port]
         new_urls = [_url(p) for p in both.processes if p.id in new_ids and p.http_port]
         if self.router is not None:
-            why = self.w.reroute(self.router, [], new_urls) or self.w.reroute(self.router, old_urls, [])
+            why = self.route(self.router, [], new_urls) or self.route(self.router, old_urls, [])
             if why:
-                self.w.reroute(self.router, new_urls, old_urls)  # as it was: the old set serves on
+                self.route(self.router, new_urls, old_urls)  # as it was: the old set serves on
                 self._abandon(new_ids)
                 return self._stop(result, names, f"the router did not switch to {names}: {why}")
         self.say(f"{names}: serving; the old engines are out of the router, draining")
