@@ -150,5 +150,6 @@ class Memory:
     to: str = ""  # a roll under way: the plan it is swapped to
     undo: bool = False  # ... to take back a roll that failed its gate
     leaving: bool = False  # its copy is scaled in: out of the router, drained, then stopped
+    fresh: bool = False  # a new copy starting (scaled out): its serving is not a restart
     since: float = 0.0  # a roll under way: when it left the router
     drained_s: float = 0.0

@@ -53,6 +53,7 @@ class UnitMemory(_Rec):
     to: str = ""  # a roll under way: the plan the unit is swapped to ("new", or "old" when rolled back)
     undo: bool = False  # ... to take back a roll that failed its gate
     leaving: bool = False  # its copy is scaled in
+    fresh: bool = False  # a new copy, starting
     since: float = 0.0  # a roll under way: when the unit left the router
     drained_s: float = 0.0
 

@@ -129,6 +129,10 @@ class Supervision(Scale, Converge):
                 actions.append(self._restart(u, m, now, events))
             elif m.state is UnitState.STARTING and self._serves(u, obs) and m.to:
                 actions += self.swapped(u, m, now, events)
+            elif m.state is UnitState.STARTING and self._serves(u, obs) and m.fresh:
+                m.state, m.fresh = UnitState.SERVING, False
+                events.append(self._event(now, "scaled", u, reason=f"{u.name} serves (a new copy) after {now - m.since:.1f}s",
+                                          seconds=round(now - m.since, 3)))
             elif m.state is UnitState.STARTING and self._serves(u, obs):
                 m.state = UnitState.SERVING
                 m.last_ok.clear()
@@ -328,6 +332,9 @@ class Supervision(Scale, Converge):
         self.resizing = False
         self.replaced(plan, started, now)
         self.restarts -= len(started)  # new copies are not restarts
+        for name in started:
+            m = self.memory[name]
+            m.fresh, m.detected, m.since = True, None, now
         return [self._event(now, "scaled", reason=f"runs {len(self.copies())} copies")]
 
     # ------------------------------------------------------------------ the deployment as a whole
@@ -352,7 +359,7 @@ class Supervision(Scale, Converge):
                              standby=sorted(self.standby), copies=len(self.copies()), scaled=self.scaled(), units={
             u.name: UnitMemory(state=(m := self.memory[u.name]).state.value, until=m.until, restarts=list(m.restarts), detected=m.detected,
                                reason=m.reason, failing=list(m.failing), to=m.to, undo=m.undo, since=m.since, drained_s=m.drained_s,
-                               leaving=m.leaving)
+                               leaving=m.leaving, fresh=m.fresh)
             for u in self.units})
 
     def restore(self, saved: ControlMemory, now: float) -> None:
@@ -369,7 +376,7 @@ class Supervision(Scale, Converge):
             m = self.memory[u.name]
             m.restarts = deque(got.restarts)
             m.until, m.detected, m.reason, m.failing = got.until, got.detected, got.reason, tuple(got.failing)
-            m.to, m.undo, m.since, m.drained_s, m.leaving = got.to, got.undo, got.since, got.drained_s, got.leaving
+            m.to, m.undo, m.since, m.drained_s, m.leaving, m.fresh = got.to, got.undo, got.since, got.drained_s, got.leaving, got.fresh
             m.state = UnitState(got.state) if got.state in {s.value for s in UnitState} else UnitState.SERVING
             if m.state is UnitState.DRAINING and m.leaving:
                 m.until = now + 10.0  # a leaving copy's drain goes on a little; then it stops
