@@ -274,3 +274,31 @@ def test_no_canary_when_its_interval_is_zero(tmp_path: Path) -> None:
     out = supervisor.supervise(rec.name, store, FakeOps(w), RestartPolicy(poll=0.1, canary_interval=0), on_event=lambda e: None,
                                stop=stop, canary=lambda p, only: asked.append(p.name) or [])
     assert out == "stopped" and asked == []
+
+
+def test_a_refused_detach_changes_nothing_of_the_running_supervisors_policy(tmp_path: Path) -> None:
+    """One supervisor runs (its lock held): a second `supervise --detach` with other flags is
+    refused before the spec is written, so the next controller start keeps the first policy."""
+    import subprocess
+    import sys
+
+    from k3launch.deploy.supervisors import lock_path, read_spec
+
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    from k3launch.api.supervision import write_spec
+
+    write_spec(store, rec.name, policy=RestartPolicy(poll=1.0, max_restarts=5))
+    before = read_spec(store, rec.name)
+    lock_path(store, rec.name).parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl,sys,time; f=open(sys.argv[1],'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+                               "print('held', flush=True); time.sleep(30)", str(lock_path(store, rec.name))], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(K3Error) as refused:
+            api.supervise_detached(rec.name, policy={"poll": 3.0, "max_restarts": 9}, state_dir=store.root)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert refused.value.code == "already-supervised"
+    assert read_spec(store, rec.name) == before and before is not None and before.policy is not None and before.policy.max_restarts == 5
