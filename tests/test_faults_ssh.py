@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import shlex
 import signal
 import threading
@@ -265,7 +266,10 @@ def test_dry_run_prints_exactly_what_up_runs_and_starts_nothing(ssh_hosts: Hosts
         rec, _, _ = lib_up(inv, cli.state_dir, 22700 + session(ssh_hosts)[1], wrap=wrap, name=name, strategy="multi_node_dep", nodes=2)
         assert rec.state == "ready"
         ran = sorted((node, cmd) for rr in runners for node, cmd in rr.calls if cmd.startswith("bash -c "))
-        assert ran == sorted((s["node"], "bash -c " + shlex.quote(s["script"])) for s in steps)
+        # each run of `up` (a dry one too) makes its deployment a new id (models.identity): the dry run's stands for up's
+        dry_id = re.search(r"K3LAUNCH_ID=([0-9a-f]{8}-[0-9a-f]{6})", steps[0]["script"])
+        assert dry_id is not None and rec.deployment_id and dry_id.group(1).split("-")[0] == rec.deployment_id.split("-")[0]
+        assert ran == sorted((s["node"], "bash -c " + shlex.quote(s["script"].replace(dry_id.group(1), rec.deployment_id))) for s in steps)
         assert lib_down(name, cli.state_dir).clean
         assert leftovers(ssh_hosts, planned) == ({}, [])
     finally:
