@@ -321,6 +321,10 @@ def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], sta
     from k3launch.util.locks import held
 
     st = store(state_dir)
+    if st.load(name).job is not None:  # a Slurm job: its own controller rolls it, inside the allocation
+        from k3launch.api._jobroll import converge_in_job
+
+        return converge_in_job(st, name, state, say)
     with st.lock(name):  # one writer of the spec at a time; a `down` meanwhile is refused
         rec = st.load(name)
         refuse_self_supervised(rec)
