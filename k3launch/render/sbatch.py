@@ -181,6 +181,11 @@ def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
     return home_path(f"{host.venv.rstrip('/')}/bin/{program}") if host.venv and "/" not in program else program
 
 
+def lean(plan: Plan) -> Plan:
+    """``plan`` without what only explains it (each flag's provenance, planning's notices): what a job carries."""
+    return plan.model_copy(update={"processes": [p.model_copy(update={"provenance": {}}) for p in plan.processes], "notices": []})
+
+
 def step_words(plan: Plan, proc: Process, slurm: SlurmSection, ident: str = "") -> tuple[int, list[str]]:
     """Plan node index and shell words (srun options, then the command) of ``proc``'s step: what
     follows ``k3_step NAME`` in a job script, which a supervised job's controller expands the same way."""
@@ -212,7 +217,7 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
         lines.append(shell_join(["k3_doctor", str(gpus_requested(plan)), _doctor_program(plan, slurm, image), *specs]))
     lines += _prepare_lines(plan, slurm, index, addrs, image)
     if supervise is not None:
-        control = JobControl(plan=plan, slurm=slurm, policy=supervise, ident=ident).model_dump_json(exclude_defaults=True)
+        control = JobControl(plan=lean(plan), slurm=slurm, policy=supervise, ident=ident).model_dump_json(exclude_defaults=True)
         lines += [f"# supervised: the controller starts {len(plan.processes)} step(s) and keeps them serving (policy: the inventory's restart:)",
                   f"k3_control {shlex.quote(python or sys.executable)} <<'{CONTROL_END}'", control, CONTROL_END]
         return lines
