@@ -99,6 +99,19 @@ def test_unsupervised_scripts_do_not_hand_over() -> None:
     assert "k3_control " not in text.split("# ---- end of the k3launch job library ----")[1] and text.endswith("k3_supervise\n")
 
 
+def test_a_node_without_the_recorded_interpreter_fails_the_job_early_with_one_line(tmp_path: Path) -> None:
+    """k3_control checks that the recorded interpreter imports the controller before anything starts."""
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    script = f"{job_library()}\nK3_LOGDIR={shlex.quote(str(tmp_path))}\nk3_control {shlex.quote(str(missing))} <<'{CONTROL_END}'\n{{}}\n{CONTROL_END}\n"
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30, env={**os.environ, "SLURMD_NODENAME": "gpu-01"})
+    assert res.returncode == 2 and res.stdout == "", res
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"k3launch: the controller cannot run on gpu-01: {missing} cannot import "
+                                                   "k3launch.deploy.slurm.injob ("), lines
+    assert lines[0].endswith("the allocation's first node needs that interpreter, with k3launch installed, at the same path")
+    assert (tmp_path / "control.json").read_text() == "{}\n"
+
+
 def _k3_step_words(script: str, tmp: Path, env: dict[str, str]) -> dict[str, list[str]]:
     """Each ``k3_step`` call of an unsupervised script, as its bash hands the words on (the job library stubbed)."""
     body = script.split("# ---- end of the k3launch job library ----\n", 1)[1]
