@@ -387,3 +387,23 @@ def test_following_logs_picks_up_a_restarted_steps_new_log(tmp_path: Path) -> No
     follow_files(rec, ["serve-0"], got.append, poll_s=0.1, max_s=1.0)
     t.join()
     assert got == ["serve-0| second life"]
+
+
+def test_a_rollout_is_refused_on_a_job_without_its_controller_with_surge_and_before_the_controller_runs(tmp_path: Path) -> None:
+    from k3launch.api._jobroll import converge_in_job
+    from k3launch.models.rollout import RolloutState, RolloutUnit
+
+    store = StateStore(tmp_path / "state")
+    rec = slurm_record(tmp_path, store, supervised=None)
+    state = RolloutState(old=rec.plan, new=rec.plan, changes=["--set max-num-seqs=8"], started=1.0, updated=1.0,
+                         units=[RolloutUnit(name="serve-0", processes=["serve-0"])])
+    with pytest.raises(K3Error) as plain:
+        converge_in_job(store, "u-sv", state, lambda _: None)
+    assert plain.value.code == "rollout-needs-controller" and "--supervise" in plain.value.hint
+    slurm_record(tmp_path, store)
+    with pytest.raises(K3Error) as surge:
+        converge_in_job(store, "u-sv", state.model_copy(update={"surge": True}), lambda _: None)
+    assert surge.value.code == "surge-slurm"
+    with pytest.raises(K3Error) as early:  # the job's controller has written no record yet: nothing is written for it
+        converge_in_job(store, "u-sv", state, lambda _: None)
+    assert early.value.code == "job-not-serving" and not (Path(rec.slurm.log_dir) / "control" / "supervise").exists()

@@ -146,16 +146,19 @@ def run(control: Path) -> int:
         elif e.kind == "gave-up" and e.process:
             blamed.append(e.process)
 
-    outcome = bring_up(steps, bound, stop, ctl.policy.start_timeout or 1800.0)
-    if outcome == "ready":
-        rec.state = "ready"
-        store.save(rec)
-        say(f"supervising {bound.name}: every step serves")
-        try:
+    try:
+        outcome = bring_up(steps, bound, stop, ctl.policy.start_timeout or 1800.0)
+        if outcome == "ready":
+            rec.state = "ready"
+            store.save(rec)
+            say(f"supervising {bound.name}: every step serves")
             outcome = supervise(bound.name, store, JobOps(steps), ctl.policy, on_event=on_event, stop=stop, detached=True)
-        except K3Error as exc:
-            say(f"the controller stopped: {exc.message}", err=True)
-            outcome = "failed"
+    except K3Error as exc:
+        say(f"the controller stopped: {exc.message} ({exc.hint})", err=True)
+        outcome = "failed"
+    except Exception as exc:  # a bug: said, and the steps are still stopped (the job must not end with them half-stopped)
+        say(f"the controller failed: {type(exc).__name__}: {exc}; report this as a k3launch bug", err=True)
+        outcome = "failed"
     if outcome == "failed":
         plan = (store.try_load(bound.name) or rec).plan
         for pid in blamed:
