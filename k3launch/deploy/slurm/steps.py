@@ -176,7 +176,8 @@ class JobWatcher:
             if p.id in ended:
                 if p.id not in self.tails:
                     self.tails[p.id] = tail_file(self.steps.log_dir / f"{p.id}.log", 30)
-                said = error_line(self.tails[p.id])
+                # srun's own last words ("srun: error: NODE: task 0: Exited with exit code 1") say less than the engine's
+                said = error_line("\n".join(ln for ln in self.tails[p.id].splitlines() if not ln.startswith("srun: ")))
                 dead[p.id] = f"exited with code {ended[p.id]}" + (f": {said}" if said else "")
             elif p.id not in self.steps.running:
                 dead[p.id] = "is not running (its last start failed)"
