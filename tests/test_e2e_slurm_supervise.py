@@ -1,8 +1,9 @@
 """A Slurm job that supervises itself, end to end on the local Slurm cluster (``tests/slurmcluster.py``).
 
-``k3launch up --supervise`` on a slurm inventory: the simulated engine runs in the job's steps; a
-process killed on its node (kill -9) is restarted inside the same allocation (its recovery unit:
-both ranks of a DEP engine, the router left alone) and serves again; a crash loop
+``k3launch up --supervise`` on a slurm inventory: the job's own controller (``python -m
+k3launch.deploy.slurm.injob`` on its batch host) starts the simulated engine's steps; a process
+killed on its node (kill -9) is restarted inside the same allocation (its recovery unit: both ranks
+of a DEP engine, out of the router and back; the router's step left alone) and serves again; a crash loop
 (``K3LAUNCH_SIM_FAIL=crash-after-ready``) ends the job after ``max_restarts``, and ``status`` says
 failed with the reason; ``down`` during a restart leaves nothing. The events are read from the
 login node with ``k3launch events``.
