@@ -12,6 +12,11 @@
 #   k3_step NAME I SRUN_ARGS... COMMAND...
 #                                one srun step per process on plan node I, output in $K3_LOGDIR/NAME.log
 #   k3_work COMMAND...           (job arrays) the task's own work, on the batch host, output in work.log
+#   k3_control PYTHON <<'K3_CONTROL_JSON'
+#                                (up --supervise) the controller's settings (one JSON line) go to $K3_LOGDIR/control.json
+#                                and the script becomes `PYTHON -m k3launch.deploy.slurm.injob`, the deployment's
+#                                controller: it starts every step and keeps them serving (PYTHON, the interpreter recorded
+#                                at submission, must import k3launch on this node: checked first, and said when it cannot)
 #   k3_supervise                 fail fast: the first step to end stops the others and fails the job,
 #                                naming it; the work ending ends the job with the work's exit code;
 #                                SIGTERM to the script (`k3launch down`) stops every step and ends it cleanly
@@ -242,5 +247,20 @@ k3_supervise() {
     fi
     [ "$rc" = 127 ] && { k3_say "no step left to supervise" >&2; exit 1; }
   done
+}
+k3_control() {
+  local py=$1 why
+  if ! cat >"$K3_LOGDIR/control.json"; then
+    k3_say "cannot write $K3_LOGDIR/control.json (the controller's settings)" >&2
+    exit 2
+  fi
+  if ! why=$("$py" -c 'import k3launch.deploy.slurm.injob' 2>&1); then
+    k3_say "the controller cannot run on ${SLURMD_NODENAME:-$(hostname -s)}: $py cannot import k3launch.deploy.slurm.injob" \
+      "(${why##*$'\n'}); the allocation's first node needs that interpreter, with k3launch installed, at the same path" >&2
+    exit 2
+  fi
+  # from here on SIGTERM (`k3launch down`) is the controller's: it stops every step within the grace and exits 0
+  trap - TERM
+  exec "$py" -m k3launch.deploy.slurm.injob "$K3_LOGDIR/control.json"
 }
 # ---- end of the k3launch job library ----

@@ -3,8 +3,9 @@
 One deployment serves every check, so the test stays quick: K3 DEP on 2 nodes, twice, on the
 cluster's 4 nodes (the simulated engine, bare; the real vllm-router on node 0 of the allocation).
 Each copy's ranks meet at their own head; requests through the router reach both copies (each
-copy's engines count them on /metrics); ``status`` shows both copies; ``rollout`` is refused
-(docs/rollout.md, "On Slurm") and changes nothing; ``down`` leaves no job, step or process.
+copy's engines count them on /metrics); ``status`` shows both copies; ``rollout`` of a job brought
+up without ``--supervise`` is refused (no controller runs in it: docs/rollout.md, "On Slurm") and
+changes nothing (tests/test_e2e_slurm_control.py rolls a supervised one); ``down`` leaves no job, step or process.
 """
 
 from __future__ import annotations
@@ -128,8 +129,9 @@ def test_two_copies_in_one_job_serve_through_the_router_show_in_status_refuse_a_
     refuse_s = time.monotonic() - t1
     assert ro.returncode == 2, ro.stdout + ro.stderr
     lines = ro.stderr.splitlines()
-    assert lines[0] == "error: rollout is not supported by the slurm backend (rollout)" and len(lines) == 2, ro.stderr
-    assert "down" in lines[1] and "On Slurm" in lines[1], ro.stderr
+    assert lines[0] == f"error: {name}'s job {job} runs no controller: it fails fast, and nothing in it can roll a copy while the others serve" \
+        and len(lines) == 2, ro.stderr
+    assert "--supervise" in lines[1] and f"k3launch down {name}" in lines[1], ro.stderr
     assert lines[1].startswith("hint: ") and "Traceback" not in ro.stderr
     after = _record(state, name)
     assert after["plan"] == plan and after["state"] == "ready" and after["slurm"] == rec["slurm"]

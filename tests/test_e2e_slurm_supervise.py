@@ -1,8 +1,9 @@
 """A Slurm job that supervises itself, end to end on the local Slurm cluster (``tests/slurmcluster.py``).
 
-``k3launch up --supervise`` on a slurm inventory: the simulated engine runs in the job's steps; a
-process killed on its node (kill -9) is restarted inside the same allocation (its recovery unit:
-both ranks of a DEP engine, the router left alone) and serves again; a crash loop
+``k3launch up --supervise`` on a slurm inventory: the job's own controller (``python -m
+k3launch.deploy.slurm.injob`` on its batch host) starts the simulated engine's steps; a process
+killed on its node (kill -9) is restarted inside the same allocation (its recovery unit: both ranks
+of a DEP engine, out of the router and back; the router's step left alone) and serves again; a crash loop
 (``K3LAUNCH_SIM_FAIL=crash-after-ready``) ends the job after ``max_restarts``, and ``status`` says
 failed with the reason; ``down`` during a restart leaves nothing. The events are read from the
 login node with ``k3launch events``.
@@ -104,7 +105,10 @@ def test_a_rank_killed_on_its_node_restarts_its_group_inside_the_same_job_and_se
         rank = detected["process"]
         assert detected["unit"] == "serve" and rank in ("serve-0", "serve-1"), detected
         assert detected["node"] == rec["slurm"]["hosts"][f"slurm-node-{rank[-1]}"] and detected["reason"].startswith(f"{rank} exited with code ")
-        assert [e["kind"] for e in got if e["kind"] != "watching"] == ["detected", "restarting", "restarted"], got
+        assert [e["kind"] for e in got if e["kind"] not in ("watching", "rerouted")] == ["detected", "restarting", "restarted"], got
+        # the controller keeps the router's worker list: the group's engines left it before the restart, and came back once serving
+        routed = [e["reason"] for e in got if e["kind"] == "rerouted"]
+        assert routed and routed[0].startswith("removed ") and routed[-1].startswith("added "), routed
         assert back["unit"] == "serve" and back["attempt"] == 1 and back["seconds"] > 0
         print(f"\n[self-supervised DEP-2 on Slurm: kill -9 of serve-1 -> detected {detected['time'] - t_kill:.1f}s, "
               f"serving again {back['time'] - t_kill:.1f}s after the kill ({back['seconds']:.1f}s from detection)]")
@@ -130,7 +134,8 @@ def test_a_rank_killed_on_its_node_restarts_its_group_inside_the_same_job_and_se
         down = k3(cluster, state, "down", name, "--json")
     assert down.returncode == 0 and json.loads(down.stdout)["clean"] is True, down.stdout + down.stderr
     assert_nothing_left(cluster, name)
-    assert [e["kind"] for e in events(cluster, state, name)][-3:] == ["detected", "restarting", "restarted"]  # kept after down
+    kept = [e["kind"] for e in events(cluster, state, name) if e["kind"] not in ("rerouted", "stopped-watching")]
+    assert kept[-3:] == ["detected", "restarting", "restarted"]  # kept after down
 
 
 def test_a_crash_loop_ends_the_job_after_max_restarts_and_status_says_failed_with_the_reason(cluster: Cluster, state: Path,
@@ -148,11 +153,15 @@ def test_a_crash_loop_ends_the_job_after_max_restarts_and_status_says_failed_wit
         print(f"\n[self-supervised crash loop on Slurm: job ended {time.monotonic() - t0:.1f}s after up returned]")
         got = events(cluster, state, name)
         assert [e["kind"] for e in got] == ["watching", "detected", "restarting", "restarted", "detected", "backoff", "restarting",
-                                            "restarted", "detected", "gave-up", "failed"], got
-        why = "serve-0 given up: 2 restarts within 600s; last failure: serve-0 exited with code 1"
-        assert got[-1]["reason"] == why
+                                            "restarted", "detected", "gave-up", "failed", "stopped-watching"], got
         snap = json.loads(k3(cluster, state, "status", name, "--json").stdout)
         log_dir = snap["job"]["log_dir"]
+        # the engine's own last words follow the exit code; its last lines are kept beside the job's logs
+        why = got[-2]["reason"]
+        assert why.startswith("serve-0 given up: 2 restarts within 600s; last failure: serve-0 exited with code 1"), why
+        assert why.endswith(f"; last log lines kept in {log_dir}/control/logs/{name}/"), why
+        assert (Path(log_dir) / "control" / "logs" / name / "serve-0.log").is_file()
+        assert got[-1]["reason"] == "failed"
         assert snap["state"] == "failed" and snap["error"] == f"the job gave up: {why}; logs in {log_dir}", snap
         assert snap["supervisor"]["restarts"] == 2 and not any(p["alive"] for p in snap["processes"])
         assert [(d["name"], d["state"]) for d in json.loads(k3(cluster, state, "list", "--json").stdout)] == [(name, "failed")]
@@ -188,9 +197,11 @@ def test_down_while_the_job_restarts_a_step_stops_everything(cluster: Cluster, s
 
 
 def test_a_units_steps_are_stopped_through_slurm_one_step_at_a_time(cluster: Cluster, tmp_path: Path, jobs: list[str]) -> None:
-    """k3_stop_steps on a real job: the step named gets SIGTERM through Slurm (scancel JOB.STEP), not
-    srun's forced end (TERM and KILL at once): its handler, which takes 1 s, completes; the other
-    step keeps running."""
+    """Steps.stop on a real job (the controller's way of stopping a unit): the step named gets SIGTERM
+    through Slurm (scancel JOB.STEP), not srun's forced end (TERM and KILL at once): its handler, which
+    takes 1 s, completes; the other step keeps running."""
+    import sys
+
     from slurmcluster import TERMINAL
 
     from k3launch.render.sbatch import job_library
@@ -199,20 +210,36 @@ def test_a_units_steps_are_stopped_through_slurm_one_step_at_a_time(cluster: Clu
     out.mkdir()
     # each step says when its handler is in place (a step signalled while Slurm still launches it is cancelled outright)
     slow_term = "trap 'sleep 1; echo graceful >\"$0\"; exit 0' TERM; touch \"$0.up\"; while :; do sleep 0.1; done"
+    driver = tmp_path / "driver.py"
+    driver.write_text(f"""
+import os, subprocess, time
+from pathlib import Path
+from k3launch.deploy.slurm.steps import Step, Steps
+from k3launch.planning.inventory import SlurmSection
+out = Path({str(out)!r})
+steps = Steps(out, os.environ["SLURM_JOB_ID"], SlurmSection(), "", [os.environ["K3_HOST_0"]])
+for name in ("a", "b"):
+    argv = ["srun", "--nodes=1", "--ntasks=1", "--overlap", f"--job-name={{name}}", "bash", "-c", {slow_term!r}, str(out / f"{{name}}.term")]
+    steps.running[name] = Step(subprocess.Popen(argv), 0, os.environ["K3_HOST_0"])
+for _ in range(100):
+    if (out / "a.term.up").exists() and (out / "b.term.up").exists():
+        break
+    time.sleep(0.1)
+print("stopped:", steps.stop(["a"], 5.0))
+print("b:", "runs" if steps.running["b"].proc.poll() is None else "gone")
+print(subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%j"], capture_output=True, text=True).stdout,
+      file=open(out / "steps", "w"))
+steps.stop(["b"], 5.0)
+""")
     script = "\n".join([
         "#!/bin/bash", f"#SBATCH --nodes=1 --ntasks-per-node=1 --time=00:02:00 --output={out}/job.out --partition={cluster.partition}",
-        job_library(True), f"K3_LOGDIR={out} K3_NODES=1", "k3_bind",
-        f"k3_start a 0 bash -c {shlex.quote(slow_term)} {out}/a.term", f"k3_start b 0 bash -c {shlex.quote(slow_term)} {out}/b.term",
-        f"for _ in $(seq 100); do [ -e {out}/a.term.up ] && [ -e {out}/b.term.up ] && break; sleep 0.1; done",
-        "k3_stop_steps 0", "echo \"a: ${K3_PIDS[0]:-gone}\"",
-        "kill -0 \"${K3_PIDS[1]}\" && echo 'b: runs'", "squeue -h -s -j \"$SLURM_JOB_ID\" -o %j | sort >" + f"{out}/steps",
-        "k3_stop", ""])
+        job_library(), f"K3_LOGDIR={out} K3_NODES=1", "k3_bind", f"{shlex.quote(sys.executable)} {shlex.quote(str(driver))}", ""])
     (tmp_path / "job.sbatch").write_text(script)
     job = cluster.sbatch(str(tmp_path / "job.sbatch"))
     jobs.append(job)
     state = cluster.wait(job, timeout=60)
     assert state == "COMPLETED" and state in TERMINAL, (out / "job.out").read_text()
     said = (out / "job.out").read_text()
-    assert "a: gone" in said and "b: runs" in said, said
+    assert "stopped: ['a']" in said and "b: runs" in said, said
     assert (out / "a.term").read_text() == "graceful\n"  # the 1 s handler ran: a TERM, not a TERM and a KILL
     assert [s for s in (out / "steps").read_text().split() if s in ("a", "b")] == ["b"]  # only a's step ended

@@ -313,6 +313,11 @@ def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], sta
     (:func:`k3launch.api._converge.converge`): done, or stopped with every unit back on one plan."""
     from k3launch.api._converge import converge
 
+    if store(state_dir).load(name).job is not None:  # a Slurm job: its own controller rolls it, inside the allocation
+        from k3launch.api._jobroll import converge_in_job
+
+        return converge_in_job(store(state_dir), name, state, say)
+
     def refuse(st: StateStore, rec: DeploymentRecord) -> None:
         if (rec.rollout is not None and not rec.rollout.stopped) or _pending(st, name, rec):
             raise K3Error("rollout-running", f"{name} is in a rollout under way", f"`k3launch status {name}` follows it; change it again once it is done")

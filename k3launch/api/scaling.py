@@ -50,6 +50,9 @@ def scale(name: str, *, replicas: int | None = None, standby: int | None = None,
     require(rec.backend, Feature.ROLLOUT, "scale")
     if rec.state != "ready":
         raise K3Error("not-ready", f"{name} is {rec.state}: only a ready deployment is scaled", f"`k3launch status {name}`")
+    if rec.job is not None:
+        raise K3Error("scale-slurm", "a Slurm job's copies are not scaled yet: its controller runs inside the allocation, "
+                      "whose nodes Slurm gave it", f"`k3launch down {name}`, then `up --replicas N` with the count you want")
     have = copies_of(rec)
     if not have:
         raise K3Error("scale-no-copies", f"{name} is not a deployment of copies behind a router",

@@ -6,7 +6,7 @@ next ``up`` of the same name moves it to ``NAME.jsonl.1``. A line that cannot be
 that filled mid-write) is skipped, never fatal.
 
 A Slurm job that supervises itself writes its events to ``<job log dir>/events.jsonl``
-(:data:`JOB_EVENTS`, the same fields, written by ``slurm/k3launch-watch.sh``): readers merge it
+(:data:`JOB_EVENTS`, the same fields, written by its controller, :mod:`k3launch.deploy.slurm.injob`): readers merge it
 with the state directory's log (``also``), and ``down`` adopts it into that log, which outlives
 the record.
 

@@ -149,3 +149,19 @@ def _last_line(path: Path) -> str:
     except OSError:
         return ""
     return lines[-1].strip()[:300] if lines else ""
+
+
+JOB_CONTROL_DIR = "control"  # a supervised Slurm job's controller state, inside its log directory
+
+
+class JobStore(StateStore):
+    """The state directory of a Slurm job's own controller (:mod:`k3launch.deploy.slurm.injob`):
+    ``<log dir>/control`` on the filesystem the job shares with the login node. It holds the
+    controller's copy of the record (its plan as the job binds it, its memory, a rollout's
+    progress), its lock and its spec, which ``rollout`` writes there. Its events (plan node names)
+    stay there too; the ones the login node merges are ``<log dir>/events.jsonl``, which the
+    controller writes with the allocated hosts' names."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        super().__init__(Path(log_dir) / JOB_CONTROL_DIR)
+        self.log_dir = Path(log_dir)

@@ -31,7 +31,7 @@ class Feature(StrEnum):
     ARRAYS = "arrays"  # one allocation per plan as a job array (`campaign run --slurm-array`)
     SUPERVISE = "supervise"  # keep a deployment serving from a login node (`k3launch supervise`: restart, cordon, re-place)
     SELF_SUPERVISE = "self-supervise"  # the deployment keeps itself serving (`up --supervise` builds the restart policy into it)
-    ROLLOUT = "rollout"  # change a live deployment unit by unit
+    ROLLOUT = "rollout"  # change a live deployment unit by unit (Slurm: a job brought up with --supervise, by its own controller)
     CANARY = "canary"  # ask a live deployment's HTTP servers from this machine (the correctness canary)
     CACHES = "caches"  # list and clear the compile/JIT caches engines keep on the nodes (`k3launch cache`)
 
@@ -74,7 +74,7 @@ _BACKENDS: dict[str, BackendSpec] = {
     "local": BackendSpec("local", "k3launch.deploy.ssh.backend:SshBackend", _SSH_FEATURES, "processes on this machine",
                          default_runtime="bare", this_machine=True, instead=_SSH_INSTEAD),
     "slurm": BackendSpec("slurm", "k3launch.deploy.slurm.backend:SlurmBackend",
-                         frozenset({Feature.POWER, Feature.ARRAYS, Feature.SELF_SUPERVISE, Feature.CANARY}),
+                         frozenset({Feature.POWER, Feature.ARRAYS, Feature.SELF_SUPERVISE, Feature.CANARY, Feature.ROLLOUT}),
                          "one sbatch job per deployment", router_home="allocation", needs_nodes=False, scheduler_nodes=True,
                          holds_nodes=False,
                          instead=((Feature.DOCTOR, "on Slurm the job's own doctor step checks each node when `up` submits it"),
@@ -83,9 +83,7 @@ _BACKENDS: dict[str, BackendSpec] = {
                                   (Feature.SUPERVISE, "on Slurm the job supervises itself: bring it up with `k3launch up --supervise` "
                                                       "(policy: the inventory's restart:); `k3launch events NAME` shows what it did"),
                                   (Feature.CACHES, "on Slurm list or clear the compile caches inside an allocation "
-                                                   "(srun ... ls ~/.cache/k3launch/compile), or from an ssh inventory of the same nodes"),
-                                  (Feature.ROLLOUT, "on Slurm a change is a new job: `k3launch down NAME`, then `up` with the change "
-                                                    "(docs/rollout.md, \"On Slurm\", says why)"))),
+                                                   "(srun ... ls ~/.cache/k3launch/compile), or from an ssh inventory of the same nodes"))),
 }
 
 

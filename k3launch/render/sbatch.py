@@ -14,10 +14,13 @@ pyxis/enroot (``--container-image``), apptainer (``exec --nv``/``--rocm``) or ba
 output in its own log. A doctor step first checks every node (GPUs visible, engine found,
 planned ports free), then a prepare step makes on every node the directories its steps need before
 they start (each engine's compile cache, ``k3launch.json`` included; a container's hf_cache). The job fails fast: the first step to exit ends the job (the others are
-stopped) and the script names the process and node. A supervised job (``up --supervise``) watches
-its steps instead (``slurm/k3launch-watch.sh``, appended to the library): a step that exits restarts
-its recovery unit inside the allocation under the restart policy, and a crash loop ends the job
-(docs/slurm.md, "The job supervises itself").
+stopped) and the script names the process and node. A supervised job (``up --supervise``) starts
+no step itself: after the doctor and prepare steps it becomes the deployment's controller,
+``python -m k3launch.deploy.slurm.injob`` (the interpreter recorded at submission), which starts
+every step with the words :func:`step_words` renders here — the same ones ``k3_step`` gets in an
+unsupervised script — and keeps them serving with the one controller's decisions (docs/slurm.md,
+"The job supervises itself"). Its settings (:class:`JobControl`: the plan, the Slurm section, the
+restart policy, the deployment id) travel inside the script, as one JSON line.
 
 Job arrays (:func:`make_array_string`): one task per deployment, all of one shape (node count and
 GPUs per node: Slurm gives every task of an array the same request); each task starts its
@@ -32,13 +35,16 @@ from __future__ import annotations
 import functools
 import re
 import shlex
+import sys
 from collections.abc import Iterable, Sequence
+
+from pydantic import BaseModel, ConfigDict
 
 from k3launch.errors import K3Error
 from k3launch.models import caches
 from k3launch.models.identity import JOB_COMMENT
 from k3launch.models.plan import Plan, Process
-from k3launch.models.supervise import RestartPolicy, units
+from k3launch.models.supervise import RestartPolicy
 from k3launch.planning.inventory import SlurmSection
 from k3launch.planning.porttable import process_ports
 from k3launch.render.scripts import (
@@ -61,23 +67,32 @@ from k3launch.render.scripts import (
 
 SECRET_ENV = ("HF_TOKEN",)
 LIBRARY = "k3launch-job.sh"
-WATCH_LIBRARY = "k3launch-watch.sh"  # appended for a supervised job
+CONTROL_END = "K3_CONTROL_JSON"  # the here-document that carries a supervised job's JobControl
 DOCTOR_FAILED_EXIT = 3  # the job's exit code when its doctor step refused a node
 
 
 @functools.cache
-def job_library(supervised: bool = False) -> str:
-    """The bash library every job script carries (bundled as ``k3launch/_slurm``; ``slurm/`` in a checkout),
-    with the watch library after it when the job supervises itself."""
+def job_library() -> str:
+    """The bash library every job script carries (bundled as ``k3launch/_slurm``; ``slurm/`` in a checkout)."""
     from k3launch.util.resources import bundled
 
-    text = ""
-    for name in (LIBRARY, WATCH_LIBRARY) if supervised else (LIBRARY,):
-        path = bundled("slurm", name)
-        if path is None:
-            raise K3Error("missing-slurm-template", f"the job library {name} is missing from the installation", "reinstall k3launch")
-        text += path.read_text()
-    return text
+    path = bundled("slurm", LIBRARY)
+    if path is None:
+        raise K3Error("missing-slurm-template", f"the job library {LIBRARY} is missing from the installation", "reinstall k3launch")
+    return path.read_text()
+
+
+class JobControl(BaseModel):
+    """What a supervised job's controller (:mod:`k3launch.deploy.slurm.injob`) is given: the plan it
+    starts and keeps serving (plan node *i* is the job's ``$K3_ADDR_i``), how its steps are run, its
+    restart policy and the deployment id its steps' markers carry."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    plan: Plan
+    slurm: SlurmSection
+    policy: RestartPolicy
+    ident: str = ""
 
 
 def node_order(plan: Plan) -> list[str]:
@@ -166,38 +181,27 @@ def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
     return home_path(f"{host.venv.rstrip('/')}/bin/{program}") if host.venv and "/" not in program else program
 
 
-def _ms(seconds: float) -> str:
-    return str(round(seconds * 1000))
+def lean(plan: Plan) -> Plan:
+    """``plan`` without what only explains it (each flag's provenance, planning's notices): what a job carries."""
+    return plan.model_copy(update={"processes": [p.model_copy(update={"provenance": {}}) for p in plan.processes], "notices": []})
 
 
-def policy_lines(plan: Plan, policy: RestartPolicy) -> list[str]:
-    """The watch library's settings: the deployment's name and the restart policy, times in milliseconds
-    (``start_timeout`` None: 1800 s; ``up`` fills in the plan's ready timeout)."""
-    p = policy
-    return ["# supervised: a step that ends restarts its unit inside the allocation (policy: the inventory's restart:)",
-            f"K3_DEPLOYMENT={shlex.quote(plan.name)}",
-            f"K3_RS_POLICY={p.policy} K3_RS_MAX={p.max_restarts} K3_RS_WINDOW_MS={_ms(p.window)} K3_RS_BACKOFF_MS={_ms(p.backoff)}"
-            f" K3_RS_BACKOFF_MAX_MS={_ms(p.backoff_max)}",
-            f"K3_RS_START_TIMEOUT_MS={_ms(p.start_timeout or 1800)} K3_RS_POLL_MS={_ms(p.poll)}"]
-
-
-def unit_lines(plan: Plan, addrs: dict[str, int]) -> list[str]:
-    """One ``k3_unit NAME ROLE PROCESS[=HEALTH_URL]...`` per recovery unit (:func:`k3launch.models.supervise.units`)."""
-    pat = address_pattern(addrs)
-    procs = {p.id: p for p in plan.processes}
-    out = []
-    for u in units(plan):
-        # a router's /health is 503 while any worker is down (a restarting engine): its own life is /liveness
-        words = [f"{pid}=http://{procs[pid].address}:{procs[pid].http_port}{'/liveness' if procs[pid].role == 'router' else '/health'}"
-                 if pid in u.http else pid for pid in u.processes]
-        out.append(shell_join(["k3_unit", u.name, u.role, *(_bind(w, addrs, pat) for w in words)]))
-    return out
+def step_words(plan: Plan, proc: Process, slurm: SlurmSection, ident: str = "") -> tuple[int, list[str]]:
+    """Plan node index and shell words (srun options, then the command) of ``proc``'s step: what
+    follows ``k3_step NAME`` in a job script, which a supervised job's controller expands the same way."""
+    order = node_order(plan)
+    index = {n: i for i, n in enumerate(order)}
+    addrs = {h.address: index[h.name] for h in plan.hosts if h.name in index}
+    image = next((p.image for p in plan.processes if p.image), None)
+    return index.get(proc.node, 0), _step(plan, proc, slurm, addrs, image, ident)
 
 
 def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bool = True, work: Sequence[str] = (),
-                    hf_token_file: str | None = None, supervise: RestartPolicy | None = None, ident: str = "") -> list[str]:
-    """The calls of the job library that start ``plan`` in the current allocation (and, with
-    ``supervise``, keep it serving: the watch library's calls); ``ident``: the deployment id."""
+                    hf_token_file: str | None = None, supervise: RestartPolicy | None = None, ident: str = "",
+                    python: str | None = None) -> list[str]:
+    """The calls of the job library that start ``plan`` in the current allocation; ``ident``: the
+    deployment id. With ``supervise``, the script hands over to the controller instead
+    (``k3_control``, run by ``python``, by default this interpreter), which starts the steps."""
     order = node_order(plan)
     index = {n: i for i, n in enumerate(order)}
     addrs = {h.address: index[h.name] for h in plan.hosts if h.name in index}
@@ -213,20 +217,19 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
         lines.append(shell_join(["k3_doctor", str(gpus_requested(plan)), _doctor_program(plan, slurm, image), *specs]))
     lines += _prepare_lines(plan, slurm, index, addrs, image)
     if supervise is not None:
-        lines += policy_lines(plan, supervise)
+        control = JobControl(plan=lean(plan), slurm=slurm, policy=supervise, ident=ident).model_dump_json(exclude_defaults=True)
+        lines += [f"# supervised: the controller starts {len(plan.processes)} step(s) and keeps them serving (policy: the inventory's restart:)",
+                  f"k3_control {shlex.quote(python or sys.executable)} <<'{CONTROL_END}'", control, CONTROL_END]
+        return lines
     engines = [p for p in plan.processes if p.role != "router"]
     routers = [p for p in plan.processes if p.role == "router"]
     for proc in (*engines, *routers):
         node_i = index.get(proc.node, 0)
         lines.append(f"# {proc.id}: {proc.role}{' (head)' if proc.head else ''} on plan node {node_i} ({proc.node})")
-        start = "k3_step" if supervise is None else "k3_start"
-        lines.append(shell_join([start, proc.id, str(node_i), *_step(plan, proc, slurm, addrs, image, ident)]))
+        lines.append(shell_join(["k3_step", proc.id, str(node_i), *_step(plan, proc, slurm, addrs, image, ident)]))
     if work:
         lines.append(shell_join(["k3_work", *work]))
-    if supervise is not None:
-        lines += [*unit_lines(plan, addrs), "k3_watch"]
-    else:
-        lines.append("k3_supervise")
+    lines.append("k3_supervise")
     return lines
 
 
@@ -268,7 +271,7 @@ def directives(plan: Plan, slurm: SlurmSection, output: str, extra_sbatch: Seque
 
 def make_sbatch_string(plan: Plan, slurm: SlurmSection, log_dir: str, extra_sbatch: Sequence[str] = (), exclude: Sequence[str] = (),
                        *, doctor: bool = True, hf_token_file: str | None = None, supervise: RestartPolicy | None = None,
-                       ident: str = "") -> str:
+                       ident: str = "", python: str | None = None) -> str:
     """The job script of one deployment: it serves until cancelled, a step ends (with ``supervise``: until
     its restart policy gives up), or the time limit. ``ident``: the deployment id every step's
     markers carry (:mod:`k3launch.models.identity`)."""
@@ -277,8 +280,9 @@ def make_sbatch_string(plan: Plan, slurm: SlurmSection, log_dir: str, extra_sbat
     head = ["#!/bin/bash", f"# Generated by k3launch: deployment {plan.name} ({plan.recipe}, {plan.strategy}{copies} on {plan.nodes} x {plan.hardware}).",
             f"# By hand: mkdir -p {shlex.quote(log_dir)} && sbatch THIS_FILE (slurmd opens --output before the script runs)."]
     head += directives(plan, slurm, f"{log_dir}/slurm-%j.out", extra_sbatch, [*plan.exclude, *exclude], ident=ident)
-    body = deployment_body(plan, slurm, log_dir, doctor=doctor, hf_token_file=hf_token_file, supervise=supervise, ident=ident)
-    return "\n".join([*head, job_library(supervise is not None).rstrip("\n"), "", *body, ""])
+    body = deployment_body(plan, slurm, log_dir, doctor=doctor, hf_token_file=hf_token_file, supervise=supervise, ident=ident,
+                           python=python)
+    return "\n".join([*head, job_library().rstrip("\n"), "", *body, ""])
 
 
 def make_array_string(tasks: Sequence[tuple[Plan, Sequence[str]]], slurm: SlurmSection, log_dir: str, *, concurrency: int | None = None,

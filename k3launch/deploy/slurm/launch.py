@@ -20,9 +20,10 @@ submissions for a day. Nodes where a rank died are recorded too (shown, not excl
 The log directory must be on a filesystem the login node shares with the compute nodes (home
 directories usually are): ``up`` reads the job's output there, ``logs`` reads the process logs.
 
-``supervise`` (``up --supervise``): the job script watches its own steps instead of failing fast
-(``slurm/k3launch-watch.sh``) and writes its events to ``<log dir>/events.jsonl``; a previous job's
-file there is moved to ``events.jsonl.1`` first.
+``supervise`` (``up --supervise``): the job script hands over to its own controller instead of
+failing fast (:mod:`k3launch.deploy.slurm.injob`, run by the interpreter ``up`` runs under), which
+writes its events to ``<log dir>/events.jsonl``; a previous job's file there is moved to
+``events.jsonl.1`` first.
 """
 
 from __future__ import annotations

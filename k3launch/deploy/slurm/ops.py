@@ -1,12 +1,14 @@
 """``status``, ``logs`` and ``down`` of a Slurm deployment (its job), from the login node.
 
-A job that supervises itself (``up --supervise``) says what it does in ``<log dir>/events.jsonl``:
+A job that supervises itself (``up --supervise``: its controller runs on the batch host,
+:mod:`k3launch.deploy.slurm.injob`) says what it does in ``<log dir>/events.jsonl``:
 ``status`` reads its restarts there, and the reason when it gave up (state ``failed``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -51,6 +53,9 @@ def observe_job(rec: SlurmRecord, client: SlurmClient | None = None) -> Status:
                   job=JobStatus(id=rec.slurm.job_id, state=info.state, nodes=info.nodes, reason=info.reason, log_dir=rec.slurm.log_dir))
 
 
+_WATCHER_HOST = re.compile(r"^pid \d+ on (\S+);")  # the controller's `watching` event: "pid N on HOST; units: ..."
+
+
 def self_supervision(rec: SlurmRecord) -> tuple[SupervisorStatus | None, str | None]:
     """A self-supervising job, from its events: who watches (its batch host, since when, restarts so
     far), and why it gave up if it did (None while it keeps serving)."""
@@ -58,7 +63,9 @@ def self_supervision(rec: SlurmRecord) -> tuple[SupervisorStatus | None, str | N
         return None, None
     events = eventlog.read_file(Path(rec.slurm.log_dir) / eventlog.JOB_EVENTS) if rec.slurm.log_dir else []
     watching = next((e for e in events if e.kind == "watching"), None)
-    sv = SupervisorStatus(host=(watching.node or "") if watching else "", pid=None, since=watching.time if watching else rec.created,
+    said = _WATCHER_HOST.match(watching.reason) if watching else None
+    host = (watching.node or (said.group(1) if said else "")) if watching else ""
+    sv = SupervisorStatus(host=host, pid=None, since=watching.time if watching else rec.created,
                           restarts=restarts_of(events), detached=True, job=rec.slurm.job_id)
     failed = next((e for e in reversed(events) if e.kind == "failed"), None)
     return sv, None if failed is None else f"the job gave up: {failed.reason}; logs in {rec.slurm.log_dir}"

@@ -16,17 +16,13 @@ the supervisor attaches the timeline to the ``restarted`` (or ``restart-failed``
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from k3launch.deploy.progress import Restarts
+from k3launch.deploy.routing import ft_retry, ft_status, reroute
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import start_group, start_steps
 from k3launch.deploy.ssh.observe import keep_tails, poll, tail_logs
@@ -50,7 +46,6 @@ from k3launch.util.polling import poll_until
 SILENT_RETRY_S = 5.0  # a silent node is asked again after this, doubling ...
 SILENT_RETRY_MAX_S = 60.0  # ... up to this
 GRACE_LEFT_S = 5.0  # SIGTERM to SIGKILL for what was left on a lost node: the unit runs elsewhere now
-REROUTE_TIMEOUT_S = 30.0  # add_worker waits for the worker's /health; it is called once the engine serves
 PORTS_FREE_S = 15.0  # after the stop: a port still held then makes the start fail with the engine's own words
 KEPT_LOG_LINES = 500
 
@@ -133,44 +128,11 @@ class SshWatcher:
 
     # ------------------------------------------------------------------ vLLM's fault tolerance
     def _ft_status(self, procs: Sequence[Process], ranks: set[str]) -> dict[str, str]:
-        """Each fault-tolerant rank's engine state from its ``/fault_tolerance/status`` ("" when it
-        did not answer): the worst of its engines (one per API server with external load balancing)."""
-        path = next((f.status for f in self.rec.plan.fault_tolerance), "/fault_tolerance/status")
-        asked = [p for p in procs if p.id in ranks]
-        if not asked:
-            return {}
-
-        def one(p: Process) -> str:
-            try:
-                with urllib.request.urlopen(f"http://{p.address}:{p.http_port}{path}", timeout=self.probe_timeout) as r:
-                    data = json.loads(r.read())
-                states = [str(e.get("status", "")) for e in data.get("engines", [])]
-            except (urllib.error.URLError, OSError, ValueError, AttributeError):
-                return ""
-            return next((st for st in states if st != "healthy"), "healthy" if states else "")
-
-        with ThreadPoolExecutor(max_workers=min(32, len(asked))) as pool:
-            return dict(zip((p.id for p in asked), pool.map(one, asked), strict=True))
+        return ft_status(self.rec.plan, procs, ranks, self.probe_timeout)
 
     def ft_retry(self, pool: FaultTolerancePool) -> str | None:
         """POST ``retry`` to every rank of ``pool`` at once (recovery completes only when every rank got it)."""
-        procs = [p for p in self.rec.plan.processes if p.id in pool.processes]
-        body = json.dumps({"instruction": "retry", "params": {}}).encode()
-
-        def one(p: Process) -> str | None:
-            req = urllib.request.Request(f"http://{p.address}:{p.http_port}{pool.apply}", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=self.probe_timeout) as r:
-                    return None if r.status == 202 else f"{p.id}: HTTP {r.status}"
-            except urllib.error.HTTPError as exc:
-                return f"{p.id}: HTTP {exc.code} {exc.read()[:200].decode(errors='replace')}"
-            except (urllib.error.URLError, OSError) as exc:
-                return f"{p.id}: {getattr(exc, 'reason', exc)}"
-
-        with ThreadPoolExecutor(max_workers=min(32, len(procs) or 1)) as ex:
-            errors = [e for e in ex.map(one, procs) if e]
-        return "; ".join(errors) or None
+        return ft_retry(self.rec.plan, pool, self.probe_timeout)
 
     # ------------------------------------------------------------------ lost nodes
     def _reclaim(self) -> dict[str, list[str]]:
@@ -219,25 +181,7 @@ class SshWatcher:
         self.store.save(self.rec)
 
     def reroute(self, router: Process, remove: Sequence[str], add: Sequence[str]) -> str | None:
-        """Tell the running router of moved engines: its worker routes (vllm-router's
-        ``/remove_worker`` and ``/add_worker``, the URL as a query parameter). None when it took
-        them, else why not. ``add`` blocks until the worker answers ``/health``: call it once the
-        engine serves."""
-        base = f"http://{router.address}:{router.http_port}"
-        for route, urls in (("remove_worker", remove), ("add_worker", add)):
-            for url in urls:
-                req = urllib.request.Request(f"{base}/{route}?url={urllib.parse.quote(url, safe='')}", data=b"", method="POST")
-                try:
-                    with urllib.request.urlopen(req, timeout=REROUTE_TIMEOUT_S) as r:
-                        r.read()
-                except urllib.error.HTTPError as exc:
-                    said = exc.read()[:200].decode(errors="replace")
-                    if route == "add_worker" and "already exists" in said:
-                        continue
-                    return f"{route} {url}: HTTP {exc.code} {said}"
-                except (urllib.error.URLError, OSError) as exc:
-                    return f"{route} {url}: {getattr(exc, 'reason', exc)}"
-        return None
+        return reroute(router, remove, add)
 
     def workers(self, router: Process) -> list[str] | None:
         return http.list_workers(f"http://{router.address}:{router.http_port}", timeout=self.probe_timeout)
