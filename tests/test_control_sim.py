@@ -177,3 +177,23 @@ def test_scale_out_and_in_then_a_standby_takes_a_killed_copys_place(state_cli: C
     d = cli.json("down", name, timeout=120)
     assert d["clean"] is True, d
     assert local_leftovers(rec) == ({}, [])
+
+
+def test_up_with_a_standby_serves_it_out_of_the_router(state_cli: Cli, local_inventory: Path) -> None:
+    """``up --replicas 1 --standby 1``: two copies, the second kept out of the router by the
+    supervisor ``up`` starts; status says so, and is ready."""
+    cli, name = state_cli, "ctl-standby"
+    r = cli.run("up", "-i", str(local_inventory), "--recipe", "k3launch/tiny-llama", "--strategy", "single_node_tp", "--replicas", "1",
+                "--standby", "1", "--name", name, "--port-base", "23820", "--json", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    endpoint = json.loads(r.stdout)["endpoint"]
+    urls = dict(_urls(cli, name, by_id=True))
+    snap = cli.json("status", name)
+    listed = _listed(endpoint)
+    rec = cli.record(name)
+    d = cli.json("down", name, timeout=120)
+    assert sorted(urls) == ["r0-serve-0", "r1-serve-0"] and listed == [urls["r0-serve-0"]], (urls, listed)
+    assert snap["state"] == "ready" and snap["supervisor"], snap
+    assert [(u["name"], u["standby"], u["in_router"]) for u in snap["units"] if u["name"] != "router"] == [
+        ("r0-serve-0", False, True), ("r1-serve-0", True, False)], snap["units"]
+    assert d["clean"] is True and local_leftovers(rec) == ({}, [])
