@@ -32,12 +32,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from k3launch.deploy.slurm.client import JobInfo, SlurmClient
+from k3launch.models.control.observation import Observation
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport
 from k3launch.models.supervise import Unit
-from k3launch.models.supervision import Observation
 from k3launch.transport.runners import DEFAULT_TIMEOUT_S, Result, Target, Unreachable
 
 Answer = tuple[int, str, str]  # (exit code, stdout, stderr)
@@ -311,7 +311,7 @@ class FakeWatcher:
     and records what the supervisor asked of it::
 
         w = FakeWatcher([Observation(0, dead={"serve-0": "exited with code 1"})], stop=stop)
-        supervisor.supervise(name, store, FakeOps(w), policy, on_event=events.append, stop=stop)
+        loop.supervise(name, store, FakeOps(w), policy, on_event=events.append, stop=stop)
         assert w.calls == [("observe",), ("restart", "serve-0"), ("observe",)]
 
     Each look is an :class:`~k3launch.models.supervise.Observation` (its time replaced by the

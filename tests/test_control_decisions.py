@@ -1,5 +1,5 @@
 """The one controller's decisions on a fake clock: a rollout is desired state that the same step
-which restarts units converges, unit by unit (:mod:`k3launch.models.converge`); router
+which restarts units converges, unit by unit (:mod:`k3launch.models.control.converge`); router
 membership is observed and repaired; the memory survives a new controller; silence counts from
 the last good answer."""
 
@@ -9,12 +9,14 @@ from functools import cache
 from pathlib import Path
 
 from k3launch.api.planning import plan
-from k3launch.models.actions import Gate, Restart, Route, Swap, UnitState
-from k3launch.models.converge import url
+from k3launch.models.control.actions import Action, Gate, Restart, Route, Swap
+from k3launch.models.control.converge import url
+from k3launch.models.control.decisions import Supervision
+from k3launch.models.control.memory import UnitState
+from k3launch.models.control.observation import Observation
 from k3launch.models.plan import Plan
 from k3launch.models.rollout import RolloutState, RolloutUnit
 from k3launch.models.supervise import RestartPolicy, units
-from k3launch.models.supervision import Action, Observation, Supervision
 
 INV = Path(__file__).resolve().parents[1] / "inventories" / "local.yaml"
 
@@ -189,7 +191,7 @@ def test_re_placement_keeps_every_slot_but_the_lost_one_on_its_node() -> None:
 
 
 def test_scale_out_is_one_resize_while_everything_serves_and_new_copies_beyond_the_wanted_are_standbys() -> None:
-    from k3launch.models.actions import Resize
+    from k3launch.models.control.actions import Resize
 
     old, _ = _plans(2)
     w, sup = World(old), _sup(old)
@@ -210,7 +212,7 @@ def test_scale_out_is_one_resize_while_everything_serves_and_new_copies_beyond_t
 
 
 def test_scale_in_drains_the_highest_copies_then_resizes() -> None:
-    from k3launch.models.actions import Resize
+    from k3launch.models.control.actions import Resize
 
     big, _ = _plans(4)
     w, sup = World(big), _sup(big)

@@ -21,17 +21,18 @@ from e2e_helpers import Cli, events, local_leftovers, wait_event
 from inventory_helpers import CliResult, run_cli
 
 from k3launch import api
-from k3launch.deploy import eventlog, supervisor
+from k3launch.deploy import eventlog
+from k3launch.deploy.control import loop
 from k3launch.deploy.logtail import LogCursor
 from k3launch.deploy.progress import Restarts
 from k3launch.deploy.ssh.observe import _log_reads
 from k3launch.deploy.state import StateStore
 from k3launch.models.bringups import in_brief, narrow, restarts
+from k3launch.models.control.observation import Observation
 from k3launch.models.phases import LogDelta, Phase, PhaseSpan, ProcessTimeline, Timeline
 from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SshRecord
 from k3launch.models.supervise import Event, RestartPolicy
-from k3launch.models.supervision import Observation
 from k3launch.testing import FakeOps, FakeWatcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,7 +147,7 @@ def test_the_supervisor_attaches_the_watcher_s_timeline_to_restarted(tmp_path: P
                      Observation(0, healthy=ok)], stop=stop)
     w.timelines["serve-1"] = _restart_timeline()
     seen: list[Event] = []
-    supervisor.supervise(plan.name, store, FakeOps(w), RestartPolicy(poll=0.1, backoff=0), on_event=seen.append, stop=stop)
+    loop.supervise(plan.name, store, FakeOps(w), RestartPolicy(poll=0.1, backoff=0), on_event=seen.append, stop=stop)
     done = next(e for e in seen if e.kind == "restarted")
     assert done.timeline is not None and done.timeline.ready and done.timeline.processes[0].id == "serve-0"
     assert all(e.timeline is None for e in seen if e.kind != "restarted")
@@ -161,7 +162,7 @@ def test_a_failed_start_attaches_what_it_reached(tmp_path: Path) -> None:
     w = FakeWatcher([Observation(0, dead={"serve-0": "exited with code 1"})], stop=stop, start_fails={"serve-0": 5})
     w.timelines["serve-0"] = _restart_timeline()
     seen: list[Event] = []
-    supervisor.supervise(plan.name, store, FakeOps(w), RestartPolicy(poll=0.1, backoff=0, max_restarts=1), on_event=seen.append, stop=stop)
+    loop.supervise(plan.name, store, FakeOps(w), RestartPolicy(poll=0.1, backoff=0, max_restarts=1), on_event=seen.append, stop=stop)
     failed = [e for e in seen if e.kind == "restart-failed"]
     assert failed and failed[0].timeline is not None and failed[0].timeline.ready is False
 

@@ -10,9 +10,9 @@ import pytest
 
 from k3launch.api.planning import plan
 from k3launch.deploy import rollout as ro
+from k3launch.models.control.observation import Observation
 from k3launch.models.plan import Plan
 from k3launch.models.supervise import units
-from k3launch.models.supervision import Observation
 from k3launch.testing import FakeWatcher
 from k3launch.transport.http import Completion
 

@@ -8,9 +8,12 @@ from functools import cache
 import pytest
 
 from k3launch import api
+from k3launch.models.control.actions import GiveUp, Replace, Restart, StopAll
+from k3launch.models.control.decisions import Supervision
+from k3launch.models.control.memory import UnitState
+from k3launch.models.control.observation import Observation
 from k3launch.models.plan import Plan
 from k3launch.models.supervise import RestartPolicy, units
-from k3launch.models.supervision import GiveUp, Observation, Replace, Restart, StopAll, Supervision, UnitState
 
 RECIPE = "moonshotai/Kimi-K3"
 
@@ -212,7 +215,7 @@ def _ft() -> Supervision:
 
 
 def test_vllm_fault_tolerance_retry_goes_to_every_rank_once_all_are_unhealthy_then_recovers() -> None:
-    from k3launch.models.supervision import FtRetry
+    from k3launch.models.control.actions import FtRetry
 
     s = _ft()
     (u,) = [x for x in s.units if x.kind == "group"]

@@ -1,4 +1,4 @@
-"""The supervisor's loop (k3launch.deploy.supervisor) over the shipped FakeWatcher: what it does
+"""The supervisor's loop (k3launch.deploy.control.loop) over the shipped FakeWatcher: what it does
 with the decisions (restart, give up, stop everything), the record, the lock, the event log, the
 hook, and ``down``'s stop request. No process is started: this is the fast tier."""
 
@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from k3launch import api
-from k3launch.deploy import eventlog, supervisor, supervisors
+from k3launch.deploy import eventlog
+from k3launch.deploy.control import loop, process
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.control.observation import Observation
 from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SshRecord
 from k3launch.models.supervise import Event, RestartPolicy, worker_urls
-from k3launch.models.supervision import Observation
 from k3launch.testing import FakeOps, FakeWatcher
 
 FAST = RestartPolicy(poll=0.1, backoff=0, max_restarts=2)
@@ -42,9 +43,9 @@ def _record(store: StateStore, strategy: str = "multi_node_replicas", state: str
 
 
 def _run(store: StateStore, name: str, watcher: FakeWatcher, stop: threading.Event, policy: RestartPolicy = FAST,
-         hook: str | None = None, canary: supervisor.CanaryFn | None = None) -> tuple[str, list[Event]]:
+         hook: str | None = None, canary: loop.CanaryFn | None = None) -> tuple[str, list[Event]]:
     seen: list[Event] = []
-    out = supervisor.supervise(name, store, FakeOps(watcher), policy, on_event=seen.append, hook=hook, stop=stop, canary=canary)
+    out = loop.supervise(name, store, FakeOps(watcher), policy, on_event=seen.append, hook=hook, stop=stop, canary=canary)
     return out, seen
 
 
@@ -71,7 +72,7 @@ def test_a_restart_is_made_counted_in_the_record_and_logged(tmp_path: Path) -> N
     assert [e.kind for e in eventlog.read(store, rec.name)] == kinds  # the same events, in the log
     after = store.load(rec.name)
     assert after.supervisor is None and after.state == "ready"  # it let go: the deployment is as it was
-    assert not supervisors.lock_path(store, rec.name).exists()
+    assert not process.lock_path(store, rec.name).exists()
 
 
 def test_a_unit_that_keeps_failing_to_start_is_given_up_and_the_deployment_stopped(tmp_path: Path) -> None:
@@ -110,11 +111,11 @@ def test_one_supervisor_per_deployment_and_a_stop_request_ends_it(tmp_path: Path
     with pytest.raises(K3Error) as exc:
         _run(store, rec.name, FakeWatcher([]), threading.Event())
     assert exc.value.code == "already-supervised" and f"pid {sv.pid}" in exc.value.message
-    note = supervisors.stop(store, rec.name, wait_s=10)  # what `down` does first (same process here: the stop file)
+    note = process.stop(store, rec.name, wait_s=10)  # what `down` does first (same process here: the stop file)
     t.join(timeout=10)
     assert result == ["stopped"] and note is not None and f"pid {sv.pid}" in note
-    assert not supervisors.lock_path(store, rec.name).exists() and not supervisors.stop_path(store, rec.name).exists()
-    assert supervisors.stop(store, rec.name) is None  # nobody to stop now
+    assert not process.lock_path(store, rec.name).exists() and not process.stop_path(store, rec.name).exists()
+    assert process.stop(store, rec.name) is None  # nobody to stop now
 
 
 def test_only_a_ready_deployment_is_supervised(tmp_path: Path) -> None:
@@ -123,7 +124,7 @@ def test_only_a_ready_deployment_is_supervised(tmp_path: Path) -> None:
     with pytest.raises(K3Error) as exc:
         _run(store, rec.name, FakeWatcher([]), threading.Event())
     assert exc.value.code == "not-ready" and "failed" in exc.value.message and "down" in exc.value.hint
-    assert not supervisors.lock_path(store, rec.name).exists()
+    assert not process.lock_path(store, rec.name).exists()
 
 
 def test_the_hook_gets_each_event_as_json_and_a_failing_hook_is_an_event(tmp_path: Path) -> None:
@@ -186,7 +187,7 @@ def test_a_lost_node_is_cordoned_and_its_unit_re_placed_onto_a_spare(tmp_path: P
     """Replicas on local-1 and local-2; local-2 stops answering for node_lost_after: it is cordoned,
     the plan made again without it (serve-1 moves to local-3), the spare checked by the doctor, and
     every unit whose processes changed restarts (serve-1, and the router: its worker list changed)."""
-    from k3launch.deploy.supervisor import Places
+    from k3launch.deploy.control.loop import Places
 
     store = StateStore(tmp_path)
     rec = _record(store)
@@ -199,7 +200,7 @@ def test_a_lost_node_is_cordoned_and_its_unit_re_placed_onto_a_spare(tmp_path: P
                     stop=stop)
     w.listed = worker_urls(next(p for p in old.processes if p.role == "router"))
     pol = RestartPolicy(poll=0.1, node_lost_after=0.15)
-    out = supervisor.supervise(rec.name, store, FakeOps(w), pol, on_event=(seen := []).append, stop=stop,
+    out = loop.supervise(rec.name, store, FakeOps(w), pol, on_event=(seen := []).append, stop=stop,
                                places=Places(lambda node, why: cordoned.append((node, why)), lambda: new))
     assert out == "stopped"
     kinds = [e.kind for e in seen]
@@ -221,7 +222,7 @@ def test_a_lost_node_is_cordoned_and_its_unit_re_placed_onto_a_spare(tmp_path: P
 
 
 def test_no_spare_means_waiting_for_the_node(tmp_path: Path) -> None:
-    from k3launch.deploy.supervisor import Places
+    from k3launch.deploy.control.loop import Places
 
     store = StateStore(tmp_path)
     rec = _record(store)
@@ -232,7 +233,7 @@ def test_no_spare_means_waiting_for_the_node(tmp_path: Path) -> None:
         raise K3Error("no-nodes", "multi_node_replicas needs 2 nodes of b300; 1 left after 1 cordoned", "uncordon")
 
     w = FakeWatcher([silent, silent, silent, Observation(0, healthy=OK), Observation(0, healthy=OK)], stop=stop)
-    supervisor.supervise(rec.name, store, FakeOps(w), RestartPolicy(poll=0.1, node_lost_after=0.15), on_event=(seen := []).append,
+    loop.supervise(rec.name, store, FakeOps(w), RestartPolicy(poll=0.1, node_lost_after=0.15), on_event=(seen := []).append,
                          stop=stop, places=Places(lambda n, w: None, no_spare))
     failed = next(e for e in seen if e.kind == "replace-failed")
     assert "no spare node fits" in failed.reason and "waiting for local-2" in failed.reason
@@ -271,7 +272,7 @@ def test_no_canary_when_its_interval_is_zero(tmp_path: Path) -> None:
     stop = threading.Event()
     asked: list[str] = []
     w = FakeWatcher([Observation(0, healthy=OK)] * 10, stop=stop)
-    out = supervisor.supervise(rec.name, store, FakeOps(w), RestartPolicy(poll=0.1, canary_interval=0), on_event=lambda e: None,
+    out = loop.supervise(rec.name, store, FakeOps(w), RestartPolicy(poll=0.1, canary_interval=0), on_event=lambda e: None,
                                stop=stop, canary=lambda p, only: asked.append(p.name) or [])
     assert out == "stopped" and asked == []
 
@@ -282,7 +283,7 @@ def test_a_refused_detach_changes_nothing_of_the_running_supervisors_policy(tmp_
     import subprocess
     import sys
 
-    from k3launch.deploy.supervisors import lock_path, read_spec
+    from k3launch.deploy.control.process import lock_path, read_spec
 
     store = StateStore(tmp_path)
     rec = _record(store)

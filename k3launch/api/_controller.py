@@ -14,8 +14,8 @@ from pathlib import Path
 
 def main(argv: list[str]) -> int:
     from k3launch.api.supervision import supervise
+    from k3launch.deploy.control.process import read_spec
     from k3launch.deploy.state import StateStore
-    from k3launch.deploy.supervisors import read_spec
     from k3launch.errors import K3Error
 
     if len(argv) != 2:

@@ -1,5 +1,5 @@
 """How a command changes a live deployment: a new spec revision, then the one controller
-converges to it (:mod:`k3launch.deploy.supervisor`), and the command sees it happen.
+converges to it (:mod:`k3launch.deploy.control.loop`), and the command sees it happen.
 
 With a controller running (``supervise``) the command waits for it and says the progress; with
 none, it runs the controller in the foreground until the spec is reached. Interrupted (Ctrl-C),
@@ -36,7 +36,7 @@ def converge(name: str, change: Mapping[str, Any], *, done: Done, refuse: Callab
     """Write ``change`` as a new spec revision (under the deployment's lock, after ``refuse``),
     then see the controller reach it (``done``); the revision written."""
     from k3launch.api.supervision import refuse_self_supervised, supervise, supervise_detached, write_spec
-    from k3launch.deploy.supervisors import lock_path
+    from k3launch.deploy.control.process import lock_path
     from k3launch.util.locks import held
 
     st = store(state_dir)
@@ -73,7 +73,7 @@ def follow(st: StateStore, name: str, revision: int, done: Done, say: Callable[[
            progress: Callable[[DeploymentRecord], list[str]] | None) -> bool:
     """Wait for a running controller to reach spec ``revision``; False when no controller has run
     for :data:`TAKEOVER_S` (killed, and nobody started another): the caller runs one."""
-    from k3launch.deploy.supervisors import lock_path
+    from k3launch.deploy.control.process import lock_path
     from k3launch.util.locks import held
 
     said: set[str] = set()

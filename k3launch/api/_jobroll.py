@@ -16,9 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from k3launch.deploy.control.process import JobStore, read_spec
 from k3launch.deploy.rollout import RolloutResult, UnitRolled, with_processes
 from k3launch.deploy.state import StateStore
-from k3launch.deploy.supervisors import JobStore, read_spec
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord

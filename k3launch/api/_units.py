@@ -4,9 +4,9 @@ while a serving unit is out of its router or a unit runs a plan it should not.""
 
 from __future__ import annotations
 
-from k3launch.models.converge import url
+from k3launch.models.control.converge import url
+from k3launch.models.control.scaling import copy_of
 from k3launch.models.record import DeploymentRecord, Status, UnitStatus
-from k3launch.models.scaling import copy_of
 from k3launch.models.supervise import units
 from k3launch.transport import http
 

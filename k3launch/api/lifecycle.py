@@ -148,8 +148,8 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
            connect_timeout: float = 10.0) -> Status:
     """The deployment now: per process alive and healthy, its state and endpoint (``status --json``);
     with copies (``--replicas``), each process's copy and each copy's state."""
+    from k3launch.deploy.control.process import alive
     from k3launch.deploy.registry import backend
-    from k3launch.deploy.supervisors import alive
     from k3launch.models.record import SupervisorStatus, with_replicas
 
     st = store(state_dir)
@@ -217,9 +217,9 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
     (``report.verified`` says where that was checked). A name it never knew, with nothing found,
     is a typo more likely than a deployment: K3Error ``unknown-deployment``, naming the
     deployments it holds whose names are close."""
+    from k3launch.deploy.control.process import forget
+    from k3launch.deploy.control.process import stop as stop_supervisor
     from k3launch.deploy.registry import backend
-    from k3launch.deploy.supervisors import forget
-    from k3launch.deploy.supervisors import stop as stop_supervisor
     from k3launch.util import bounds
 
     st = store(state_dir)

@@ -177,7 +177,7 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
             preview: RolloutPreview | None = None, surge: bool = False, canary: bool = True,
             rebaseline: bool = False) -> RolloutResult:
     """Roll :func:`rollout_preview`'s plan out, ``max_unavailable`` units at a time: a new revision
-    of the deployment's spec, converged by its controller (:mod:`k3launch.models.converge`). With
+    of the deployment's spec, converged by its controller (:mod:`k3launch.models.control.converge`). With
     a controller running (``supervise``), this waits for it; without one, it runs the controller
     here until the rollout is done or stopped. Either way the deployment stays supervised
     throughout: a unit that fails meanwhile is restarted, and the rollout goes on.
@@ -300,7 +300,7 @@ def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], s
 
 def _pending(st: StateStore, name: str, rec: DeploymentRecord) -> bool:
     """A rollout written to the spec that no controller has taken up yet."""
-    from k3launch.deploy.supervisors import read_spec
+    from k3launch.deploy.control.process import read_spec
 
     spec = read_spec(st, name)
     done = rec.control.revision if rec.control is not None else 0

@@ -2,7 +2,7 @@
 many hot standbys wait beside them.
 
 A new revision of the deployment's spec, converged by its controller
-(:mod:`k3launch.models.scaling`, :func:`k3launch.api._converge.converge`): out, new copies start
+(:mod:`k3launch.models.control.scaling`, :func:`k3launch.api._converge.converge`): out, new copies start
 on free nodes of the inventory (the doctor first; cordoned nodes and other deployments' nodes are
 not free; warm compile caches and staged weights are used as ``up`` uses them); in, the copies
 with the highest indices leave the router, drain and stop. Standbys serve, gated, out of the
@@ -19,8 +19,8 @@ from k3launch.api._common import store
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import Feature, require
+from k3launch.models.control.scaling import copy_of
 from k3launch.models.record import DeploymentRecord
-from k3launch.models.scaling import copy_of
 
 MIN_COPIES = 2  # one copy's plan has other process ids and no router: `down` and `up` for that
 
@@ -43,7 +43,7 @@ def scale(name: str, *, replicas: int | None = None, standby: int | None = None,
     import time
 
     from k3launch.api._converge import converge
-    from k3launch.deploy.supervisors import read_spec
+    from k3launch.deploy.control.process import read_spec
 
     st = store(state_dir)
     rec = st.load(name)

@@ -16,7 +16,7 @@ from k3launch.api._common import access, load, store
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
-    from k3launch.deploy import supervisor as supervisor_mod
+    from k3launch.deploy.control import loop as loop_mod
     from k3launch.deploy.rollout import Gate
     from k3launch.deploy.state import StateStore
     from k3launch.models.plan import Plan
@@ -86,7 +86,7 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
     left running; the record says why), ``"converged"`` (``until_converged``: the spec's rollout
     is done or stopped). ``on_event`` gets every event (also appended to the event log:
     :func:`events`); ``on_event_command`` runs with each event as JSON on stdin."""
-    from k3launch.deploy import supervisor
+    from k3launch.deploy.control import loop
     from k3launch.deploy.registry import supervise_ops
     from k3launch.models.supervise import RestartPolicy
 
@@ -98,7 +98,7 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
     stop = stop or threading.Event()
     restore = _on_signals(stop)
     try:
-        return supervisor.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
+        return loop.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
                                     detached=detached, stop=stop, places=_places(rec, state_dir), canary=canary_lines(st, name),
                                     gate_for=rollout_gate(st, name), until_converged=until_converged)
     finally:
@@ -121,12 +121,12 @@ def rollout_gate(st: StateStore, name: str) -> Callable[[RolloutState], Gate | N
     return gate_for
 
 
-def _places(rec: DeploymentRecord, state_dir: str | Path | None) -> supervisor_mod.Places | None:
+def _places(rec: DeploymentRecord, state_dir: str | Path | None) -> loop_mod.Places | None:
     """Cordon and re-plan on the inventory the deployment came from (None: it cannot be re-planned:
     no inventory file, or a plan made before plans kept their origin)."""
     from k3launch.api.planning import plan
     from k3launch.deploy import cordons
-    from k3launch.deploy.supervisor import Places
+    from k3launch.deploy.control.loop import Places
     from k3launch.models.cordon import by_supervisor
 
     origin = rec.plan.origin
@@ -195,7 +195,7 @@ def supervise_detached(name: str, *, policy: RestartPolicy | Mapping[str, Any] |
     pid are in the record). Its policy (the inventory's, with ``policy``'s fields over it), hook
     and SSH settings are written to the deployment's spec first, as a new revision; refused
     (``already-supervised``, naming the pid) before anything is written when one runs already."""
-    from k3launch.deploy import supervisors
+    from k3launch.deploy.control import process
     from k3launch.models.backends import Feature, require
     from k3launch.models.supervise import RestartPolicy
 
@@ -206,12 +206,12 @@ def supervise_detached(name: str, *, policy: RestartPolicy | Mapping[str, Any] |
     refuse_supervised(st, rec)
     pol = policy if isinstance(policy, RestartPolicy) else restart_policy(name, policy, state_dir=state_dir)
     write_spec(st, name, policy=pol, hook=on_event_command, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    return supervisors.detach(st, name)
+    return process.detach(st, name)
 
 
 def refuse_supervised(st: StateStore, rec: DeploymentRecord) -> None:
     """``already-supervised`` when a controller of ``rec`` runs (its lock is held)."""
-    from k3launch.deploy.supervisors import lock_path, who
+    from k3launch.deploy.control.process import lock_path, who
     from k3launch.util.locks import held
 
     if held(lock_path(st, rec.name)):
@@ -222,9 +222,9 @@ def refuse_supervised(st: StateStore, rec: DeploymentRecord) -> None:
 def write_spec(st: StateStore, name: str, **change: Any) -> int:
     """A new revision of ``name``'s spec with ``change`` over the last one (fields of
     :class:`~k3launch.models.control.Spec`); its revision number."""
-    from k3launch.deploy.supervisors import read_spec
-    from k3launch.deploy.supervisors import write_spec as write
-    from k3launch.models.control import Spec
+    from k3launch.deploy.control.process import read_spec
+    from k3launch.deploy.control.process import write_spec as write
+    from k3launch.models.control.spec import Spec
 
     last = read_spec(st, name) or Spec()
     rec = st.try_load(name)
@@ -238,9 +238,9 @@ def write_spec(st: StateStore, name: str, **change: Any) -> int:
 
 def stop_supervisor(name: str, *, state_dir: str | Path | None = None) -> str | None:
     """Stop ``name``'s supervisor if one runs (the deployment keeps running); a note, or None."""
-    from k3launch.deploy import supervisors
+    from k3launch.deploy.control import process
 
-    return supervisors.stop(store(state_dir), name)
+    return process.stop(store(state_dir), name)
 
 
 def events(name: str, *, state_dir: str | Path | None = None) -> list[Event]:

@@ -43,9 +43,9 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from k3launch.deploy.state import StateStore
+    from k3launch.models.control.observation import Observation
     from k3launch.models.power import Sampler
     from k3launch.models.supervise import Unit
-    from k3launch.models.supervision import Observation
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
 
@@ -226,7 +226,7 @@ class CanaryOps(Protocol):
 
 
 class SuperviseOps(Protocol):
-    """Feature ``supervise``: keep a deployment serving (:mod:`k3launch.deploy.supervisor` drives it)."""
+    """Feature ``supervise``: keep a deployment serving (:mod:`k3launch.deploy.control.loop` drives it)."""
 
     def watcher(self, rec: DeploymentRecord, store: StateStore) -> Watcher: ...
 

@@ -3,7 +3,7 @@ plan (:func:`with_processes`), an engine's ``vllm:num_requests_running`` for the
 ``--shutdown-timeout`` for the grace, and ``--surge`` (:meth:`Roller.surge`), which starts a whole
 new set of engines beside the old one, gates it, switches the router and stops the old set as
 one action of the controller. Rolling unit by unit is the controller's
-(:mod:`k3launch.models.converge` decides, :mod:`k3launch.deploy.actor` acts). Time is read through
+(:mod:`k3launch.models.control.converge` decides, :mod:`k3launch.deploy.control.actor` acts). Time is read through
 ``clock`` and waits go through ``sleep`` so tests can drive it.
 """
 

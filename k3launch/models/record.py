@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-from k3launch.models.control import ControlMemory
+from k3launch.models.control.memory import ControlMemory
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import Host, Plan
 from k3launch.models.rollout import RolloutState, RolloutStatus

@@ -13,7 +13,7 @@ later command, on this login node or another one:
 * the rollout's parameters (``max_unavailable``, ``drain_timeout``, ``start_timeout``, the canary
   gate) and its ``revision``: a rollout is a change of the deployment's desired state, written by
   the ``rollout`` command (:mod:`k3launch.models.control`) and converged by the one controller
-  (:mod:`k3launch.deploy.supervisor`), unit by unit, which records each unit's progress here.
+  (:mod:`k3launch.deploy.control.loop`), unit by unit, which records each unit's progress here.
 
 The record drops the rollout once every unit runs the new plan (or, after ``--rollback``, the old:
 ``back``).

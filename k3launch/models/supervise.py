@@ -1,6 +1,6 @@
 """Supervision, the pure part: restart policy, recovery units, events, and the decisions.
 
-A supervisor (``k3launch supervise``, :mod:`k3launch.deploy.supervisor`) observes a deployment
+A supervisor (``k3launch supervise``, :mod:`k3launch.deploy.control.loop`) observes a deployment
 every ``poll`` seconds and hands what it saw to :class:`Supervision`, which decides — without any
 I/O, time passed in — what to restart, when, and when to give up. Everything it decides is an
 :class:`Event` (docs/supervise.md has the table of recovery units and the policy).

@@ -5,8 +5,8 @@ A supervised job script binds its hosts, runs its doctor and prepare steps, then
 library's ``k3_control``; PYTHON is the interpreter ``up`` ran under, recorded in the script: the
 allocation's first node needs it at that path, with k3launch importable, and the script says so
 and exits 2 when it cannot import this module). This is the one controller
-(:func:`k3launch.deploy.supervisor.supervise`: the decisions of
-:class:`~k3launch.models.supervision.Supervision`, carried out by its actor) with the job's steps
+(:func:`k3launch.deploy.control.loop.supervise`: the decisions of
+:class:`~k3launch.models.control.decisions.Supervision`, carried out by its actor) with the job's steps
 as its hands (:class:`~k3launch.deploy.slurm.steps.JobWatcher`):
 
 1. it starts every step (engines, then the router) and waits until each HTTP process answers;
@@ -22,7 +22,7 @@ as its hands (:class:`~k3launch.deploy.slurm.steps.JobWatcher`):
    reason, and it exits 1: the job ends FAILED; SIGTERM (``k3launch down``) stops every step within
    the grace ``down`` left in ``<log dir>/.k3launch-grace`` and exits 0.
 
-Its state directory is ``<log dir>/control`` (:class:`~k3launch.deploy.supervisors.JobStore`:
+Its state directory is ``<log dir>/control`` (:class:`~k3launch.deploy.control.process.JobStore`:
 the record as the job binds it, the memory, the spec, its own event log); each event also goes to
 ``<log dir>/events.jsonl`` with the allocated host's name for the plan node (the watching event:
 the batch host's), which the login node merges.
@@ -40,11 +40,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from k3launch.deploy.control.loop import supervise
+from k3launch.deploy.control.process import JobStore, spec_path, stop_path
 from k3launch.deploy.eventlog import JOB_EVENTS
 from k3launch.deploy.slurm.job import bind_plan
 from k3launch.deploy.slurm.steps import JobOps, Steps, say, start_order
-from k3launch.deploy.supervisor import supervise
-from k3launch.deploy.supervisors import JobStore, spec_path, stop_path
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.record import ProcessRecord, SlurmJob, SlurmRecord

@@ -10,7 +10,7 @@ not to ``srun``, which would turn it into TERM and KILL at once), SIGKILL the sa
 grace, then ``srun`` itself.
 
 :class:`JobWatcher` is the :class:`~k3launch.deploy.base.Watcher` of the one controller
-(:mod:`k3launch.deploy.supervisor`) over them: one look is which steps ended (their ``srun``'s exit
+(:mod:`k3launch.deploy.control.loop`) over them: one look is which steps ended (their ``srun``'s exit
 code, the log's last lines) and one ``/health`` probe per HTTP process from the batch host (the
 job's nodes answer it there, as they answer the login node); a router's worker list and vLLM's
 fault-tolerance routes are asked the same way (:mod:`k3launch.deploy.routing`). Nodes are Slurm's:
@@ -33,12 +33,12 @@ from k3launch.deploy.base import own
 from k3launch.deploy.slurm.job import tail_file
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.control.observation import Observation
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import FaultTolerancePool, Plan, Process
 from k3launch.models.record import DeploymentRecord, SlurmRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.models.supervise import Unit
-from k3launch.models.supervision import Observation
 from k3launch.planning.inventory import SlurmSection
 from k3launch.render.sbatch import step_words
 from k3launch.render.scripts import shell_join

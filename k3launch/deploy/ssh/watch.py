@@ -31,12 +31,12 @@ from k3launch.deploy.ssh.teardown import sessions, stop_left_behind, stop_proces
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec as backend_spec
+from k3launch.models.control.observation import Observation
 from k3launch.models.phases import Timeline
 from k3launch.models.plan import FaultTolerancePool, Plan, Process, is_container
 from k3launch.models.record import DeploymentRecord, LeftBehind, SshRecord
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.models.supervise import Unit
-from k3launch.models.supervision import Observation
 from k3launch.render import snippets as remote
 from k3launch.transport import http
 from k3launch.transport.fleet import Fleet

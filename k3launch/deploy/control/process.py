@@ -4,7 +4,7 @@ one, stopping one (``down`` does, first) and starting one in the background (``-
 One supervisor per deployment holds ``<state>/supervise/NAME.lock`` while it runs. ``down``
 stops it with a stop request file (seen by a supervisor on any login node sharing the state
 directory) and, on the same host, SIGTERM; after :data:`STOP_WAIT_S`, SIGKILL. The loop itself
-is :mod:`k3launch.deploy.supervisor`.
+is :mod:`k3launch.deploy.control.loop`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from k3launch.deploy.state import StateStore, _start_time
 from k3launch.errors import K3Error
-from k3launch.models.control import Spec
+from k3launch.models.control.spec import Spec
 from k3launch.models.record import Supervisor
 from k3launch.util.locks import held
 

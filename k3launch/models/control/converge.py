@@ -2,7 +2,7 @@
 
 A rollout is desired state (:class:`~k3launch.models.rollout.RolloutState`, from the spec), and
 these decisions move the deployment towards it one look at a time, beside the restart decisions
-of :class:`~k3launch.models.supervision.Supervision` (which this is a part of). Each unit of the
+of :class:`~k3launch.models.control.decisions.Supervision` (which this is a part of). Each unit of the
 rollout goes:
 
 1. ``draining``: out of the router (the membership below takes it out), its in-flight requests
@@ -26,7 +26,9 @@ P/D mode cannot add a worker over HTTP, so its membership is left to its own hea
 
 from __future__ import annotations
 
-from k3launch.models.actions import Action, Gate, Memory, Observation, Route, Surge, Swap, UnitState
+from k3launch.models.control.actions import Action, Gate, Route, Surge, Swap
+from k3launch.models.control.memory import Memory, UnitState
+from k3launch.models.control.observation import Observation
 from k3launch.models.plan import Plan, Process
 from k3launch.models.rollout import RolloutState
 from k3launch.models.supervise import Event, EventKind, Unit
@@ -47,7 +49,7 @@ def pd(plan: Plan) -> bool:
 
 
 class Converge:
-    """The rollout and routing half of :class:`~k3launch.models.supervision.Supervision`."""
+    """The rollout and routing half of :class:`~k3launch.models.control.decisions.Supervision`."""
 
     name: str
     plan: Plan
@@ -64,7 +66,7 @@ class Converge:
         raise NotImplementedError
 
     def out_of_router(self, u: Unit) -> bool:
-        """Serving but not the router's (a standby, a leaving copy: :mod:`k3launch.models.scaling`)."""
+        """Serving but not the router's (a standby, a leaving copy: :mod:`k3launch.models.control.scaling`)."""
         return False
 
     # ------------------------------------------------------------------ who serves behind which router

@@ -2,7 +2,7 @@
 
 A deployment of copies (``--replicas``) has a desired count of serving copies and of standbys
 (the spec's ``replicas`` and ``standby``). These decisions, part of
-:class:`~k3launch.models.supervision.Supervision`, move it there:
+:class:`~k3launch.models.control.decisions.Supervision`, move it there:
 
 * **Out**: while every unit serves, one :class:`Resize` to the total; the executor plans the
   deployment again with that many copies, every existing copy keeping its nodes (planning's
@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import re
 
-from k3launch.models.actions import Action, Memory, Observation, Resize, UnitState
+from k3launch.models.control.actions import Action, Resize
+from k3launch.models.control.memory import Memory, UnitState
+from k3launch.models.control.observation import Observation
 from k3launch.models.supervise import Event, EventKind, Unit
 
 DRAIN_S = 120.0  # a leaving copy's in-flight requests get this long
@@ -38,7 +40,7 @@ def copy_of(name: str) -> str | None:
 
 
 class Scale:
-    """The copy-count half of :class:`~k3launch.models.supervision.Supervision`."""
+    """The copy-count half of :class:`~k3launch.models.control.decisions.Supervision`."""
 
     units: list[Unit]
     memory: dict[str, Memory]

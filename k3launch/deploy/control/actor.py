@@ -1,11 +1,11 @@
-"""The controller's hands: each :data:`~k3launch.models.actions.Action` of the decisions, carried
+"""The controller's hands: each :data:`~k3launch.models.control.actions.Action` of the decisions, carried
 out through the backend's :class:`~k3launch.deploy.base.Watcher`.
 
 There is one choreography for every change of a unit, whether a restart, a re-placement or a roll: its
-engines leave their router (a :class:`~k3launch.models.actions.Route` the decisions put first,
+engines leave their router (a :class:`~k3launch.models.control.actions.Route` the decisions put first,
 so no new request reaches them), it is stopped and started (on the plan the action names), it
 must serve (the next looks), a roll is gated (a completion, the canary), and it is back in its
-router (the membership the next look computes: :mod:`k3launch.models.converge`). Router changes
+router (the membership the next look computes: :mod:`k3launch.models.control.converge`). Router changes
 go through :meth:`Actor.route` alone.
 """
 
@@ -22,14 +22,15 @@ from k3launch.deploy.rollout import Gate as GateFn
 from k3launch.deploy.rollout import Roller, shutdown_timeout, with_processes
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
-from k3launch.models.actions import Action, FtRetry, Gate, GiveUp, Replace, Resize, Restart, Route, StopAll, Surge, Swap, UnitState
-from k3launch.models.converge import url
+from k3launch.models.control.actions import Action, FtRetry, Gate, GiveUp, Replace, Resize, Restart, Route, StopAll, Surge, Swap
+from k3launch.models.control.converge import url
+from k3launch.models.control.decisions import Supervision
+from k3launch.models.control.memory import UnitState
+from k3launch.models.control.scaling import copy_of
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.rollout import RolloutState
-from k3launch.models.scaling import copy_of
 from k3launch.models.supervise import Event, Unit, reroutable, units
-from k3launch.models.supervision import Supervision
 from k3launch.transport import http
 
 GRACE_S = 10.0  # SIGTERM to SIGKILL when a unit restarts

@@ -2,7 +2,7 @@
 
 :class:`Supervision` gets one :class:`Observation` per look and answers with the events to
 record and the :class:`Action` s to take (restart a unit, give it up, re-place a lost node's
-units, stop everything); the executor (:mod:`k3launch.deploy.supervisor`) reports back what
+units, stop everything); the executor (:mod:`k3launch.deploy.control.loop`) reports back what
 happened to a restart or a re-placement. Policy, units and events: :mod:`k3launch.models.supervise`.
 """
 
@@ -11,26 +11,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from k3launch.models.actions import (
-    Action,
-    FtRetry,
-    Gate,
-    GiveUp,
-    Memory,
-    Observation,
-    Replace,
-    Restart,
-    Route,
-    StopAll,
-    Surge,
-    Swap,
-    UnitState,
-)
-from k3launch.models.control import ControlMemory, UnitMemory
-from k3launch.models.converge import Converge
+from k3launch.models.control.actions import Action, FtRetry, Gate, GiveUp, Replace, Restart, Route, StopAll, Surge, Swap
+from k3launch.models.control.converge import Converge
+from k3launch.models.control.memory import ControlMemory, Memory, UnitMemory, UnitState
+from k3launch.models.control.observation import Observation
+from k3launch.models.control.scaling import Scale
 from k3launch.models.plan import Plan
 from k3launch.models.rollout import RolloutState
-from k3launch.models.scaling import Scale
 from k3launch.models.supervise import Event, EventKind, RestartPolicy, Unit, units
 
 __all__ = ["Action", "FtRetry", "Gate", "GiveUp", "Memory", "Observation", "Replace", "Restart", "Route", "StopAll", "Supervision",
@@ -53,9 +40,9 @@ class Supervision(Scale, Converge):
         self.plan = plan
         self.units = units(plan)
         self.node_of = {p.id: p.node for p in plan.processes}
-        self.rollout: RolloutState | None = None  # the spec's rollout, converged unit by unit (:mod:`k3launch.models.converge`)
+        self.rollout: RolloutState | None = None  # the spec's rollout, converged unit by unit (:mod:`k3launch.models.control.converge`)
         self.surging = False  # a --surge is under way (one action: the executor reports back)
-        self.copies_wanted: int | None = None  # the spec's copies (None: as the plan has them) (:mod:`k3launch.models.scaling`)
+        self.copies_wanted: int | None = None  # the spec's copies (None: as the plan has them) (:mod:`k3launch.models.control.scaling`)
         self.standby_wanted = 0
         self.standby: set[str] = set()  # copies serving as hot standbys, out of the router
         self.resizing = False

@@ -1,7 +1,7 @@
 """``k3launch supervise``: keep a deployment serving until it is taken down.
 
 The loop (every ``poll`` seconds): one look through the backend's :class:`~k3launch.deploy.base.Watcher`,
-the decisions of :class:`~k3launch.models.supervision.Supervision` (pure), then its actions —
+the decisions of :class:`~k3launch.models.control.decisions.Supervision` (pure), then its actions —
 restart a unit, give a unit up, re-place a lost node's units (:class:`Places`), send vLLM's
 fault-tolerance ``retry``, or stop everything — and every event appended to the
 deployment's event log (:mod:`k3launch.deploy.eventlog`; ``restarted`` and ``restart-failed``
@@ -11,7 +11,7 @@ carry the unit's restart timeline, phase by phase, when the watcher tracked it) 
 One supervisor per deployment: it holds ``<state>/supervise/NAME.lock`` while it runs (a second
 one is refused) and names itself in the record (``supervisor``: host, pid, since, restarts), so
 ``status`` shows it. It watches, it never owns: stopping it (Ctrl-C, SIGTERM) leaves the
-deployment as it is. ``down`` stops it first (:func:`k3launch.deploy.supervisors.stop`: a stop
+deployment as it is. ``down`` stops it first (:func:`k3launch.deploy.control.process.stop`: a stop
 request file any login node sharing the state directory sees, and SIGTERM when on this host), so it never revives what
 ``down`` is stopping; a request that arrives during a restart is honoured before the unit's
 start, and the restart's processes, if any started, are ``down``'s to stop.
@@ -27,21 +27,23 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from k3launch.deploy import eventlog
-from k3launch.deploy.actor import GRACE_S, Actor, Places
 from k3launch.deploy.base import SuperviseOps, Watcher
+from k3launch.deploy.control.actor import GRACE_S, Actor, Places
+from k3launch.deploy.control.process import lock_path, read_spec, stop_path, who
 from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.rollout import Gate as GateFn
 from k3launch.deploy.rollout import running_requests
 from k3launch.deploy.state import StateStore, me
-from k3launch.deploy.supervisors import lock_path, read_spec, stop_path, who
 from k3launch.errors import K3Error
-from k3launch.models.actions import Gate, Observation, StopAll, UnitState
-from k3launch.models.converge import url
+from k3launch.models.control.actions import Gate, StopAll
+from k3launch.models.control.converge import url
+from k3launch.models.control.decisions import Supervision
+from k3launch.models.control.memory import UnitState
+from k3launch.models.control.observation import Observation
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, Supervisor
 from k3launch.models.rollout import RolloutState
 from k3launch.models.supervise import Event, RestartPolicy
-from k3launch.models.supervision import Supervision
 from k3launch.util.locks import locked
 
 __all__ = ["CanaryFn", "EventFn", "GateFor", "Places", "supervise"]

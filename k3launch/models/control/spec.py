@@ -5,7 +5,7 @@ to converge to and the policy its controller follows. Commands never act on a li
 themselves: ``rollout``, ``rollout --continue`` / ``--rollback`` and ``supervise`` write a new
 spec revision (``<state>/supervise/NAME.spec.json``, owner-only: an ``--on-event`` command may
 carry a webhook's token) under the deployment's lock, and the controller
-(:mod:`k3launch.deploy.supervisor`) adopts a higher revision at its next look and converges to it
+(:mod:`k3launch.deploy.control.loop`) adopts a higher revision at its next look and converges to it
 (LeaderWorkerSet's reconcile: a rollout is a spec change). The spec lives beside the record, not
 in it, so the controller's own saves of the record (processes, progress) never write an older
 spec over a newer one.
@@ -39,34 +39,3 @@ class Spec(_Rec):
     standby: int = 0  # hot standbys wanted beside them
     accept_unknown_hosts: bool = False  # the SSH client settings a detached controller uses
     connect_timeout: float = 10.0
-
-
-class UnitMemory(_Rec):
-    """What the controller remembers of one recovery unit (models.supervision's ``_Memory``, saved)."""
-
-    state: str = "serving"
-    until: float = 0.0
-    restarts: list[float] = []  # times of restarts within the policy's window
-    detected: float | None = None
-    reason: str = ""
-    failing: list[str] = []
-    to: str = ""  # a roll under way: the plan the unit is swapped to ("new", or "old" when rolled back)
-    undo: bool = False  # ... to take back a roll that failed its gate
-    leaving: bool = False  # its copy is scaled in
-    fresh: bool = False  # a new copy, starting
-    since: float = 0.0  # a roll under way: when the unit left the router
-    drained_s: float = 0.0
-
-
-class ControlMemory(_Rec):
-    """The controller's memory of a deployment, saved in its record."""
-
-    revision: int = 0  # the spec revision adopted last
-    restarts: int = 0  # restarts made, in all, by every controller of the deployment
-    units: dict[str, UnitMemory] = {}
-    node_down: dict[str, float] = {}  # node -> since when it does not answer
-    lost: list[str] = []
-    finished: RolloutState | None = None  # the last rollout that converged (what its command reports)
-    standby: list[str] = []  # copies serving as hot standbys, out of the router
-    copies: int = 0  # copies the plan runs
-    scaled: bool = True  # the copy count and standbys are as the spec wants, every unit serving
