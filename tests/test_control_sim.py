@@ -144,6 +144,7 @@ def test_scale_out_and_in_then_a_standby_takes_a_killed_copys_place(state_cli: C
         out = cli.json("scale", name, "--replicas", "4", timeout=180)
         t_out = time.monotonic() - t0
         four = _all_listed(endpoint, _urls(cli, name))
+        leaving = [pid for i, pid in _engines(cli, name).items() if i.startswith(("r2-", "r3-"))]
         t0 = time.monotonic()
         back = cli.json("scale", name, "--replicas", "2", timeout=180)
         t_in = time.monotonic() - t0
@@ -168,6 +169,7 @@ def test_scale_out_and_in_then_a_standby_takes_a_killed_copys_place(state_cli: C
     assert len(four) == 4, four
     assert two == urls and len(two) == 2, two
     assert sorted(two_rec["processes"]) == ["r0-serve-0", "r1-serve-0", "router"]
+    assert len(leaving) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in leaving)  # the freed nodes hold nothing
     assert listed_sb == urls, listed_sb  # the standby r2 serves, out of the router
     assert added["time"] - detected["time"] < 2.0, (detected, added)
     assert after_kill == sorted([urls[1], r2]), after_kill  # r0 came back as the standby
