@@ -10,6 +10,9 @@ membership is its ``/list_workers``, polled every 20 ms.
   ``inventories/local.yaml``, the inventory's ``restart: {poll: 0.5}``); ``kill -9`` of a serving
   copy → ``detected``; detected → the router lists the standby; kill → the killed copy serves
   again (``restarted``, as the standby now).
+* ``promotion-one``: the same with one serving copy (``--replicas 1 --standby 1``): between the
+  kill and the look that promotes the standby, the router has no live engine, and only its retries
+  (5, from 50 ms: about 0.7 s; its circuit breaker opens after 10 failed sends) carry requests.
 * ``restart``: bench_supervise.py's ``replicas-kill`` (two simulated replicas, no standby,
   ``--poll 0.5``): kill → detected, → serving again.
 * ``rollout``: one copy serving and one standby (``up --replicas 1 --standby 1``), ``rollout NAME
@@ -29,7 +32,7 @@ Prints one table (scenario, figure, min, median, max, runs) and the failed / tot
 requests per run; ``--json`` prints one JSON object per scenario instead. Asserts nothing.
 Whatever a run started is taken down (``k3launch down``, then SIGKILL) even on Ctrl-C.
 
-Run: python benchmarks/bench_control.py [--runs 3] [--scenarios promotion,restart,rollout,sigstop] [--real] [--json] [-v]
+Run: python benchmarks/bench_control.py [--runs 3] [--scenarios promotion,promotion-one,restart,rollout,sigstop] [--real] [--json] [-v]
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ from bench_supervise import REAL_PAUSE_S, Ctx, Logged, Run, TimedLoad, _engine, 
 from e2e_helpers import Cli, cleanup
 
 ROOT = Path(__file__).resolve().parents[1]
-SIM = ("promotion", "restart", "rollout", "sigstop")
+SIM = ("promotion", "promotion-one", "restart", "rollout", "sigstop")
 REAL = "real-standby"
-PORTS = {"promotion": 14000, "restart": 14100, "rollout": 14200, "sigstop": 14300, REAL: 14400}  # + 10 per run
+PORTS = {"promotion": 14000, "promotion-one": 14500, "restart": 14100, "rollout": 14200, "sigstop": 14300, REAL: 14400}  # + 10 per run
 REAL_UP_S = 480  # two real engines starting on two busy cores
 
 
@@ -91,9 +94,10 @@ def _sim_inventory(ctx: Ctx) -> Path:
 
 
 # ------------------------------------------------------------------ the scenarios
-def promotion(ctx: Ctx, cli: Cli, name: str, port_base: int, i: int) -> Run:
-    out = _up(cli, _sim_inventory(ctx), name, port_base, "--strategy", "single_node_tp", "--replicas", "2", "--standby", "1")
+def promotion(ctx: Ctx, cli: Cli, name: str, port_base: int, i: int, serving: int = 2) -> Run:
+    out = _up(cli, _sim_inventory(ctx), name, port_base, "--strategy", "single_node_tp", "--replicas", str(serving), "--standby", "1")
     urls = _urls(cli, name)
+    after = sorted(u for p, u in urls.items() if p != "r0-serve-0")  # the other serving copies and the standby
     run = Run()
     with Logged(cli, name) as log, TimedLoad(out["endpoint"], cli.record(name)["plan"]["model"], workers=2, limit=3000) as load:
         time.sleep(1)
@@ -101,7 +105,7 @@ def promotion(ctx: Ctx, cli: Cli, name: str, port_base: int, i: int) -> Run:
         t0 = time.time()
         os.kill(victim, signal.SIGKILL)
         detected = log.wait("detected", "r0-serve-0", since=t0, within=30)
-        listed = _until_listed(out["endpoint"], sorted([urls["r1-serve-0"], urls["r2-serve-0"]]), within=30)
+        listed = _until_listed(out["endpoint"], after, within=30)
         back = log.wait("restarted", "r0-serve-0", since=t0, within=60)
         time.sleep(1)
     run.figures = {"kill → detected": detected - t0, "detected → standby listed": listed - detected, "kill → serving (standby)": back - t0}
@@ -159,6 +163,8 @@ def real_standby(ctx: Ctx, cli: Cli, name: str, port_base: int, i: int) -> Run:
 
 SCENARIOS: dict[str, tuple[str, Callable[[Ctx, Cli, str, int, int], Run]]] = {
     "promotion": ("kill -9 a serving sim copy, --replicas 2 --standby 1 (poll 0.5)", promotion),
+    "promotion-one": ("kill -9 the one serving sim copy, --replicas 1 --standby 1 (poll 0.5)",
+                      lambda c, cli, n, p, i: promotion(c, cli, n, p, i, serving=1)),
     "restart": ("kill -9 one of 2 sim replicas, no standby (poll 0.5)", lambda c, cli, n, p, i: replicas(c, cli, n, p, hang=False)),
     "rollout": ("rollout --set, sim --replicas 1 --standby 1", rollout),
     "sigstop": ("SIGSTOP one of 2 sim replicas (unhealthy-after 3, poll 0.5)", lambda c, cli, n, p, i: replicas(c, cli, n, p, hang=True)),
