@@ -244,3 +244,29 @@ def test_a_standby_takes_a_failed_copys_place_in_the_same_look() -> None:
     w.healthy["r0-serve-0"] = True
     w.apply(sup, sup.step(w.look(2.0))[1], 2.0)
     assert sup.state("r0-serve-0") is UnitState.SERVING and r0 not in w.listed and sup.scaled()  # back, as the standby
+
+
+def test_a_copy_that_rolls_hands_its_place_in_the_router_to_a_standby_first() -> None:
+    """One serving copy and one standby (``up --replicas 1 --standby 1``): each copy that rolls
+    leaves the router only once the standby is in it; it rolls as the standby. The router never
+    lists no engine, and both copies end on the new plan."""
+    old, new = _plans(2)
+    w, sup = World(old), _sup(old)
+    sup.copies_wanted, sup.standby_wanted = 1, 1
+    w.apply(sup, sup.step(w.look(0.0))[1], 0.0)  # r1 becomes the standby and leaves the router
+    u0, u1 = (url(x) for x in old.processes if x.role != "router")
+    assert sup.standby == {"r1"} and w.listed == [u0]
+    sup.rollout = _rollout(old, new)
+    done: list[str] = []
+    kinds: list[str] = []
+    listed: list[list[str]] = []
+    for t in range(1, 14):
+        events, actions = sup.step(w.look(float(t), running={"r0-serve-0": 0.0, "r1-serve-0": 0.0}))
+        kinds += [e.kind for e in events]
+        done += w.apply(sup, actions, float(t))
+        listed.append(list(w.listed))
+    assert done[:3] == [f"+{u1}", f"-{u0}", "swap r0-serve-0 new"], done  # the standby is in before r0 leaves
+    assert done.index("gate r0-serve-0") < done.index(f"+{u0}") < done.index(f"-{u1}") < done.index("swap r1-serve-0 new"), done
+    assert [u.on for u in sup.rollout.units] == ["new", "new"] and sup.rollout.done(), sup.rollout.units
+    assert kinds.count("promoted") == 2 and sup.standby == {"r1"} and w.listed == [u0], (kinds, sup.standby, w.listed)
+    assert all(len(x) >= 1 for x in listed), listed

@@ -14,6 +14,9 @@ rollout goes:
 
 A unit starts rolling only while every other unit serves, at most ``max_unavailable`` at a time;
 a unit that fails meanwhile is repaired by the restart decisions, and the rollout waits for it.
+A copy in the router that starts rolling hands its place to a hot standby that serves, if there
+is one (:mod:`k3launch.models.scaling`): it rolls as the standby, and the router never lists fewer
+copies than it did.
 One without a regular router in front (P/D, or one engine with ``--allow-downtime``) swaps in
 place.
 
@@ -68,6 +71,9 @@ class Converge:
     def out_of_router(self, u: Unit) -> bool:
         """Serving but not the router's (a standby, a leaving copy: :mod:`k3launch.models.control.scaling`)."""
         return False
+
+    def promote(self, u: Unit, now: float, events: list[Event], then: str = "restarts") -> None:
+        """A standby takes ``u``'s place in the router (:mod:`k3launch.models.scaling`)."""
 
     # ------------------------------------------------------------------ who serves behind which router
     def routers(self) -> list[Process]:
@@ -229,6 +235,7 @@ class Converge:
             m.to, m.undo, m.since, m.drained_s = ro.target, False, now, 0.0
             busy.append(u.name)
             if ro.routes and self.routed(u):
+                self.promote(u, now, events, "rolls")  # a copy in the router leaves it: a standby that serves takes its place
                 m.state, m.until = UnitState.DRAINING, now + ro.drain_timeout
                 events.append(self._event(now, "rolling", u, reason="out of the router, draining"))
             else:

@@ -69,9 +69,9 @@ class Scale:
     def _serving(self, units: list[Unit]) -> bool:
         return all(self.memory[u.name].state is UnitState.SERVING for u in units)
 
-    def promote(self, u: Unit, now: float, events: list[Event]) -> None:
-        """A serving copy failed: a standby that serves takes its place in the router at once, and
-        the failed copy restarts as the standby."""
+    def promote(self, u: Unit, now: float, events: list[Event], then: str = "restarts") -> None:
+        """A serving copy failed (or starts rolling: ``then`` "rolls"): a standby that serves takes
+        its place in the router at once, and the copy restarts (rolls) as the standby."""
         failed = copy_of(u.name)
         if failed is None or failed in self.standby or self.memory[u.name].leaving:
             return
@@ -80,7 +80,7 @@ class Scale:
             return
         self.standby.discard(ready)
         self.standby.add(failed)
-        events.append(self._event(now, "promoted", u, reason=f"standby {ready} joins the router in place of {failed}, which restarts as the standby"))
+        events.append(self._event(now, "promoted", u, reason=f"standby {ready} joins the router in place of {failed}, which {then} as the standby"))
 
     def scaled(self) -> bool:
         """The copy count and the standbys are as wanted, and every unit serves."""
