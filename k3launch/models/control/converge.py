@@ -15,7 +15,7 @@ rollout goes:
 A unit starts rolling only while every other unit serves, at most ``max_unavailable`` at a time;
 a unit that fails meanwhile is repaired by the restart decisions, and the rollout waits for it.
 A copy in the router that starts rolling hands its place to a hot standby that serves, if there
-is one (:mod:`k3launch.models.scaling`): it rolls as the standby, and the router never lists fewer
+is one (:mod:`k3launch.models.control.scaling`): it rolls as the standby, and the router never lists fewer
 copies than it did.
 One without a regular router in front (P/D, or one engine with ``--allow-downtime``) swaps in
 place.
@@ -73,7 +73,7 @@ class Converge:
         return False
 
     def promote(self, u: Unit, now: float, events: list[Event], then: str = "restarts") -> None:
-        """A standby takes ``u``'s place in the router (:mod:`k3launch.models.scaling`)."""
+        """A standby takes ``u``'s place in the router (:mod:`k3launch.models.control.scaling`)."""
 
     # ------------------------------------------------------------------ who serves behind which router
     def routers(self) -> list[Process]:

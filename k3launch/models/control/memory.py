@@ -49,7 +49,7 @@ class _Rec(BaseModel):
 
 
 class UnitMemory(_Rec):
-    """What the controller remembers of one recovery unit (models.supervision's ``_Memory``, saved)."""
+    """What the controller remembers of one recovery unit (:class:`Memory`, saved)."""
 
     state: str = "serving"
     until: float = 0.0
