@@ -278,7 +278,7 @@ PLACEMENT_PARAMS = [
         default=None,
         annotation=Annotated[int | None, port_base_option("--port-base", "Shift every planned port so HTTP starts here (default 8000).")],
     ),
-    _opt("name", str | None, None, "--name", help="Deployment name (default: recipe-strategy-hardware-<id>)."),
+    _opt("name", str | None, None, "--name", help="Deployment name (default: <model>-<strategy>-<hardware>-<hash>, e.g. kimi-k3-tep-b300-1f0c2a)."),
     # every command that plans reads the inventory's cordoned nodes there, as `up` does
     _opt("state_dir", Path | None, None, "--state-dir",
          help="State directory: deployment records, cordoned nodes (default ~/.k3launch or $K3LAUNCH_STATE_DIR)."),
