@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 import typer.core
 
+from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
 from k3launch.util.bounds import Bound
 
@@ -147,6 +148,9 @@ class K3Group(typer.core.TyperGroup):
         with refusals(self._json_out, self._where):
             return super().invoke(ctx)
 
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        return labelled(super().get_command(ctx, cmd_name), ctx)
+
 
 def _command_words(group: Any, words: Sequence[str]) -> list[str]:
     """The leading words of ``words`` that name a (sub)command: ``campaign run`` of ``campaign run F --x``."""
@@ -167,6 +171,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
@@ -224,6 +229,18 @@ def console(stderr: bool = False) -> Console:
     if c.is_terminal or os.environ.get("COLUMNS", "").isdigit():
         return c
     return Console(soft_wrap=True, stderr=stderr, width=UNBOUNDED_WIDTH)
+
+
+# A divider off a terminal: a short one, not a line as long as the unbounded width.
+RULE_WIDTH = 80
+
+
+def rule(con: Console, title: str = "", **kw: Any) -> None:
+    """``con.rule``: across a terminal (or ``$COLUMNS``); off one, as wide as its title needs and at least :data:`RULE_WIDTH`."""
+    from rich.rule import Rule
+
+    width = con.width if con.width < UNBOUNDED_WIDTH else max(RULE_WIDTH, len(title) + 6)
+    con.print(Rule(title, **kw), width=width)
 
 
 def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:

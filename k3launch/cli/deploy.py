@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, rule, with_selection
 from k3launch.errors import K3Error
 from k3launch.util import bounds
 
@@ -141,7 +141,7 @@ def _dry_run(con: Console, plan: Plan, dry: DryRun, json_out: bool) -> None:
         if json_out:
             typer.echo(json.dumps({"name": dry.name, "sbatch": dry.sbatch}, indent=2))
         else:
-            con.rule(f"{dry.name}: the sbatch script `up` would submit (nothing is submitted)", align="left")
+            rule(con, f"{dry.name}: the sbatch script `up` would submit (nothing is submitted)", align="left")
             typer.echo(dry.sbatch)
         return
     if json_out:
