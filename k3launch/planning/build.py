@@ -310,7 +310,7 @@ def _node_sources(sh: PoolShared, pool: Pool, i: int, node: NodeSpec, head: Node
     extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
     values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
     src = sh.src
-    sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra, *[_resolve_source(s, values) for s in src.post],
+    sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *(src.quiet if serves else ()), *src.layout)], *extra, *[_resolve_source(s, values) for s in src.post],
                *loading.sources(inventory, node), *[_resolve_source(s, values) for s in src.tail]]
     if rank is not None:  # after the hardware layer: its all-to-all must not undo fault tolerance's
         cut = next((k for k, s in enumerate(sources) if LAYERS.index(s.layer) > LAYERS.index("hardware")), len(sources))
