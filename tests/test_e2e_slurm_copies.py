@@ -128,7 +128,7 @@ def test_two_copies_in_one_job_serve_through_the_router_show_in_status_refuse_a_
     refuse_s = time.monotonic() - t1
     assert ro.returncode == 2, ro.stdout + ro.stderr
     lines = ro.stderr.splitlines()
-    assert lines[0] == "error: rollout is not supported by the slurm backend (rollout)" and len(lines) == 2, ro.stderr
+    assert lines[0] == "error: rollout is not supported by the slurm backend (rollout) [not-supported]" and len(lines) == 2, ro.stderr
     assert "down" in lines[1] and "On Slurm" in lines[1], ro.stderr
     assert lines[1].startswith("hint: ") and "Traceback" not in ro.stderr
     after = _record(state, name)

@@ -245,6 +245,8 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
         if rec is not None:
             report = backend(rec.backend, [conn]).down(rec, st, grace)
             report.supervisor = stopped
+            if rec.rollout is not None and not rec.rollout.stopped:  # its controller was stopped above: the rollout ends here
+                report.rollout = " ".join(rec.rollout.changes)
             if report.clean:
                 from k3launch.deploy import canary
 

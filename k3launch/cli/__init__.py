@@ -43,7 +43,7 @@ import typer.core
 import typer.main
 
 from k3launch import __version__
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, fail, io_error, refusals, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, fail, io_error, refusals, say, with_selection
 from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
 
@@ -342,9 +342,7 @@ if _GUARDED:  # the command tree is set up: from here Ctrl-C is a KeyboardInterr
 
 
 def _refuse(err: K3Error) -> None:
-    typer.echo(f"error: {err.message}", err=True)
-    if err.hint:
-        typer.echo(f"hint: {err.hint}", err=True)
+    say(err)
     sys.exit(2)
 
 

@@ -53,13 +53,18 @@ class _State:
 STATE = _State()
 
 
+def say(err: K3Error) -> None:
+    """A refusal on stderr: ``error: <message> [<code>]`` (the code the troubleshooting tables list) and ``hint: <hint>``."""
+    typer.echo(f"error: {err.message} [{err.code}]", err=True)
+    if err.hint:
+        typer.echo(f"hint: {err.hint}", err=True)
+
+
 def fail(err: K3Error) -> NoReturn:
     if STATE.json:
         typer.echo(json.dumps({"error": err.as_dict()}))
     else:
-        typer.echo(f"error: {err.message}", err=True)
-        if err.hint:
-            typer.echo(f"hint: {err.hint}", err=True)
+        say(err)
     raise typer.Exit(2)
 
 

@@ -213,7 +213,8 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "leftovers": report.leftovers,
+        typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "exited": report.exited,
+                               "rollout": report.rollout, "leftovers": report.leftovers,
                                "unreachable": report.unreachable, "busy_ports": report.busy_ports, "verified": report.verified,
                                "set_aside": report.set_aside, "hint": report.hint, "supervisor": report.supervisor, "others": report.others},
                               indent=2))

@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from k3launch.cli.common import rule
+from k3launch.cli.common import rule, say
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, ReplicaStatus, Status
 from k3launch.models.reports import Check, DoctorReport, DryRun, TeardownReport
@@ -61,9 +61,7 @@ def doctor_summary(con: Console, report: DoctorReport) -> None:
     if report.ok:
         con.print(f"[green]all {len({c.node for c in report.checks})} node(s) pass[/]")
     else:
-        refusal = report.error()
-        typer.echo(f"error: {refusal.message}", err=True)
-        typer.echo(f"hint: {refusal.hint}", err=True)
+        say(report.error())
 
 
 def log_block(con: Console, pid: str, tail: str) -> None:
@@ -152,8 +150,11 @@ def down(con: Console, name: str, report: TeardownReport) -> None:
         con.print(report.supervisor, markup=False)
     if report.set_aside:
         con.print(f"unreadable record kept aside as {report.set_aside}")
+    if report.rollout:
+        con.print(f"a rollout was under way ({report.rollout}): abandoned", markup=False)
     if report.clean:
         what = f"{len(report.stopped)} process(es) stopped" if report.stopped else "nothing was running"
+        what += f", {len(report.exited)} had exited already ({', '.join(report.exited)})" if report.exited else ""
         con.print(f"[green]{name} is down[/]: {what}; {report.verified}")
         for node, items in report.others.items():
             con.print(f"  left alone on {node} (not started from this state directory): {', '.join(items)}", markup=False)

@@ -167,15 +167,15 @@ def timeline(con: Console, name: str, tl: Timeline) -> None:
     for col, just in (("process", "left"), ("node", "left"), ("phase", "left"), ("from", "right"), ("to", "right"), ("seconds", "right")):
         t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
     for p in tl.processes:
-        for i, s in enumerate(p.phases):
-            t.add_row(
-                p.id if i == 0 else "",
-                p.node if i == 0 else "",
-                s.phase.label,
-                f"{s.start - tl.started:.1f}",
-                f"{s.end - tl.started:.1f}",
-                f"{s.seconds:.1f}",
-            )
+        # a phase entered again (compiling, then the KV cache, then CUDA graphs) is one row: from
+        # its first start to its last end, its seconds those of its spans together (as --compare counts them)
+        rows: dict[Phase, tuple[float, float, float]] = {}
+        for s in p.phases:
+            first, _, took = rows.get(s.phase, (s.start, s.end, 0.0))
+            rows[s.phase] = (first, s.end, took + s.seconds)
+        for i, (phase, (start, end, took)) in enumerate(rows.items()):
+            t.add_row(p.id if i == 0 else "", p.node if i == 0 else "", phase.label, f"{start - tl.started:.1f}", f"{end - tl.started:.1f}",
+                      f"{took:.1f}")
     con.print(t)
     slow = tl.slowest()
     if slow is not None:

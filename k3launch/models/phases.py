@@ -225,10 +225,14 @@ class ProcessTimeline(_Model):
         done = next((s.start for s in self.phases if s.phase == Phase.HEALTHY), None)
         return done if done is not None else (self.phases[-1].start if self.phases else None)
 
-    def longest(self) -> PhaseSpan | None:
-        """The phase it spent longest in before it was done: what it waited for."""
-        spans = [s for s in self.phases if s.phase != Phase.HEALTHY]
-        return max(spans, key=lambda s: s.seconds) if spans else None
+    def longest(self) -> tuple[Phase, float] | None:
+        """The phase it spent longest in before it was done, and its seconds: what it waited for
+        (a phase entered twice, compiling around the KV cache: its spans together, as the timeline lists it)."""
+        spent: dict[Phase, float] = {}
+        for s in self.phases:
+            if s.phase != Phase.HEALTHY:
+                spent[s.phase] = spent.get(s.phase, 0.0) + s.seconds
+        return max(spent.items(), key=lambda kv: kv[1]) if spent else None
 
 
 class Slowest(_Model):
@@ -252,13 +256,13 @@ class Timeline(_Model):
         if not done:
             return None
         t, p = max(done, key=lambda x: x[0])
-        span = p.longest()
+        most = p.longest()
         return Slowest(
             process=p.id,
             node=p.node,
             seconds=round(t - self.started, 3),
-            waited_for=span.phase if span else None,
-            waited_s=round(span.seconds, 3) if span else 0.0,
+            waited_for=most[0] if most else None,
+            waited_s=round(most[1], 3) if most else 0.0,
         )
 
     def as_dict(self) -> dict[str, object]:
