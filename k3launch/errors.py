@@ -25,6 +25,15 @@ class K3Error(Exception):
         return self.message
 
 
+def plain(msg: str) -> str:
+    """A validation message in k3launch's words: without the prefix pydantic puts before a
+    validator's own message ("Value error, ...", "Assertion failed, ...")."""
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix):]
+    return msg
+
+
 # The advice for a host key that is not in known_hosts: said by the SSH runner at connect time and
 # by the doctor's report of many nodes, in the same words.
 HOST_KEY_HINT = ("check the host's key fingerprint and add it to known_hosts (ssh-keyscan), or pass --accept-unknown-hosts "

@@ -219,7 +219,7 @@ def test_cli_cordon_list_uncordon(tmp_path: Path) -> None:
 def test_cli_refusals_are_one_line_and_exit_2(tmp_path: Path) -> None:
     state = ["-i", str(LOCAL), "--state-dir", str(tmp_path / "state")]
     r = run_cli(["cordon", "nope", *state], tmp_path)
-    assert r.code == 2 and r.stderr == "error: node nope: no such node in inventory local\nhint: its nodes: local-1, local-2, local-3, local-4\n"
+    assert r.code == 2 and r.stderr == "error: node nope: no such node in inventory local [unknown-node]\nhint: its nodes: local-1, local-2, local-3, local-4\n"
     assert run_cli(["uncordon", "nope", *state, "--json"], tmp_path).error()["code"] == "unknown-node"
     assert run_cli(["cordon", *state, "--reason", "x", "--json"], tmp_path).error()["code"] == "bad-usage"  # --reason without nodes
     assert run_cli(["uncordon", *state, "--json"], tmp_path).error()["code"] == "bad-usage"  # no node to put back

@@ -62,7 +62,8 @@ def test_local_cpu_single_node_runs_the_venv_engine_on_its_own_addresses() -> No
     check_plan(load_schema("0.32.0"), plan)
     (proc,) = plan.processes
     assert (plan.platform, plan.hardware, plan.strategy, plan.vllm_version, plan.engine) == ("cpu", "cpu-x86", "single_node_tp", "0.32.0", "vllm")
-    assert proc.argv == ["vllm", "serve", MODEL, "--max-model-len", "512", "--tensor-parallel-size", "1", "--port", "8000", "--host", "127.0.0.21"]
+    assert proc.argv == ["vllm", "serve", MODEL, "--max-model-len", "512", "--tensor-parallel-size", "1", "--port", "8000", "--host", "127.0.0.21",
+                         "--disable-access-log-for-endpoints", "/health,/metrics"]
     assert proc.env["VLLM_CPU_KVCACHE_SPACE"] == "1" and proc.env["HF_HUB_OFFLINE"] == "1" and proc.image is None
     (host,) = plan.hosts
     assert host.venv == "/var/cache/k3launch/vllm-cpu/venv" and host.runtime == "bare"

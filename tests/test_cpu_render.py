@@ -96,5 +96,5 @@ def test_docker_cpu_argv_golden(tmp_path: Path) -> None:
         "--entrypoint", "vllm", "reg.example/vllm-cpu:0.32.0", "serve", "/var/cache/k3launch/vllm-cpu/tiny-llama", "--max-model-len", "512",
         "--disable-expert-parallel", "--no-data-parallel-hybrid-lb", "--tensor-parallel-size", "1", "--data-parallel-size", "2",
         "--data-parallel-size-local", "1", "--data-parallel-address", "10.1.0.1", "--data-parallel-rpc-port", "13345",
-        "--port", "8000", "--host", "10.1.0.1",
+        "--port", "8000", "--host", "10.1.0.1", "--disable-access-log-for-endpoints", "/health,/metrics",
     ], words

@@ -243,7 +243,7 @@ def test_a_request_slurm_cannot_satisfy_is_refused_with_slurms_reason_and_nothin
     assert up.returncode == 2, up.stdout + up.stderr
     first = up.stderr.splitlines()[0]
     if ask == "gpus":  # refused at submission
-        assert first == "error: Slurm refused the job: sbatch: error: Batch job submission failed: Requested node configuration is not available"
+        assert first == "error: Slurm refused the job: sbatch: error: Batch job submission failed: Requested node configuration is not available [sbatch-refused]"
         assert set(jobs_named(cluster, name).values()) <= {"FAILED"}  # Slurm may keep a record of what it refused
     else:  # accepted, but pending for a reason that never clears: cancelled at once
         assert "can never start: Slurm keeps it pending with reason PartitionNodeLimit" in first, up.stderr

@@ -129,7 +129,7 @@ def test_two_copies_in_one_job_serve_through_the_router_show_in_status_refuse_a_
     refuse_s = time.monotonic() - t1
     assert ro.returncode == 2, ro.stdout + ro.stderr
     lines = ro.stderr.splitlines()
-    assert lines[0] == f"error: {name}'s job {job} runs no controller: it fails fast, and nothing in it can roll a copy while the others serve" \
+    assert lines[0] == f"error: {name}'s job {job} runs no controller: it fails fast, and nothing in it can roll a copy while the others serve [rollout-needs-controller]" \
         and len(lines) == 2, ro.stderr
     assert "--supervise" in lines[1] and f"k3launch down {name}" in lines[1], ro.stderr
     assert lines[1].startswith("hint: ") and "Traceback" not in ro.stderr

@@ -433,7 +433,7 @@ def test_output_off_a_terminal_is_never_wrapped_at_80_columns(tmp_path: Path) ->
                        env=env, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 2, r.stdout + r.stderr  # a name never held here, nothing of it running: unknown-deployment
     line = next(ln for ln in (r.stdout + r.stderr).splitlines() if "no deployment named" in ln)
-    assert len(line) > 80 and line.rstrip().endswith("this machine"), r.stdout + r.stderr  # one line, not folded
+    assert len(line) > 80 and line.rstrip().endswith("this machine [unknown-deployment]"), r.stdout + r.stderr  # one line, not folded
     r = subprocess.run([sys.executable, "-m", "k3launch", "plan", "--strategy", "pd_cluster"], capture_output=True, text=True, env=env,
                        timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stderr

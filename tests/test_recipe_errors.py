@@ -180,7 +180,7 @@ def _cli_refusal(args: list[str]) -> tuple[str, str]:
     assert isinstance(doc, dict) and list(doc) == ["error"]
     assert sorted(doc["error"]) == ["code", "hint", "message"]
     assert doc["error"]["code"] and doc["error"]["message"] and doc["error"]["hint"]
-    assert lines[0] == f"error: {doc['error']['message']}" and lines[1] == f"hint: {doc['error']['hint']}"
+    assert lines[0] == f"error: {doc['error']['message']} [{doc['error']['code']}]" and lines[1] == f"hint: {doc['error']['hint']}"
     return doc["error"]["code"], res.stderr
 
 

@@ -308,7 +308,7 @@ def test_supervise_says_a_self_supervising_job_needs_no_supervisor_and_plain_job
     res = subprocess.run([sys.executable, "-m", "k3launch", "supervise", "u-sv", "--state-dir", str(store.root)], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2 and res.stdout == "", res.stderr
-    assert res.stderr.splitlines() == ["error: u-sv supervises itself: job 42 restarts failed steps inside its allocation",
+    assert res.stderr.splitlines() == ["error: u-sv supervises itself: job 42 restarts failed steps inside its allocation [self-supervised]",
                                        "hint: `k3launch events u-sv` shows what it did, `k3launch status u-sv` its restarts"]
     with pytest.raises(K3Error, match="supervises itself"):
         api.supervise_detached("u-sv", state_dir=store.root)

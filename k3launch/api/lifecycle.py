@@ -190,8 +190,22 @@ def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, nod
     ids = [p.id for p in rec.plan.processes if (role is None or p.role == role) and (node is None or p.node == node)]
     if not ids:
         raise K3Error("no-processes", "no process matches --role/--node", "processes: " + ", ".join(f"{p.id}@{p.node}" for p in rec.plan.processes))
-    backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).logs(rec, ids, lines, follow, emit,
+    backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).logs(rec, ids, lines, follow, _without_probes(emit),
                                                                               everything=role is None and node is None)
+
+
+def _without_probes(emit: Callable[[str], None]) -> Callable[[str], None]:
+    """``emit``, handed each text without the access-log lines of /health and /metrics polls (an
+    engine not told to leave them out logs one every few seconds, burying its own lines)."""
+    from k3launch.models.phases import probe_access
+
+    def out(text: str) -> None:
+        lines = text.split("\n")
+        kept = [line for line in lines if not probe_access(line)]
+        if kept or not lines:
+            emit("\n".join(kept))
+
+    return out
 
 
 def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, accept_unknown_hosts: bool = False,
@@ -231,6 +245,8 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
         if rec is not None:
             report = backend(rec.backend, [conn]).down(rec, st, grace)
             report.supervisor = stopped
+            if rec.rollout is not None and not rec.rollout.stopped:  # its controller was stopped above: the rollout ends here
+                report.rollout = " ".join(rec.rollout.changes)
             if report.clean:
                 from k3launch.deploy import canary
 

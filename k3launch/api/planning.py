@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3launch.api._common import InventoryArg, load, store
-from k3launch.errors import K3Error
+from k3launch.errors import K3Error, plain
 
 if TYPE_CHECKING:
     from k3launch.models.cordon import Cordon
@@ -36,7 +36,7 @@ def _selection(selection: Selection | Mapping[str, Any] | None, fields: Mapping[
         if err["type"] == "extra_forbidden":
             raise K3Error("bad-selection", f"selection {name}: not a selection field", "use Selection fields: " + ", ".join(Selection.model_fields)) from None
         flag = next((f for n, f, _, _ in Selection.cli_fields() if n == name), name)
-        raise K3Error("bad-value", f"{flag}: {err['msg']}", f"`k3launch plan --help` lists {flag}'s values") from None
+        raise K3Error("bad-value", f"{flag}: {plain(err['msg'])}", f"`k3launch plan --help` lists {flag}'s values") from None
 
 
 def plan(inventory: InventoryArg = None, *, selection: Selection | Mapping[str, Any] | None = None,

@@ -139,21 +139,29 @@ def _with_rebaseline(st: StateStore, name: str, preview: RolloutPreview) -> Roll
     return replace(preview, rebaseline=tuple(rebaseline_reasons(baseline, preview.new))) if baseline is not None else preview
 
 
+def _surge_refusal(old: Plan) -> K3Error | None:
+    """Why a surge cannot change ``old`` at all, whatever nodes are spare (None: it can)."""
+    if not any(p.role == "router" for p in old.processes):
+        return K3Error("surge-no-router", f"{old.name} has no router: its endpoint is the engine itself, and engines on other nodes "
+                       "would have another address", "--allow-downtime restarts it in place; copies (--replicas 2) get a router")
+    if pd_plan(old):
+        return K3Error("surge-pd", "vllm-router's P/D mode cannot add instances over HTTP, so a new set cannot be switched to",
+                       "--allow-downtime rolls each instance in place")
+    if old.fault_tolerance:
+        return K3Error("surge-fault-tolerance", f"{old.name} runs vLLM's fault tolerance, whose pools a surge does not rename yet",
+                       "--allow-downtime restarts it in place")
+    return None
+
+
 def _surge_preview(old: Plan, replan: Callable[[Sequence[str]], Plan], typed: tuple[str, ...]) -> RolloutPreview:
     """The new plan with every engine on nodes the deployment does not use (``replan`` excludes
     them), in the next generation of process ids (:mod:`k3launch.planning.surge`)."""
     from k3launch.planning.surge import generation, renamed
 
-    router = next((p for p in old.processes if p.role == "router"), None)
-    if router is None:
-        raise K3Error("surge-no-router", f"{old.name} has no router: its endpoint is the engine itself, and engines on other nodes "
-                      "would have another address", "--allow-downtime restarts it in place; copies (--replicas 2) get a router")
-    if pd_plan(old):
-        raise K3Error("surge-pd", "vllm-router's P/D mode cannot add instances over HTTP, so a new set cannot be switched to",
-                      "--allow-downtime rolls each instance in place")
-    if old.fault_tolerance:
-        raise K3Error("surge-fault-tolerance", f"{old.name} runs vLLM's fault tolerance, whose pools a surge does not rename yet",
-                      "--allow-downtime restarts it in place")
+    refused = _surge_refusal(old)
+    if refused is not None:
+        raise refused
+    router = next(p for p in old.processes if p.role == "router")
     busy = sorted({p.node for p in old.processes if p.role != "router"})
     try:
         new = replan(busy)
@@ -168,6 +176,26 @@ def _surge_preview(old: Plan, replan: Callable[[Sequence[str]], Plan], typed: tu
                       "`k3launch down` then `up` for a new layout")
     diffs = diff_plans(renamed(old, gen), new)  # the same process in both generations, compared
     return RolloutPreview(old, new, diffs, [u for u in units(new) if u.kind != "router"], typed, surge=True)
+
+
+def refusal(name: str, preview: RolloutPreview, max_unavailable: int = 1, allow_downtime: bool = False) -> K3Error | None:
+    """Why :func:`rollout` would refuse ``preview`` with these options (None: it would not): what
+    ``--dry-run`` says before the real run meets it."""
+    engines = [u for u in units(preview.old) if u.kind != "router"]
+    if max_unavailable < 1:
+        return K3Error("bad-max-unavailable", f"--max-unavailable {max_unavailable}: at least 1 unit rolls at a time", "e.g. --max-unavailable 1")
+    if pd_plan(preview.old) and not allow_downtime:
+        return K3Error("rollout-pd", f"{name} is P/D: vllm-router's P/D mode can take an instance out of its lists but not add it "
+                       "back, so each instance must restart in place, and requests paired with it fail until the router's "
+                       "health check skips it (about a second)", "--allow-downtime rolls it so, one instance at a time")
+    if len(engines) <= max_unavailable and not allow_downtime and not preview.surge:
+        what = f"one engine ({engines[0].name if engines else 'none'})" if len(engines) < 2 else f"{len(engines)} engine units"
+        # --surge only where a surge could run: it too is refused without a router (and for P/D, fault tolerance)
+        surge = "" if _surge_refusal(preview.old) is not None else "--surge starts the new engines on spare nodes first; "
+        return K3Error("rollout-downtime", f"{name} is {what}: rolling {max_unavailable} at a time stops serving",
+                       f"{surge}--allow-downtime restarts them anyway; or{' a smaller --max-unavailable, or' if max_unavailable > 1 else ''} "
+                       "copies (--replicas 2) behind the router")
+    return None
 
 
 def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), env: Sequence[str] = (), image: str | None = None,
@@ -191,18 +219,9 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
                                          surge=surge, state_dir=state_dir)
     if not preview.units:
         raise K3Error("no-change", "the change leaves every process as it is", "`k3launch rollout NAME ... --dry-run` shows the plan")
-    engines = [u for u in units(preview.old) if u.kind != "router"]
-    if max_unavailable < 1:
-        raise K3Error("bad-max-unavailable", f"--max-unavailable {max_unavailable}: at least 1 unit rolls at a time", "e.g. --max-unavailable 1")
-    if pd_plan(preview.old) and not allow_downtime:
-        raise K3Error("rollout-pd", f"{name} is P/D: vllm-router's P/D mode can take an instance out of its lists but not add it "
-                      "back, so each instance must restart in place, and requests paired with it fail until the router's "
-                      "health check skips it (about a second)", "--allow-downtime rolls it so, one instance at a time")
-    if len(engines) <= max_unavailable and not allow_downtime and not preview.surge:
-        what = f"one engine ({engines[0].name if engines else 'none'})" if len(engines) < 2 else f"{len(engines)} engine units"
-        raise K3Error("rollout-downtime", f"{name} is {what}: rolling {max_unavailable} at a time stops serving",
-                      "--surge starts the new engines on spare nodes first; --allow-downtime restarts them anyway; "
-                      "or a smaller --max-unavailable, or copies (--replicas 2) behind the router")
+    refused = refusal(name, preview, max_unavailable, allow_downtime)
+    if refused is not None:
+        raise refused
     st = store(state_dir)
     if canary:
         refuse_stale(st, name, preview.rebaseline, rebaseline)

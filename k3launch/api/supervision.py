@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3launch.api._common import access, load, store
-from k3launch.errors import K3Error
+from k3launch.errors import K3Error, plain
 
 if TYPE_CHECKING:
     from k3launch.deploy.control import loop as loop_mod
@@ -44,7 +44,7 @@ def merged_policy(base: RestartPolicy | None, overrides: Mapping[str, Any] | Non
         err = exc.errors()[0]
         field = ".".join(str(x) for x in err["loc"])
         flag = "--restart" if field == "policy" else "--" + field.replace("_", "-")
-        raise K3Error("bad-policy", f"restart policy {field} ({flag}, or restart.{field} in the inventory): {err['msg']}",
+        raise K3Error("bad-policy", f"restart policy {field} ({flag}, or restart.{field} in the inventory): {plain(err['msg'])}",
                       "see `k3launch supervise --help` for each setting's range") from None
 
 

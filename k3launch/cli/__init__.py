@@ -43,7 +43,8 @@ import typer.core
 import typer.main
 
 from k3launch import __version__
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, fail, io_error, refusals, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, fail, io_error, refusals, say, with_selection
+from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
@@ -292,7 +293,7 @@ class _Root(K3Group):
         cmd = self.commands.get(cmd_name)
         if isinstance(cmd, _Listed) and not self._listing:
             cmd = self.commands[cmd_name] = _build(cmd_name)
-        return cmd
+        return labelled(cmd, ctx)
 
     def format_help(self, ctx: Any, formatter: Any) -> None:
         self._listing = True  # the listing needs names and one-line helps only
@@ -341,9 +342,7 @@ if _GUARDED:  # the command tree is set up: from here Ctrl-C is a KeyboardInterr
 
 
 def _refuse(err: K3Error) -> None:
-    typer.echo(f"error: {err.message}", err=True)
-    if err.hint:
-        typer.echo(f"hint: {err.hint}", err=True)
+    say(err)
     sys.exit(2)
 
 

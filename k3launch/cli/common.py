@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 import typer.core
 
+from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
 from k3launch.util.bounds import Bound
 
@@ -52,13 +53,18 @@ class _State:
 STATE = _State()
 
 
+def say(err: K3Error) -> None:
+    """A refusal on stderr: ``error: <message> [<code>]`` (the code the troubleshooting tables list) and ``hint: <hint>``."""
+    typer.echo(f"error: {err.message} [{err.code}]", err=True)
+    if err.hint:
+        typer.echo(f"hint: {err.hint}", err=True)
+
+
 def fail(err: K3Error) -> NoReturn:
     if STATE.json:
         typer.echo(json.dumps({"error": err.as_dict()}))
     else:
-        typer.echo(f"error: {err.message}", err=True)
-        if err.hint:
-            typer.echo(f"hint: {err.hint}", err=True)
+        say(err)
     raise typer.Exit(2)
 
 
@@ -147,6 +153,9 @@ class K3Group(typer.core.TyperGroup):
         with refusals(self._json_out, self._where):
             return super().invoke(ctx)
 
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        return labelled(super().get_command(ctx, cmd_name), ctx)
+
 
 def _command_words(group: Any, words: Sequence[str]) -> list[str]:
     """The leading words of ``words`` that name a (sub)command: ``campaign run`` of ``campaign run F --x``."""
@@ -167,6 +176,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
@@ -226,6 +236,18 @@ def console(stderr: bool = False) -> Console:
     return Console(soft_wrap=True, stderr=stderr, width=UNBOUNDED_WIDTH)
 
 
+# A divider off a terminal: a short one, not a line as long as the unbounded width.
+RULE_WIDTH = 80
+
+
+def rule(con: Console, title: str = "", **kw: Any) -> None:
+    """``con.rule``: across a terminal (or ``$COLUMNS``); off one, as wide as its title needs and at least :data:`RULE_WIDTH`."""
+    from rich.rule import Rule
+
+    width = con.width if con.width < UNBOUNDED_WIDTH else max(RULE_WIDTH, len(title) + 6)
+    con.print(Rule(title, **kw), width=width)
+
+
 def _opt(name: str, annotation: Any, default: Any, *flags: str, help: str) -> inspect.Parameter:
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[annotation, typer.Option(*flags, help=help)]
@@ -278,7 +300,7 @@ PLACEMENT_PARAMS = [
         default=None,
         annotation=Annotated[int | None, port_base_option("--port-base", "Shift every planned port so HTTP starts here (default 8000).")],
     ),
-    _opt("name", str | None, None, "--name", help="Deployment name (default: recipe-strategy-hardware-<id>)."),
+    _opt("name", str | None, None, "--name", help="Deployment name (default: <model>-<strategy>-<hardware>-<hash>, e.g. kimi-k3-tep-b300-1f0c2a)."),
     # every command that plans reads the inventory's cordoned nodes there, as `up` does
     _opt("state_dir", Path | None, None, "--state-dir",
          help="State directory: deployment records, cordoned nodes (default ~/.k3launch or $K3LAUNCH_STATE_DIR)."),

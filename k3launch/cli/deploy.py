@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, rule, with_selection
 from k3launch.errors import K3Error
 from k3launch.util import bounds
 
@@ -141,7 +141,7 @@ def _dry_run(con: Console, plan: Plan, dry: DryRun, json_out: bool) -> None:
         if json_out:
             typer.echo(json.dumps({"name": dry.name, "sbatch": dry.sbatch}, indent=2))
         else:
-            con.rule(f"{dry.name}: the sbatch script `up` would submit (nothing is submitted)", align="left")
+            rule(con, f"{dry.name}: the sbatch script `up` would submit (nothing is submitted)", align="left")
             typer.echo(dry.sbatch)
         return
     if json_out:
@@ -213,7 +213,8 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
     except K3Error as err:
         fail(err)
     if json_out:
-        typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "leftovers": report.leftovers,
+        typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "exited": report.exited,
+                               "rollout": report.rollout, "leftovers": report.leftovers,
                                "unreachable": report.unreachable, "busy_ports": report.busy_ports, "verified": report.verified,
                                "set_aside": report.set_aside, "hint": report.hint, "supervisor": report.supervisor, "others": report.others},
                               indent=2))

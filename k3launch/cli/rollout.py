@@ -36,8 +36,8 @@ def rollout(
 
     The new plan is the deployment's own (same inventory, nodes and ports) with the changes; a unit that fails its gate (health and a real completion) is rolled back and the rollout stops there: `--continue` resumes it, `--rollback` undoes it."""
     STATE.json = json_out
+    from k3launch.api.rollouts import refusal, rollout_continue, rollout_preview
     from k3launch.api.rollouts import rollout as do_rollout
-    from k3launch.api.rollouts import rollout_continue, rollout_preview
 
     con = console()
     say = (lambda s: None) if json_out else con.print
@@ -52,6 +52,10 @@ def rollout(
         else:
             preview = rollout_preview(name, sets=sets or [], unsets=unsets or [], env=env or [], image=image,
                                           vllm_version=vllm_version, surge=surge, state_dir=state_dir)
+            # a dry run ends as the real run would: refused (exit 2), after the changes it would have made
+            refused = refusal(name, preview, max_unavailable, allow_downtime) if dry_run and preview.units else None
+            if refused is not None and json_out:
+                raise refused
             if dry_run or not json_out:
                 diffs = [{"process": d.process, "changes": [c.line() for c in d.changes]} for d in preview.diffs if d.changed]
                 if json_out:
@@ -64,6 +68,8 @@ def rollout(
                     if preview.rebaseline:
                         con.print("the canary's recorded answers do not apply to the new plan (--rebaseline records new ones): "
                                   + "; ".join(preview.rebaseline), markup=False)
+                if refused is not None:
+                    raise K3Error(refused.code, f"the rollout would be refused: {refused.message}", refused.hint)
                 if dry_run:
                     return
             result = do_rollout(name, preview=preview, drain_timeout=drain_timeout, start_timeout=start_timeout,
@@ -79,6 +85,9 @@ def rollout(
     if json_out:
         typer.echo(json.dumps({"name": name, "ok": result.ok, "rolled": rolled, "failed": result.failed, "reason": result.reason,
                                "logs": result.logs}))
+    elif result.ok and rollback:
+        con.print(f"{name} rolled back: {len(rolled)} unit(s) in {sum(r.seconds for r in result.rolled):.1f}s" if rolled else
+                  f"{name}: no unit ran the new plan, so none was rolled back; the stopped rollout is dropped", markup=False)
     elif result.ok:
         down = sum(r.downtime_s for r in result.rolled)
         con.print(f"{name} rolled: {len(rolled)} unit(s) in {sum(r.seconds for r in result.rolled):.1f}s"

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from k3launch.cli.common import rule, say
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, ReplicaStatus, Status
 from k3launch.models.reports import Check, DoctorReport, DryRun, TeardownReport
@@ -28,7 +29,7 @@ ICON = {
 def dry_run(con: Console, plan: Plan, dry: DryRun) -> None:
     con.print(f"[bold]dry run[/]: {plan.name} ({plan.strategy} on {plan.nodes} x {plan.hardware}); nothing is started")
     for st in dry.steps:
-        con.rule(f"{st.node} ({st.address}) — {st.step}: `bash -c` of", align="left")
+        rule(con, f"{st.node} ({st.address}) — {st.step}: `bash -c` of", align="left")
         con.print(Text(st.script), soft_wrap=True)
 
 
@@ -60,15 +61,13 @@ def doctor_summary(con: Console, report: DoctorReport) -> None:
     if report.ok:
         con.print(f"[green]all {len({c.node for c in report.checks})} node(s) pass[/]")
     else:
-        refusal = report.error()
-        typer.echo(f"error: {refusal.message}", err=True)
-        typer.echo(f"hint: {refusal.hint}", err=True)
+        say(report.error())
 
 
 def log_block(con: Console, pid: str, tail: str) -> None:
-    con.rule(f"last log lines of {pid}", align="left", style="red")
+    rule(con, f"last log lines of {pid}", align="left", style="red")
     con.print(Text(tail.rstrip()), soft_wrap=True)
-    con.rule(style="red")
+    rule(con, style="red")
 
 
 def ready(con: Console, rec: DeploymentRecord) -> None:
@@ -91,7 +90,7 @@ def status(con: Console, snap: Status) -> None:
     t = Table(show_header=True, header_style="bold")
     copies = bool(snap.replicas)  # a column and a section per copy; a one-copy table stays as it was
     for col in ("process", *(("copy",) if copies else ()), "node", "role", "alive", "healthy"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # at 80 columns a long name wraps, never ends in '…'
     for i, p in enumerate(snap.processes):
         healthy = "-" if p.healthy is None else ("yes" if p.healthy else "[red]no[/]")
         copy = (("-" if p.replica is None else f"r{p.replica}"),) if copies else ()
@@ -151,8 +150,11 @@ def down(con: Console, name: str, report: TeardownReport) -> None:
         con.print(report.supervisor, markup=False)
     if report.set_aside:
         con.print(f"unreadable record kept aside as {report.set_aside}")
+    if report.rollout:
+        con.print(f"a rollout was under way ({report.rollout}): abandoned", markup=False)
     if report.clean:
         what = f"{len(report.stopped)} process(es) stopped" if report.stopped else "nothing was running"
+        what += f", {len(report.exited)} had exited already ({', '.join(report.exited)})" if report.exited else ""
         con.print(f"[green]{name} is down[/]: {what}; {report.verified}")
         for node, items in report.others.items():
             con.print(f"  left alone on {node} (not started from this state directory): {', '.join(items)}", markup=False)
@@ -176,7 +178,7 @@ def listing(con: Console, recs: list[DeploymentRecord]) -> None:
         return
     t = Table(show_header=True, header_style="bold")
     for col in ("name", "state", "strategy", "hardware", "nodes", "endpoint", "age"):
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # a name or endpoint is copied from here: whole, wrapped
     for r in recs:
         age = int(time.time() - r.created)
         nodes = f"{r.plan.nodes} (Slurm job {r.job.job_id})" if r.job is not None else str(r.plan.nodes)

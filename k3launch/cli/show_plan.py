@@ -10,6 +10,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from k3launch.cli.common import rule
 from k3launch.models.findings import Finding, FlagHistory
 from k3launch.models.plan import Plan, Process
 from k3launch.models.recipe import Recipe, Taxonomy
@@ -79,7 +80,7 @@ def plan(console: Console, p: Plan, load: LoadPrediction | None = None) -> None:
         console.print(notes)
     table = Table(title="processes", show_lines=False)
     for col in ("id", "node", "address", "role", "head", "port", "GPUs", "image"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # at 80 columns an image or address wraps, never ends in '…'
     for proc in p.processes:
         table.add_row(proc.id, proc.node, proc.address, proc.role, "yes" if proc.head else "headless" if proc.role != "router" and proc.http_port is None else "",
                       str(proc.http_port or ""), str(proc.gpus or ""), proc.image or "")
@@ -88,7 +89,7 @@ def plan(console: Console, p: Plan, load: LoadPrediction | None = None) -> None:
         console.print(Text("\n".join(load_lines(load))), soft_wrap=True)
     for proc in p.processes:
         # Plain text (no box) so a command can be copied straight into a shell.
-        console.rule(f"{proc.id} on {proc.node} ({proc.address})", align="left")
+        rule(console, f"{proc.id} on {proc.node} ({proc.address})", align="left")
         console.print(Text(command_lines(proc)), soft_wrap=True)
 
 

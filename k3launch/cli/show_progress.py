@@ -44,6 +44,7 @@ class UpView:
         self.t0 = time.monotonic()  # times count from here, doctor included
         self._live: Live | None = None
         self._seen: dict[str, Phase] = {}
+        self._said: dict[str, str] = {}  # each process's log line last printed: a heartbeat does not print it again
         self._last_line = self.t0
 
     def __enter__(self) -> UpView:
@@ -79,13 +80,14 @@ class UpView:
         changed = [p for p in b.processes if self._seen.get(p.id) != p.phase]
         for p in changed:
             self._seen[p.id] = p.phase
+            self._said[p.id] = p.last_line
             _plain(
                 self.con, f"{self._t()} {'progress':<10} {p.id} on {p.node}: {phase_text(p)}" + (f" | {p.last_line}" if p.last_line else "")
             )
         if changed:
             self._last_line = time.monotonic()
         elif time.monotonic() - self._last_line >= self.heartbeat_s:
-            _plain(self.con, f"{self._t()} {'progress':<10} {summary(b)}")
+            _plain(self.con, f"{self._t()} {'progress':<10} {summary(b, self._said)}")
             self._last_line = time.monotonic()
 
     def _stop(self) -> None:
@@ -94,8 +96,10 @@ class UpView:
             self._live = None
 
 
-def summary(b: BringUp) -> str:
-    """One line for every process: each by name when few, else counted by phase, with the laggard."""
+def summary(b: BringUp, said: dict[str, str] | None = None) -> str:
+    """One line for every process: each by name when few, else counted by phase, with the laggard
+    and its last log line, unless that line is the one ``said`` holds for it (printed already:
+    an engine quiet for minutes would repeat it every heartbeat); ``said`` is updated."""
     procs = sorted(b.processes, key=lambda p: (p.phase.rank, p.since))
     if len(procs) <= LISTED:
         parts = "; ".join(f"{p.id} {phase_text(p)} {b.now - p.since:.0f}s" for p in procs)
@@ -105,7 +109,9 @@ def summary(b: BringUp) -> str:
             counts[p.phase.label] = counts.get(p.phase.label, 0) + 1
         parts = ", ".join(f"{n} {label}" for label, n in counts.items())
     last = procs[0]  # the one furthest behind
-    tail = f" | {last.id}: {last.last_line}" if last.last_line else ""
+    said = {} if said is None else said
+    tail = f" | {last.id}: {last.last_line}" if last.last_line and said.get(last.id) != last.last_line else ""
+    said[last.id] = last.last_line
     return f"{b.stage}, {b.elapsed:.0f}s: {parts}{tail}"
 
 
@@ -161,15 +167,15 @@ def timeline(con: Console, name: str, tl: Timeline) -> None:
     for col, just in (("process", "left"), ("node", "left"), ("phase", "left"), ("from", "right"), ("to", "right"), ("seconds", "right")):
         t.add_column(col, justify=just, no_wrap=True)  # type: ignore[arg-type]
     for p in tl.processes:
-        for i, s in enumerate(p.phases):
-            t.add_row(
-                p.id if i == 0 else "",
-                p.node if i == 0 else "",
-                s.phase.label,
-                f"{s.start - tl.started:.1f}",
-                f"{s.end - tl.started:.1f}",
-                f"{s.seconds:.1f}",
-            )
+        # a phase entered again (compiling, then the KV cache, then CUDA graphs) is one row: from
+        # its first start to its last end, its seconds those of its spans together (as --compare counts them)
+        rows: dict[Phase, tuple[float, float, float]] = {}
+        for s in p.phases:
+            first, _, took = rows.get(s.phase, (s.start, s.end, 0.0))
+            rows[s.phase] = (first, s.end, took + s.seconds)
+        for i, (phase, (start, end, took)) in enumerate(rows.items()):
+            t.add_row(p.id if i == 0 else "", p.node if i == 0 else "", phase.label, f"{start - tl.started:.1f}", f"{end - tl.started:.1f}",
+                      f"{took:.1f}")
     con.print(t)
     slow = tl.slowest()
     if slow is not None:

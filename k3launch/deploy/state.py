@@ -33,7 +33,7 @@ from k3launch.errors import K3Error
 from k3launch.models import identity
 from k3launch.models.record import LIVE_STATES, TRANSIENT_STATES, DeploymentRecord, Owner, parse_record
 from k3launch.util.locks import locked
-from k3launch.util.names import check_name
+from k3launch.util.names import as_name, check_name
 
 
 def default_state_dir() -> Path:
@@ -154,7 +154,8 @@ class StateStore:
 
     def probe_path(self, inventory_name: str) -> Path:
         """The last ``weights probe --save`` on an inventory: each node's read throughput of its weight source."""
-        return self.root / "weights-probe" / f"{check_name(inventory_name)}.json"
+        # an inventory's name is free text (``labA``): its file is named by a plain word for it
+        return self.root / "weights-probe" / f"{as_name(inventory_name)}.json"
 
     def cordons_path(self) -> Path:
         return self.root / "cordons.json"

@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from k3launch.errors import K3Error
+from k3launch.errors import K3Error, plain
 from k3launch.models.phases import Phase, PhaseSpan, ProcessTimeline, Timeline
 from k3launch.models.supervise import Event
 
@@ -244,5 +244,5 @@ def read_saved(text: str, source: str) -> Saved:
     except ValidationError as exc:
         first = exc.errors()[0]
         at = ".".join(str(x) for x in first["loc"])
-        raise K3Error("not-a-timeline", f"{source}: not a valid bring-up timeline ({at}: {first['msg']})", SAVE_HINT) from None
+        raise K3Error("not-a-timeline", f"{source}: not a valid bring-up timeline ({at}: {plain(first['msg'])})", SAVE_HINT) from None
     return Saved(tl, name)

@@ -37,6 +37,8 @@ from enum import StrEnum
 
 from pydantic import BaseModel, ConfigDict
 
+from k3launch.defaults import PROBE_PATHS
+
 
 class Phase(StrEnum):
     STARTING = "starting"
@@ -114,6 +116,14 @@ _JOB_CONTROL = re.compile(
     r"\[\d+\][+-]?\s+(?:\d+|(?:Done|Exit \d+|Running|Stopped|Killed|Terminated|Hangup|Interrupt|Quit|Aborted|Segmentation fault)\b.*)"
 )
 LINE_CHARS = 300  # what a progress event keeps of the last log line
+# An HTTP server's access-log line for a poll of a probe path, in uvicorn's words (vLLM's, the
+# simulated engine's): `127.0.0.1:52814 - "GET /health HTTP/1.1" 200 OK`; the query is not the path.
+_PROBE = re.compile(r'\d - "[A-Z]+ (?:' + "|".join(re.escape(p) for p in PROBE_PATHS) + r')(?:\?[^ "]*)? HTTP/[\d.]+" \d{3}\b')
+
+
+def probe_access(line: str) -> bool:
+    """Whether ``line`` is an engine's access-log line for a poll of /health or /metrics."""
+    return _PROBE.search(line) is not None
 
 
 @dataclass(frozen=True)
@@ -144,10 +154,11 @@ def weights_took(line: str) -> float | None:
 
 def clean(line: str) -> str:
     """A log line as shown: without colour codes, the last of its ``\\r`` updates, trimmed; nothing
-    for a shell's job-control message."""
+    for a shell's job-control message or a probe's access-log line (a poll every few seconds would
+    be the last line of every engine that serves)."""
     parts = [p for p in _ANSI.sub("", line).split("\r") if p.strip()]
     text = parts[-1].strip() if parts else ""
-    if _JOB_CONTROL.fullmatch(text):
+    if _JOB_CONTROL.fullmatch(text) or probe_access(text):
         return ""
     return text if len(text) <= LINE_CHARS else text[: LINE_CHARS - 3] + "..."
 
@@ -214,10 +225,14 @@ class ProcessTimeline(_Model):
         done = next((s.start for s in self.phases if s.phase == Phase.HEALTHY), None)
         return done if done is not None else (self.phases[-1].start if self.phases else None)
 
-    def longest(self) -> PhaseSpan | None:
-        """The phase it spent longest in before it was done: what it waited for."""
-        spans = [s for s in self.phases if s.phase != Phase.HEALTHY]
-        return max(spans, key=lambda s: s.seconds) if spans else None
+    def longest(self) -> tuple[Phase, float] | None:
+        """The phase it spent longest in before it was done, and its seconds: what it waited for
+        (a phase entered twice, compiling around the KV cache: its spans together, as the timeline lists it)."""
+        spent: dict[Phase, float] = {}
+        for s in self.phases:
+            if s.phase != Phase.HEALTHY:
+                spent[s.phase] = spent.get(s.phase, 0.0) + s.seconds
+        return max(spent.items(), key=lambda kv: kv[1]) if spent else None
 
 
 class Slowest(_Model):
@@ -241,13 +256,13 @@ class Timeline(_Model):
         if not done:
             return None
         t, p = max(done, key=lambda x: x[0])
-        span = p.longest()
+        most = p.longest()
         return Slowest(
             process=p.id,
             node=p.node,
             seconds=round(t - self.started, 3),
-            waited_for=span.phase if span else None,
-            waited_s=round(span.seconds, 3) if span else 0.0,
+            waited_for=most[0] if most else None,
+            waited_s=round(most[1], 3) if most else 0.0,
         )
 
     def as_dict(self) -> dict[str, object]:

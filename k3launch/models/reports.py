@@ -35,6 +35,8 @@ class TeardownReport:
     """What ``down`` (or the teardown of a failed ``up``) did and found, per node."""
 
     stopped: list[str] = field(default_factory=list)
+    exited: list[str] = field(default_factory=list)  # processes found dead already: nothing of them was left to stop
+    rollout: str | None = None  # the changes of a rollout under way that `down` abandoned
     leftovers: dict[str, list[str]] = field(default_factory=dict)  # node -> what remains
     unreachable: dict[str, str] = field(default_factory=dict)  # node -> why
     busy_ports: list[str] = field(default_factory=list)

@@ -59,7 +59,7 @@ from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.resolve import resolve
 from k3launch.planning.router import router_process
 from k3launch.planning.schema import FlagSchema, load_schema
-from k3launch.util.names import check_name
+from k3launch.util.names import as_name, check_name
 
 if TYPE_CHECKING:  # only plans placed on an inventory load the inventory models
     from k3launch.planning.inventory import Inventory
@@ -118,7 +118,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
                 exclude: Sequence[str], port_base: int | None, name: str | None, cordoned: Cordoned, keep: Sequence[str] = ()) -> Plan:
     # The name becomes a file name, a job name, container names and #SBATCH values: plain words only.
     if name is not None:
-        check_name(name, example="--name k3-tep-lab")
+        check_name(name, "--name", example="--name k3-tep-lab")  # the error says where the refused name came from
     if inventory is not None:
         sel = sel.model_copy(update={"hardware": inventory_hardware(inventory, sel.hardware)})
     r = resolve(tree, sel, host_memory(inventory, exclude, cordoned) if inventory is not None else None,
@@ -222,7 +222,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     short += f"x{r.replicas}" if r.replicas > 1 else ""
     slug = (r.recipe.meta.slug or r.recipe_id.split("/")[-1]).lower()
     return Plan(
-        name=name or f"{slug}-{short}-{r.hardware_id}-{digest}", recipe=r.recipe_id, recipe_file=rf, model=model_id,
+        name=name or as_name(f"{slug}-{short}-{r.hardware_id}-{digest}"), recipe=r.recipe_id, recipe_file=rf, model=model_id,
         variant=r.variant_name, hardware=r.hardware_id, strategy=r.strategy.name, nodes=r.nodes, gpus_per_node=r.hardware.gpu_count,
         verified=r.verified, vllm_version=schema.version, features=r.features, kv_offload=r.kv_offload, advanced=list(sel.advanced),
         sets=list(sel.sets), capacity=cap, notices=_dedupe(notices), hosts=hosts, endpoint=f"http://{front.address}:{front.http_port}",
@@ -310,7 +310,7 @@ def _node_sources(sh: PoolShared, pool: Pool, i: int, node: NodeSpec, head: Node
     extra = [Source("strategy", f"inventory {inventory.name} env", (), node.env)] if inventory is not None and node.env else []
     values = {"IFACE_NAME": node.iface, "NODE_IP": node.address, "HEAD_IP": head.address}
     src = sh.src
-    sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *src.layout)], *extra, *[_resolve_source(s, values) for s in src.post],
+    sources = [*[_resolve_source(s, values) for s in (*src.pre, placement, *(src.quiet if serves else ()), *src.layout)], *extra, *[_resolve_source(s, values) for s in src.post],
                *loading.sources(inventory, node), *[_resolve_source(s, values) for s in src.tail]]
     if rank is not None:  # after the hardware layer: its all-to-all must not undo fault tolerance's
         cut = next((k for k, s in enumerate(sources) if LAYERS.index(s.layer) > LAYERS.index("hardware")), len(sources))

@@ -87,7 +87,9 @@ def _parse_source(schema: FlagSchema, src: Source) -> tuple[Arg, ...]:
     try:
         return _parse_cached(schema, src.args)
     except K3Error as exc:
-        hint = exc.hint or "fix the recipe"
+        # a value the user gave (--set, --env) is theirs to correct, not the recipe's
+        hint = exc.hint or (f"correct your {src.origin.split(' ', 1)[0]}: give it a value vllm serve {schema.version} accepts" if src.user
+                            else "fix the recipe")
         raise K3Error(exc.code, f"{src.origin}: {exc.message}", hint) from None
 
 

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
-from k3launch.errors import K3Error
+from k3launch.errors import K3Error, plain
 from k3launch.models.backends import Feature
 from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
@@ -340,7 +340,7 @@ def apply_ssh_config(inv: Inventory, ssh_config_text: str | None) -> Inventory:
     except ValidationError as exc:
         raise K3Error(
             "bad-inventory",
-            f"inventory {inv.name} after resolving ssh aliases: {exc.errors()[0]['msg']}",
+            f"inventory {inv.name} after resolving ssh aliases: {plain(exc.errors()[0]['msg'])}",
             "give the nodes distinct HostNames or explicit addresses",
         ) from None
 

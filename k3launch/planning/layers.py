@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from k3launch.defaults import PROBE_PATHS
 from k3launch.errors import K3Error
 from k3launch.models.recipe import AdvancedPreset, Env, HardwareProfile, Recipe, Strategy
 from k3launch.models.selection import Pool, Resolved
@@ -83,6 +84,19 @@ class PoolSources(NamedTuple):
     layout: list[Source]  # strategy_overrides that set placement flags: after placement, so they win
     post: list[Source]  # hardware, advanced presets
     tail: list[Source]  # --set, features, kv_offload
+    quiet: tuple[Source, ...] = ()  # after placement, on a process that serves HTTP: no access log of probes
+
+
+# The flag that keeps the polls of PROBE_PATHS out of an engine's access log (vLLM's uvicorn filter;
+# the simulated engine's the same), where the plan's vLLM has it.
+QUIET_FLAG = "--disable-access-log-for-endpoints"
+
+
+def quiet_probes(schema: FlagSchema) -> tuple[Source, ...]:
+    """The source asking a serving engine not to log its probes' requests; none for a vLLM without the flag."""
+    if schema.lookup(QUIET_FLAG) is None:
+        return ()
+    return (Source("strategy", "k3launch probes (health and metrics polls)", (QUIET_FLAG, ",".join(PROBE_PATHS))),)
 
 
 def advanced_presets(recipe: Recipe, taxonomy_presets: Mapping[str, AdvancedPreset]) -> dict[str, AdvancedPreset]:
@@ -183,7 +197,7 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
     tail = list(feats)
     if kv_args is not None:
         tail.append(Source("kv_offload", f"taxonomy.yaml kv_offload.{r.kv_offload}", tuple(kv_args[0]), _env(kv_args[1])))
-    return PoolSources(pre, layout, post, user + tail)
+    return PoolSources(pre, layout, post, user + tail, quiet_probes(schema))
 
 
 _TRUE = ("true", "yes", "on", "1")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from k3launch.errors import K3Error
+from k3launch.errors import K3Error, plain
 from k3launch.util.yamlio import compose_file, line_of, load_yaml_model
 
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ def _error(path: Path, exc: ValidationError) -> K3Error:
     loc = tuple(err["loc"])
     line = line_of(compose_file(path), list(loc)) or 1
     more = len(exc.errors()) - 1
-    msg = f"{path}:{line}: {'.'.join(str(p) for p in loc)}: {err['msg']}" + (f" (and {more} more)" if more else "")
+    msg = f"{path}:{line}: {'.'.join(str(p) for p in loc)}: {plain(err['msg'])}" + (f" (and {more} more)" if more else "")
     return K3Error("bad-recipe", msg, 'see docs/planning.md ("Recipe format") for the expected shape')
 
 

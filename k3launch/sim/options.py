@@ -161,6 +161,10 @@ class ServeOptions:
     dp_rank: int | None = None  # --data-parallel-rank: this process is that one external-LB rank
     ft: FTOptions = field(default_factory=FTOptions)
     lb_modes: int = 0  # how many data-parallel load-balancing modes the flags ask for (vLLM allows one)
+    # --disable-access-log-for-endpoints: paths whose requests the access log leaves out (vLLM:
+    # comma-separated, matched exactly, without the query); --disable-uvicorn-access-log: all of them
+    quiet_paths: frozenset[str] = frozenset()
+    access_log: bool = True
 
     @property
     def name(self) -> str:
@@ -249,6 +253,8 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
         dp_rank=rank,
         ft=ft,
         lb_modes=sum((multi, external, implied_hybrid)),
+        quiet_paths=frozenset(p.strip() for p in (vals.get("disable_access_log_for_endpoints") or "").split(",") if p.strip()),
+        access_log=not flags.get("disable_uvicorn_access_log", False),
     )
 
 

@@ -23,6 +23,7 @@ import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import cast
+from urllib.parse import urlsplit
 
 from k3launch.sim import ft_api, openai
 from k3launch.sim.apierror import ApiError, FieldError, validation_error
@@ -83,6 +84,9 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- plumbing ---------------------------------------------------------------------------
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        opts = self.app.opts
+        if not opts.access_log or urlsplit(getattr(self, "path", "")).path in opts.quiet_paths:  # vLLM's access-log filter
+            return
         host, port = self.client_address[:2]
         self.app.log.info(f'{host}:{port} - "{self.requestline}" {code}', src="h11_impl.py")
 

@@ -9,6 +9,7 @@ length of a DNS label), so no name can climb out of the state directory (``../x`
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 from k3launch.errors import K3Error
@@ -27,3 +28,14 @@ def check_name(name: str, what: str = "deployment name", example: str = "k3-tep-
         shown = name if len(name) <= 80 else name[:77] + "..."
         raise K3Error("bad-name", f"{what} {shown!r}: {RULE}", f"e.g. {example}")
     return name
+
+
+def as_name(text: str) -> str:
+    """A plain word standing for ``text`` (an inventory's or a recipe's own name, which are free
+    text): ``text`` itself when it is one already; else lowercased, every other character a '-',
+    plus a short digest of ``text``, so that ``labA`` and ``laba`` do not share a file."""
+    if is_name(text):
+        return text
+    word = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")[:55].strip("-")
+    digest = hashlib.sha256(text.encode()).hexdigest()[:6]
+    return f"{word}-{digest}" if word else digest

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from k3launch.errors import K3Error
+from k3launch.errors import K3Error, plain
 
 if TYPE_CHECKING:
     import yaml
@@ -289,7 +289,7 @@ def _schema_error(path: Path, text: str, exc: ValidationError, doc: str, code: s
         msg = f"{path}:{line}: unknown key {dotted!r}"
         hint = "remove it or fix its spelling (unknown keys are errors, never ignored)"
     else:
-        msg = f"{path}:{line}: {dotted}: {err['msg']}"
+        msg = f"{path}:{line}: {dotted}: {plain(err['msg'])}"
         hint = f"see {doc} for the expected shape"
     more = len(exc.errors()) - 1
     if more:

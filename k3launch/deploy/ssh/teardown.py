@@ -212,14 +212,31 @@ def verify(rec: SshRecord, fleet: Fleet, report: TeardownReport) -> None:
     report.verified = "no process or container left; planned ports free" + (f", except {'; '.join(notes)}" if notes else "")
 
 
+def _running(rec: SshRecord, fleet: Fleet, report: TeardownReport) -> set[str]:
+    """The process ids running before ``down`` stops anything (one look per node, no signal); a
+    container's count as running (its runtime stops it, unseen here)."""
+    ids = [p.id for p in rec.plan.processes]
+    nodes = sorted({p.node for p in rec.plan.processes})
+    owned, lead = Owned.of(rec.deployment_id), sessions(rec.processes, ids)
+    cmds = {n: remote.find_and_signal(rec.name, ids, None, (), lead.get(n), owned) for n in nodes}
+    seen = {proc for text in _run(fleet, cmds, report).values() for _, proc in _pairs(text)}
+    return seen | {i for i, pr in rec.processes.items() if is_container(pr.runtime)}
+
+
 def teardown(rec: SshRecord, fleet: Fleet, store: StateStore, grace_s: float = DEFAULT_GRACE_S,
              unreachable: Mapping[str, str] | None = None) -> TeardownReport:
     """Stop and verify. ``unreachable``: nodes already known not to answer (not tried again)."""
     report = TeardownReport(unreachable=dict(unreachable or {}))
     rec.state = "stopping"
     store.save(rec)
+    running = _running(rec, fleet, report)
     for phase in _phases(rec):
         _stop_phase(rec, fleet, phase, grace_s, report)
+    # a process not running before anything was stopped had exited already (a crashed engine):
+    # not "stopped"; one on a node that does not answer is neither (unreachable says so)
+    node_of = {p.id: p.node for p in rec.plan.processes}
+    report.exited = [i for i in report.stopped if i not in running and node_of.get(i) not in report.unreachable]
+    report.stopped = [i for i in report.stopped if i not in report.exited]
     for node in sorted(rec.left_behind):  # what a supervisor re-placed off a lost node
         if node not in report.unreachable:
             stop_left_behind(rec, fleet, node, grace_s, report)
