@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
                             connect_timeout=spec.connect_timeout if spec is not None else 10.0,
                             on_event=lambda e: print(e.model_dump_json(exclude_defaults=True), flush=True))
     except K3Error as err:
-        print(f"error [{err.code}]: {err.message}" + (f" (hint: {err.hint})" if err.hint else ""), flush=True)
+        print(f"{err.message} [{err.code}]" + (f"; hint: {err.hint}" if err.hint else ""), flush=True)
         return 2
     return 1 if outcome == "failed" else 0
 

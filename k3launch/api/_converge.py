@@ -61,11 +61,20 @@ def converge(name: str, change: Mapping[str, Any], *, done: Done, refuse: Callab
                             accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     finally:
         if outcome == "stopped":  # interrupted: a detached controller finishes what this one started
+            from k3launch.deploy.control.process import stop_path
+
             cur = st.try_load(name)
-            if cur is not None and cur.state == "ready":
-                sv = supervise_detached(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-                say(f"interrupted: the {what} goes on under a detached supervisor (pid {sv.pid} on {sv.host}); "
-                    f"`k3launch status {name}` follows it")
+            if cur is None or cur.state != "ready" or stop_path(st, name).exists():  # `down` stopped it: nothing to hand over
+                say(f"{name} is being taken down: the {what} ends with it")
+            else:
+                try:
+                    sv = supervise_detached(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
+                                            connect_timeout=connect_timeout)
+                    say(f"interrupted: the {what} goes on under a detached supervisor (pid {sv.pid} on {sv.host}); "
+                        f"`k3launch status {name}` follows it")
+                except K3Error as exc:  # e.g. a `down` that came meanwhile
+                    say(f"interrupted, and not handed over: {exc.message}; `k3launch status {name}`, then `k3launch rollout "
+                        f"{name} --continue` or `k3launch supervise {name} --detach`")
     return revision
 
 
