@@ -76,7 +76,8 @@ def doctor_error(tmp: Path, inv: Path, path: str, **env: str) -> dict[str, str]:
     assert r.returncode != 0, r.stdout + r.stderr
     lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.startswith(("error:", "hint:"))]
     assert [ln.split(":")[0] for ln in lines] == ["error", "hint"], r.stdout + r.stderr
-    return {"message": lines[0].removeprefix("error: "), "hint": lines[1].removeprefix("hint: ")}
+    message, _, code = lines[0].removeprefix("error: ").rpartition(" [")  # text errors end with their code: `... [doctor-failed]`
+    return {"message": message, "code": code.rstrip("]"), "hint": lines[1].removeprefix("hint: ")}
 
 
 def test_podman_absent_on_the_node_is_one_line_naming_what_to_install(tmp_path: Path, local_cpu_inventory: Path) -> None:
@@ -153,7 +154,7 @@ def test_a_compile_cache_that_cannot_be_made_is_one_line_from_doctor_and_up(tmp_
     up = k3(tmp_path, path, "up", "-i", str(inv), "--recipe", RECIPE, "--name", "cf-cc")
     assert up.returncode == 2, up.stdout + up.stderr
     lines = [ln for ln in up.stderr.splitlines() if ln.startswith(("error:", "hint:"))]
-    assert lines == [f"error: {err['message']}", f"hint: {err['hint']}"], up.stderr
+    assert lines == [f"error: {err['message']} [{err['code']}]", f"hint: {err['hint']}"], up.stderr
     assert not (tmp_path / "state" / "deployments" / "cf-cc.json").exists()
 
 
