@@ -186,6 +186,9 @@ class K3:
     def plan(self, name: str) -> Plan:
         return StateStore(self.state).load(name).plan
 
+    def deployment_id(self, name: str) -> str:
+        return StateStore(self.state).load(name).deployment_id
+
     def cleanup(self) -> None:
         for name in self.names:
             if StateStore(self.state).exists(name):
@@ -233,8 +236,10 @@ def _check_containers(k3: K3, name: str) -> Plan:
     for pid, proc in engines.items():
         cname = f"k3-{name}-{pid}"
         assert listed[cname]["State"] == "running", listed[cname]
+        ident = k3.deployment_id(name)  # the deployment's identity beyond its name (models.identity)
         assert {k: v for k, v in listed[cname]["Labels"].items() if k.startswith("k3launch.") and k != "k3launch.sim-hash"
-                and k != "k3launch.purpose"} == {"k3launch.deployment": name, "k3launch.process": pid, "k3launch.role": proc.role}
+                and k != "k3launch.purpose"} == {"k3launch.deployment": name, "k3launch.process": pid, "k3launch.role": proc.role,
+                                                 "k3launch.id": ident, "k3launch.owner": ident.split("-")[0]}
         raw = podman("inspect", cname)
         info = json.loads(raw)[0]
         ep = info["Config"]["Entrypoint"]
