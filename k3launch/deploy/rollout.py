@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from k3launch.deploy.base import Watcher
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord
-from k3launch.models.rollout import On
 from k3launch.models.supervise import Unit
 from k3launch.transport import http
 
@@ -94,24 +93,19 @@ def running_requests(url: str, timeout: float = 3.0) -> float | None:
 
 
 class Roller:
-    """A ``--surge`` over ``watcher``, from ``current`` (what runs now) to ``target``.
-    ``mark(unit, on, why)`` is told each unit's progress; ``gate`` is an extra check of the new engines."""
+    """A ``--surge`` over ``watcher``, from ``current`` (what runs now) to ``target``; ``gate`` is
+    an extra check of the new engines. (A surge is refused for P/D: its router is always told.)"""
 
     def __init__(self, watcher: Watcher, current: Plan, target: Plan, *, drain_timeout: float, start_timeout: float,
-                 grace_s: float = GRACE_S, say: Callable[[str], None] = lambda _: None,
-                 mark: Callable[[str, On, str], None] = lambda *_: None, gate: Gate | None = None,
+                 grace_s: float = GRACE_S, say: Callable[[str], None] = lambda _: None, gate: Gate | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  route: Callable[[Process, Sequence[str], Sequence[str]], str | None] | None = None) -> None:
         self.w, self.current, self.target = watcher, current, target
         # the router's worker list changes through the controller's one router function (its events), when given
         self.route = route or watcher.reroute
         self.drain_timeout, self.start_timeout, self.grace_s = drain_timeout, start_timeout, grace_s
-        self.say, self.mark, self.extra_gate, self.clock, self.sleep = say, mark, gate, clock, sleep
+        self.say, self.extra_gate, self.clock, self.sleep = say, gate, clock, sleep
         self.router = next((p for p in current.processes if p.role == "router"), None)
-        # vllm-router's P/D mode takes a worker out over HTTP but cannot add one back (only a
-        # restart of the router can): its instances roll in place, the router's health checks
-        # skipping each while it restarts (the caller refuses that without --allow-downtime)
-        self.routes = self.router is not None and not pd_plan(current)
 
     def surge(self, both: Plan, final: Plan, new: Sequence[Unit], old: Sequence[Unit]) -> RolloutResult:
         """``--surge``: start the ``new`` units (on spare nodes; ``both`` is the plan with both
@@ -124,8 +118,6 @@ class Roller:
         new_ids = [p for u in new for p in u.processes]
         spares = sorted({n for u in new for n in u.nodes})
         self.w.adopt(both, "")
-        for u in new:
-            self.mark(u.name, "rolling", "")
         self.say(f"{names}: starting beside the running engines on {', '.join(spares)}")
         refused = self.w.check(both, spares)
         failed = {new[0].name: "the doctor refused a spare: " + "; ".join(refused[:3])} if refused else {}
@@ -138,8 +130,6 @@ class Roller:
         if failed:
             result.logs = [str(p) for p in self.w.keep_logs(new_ids)]
             self._abandon(new_ids)
-            for u in new:
-                self.mark(u.name, "old", failed.get(u.name, ""))
             return self._stop(result, ", ".join(failed), "; ".join(f"{n}: {w}" for n, w in failed.items()) + "; the running engines were not touched")
         old_urls = [_url(p) for p in self.current.processes if p.role != "router" and p.http_port]
         new_urls = [_url(p) for p in both.processes if p.id in new_ids and p.http_port]
@@ -156,21 +146,10 @@ class Roller:
         self._forget(old_ids)
         self.w.adopt(final, "")
         for u in new:
-            self.mark(u.name, "new", "")
             result.rolled.append(UnitRolled(u.name, self.clock() - t0, drained))
         result.plan = final
         self.say(f"{names}: surged in {self.clock() - t0:.1f}s")
         return result
-
-    def _router_serves(self, model: str, deadline: float) -> str:
-        assert self.router is not None
-        while True:
-            c = http.completion(_url(self.router), model, timeout=max(10.0, deadline - self.clock()))
-            if c.ok:
-                return ""
-            if self.clock() > deadline:
-                return f"the router did not serve again within {self.start_timeout:g}s: {c.detail}"
-            self.sleep(POLL_S)
 
     def _abandon(self, new_ids: Sequence[str]) -> None:
         """A surge's new set stopped and forgotten: the watcher runs on the plan it had."""
@@ -234,12 +213,6 @@ class Roller:
                 if not c.ok:
                     failed[u.name] = f"{p.id} serves /health but its completion failed: {c.detail}"
                     break
-            if u.name not in failed and self.router is not None and not self.routes:
-                # restarted in place behind a router that was not told (P/D): it pairs with the
-                # unit again once its own health check passes; until then the router itself fails
-                why = self._router_serves(plan.model, deadline)
-                if why:
-                    failed[u.name] = why
             if u.name not in failed and self.extra_gate is not None:
                 why = self.extra_gate(plan, engines)
                 if why:
