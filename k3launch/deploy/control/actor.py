@@ -253,6 +253,18 @@ class Actor:
         h.emit(h.sup.surged(result.ok, result.reason, now, failed=result.failed, seconds=took))
         return "ok"
 
+    def start(self, started: Sequence[Unit]) -> bool:
+        """Start units on the plan the watcher runs (under the caller's lock); one that does not
+        start is a ``restart-failed`` event, and the looks that follow decide. False: stopping."""
+        h = self.h
+        for u in started:
+            if h.stopping():
+                return False
+            bad = h.watcher.restart(u, GRACE_S, lambda: not h.stopping())
+            if bad:
+                h.emit([event(h.rec, "restart-failed", unit=u.name, process=bad[0].failing, reason=bad[0].message, log_tail=bad[0].log_tail)])
+        return True
+
     # ------------------------------------------------------------------ a copy count
     def resize(self, a: Resize) -> str:
         """Run on a plan of ``a.total`` copies: the leaving ones (drained) stop and leave the
@@ -282,10 +294,7 @@ class Actor:
 
                 h.watcher.note(drop)
             h.watcher.adopt(new, "")
-            for u in started:
-                bad = h.watcher.restart(u, GRACE_S, lambda: not h.stopping())
-                if bad:
-                    h.emit([event(h.rec, "restart-failed", unit=u.name, process=bad[0].failing, reason=bad[0].message, log_tail=bad[0].log_tail)])
+            self.start(started)
         h.emit(h.sup.resized(new, [u.name for u in started], time.time()))
         return "ok"
 
@@ -293,10 +302,10 @@ class Actor:
     def replace(self, a: Replace) -> None:
         """Cordon the lost node, plan again without it, check the spares, restart what moved."""
         h = self.h
-        name, now = h.rec.name, time.time()
+        name = h.rec.name
 
         def failed(why: str) -> None:
-            h.emit([Event(time=now, kind="replace-failed", deployment=name, node=a.node, reason=f"{why}; waiting for {a.node} to answer again instead")])
+            h.emit([event(h.rec, "replace-failed", node=a.node, reason=f"{why}; waiting for {a.node} to answer again instead")])
 
         if h.places is None:
             return failed("no inventory to re-plan on (the record names none, or it is gone)")
@@ -304,7 +313,7 @@ class Actor:
             h.places.cordon(a.node, f"lost by the supervisor of {name}: {a.reason}")
         except K3Error as exc:
             return failed(f"could not cordon {a.node}: {exc.message}")
-        h.emit([Event(time=now, kind="cordoned", deployment=name, node=a.node, reason=f"kept out of plans until `k3launch uncordon {a.node}`")])
+        h.emit([event(h.rec, "cordoned", node=a.node, reason=f"kept out of plans until `k3launch uncordon {a.node}`")])
         old = h.rec.plan
         try:
             new = h.places.replan()
@@ -326,14 +335,8 @@ class Actor:
                    and not set(u.processes) & rerouted]
         with h.store.lock(name):
             h.watcher.adopt(new, a.node)
-            for u in changed:
-                if h.stopping():
-                    return None
-                bad = h.watcher.restart(u, GRACE_S, lambda: not h.stopping())
-                if bad:
-                    h.emit([Event(time=time.time(), kind="restart-failed", deployment=name, unit=u.name, process=bad[0].failing,
-                                  reason=bad[0].message, log_tail=bad[0].log_tail)])
+            if not self.start(changed):
+                return None
         h.sup.replaced(new, [u.name for u in changed], time.time())
-        h.emit([Event(time=time.time(), kind="replaced", deployment=name, node=a.node,
-                      reason=f"{'; '.join(moves)}; restarted: {', '.join(u.name for u in changed)}")])
+        h.emit([event(h.rec, "replaced", node=a.node, reason=f"{'; '.join(moves)}; restarted: {', '.join(u.name for u in changed)}")])
         return None
