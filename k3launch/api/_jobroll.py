@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from k3launch.deploy.control.process import JobStore, read_spec
-from k3launch.deploy.rollout import RolloutResult, UnitRolled, with_processes
+from k3launch.deploy.rollout import RolloutResult, with_processes
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
@@ -115,6 +115,4 @@ def _settle(st: StateStore, name: str, state: RolloutState, ro: RolloutState) ->
             rec.plan = state.old if ro.back else state.new
             rec.rollout = None
         st.save(rec)
-    rolled = [UnitRolled(u.name, u.seconds, u.drained_s, u.downtime_s) for u in ro.units if u.on == ro.target and u.seconds]
-    bad = [u.name for u in ro.units if u.failed]
-    return RolloutResult(rec.plan, rolled=rolled, failed=", ".join(bad) if ro.stopped else "", reason=ro.stopped, logs=list(ro.logs))
+    return RolloutResult.of(rec.plan, ro)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from k3launch.api._common import load, store
 from k3launch.api._rollgate import refuse_stale
-from k3launch.deploy.rollout import RolloutResult, UnitRolled, pd_plan
+from k3launch.deploy.rollout import RolloutResult, pd_plan
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import Feature, require
@@ -363,7 +363,4 @@ def _result(st: StateStore, name: str, revision: int) -> RolloutResult:
         if done is None or done.revision != revision:
             return RolloutResult(rec.plan, failed="-", reason="the rollout did not finish: `k3launch status` says where it is")
         ro = done
-    rolled = [UnitRolled(u.name, u.seconds, u.drained_s, u.downtime_s) for u in ro.units if u.on == ro.target and u.seconds]
-    bad = [u.name for u in ro.units if u.failed]
-    return RolloutResult(rec.plan, rolled=rolled, failed=", ".join(bad) if ro.stopped else "",
-                         reason=ro.stopped, logs=list(ro.logs))
+    return RolloutResult.of(rec.plan, ro)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from k3launch.deploy.base import Watcher
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord
+from k3launch.models.rollout import RolloutState
 from k3launch.models.supervise import Unit
 from k3launch.transport import http
 
@@ -48,6 +49,13 @@ class RolloutResult:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    @classmethod
+    def of(cls, plan: Plan, ro: RolloutState) -> RolloutResult:
+        """What a converged rollout (done, or stopped with every unit back on one plan) came to."""
+        rolled = [UnitRolled(u.name, u.seconds, u.drained_s, u.downtime_s) for u in ro.units if u.on == ro.target and u.seconds]
+        bad = [u.name for u in ro.units if u.failed]
+        return cls(plan, rolled=rolled, failed=", ".join(bad) if ro.stopped else "", reason=ro.stopped, logs=list(ro.logs))
 
 
 def with_processes(base: Plan, source: Plan, ids: Sequence[str]) -> Plan:
