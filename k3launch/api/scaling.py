@@ -19,7 +19,7 @@ from k3launch.api._common import store
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.models.backends import Feature, require
-from k3launch.models.control.scaling import copy_of
+from k3launch.models.control.scaling import plan_copies
 from k3launch.models.record import DeploymentRecord
 
 MIN_COPIES = 2  # one copy's plan has other process ids and no router: `down` and `up` for that
@@ -30,10 +30,6 @@ class ScaleResult:
     copies: int  # copies the deployment runs now
     standby: list[str]  # of which standbys
     seconds: float
-
-
-def copies_of(rec: DeploymentRecord) -> list[str]:
-    return sorted({c for p in rec.plan.processes if p.role != "router" and (c := copy_of(p.id)) is not None}, key=lambda c: int(c[1:]))
 
 
 def scale(name: str, *, replicas: int | None = None, standby: int | None = None, say: Callable[[str], None] = lambda _: None,
@@ -53,7 +49,7 @@ def scale(name: str, *, replicas: int | None = None, standby: int | None = None,
     if rec.job is not None:
         raise K3Error("scale-slurm", "a Slurm job's copies are not scaled yet: its controller runs inside the allocation, "
                       "whose nodes Slurm gave it", f"`k3launch down {name}`, then `up --replicas N` with the count you want")
-    have = copies_of(rec)
+    have = plan_copies(rec.plan)
     if not have:
         raise K3Error("scale-no-copies", f"{name} is not a deployment of copies behind a router",
                       f"bring it up with --replicas 2 or more (`k3launch down {name}`, then `up --replicas N`)")
@@ -87,7 +83,7 @@ def scale(name: str, *, replicas: int | None = None, standby: int | None = None,
     after = st.load(name)
     c = after.control
     if c is None or not done(after):
-        raise K3Error("scale-incomplete", f"{name} runs {len(copies_of(after))} copies, not {total}: "
+        raise K3Error("scale-incomplete", f"{name} runs {len(plan_copies(after.plan))} copies, not {total}: "
                       + next((e for e in _last_failure(st, name)), "the controller did not get there"),
                       f"`k3launch events {name}` says why; free or add nodes, then `k3launch scale {name}` again")
     return ScaleResult(copies=c.copies, standby=list(c.standby), seconds=round(time.monotonic() - t0, 3))

@@ -61,9 +61,9 @@ def up(
         plan = args.build()
         serving = 0
         if standby:  # the standbys are more copies of the same plan; the supervisor keeps them out of the router
-            from k3launch.models.control.scaling import copy_of
+            from k3launch.models.control.scaling import plan_copies
 
-            serving = len({copy_of(p.id) for p in plan.processes if p.role != "router"} - {None}) or 1
+            serving = len(plan_copies(plan)) or 1
             args = PlanArgs({**args.values, "replicas": serving + standby})
             plan = args.build()
             supervise = True

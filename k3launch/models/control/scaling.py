@@ -27,6 +27,7 @@ import re
 from k3launch.models.control.actions import Action, Resize
 from k3launch.models.control.memory import Memory, UnitState
 from k3launch.models.control.observation import Observation
+from k3launch.models.plan import Plan
 from k3launch.models.supervise import Event, EventKind, Unit
 
 DRAIN_S = 120.0  # a leaving copy's in-flight requests get this long
@@ -37,6 +38,11 @@ def copy_of(name: str) -> str | None:
     """``r2`` for ``r2-serve-0`` (or the group ``r2-serve``); None outside copies."""
     m = _COPY.match(name)
     return m.group(1) if m else None
+
+
+def plan_copies(plan: Plan) -> list[str]:
+    """The copies a plan runs (``r0``, ``r1``, ...), by index; none for a plan without copies."""
+    return sorted({c for p in plan.processes if p.role != "router" and (c := copy_of(p.id)) is not None}, key=lambda c: int(c[1:]))
 
 
 class Scale:
