@@ -407,3 +407,26 @@ def test_a_rollout_is_refused_on_a_job_without_its_controller_with_surge_and_bef
     with pytest.raises(K3Error) as early:  # the job's controller has written no record yet: nothing is written for it
         converge_in_job(store, "u-sv", state, lambda _: None)
     assert early.value.code == "job-not-serving" and not (Path(rec.slurm.log_dir) / "control" / "supervise").exists()
+
+
+def test_a_supervised_job_is_not_called_serving_before_its_controller_watches(tmp_path: Path) -> None:
+    """A rank that dies between "every step answers" and "the controller watches" ends the job (its
+    bring-up fails fast), so `up` probes a supervised job only once its controller said it supervises:
+    a deployment `up` called ready has every later failure restarted."""
+    inv = Inventory.model_validate({"name": "u", "backend": "slurm", "hardware": "b300", "engine": "sim", "defaults": {"runtime": "bare"},
+                                    "slurm": {"container": "bare", "log_dir": str(tmp_path / "logs")}})
+    plan = build_plan(TREE, Selection(strategy="single_node_tp"), inventory=inv, name="u-watch")
+    out = "k3launch: node 0 = k3n1 10.0.0.1\nk3launch: doctor: 1 node(s) ok\n"
+    for policy in (None, RestartPolicy(max_restarts=2)):
+        fake = FakeSlurm([JobInfo("42", "RUNNING", ["k3n1"])], steps={p.id: "k3n1" for p in plan.processes}, output=out)
+        sl = SlurmLaunch(plan, inv, StateStore(tmp_path / f"state-{policy is None}"), client=fake, supervise=policy)
+        sl.start()
+        for _ in range(3):  # bound, doctor passed, every step running
+            seen = sl.poll(None)
+        assert seen.stage == "health"
+        assert (seen.serving is not None) is (policy is None), policy
+        if policy is not None:
+            with (Path(sl.record.slurm.log_dir) / "slurm-42.out").open("a") as f:
+                f.write("k3launch: supervising u-watch: every step serves\n")
+            watched = sl.poll(None).serving
+            assert watched is not None and [p.id for p in watched] == [p.id for p in plan.processes]

@@ -43,6 +43,7 @@ class JobOutput:
     doctor_failed: dict[str, str] = field(default_factory=dict)  # host -> why
     prepare_failed: dict[str, str] = field(default_factory=dict)  # host -> the first directory the job could not make there
     step_exits: list[tuple[str, str, int]] = field(default_factory=list)  # (process id, host, exit code), first first
+    supervising: bool = False  # a supervised job's controller watches its steps (it restarts a rank from now on)
 
     @property
     def step_exit(self) -> tuple[str, str, int] | None:
@@ -60,6 +61,8 @@ def parse_output(text: str) -> JobOutput:
             out.prepare_failed.setdefault(m.group(1), m.group(2))
         elif line.startswith("k3launch: doctor: "):
             out.doctor_ok = True
+        elif line.startswith("k3launch: supervising "):
+            out.supervising = True
         elif m := _STEP_EXIT.match(line):
             out.step_exits.append((m.group(1), m.group(3), int(m.group(4))))
     return out

@@ -23,7 +23,8 @@ directories usually are): ``up`` reads the job's output there, ``logs`` reads th
 ``supervise`` (``up --supervise``): the job script hands over to its own controller instead of
 failing fast (:mod:`k3launch.deploy.slurm.injob`, run by the interpreter ``up`` runs under), which
 writes its events to ``<log dir>/events.jsonl``; a previous job's file there is moved to
-``events.jsonl.1`` first.
+``events.jsonl.1`` first. Such a job is ready once its controller says it supervises (the line
+``supervising NAME``) and a completion succeeds: a rank that dies before that fails the bring-up.
 """
 
 from __future__ import annotations
@@ -113,6 +114,7 @@ class SlurmLaunch:
     _stage: Stage = field(default=Stage.QUEUED, init=False)
     _reason: str | None = field(default=None, init=False)
     _bound: Plan | None = field(default=None, init=False)
+    _watched: bool = field(default=False, init=False)  # a supervised job's controller said it watches (from then on, it restarts)
     _t_unavailable: float | None = field(default=None, init=False)
     _cursor: LogCursor = field(default_factory=LogCursor, init=False)  # how far each process log was read (live progress)
 
@@ -221,7 +223,9 @@ class SlurmLaunch:
         return self._progress()
 
     def _progress(self) -> Progress:
-        serving = self._bound is not None and self._stage in (Stage.HEALTH, Stage.COMPLETION)
+        # a supervised job serves once its controller watches: a rank that dies earlier ends the job (its bring-up
+        # fails fast), so a deployment `up` called ready is one whose every later failure is restarted
+        serving = self._bound is not None and self._stage in (Stage.HEALTH, Stage.COMPLETION) and (self.supervise is None or self._watched)
         # live progress: what each process log in the shared log directory gained since the last poll
         logs = {p.id: read_log(Path(self.slurm.log_dir) / f"{p.id}.log", self._cursor, p.id) for p in self.plan.processes} if self._bound else {}
         return Progress(running=self._running, serving=self._bound.processes if serving and self._bound else None,
@@ -247,6 +251,7 @@ class SlurmLaunch:
             self._running, self._t_running, self._stage = True, time.monotonic(), Stage.RUNNING
         out_path = Path(self.slurm.log_dir) / f"slurm-{job}.out"
         out = parse_output(read_file(out_path))
+        self._watched = out.supervising
         if self._bound is None and not out_path.exists() and time.monotonic() - self._t_running > OUTPUT_VISIBLE_S:
             raise LaunchFailed(f"job {job} runs, but its output {out_path} does not appear on this machine",
                                "slurm.log_dir must be on a filesystem the login node shares with the compute nodes",
