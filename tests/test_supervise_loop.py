@@ -303,3 +303,23 @@ def test_a_refused_detach_changes_nothing_of_the_running_supervisors_policy(tmp_
         holder.wait()
     assert refused.value.code == "already-supervised"
     assert read_spec(store, rec.name) == before and before is not None and before.policy is not None and before.policy.max_restarts == 5
+
+
+def test_a_failed_deployment_is_not_offered_a_supervisor_and_detach_refuses_it_first_hand(tmp_path: Path) -> None:
+    """`status` of a failed deployment says down-then-up (a supervisor refuses it); `supervise --detach`
+    refuses it itself, with the controller's own code and words, before a spec is written or a process
+    detached (not second-hand as `supervise-failed`)."""
+    from typer.testing import CliRunner
+
+    from k3launch.cli import app
+
+    store = StateStore(tmp_path)
+    rec = _record(store, state="failed")
+    env = {"K3LAUNCH_STATE_DIR": str(tmp_path), "COLUMNS": "200"}
+    shown = CliRunner().invoke(app, ["status", rec.name], env=env)
+    assert f"`k3launch down {rec.name}`, then `up` again" in shown.output and "supervise" not in shown.output, shown.output
+    refused = CliRunner().invoke(app, ["supervise", rec.name, "--detach"], env=env)
+    assert refused.exit_code == 2
+    assert refused.output.splitlines()[0] == f"error: {rec.name} is failed: only a ready deployment can be supervised [not-ready]", \
+        refused.output
+    assert not process.spec_path(store, rec.name).exists() and store.load(rec.name).supervisor is None

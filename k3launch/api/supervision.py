@@ -204,6 +204,7 @@ def supervise_detached(name: str, *, policy: RestartPolicy | Mapping[str, Any] |
     refuse_self_supervised(rec)
     require(rec.backend, Feature.SUPERVISE, "supervise")
     refuse_supervised(st, rec)
+    process.refuse_not_ready(rec)  # said here, in its own words: a detached controller's refusal reaches us second-hand
     pol = policy if isinstance(policy, RestartPolicy) else restart_policy(name, policy, state_dir=state_dir)
     write_spec(st, name, policy=pol, hook=on_event_command, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     return process.detach(st, name)
@@ -211,12 +212,11 @@ def supervise_detached(name: str, *, policy: RestartPolicy | Mapping[str, Any] |
 
 def refuse_supervised(st: StateStore, rec: DeploymentRecord) -> None:
     """``already-supervised`` when a controller of ``rec`` runs (its lock is held)."""
-    from k3launch.deploy.control.process import lock_path, who
+    from k3launch.deploy.control.process import already_supervised, lock_path
     from k3launch.util.locks import held
 
     if held(lock_path(st, rec.name)):
-        raise K3Error("already-supervised", f"{rec.name} is already watched by {who(rec.supervisor)}",
-                      "one supervisor per deployment: `k3launch status` shows it; stop it (Ctrl-C, or kill its pid) to start another")
+        raise already_supervised(rec)
 
 
 def write_spec(st: StateStore, name: str, **change: Any) -> int:

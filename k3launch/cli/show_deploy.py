@@ -117,6 +117,10 @@ def status(con: Console, snap: Status) -> None:
         who = f"job {sv.job} itself ({'on ' + sv.host if sv.host else 'not running yet'})" if sv.job is not None else \
             f"pid {sv.pid} on {sv.host}{' (detached)' if sv.detached else ''}"
         con.print(f"supervised by {who} since {since}; {sv.restarts} restart(s); `k3launch events {snap.name}`", markup=False)
+    elif snap.state == "failed":  # nothing to keep serving: a supervisor refuses it (not-ready)
+        con.print(f"[dim]`k3launch down {snap.name}`, then `up` again[/]")
+    elif snap.state == "starting":
+        pass  # `up` still brings it up
     elif snap.job is not None:
         con.print("[dim]not supervised: `k3launch up --supervise` makes the job restart failed steps itself[/]")
     else:

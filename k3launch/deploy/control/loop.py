@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from k3launch.deploy import eventlog
 from k3launch.deploy.base import SuperviseOps, Watcher
 from k3launch.deploy.control.actor import GRACE_S, Actor, Places
-from k3launch.deploy.control.process import lock_path, read_spec, stop_path, who
+from k3launch.deploy.control.process import already_supervised, lock_path, read_spec, refuse_not_ready, stop_path
 from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.rollout import Gate as GateFn
 from k3launch.deploy.rollout import running_requests
@@ -303,12 +303,9 @@ def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPo
     rec = store.load(name)
     with locked(lock_path(store, name), wait=False, remove=True) as fd:
         if fd is None:
-            raise K3Error("already-supervised", f"{name} is already watched by {who(rec.supervisor)}",
-                          "one supervisor per deployment: `k3launch status` shows it; stop it (Ctrl-C, or kill its pid) to start another")
+            raise already_supervised(rec)
         stop_path(store, name).unlink(missing_ok=True)  # a stale request of an earlier `down`
-        if rec.state != "ready":
-            raise K3Error("not-ready", f"{name} is {rec.state}: only a ready deployment can be supervised",
-                          "wait for `k3launch up` to finish" if rec.state == "starting" else f"`k3launch down {name}`, then `up` again")
+        refuse_not_ready(rec)
         watcher = ops.watcher(rec, store)
         ident = me()
         rec.supervisor = Supervisor(host=ident.host, pid=ident.pid, started=ident.started, since=time.time(), detached=detached, policy=policy)

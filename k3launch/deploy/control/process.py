@@ -21,7 +21,7 @@ from pathlib import Path
 from k3launch.deploy.state import StateStore, _start_time
 from k3launch.errors import K3Error
 from k3launch.models.control.spec import Spec
-from k3launch.models.record import Supervisor
+from k3launch.models.record import DeploymentRecord, Supervisor
 from k3launch.util.locks import held
 
 STOP_WAIT_S = 60.0  # how long `down` waits for a supervisor mid-restart before SIGKILL
@@ -76,6 +76,19 @@ def who(info: Supervisor | None) -> str:
     if info is None:
         return "a supervisor"
     return f"the supervisor (pid {info.pid} on {info.host}, since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(info.since))})"
+
+
+def already_supervised(rec: DeploymentRecord) -> K3Error:
+    """The refusal of a second controller of ``rec`` (said before anything is written or detached)."""
+    return K3Error("already-supervised", f"{rec.name} is already watched by {who(rec.supervisor)}",
+                   "one supervisor per deployment: `k3launch status` shows it; stop it (Ctrl-C, or kill its pid) to start another")
+
+
+def refuse_not_ready(rec: DeploymentRecord) -> None:
+    """Only a ready deployment is supervised: a failed or starting one has nothing to keep serving."""
+    if rec.state != "ready":
+        raise K3Error("not-ready", f"{rec.name} is {rec.state}: only a ready deployment can be supervised",
+                      "wait for `k3launch up` to finish" if rec.state == "starting" else f"`k3launch down {rec.name}`, then `up` again")
 
 
 def alive(info: Supervisor) -> bool:
