@@ -6,9 +6,12 @@ fresh temporary directory, takes it down, brings it up again with the same key, 
 start the seconds of each phase the record's timeline holds (``compiling``: torch.compile and
 graph capture, as vLLM logs them), with the ratio of the two compile phases and what the cache
 directory holds. ``--runtime podman --image TAG`` does the same in a container (an image made by
-``tests/infra/vllm-cpu-image.sh``).
+``tests/infra/vllm-cpu-image.sh``). ``--env VLLM_USE_AOT_COMPILE=1`` puts a variable in the engines'
+environment over the inventory's (that one: vLLM 0.32's CPU build with its own AOT artifact, which it
+cannot load again, docs/caches.md).
 
     python benchmarks/bench_warm_restart.py [--inventory inventories/local-cpu.yaml] [--runtime bare|podman --image TAG]
+                                            [--env NAME=VALUE ...]
 
 Prints figures; asserts nothing. Everything it started is taken down, and its directories removed.
 """
@@ -49,6 +52,7 @@ def main() -> None:
     ap.add_argument("--runtime", default="bare", choices=("bare", "podman"))
     ap.add_argument("--image", default=None)
     ap.add_argument("--keep", default=None, help="write each start's engine log here (start-N.log)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="an engine variable over the inventory's")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="k3-warm-"))
     inv = yaml.safe_load(Path(args.inventory).read_text())
@@ -56,6 +60,9 @@ def main() -> None:
     inv["defaults"]["runtime"] = args.runtime
     if args.image:
         inv["defaults"]["image"] = args.image
+    for kv in args.env:
+        k, _, v = kv.partition("=")
+        inv["defaults"].setdefault("env", {})[k] = v
     path = work / "inv.yaml"
     path.write_text(yaml.safe_dump(inv))
     state = work / "state"
