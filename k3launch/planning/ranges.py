@@ -44,7 +44,8 @@ from k3launch.planning.schema import Arg, FlagSchema, FlagSpec, Problem, user_sc
 
 OUT_OF_RANGE = "value-out-of-range"
 CONFLICT = "values-conflict"
-_OPS = ("gt", "ge", "lt", "le", "multiple_of")
+# pydantic-core's order: the first limit a value breaks is the one vLLM names (NaN breaks the first present)
+_OPS = ("multiple_of", "le", "lt", "ge", "gt")
 _CHECKS = ("ge", "le", "divisible")
 
 
@@ -228,7 +229,8 @@ def violations(schema: FlagSchema, args: Mapping[str, Arg]) -> list[Violation]:
         if bound is None or arg.polarity is not None or not vals.holds(bound.when):
             continue
         got = number_of(arg.spec, arg.value or "", bound.number)
-        hit = next((lim for lim in bound.limits if got is not None and _past(lim.op, got, lim.limit)), None)
+        ordered = sorted(bound.limits, key=lambda lim: _OPS.index(lim.op))
+        hit = next((lim for lim in ordered if got is not None and _past(lim.op, got, lim.limit)), None)
         if hit is not None:
             out.append(Violation(OUT_OF_RANGE, (arg.key,), (arg.shown,), hit.message, bound.field))
     for rule in cons.rules:
