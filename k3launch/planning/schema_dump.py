@@ -41,7 +41,7 @@ from typing import Any
 
 from k3launch.errors import K3Error
 from k3launch.planning import ranges_dump
-from k3launch.planning.ranges import parse_constraints
+from k3launch.planning.ranges import Constraints, parse_constraints
 from k3launch.planning.schema import LOAD_FORMATS, FlagSchema, FlagSpec, spec_of
 
 SERVE_FLAGS = "serve-flags.json"
@@ -203,6 +203,7 @@ class Dumped:
     schema: FlagSchema
     actions: list[dict[str, Any]]  # serve-flags.json's actions, as written
     env_vars: list[str]
+    constraints: Constraints | None = None  # constraints.json, where the dump has one
 
 
 def _fail(vdir: Path, what: str) -> K3Error:
@@ -270,10 +271,10 @@ def check_dumped(vdir: Path) -> Dumped:
         ok = isinstance(doc, dict) and doc.get("vllm_version") == version and isinstance(doc.get("load_formats"), dict)
         if not ok or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc["load_formats"].items()):
             raise _fail(vdir, f"{LOAD_FORMATS} must be {{vllm_version: {version!r}, source, load_formats: {{format: loader class}}}}")
-    cons = vdir / ranges_dump.CONSTRAINTS  # optional as well: what planning.ranges refuses
-    if cons.is_file():
+    cons_file, cons = vdir / ranges_dump.CONSTRAINTS, None  # optional as well: what planning.ranges refuses
+    if cons_file.is_file():
         try:
-            parse_constraints(cons.read_text(), version)
+            cons = parse_constraints(cons_file.read_text(), version)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise _fail(vdir, f"{ranges_dump.CONSTRAINTS} is not a constraints file of {version}: {exc}") from exc
-    return Dumped(version, FlagSchema(version, specs, frozenset(env_vars)), actions, env_vars)
+    return Dumped(version, FlagSchema(version, specs, frozenset(env_vars)), actions, env_vars, cons)
