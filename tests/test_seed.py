@@ -663,9 +663,16 @@ def test_advanced_max_num_seqs_overrides_amd_128() -> None:
 
 
 def test_advanced_max_num_seqs_overrides_pd_decode_32() -> None:
-    """'... and PD Decode's 32'."""
+    """'... and PD Decode's 32'. Alone, the preset leaves PD Decode's --max-num-batched-tokens 32 below
+    --max-num-seqs 256, which vLLM refuses (SchedulerConfig): the plan is refused, naming both writers;
+    with the batch budget preset too, the override stands."""
     assert {flag(pr.argv, "--max-num-seqs") for pr in engines(plan(hardware="b300", strategy="pd_cluster"), "decode")} == {"32"}
-    p = plan(hardware="b300", strategy="pd_cluster", advanced=("max-num-seqs",))
+    with pytest.raises(K3Error) as e:
+        plan(hardware="b300", strategy="pd_cluster", advanced=("max-num-seqs",))
+    assert e.value.code == "values-conflict" and "max_num_batched_tokens (32) must be greater than or equal to max_num_seqs (256)" in e.value.message
+    assert "strategy_overrides.pd_cluster.decode, strategy layer" in e.value.message and "advanced preset max-num-seqs" in e.value.message
+    assert e.value.hint == "fix the recipe, or override it with --set max-num-batched-tokens=VALUE"
+    p = plan(hardware="b300", strategy="pd_cluster", advanced=("max-num-seqs", "max-num-batched-tokens"))
     for pr in engines(p, "decode"):
         assert flag(pr.argv, "--max-num-seqs") == "256"
         assert ("strategy", "32") in layers(pr, "--max-num-seqs")

@@ -186,6 +186,9 @@ class SchemaDumped:
     flags: int  # `vllm serve` options (argparse actions with option strings)
     env_vars: int
     used: bool  # ``path`` is where plans look for schemas (:func:`~k3launch.planning.schema.user_schema_dir`)
+    bounded: int = 0  # flags with limits in constraints.json (k3launch.planning.ranges)
+    rules: int = 0  # cross-field checks of vLLM's config classes found in this vLLM
+    rules_missing: tuple[str, ...] = ()  # catalogued checks this vLLM did not reproduce: planning does not make them
 
 
 def schema_dump(python: str | Path, out: str | Path | None = None) -> SchemaDumped:
@@ -204,4 +207,9 @@ def schema_dump(python: str | Path, out: str | Path | None = None) -> SchemaDump
     vdir = dump(str(python), root)
     dumped = check_dumped(vdir)
     used = root.resolve() == user_schema_dir().resolve()
-    return SchemaDumped(dumped.version, vdir, len(dumped.schema.specs), len(dumped.env_vars), used)
+    from k3launch.planning.ranges_dump import RULES
+
+    cons = dumped.constraints
+    found = {r.id for r in cons.rules} if cons is not None else set()
+    return SchemaDumped(dumped.version, vdir, len(dumped.schema.specs), len(dumped.env_vars), used, len(cons.bounds) if cons else 0,
+                        len(found), tuple(r["id"] for r in RULES if r["id"] not in found))

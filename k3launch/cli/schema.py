@@ -33,9 +33,13 @@ def dump(
         fail(err)
     if json_out:
         typer.echo(json.dumps({"version": res.version, "path": str(res.path), "flags": res.flags, "env_vars": res.env_vars,
-                               "used": res.used}, indent=2))
+                               "used": res.used, "bounded_flags": res.bounded, "rules": res.rules,
+                               "rules_missing": list(res.rules_missing)}, indent=2))
         return
-    typer.echo(f"wrote vLLM {res.version}'s flag schema ({res.flags} flags, {res.env_vars} env names) to {res.path}")
+    typer.echo(f"wrote vLLM {res.version}'s flag schema ({res.flags} flags, {res.env_vars} env names, {res.bounded} flags with "
+               f"limits, {res.rules} cross-field checks) to {res.path}")
+    if res.rules_missing:
+        typer.echo(f"this vLLM did not reproduce these checks, so plans for it do not make them: {', '.join(res.rules_missing)}")
     if res.used:
         typer.echo(f"plans use it with --vllm-version {res.version} (or vllm_version: {res.version} in the inventory)")
     else:

@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from k3launch.errors import K3Error
 from k3launch.models.selection import Notice
+from k3launch.planning import ranges
 from k3launch.planning.configs import unknown_fields
 from k3launch.planning.schema import Arg, FlagSchema
 
@@ -236,6 +237,7 @@ def compose(
                     )
 
     _fold_dotted(state, prov, notices)
+    ranges.refuse(schema, state, prov)  # values vLLM's config classes refuse, blamed on their writers
     argv = list(program)
     for arg in state.values():
         argv.extend(arg.tokens())

@@ -3,7 +3,8 @@
 Findings: unknown flags (with a did-you-mean), bad choices and values, legacy boolean spellings
 the selected vLLM no longer lists, contradictory booleans (both forms of one setting),
 duplicates (one setting given twice: argparse silently keeps the last), fields a config flag's
-dataclass does not have (vLLM refuses them at startup), and dotted config keys written under two
+dataclass does not have (vLLM refuses them at startup), values vLLM's config classes refuse
+(:mod:`.ranges`: out of a field's range, or two flags vLLM checks against each other), and dotted config keys written under two
 spellings of one flag (vLLM keeps one spelling's). ``VAR=value`` words
 before the program are checked as environment: ``VLLM_*`` names vLLM does not read are flagged.
 """
@@ -11,6 +12,7 @@ before the program are checked as environment: ``VLLM_*`` names vLLM does not re
 from __future__ import annotations
 
 from k3launch.models.findings import ERROR, WARNING, Finding
+from k3launch.planning import ranges
 from k3launch.planning.configs import unknown_fields
 from k3launch.planning.schema import Arg, FlagSchema, Problem
 
@@ -60,6 +62,7 @@ def lint(schema: FlagSchema, words: list[str]) -> list[Finding]:
             else:
                 findings.append(Finding(WARNING, "duplicate-flag", f"{arg.key} given twice with the same value", "drop one"))
         seen[arg.key] = arg
+    findings.extend(_from_problem(p) for p in ranges.problems(schema, seen))  # vLLM takes the last of each
     roots: dict[str, set[str]] = {}
     for arg in args:
         if arg.path:

@@ -11,6 +11,8 @@
 * ``env-vars.json``: ``{"vllm_version", "source", "env_vars": [...]}``, the sorted names of
   ``vllm.envs.environment_variables`` (every variable ``vllm/envs.py`` defines a reader for).
   Written with ``indent=0``.
+* ``constraints.json``: the bounds and cross-field rules of vLLM's config classes, what
+  :mod:`.ranges` refuses at planning (format and how it is read: :mod:`.ranges_dump`).
 * ``load-formats.json``: ``{"vllm_version", "source", "load_formats": {format: loader class}}``,
   the ``--load-format`` values vLLM's model loader registry knows (the flag itself takes any
   string); what :mod:`.loading` checks an inventory's ``weights.load_format`` against. Written
@@ -38,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from k3launch.errors import K3Error
+from k3launch.planning import ranges_dump
+from k3launch.planning.ranges import Constraints, parse_constraints
 from k3launch.planning.schema import LOAD_FORMATS, FlagSchema, FlagSpec, spec_of
 
 SERVE_FLAGS = "serve-flags.json"
@@ -46,7 +50,7 @@ _RESULT_TAG = "K3LAUNCH-SCHEMA-DUMP "  # prefixes the one stdout line the child'
 _TIMEOUT_S = 300.0  # importing vLLM takes ~10 s on 2 cores; a cold page cache, much longer
 
 # Runs under the engine's interpreter: ``python -c _SCRIPT OUT_DIR``. Standard library + vLLM only.
-_SCRIPT = r'''
+_BASE_SCRIPT = r'''
 import argparse
 import importlib.metadata
 import json
@@ -129,6 +133,7 @@ try:
         }, indent=1)
 except Exception:
     pass  # no list: an inventory's weights.load_format is then refused for this version, with the reason
+files["constraints.json"] = constraints_json(parser, version, dist)  # defined by ranges_dump's prelude
 for name, text in files.items():
     tmp = os.path.join(vdir, "." + name + ".tmp")
     with open(tmp, "w") as f:
@@ -136,6 +141,7 @@ for name, text in files.items():
     os.replace(tmp, os.path.join(vdir, name))
 print("K3LAUNCH-SCHEMA-DUMP " + json.dumps({"version": version, "dir": vdir, "dist": dist, "full_version": vllm.__version__}), flush=True)
 '''
+_SCRIPT = ranges_dump.prelude() + _BASE_SCRIPT  # the prelude tags the config fields before the parser is built
 
 
 def _child_env() -> dict[str, str]:
@@ -197,6 +203,7 @@ class Dumped:
     schema: FlagSchema
     actions: list[dict[str, Any]]  # serve-flags.json's actions, as written
     env_vars: list[str]
+    constraints: Constraints | None = None  # constraints.json, where the dump has one
 
 
 def _fail(vdir: Path, what: str) -> K3Error:
@@ -264,4 +271,10 @@ def check_dumped(vdir: Path) -> Dumped:
         ok = isinstance(doc, dict) and doc.get("vllm_version") == version and isinstance(doc.get("load_formats"), dict)
         if not ok or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc["load_formats"].items()):
             raise _fail(vdir, f"{LOAD_FORMATS} must be {{vllm_version: {version!r}, source, load_formats: {{format: loader class}}}}")
-    return Dumped(version, FlagSchema(version, specs, frozenset(env_vars)), actions, env_vars)
+    cons_file, cons = vdir / ranges_dump.CONSTRAINTS, None  # optional as well: what planning.ranges refuses
+    if cons_file.is_file():
+        try:
+            cons = parse_constraints(cons_file.read_text(), version)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise _fail(vdir, f"{ranges_dump.CONSTRAINTS} is not a constraints file of {version}: {exc}") from exc
+    return Dumped(version, FlagSchema(version, specs, frozenset(env_vars)), actions, env_vars, cons)
