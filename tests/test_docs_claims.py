@@ -26,12 +26,15 @@ CITE = re.compile(r"(?<![\w/])((?:tests|benchmarks)/[\w/]+\.py)(?:::(\w+))?")
 FIGURE = re.compile(r"\d(?:\.\d+)?\s?(?:s|ms|%|MB|GB|GiB)\b|\d\.\d+x\b")
 
 
-def _constants(node: ast.expr) -> list[str]:
-    """The string constants an expression can evaluate to (``"a" if c else "b"`` gives both)."""
+def _constants(node: ast.expr, names: dict[str, str]) -> list[str]:
+    """The string constants an expression can evaluate to (``"a" if c else "b"`` gives both; a
+    module constant, ``CONFLICT = "values-conflict"``, its value)."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return [node.value]
+    if isinstance(node, ast.Name) and node.id in names:
+        return [names[node.id]]
     if isinstance(node, ast.IfExp):
-        return _constants(node.body) + _constants(node.orelse)
+        return _constants(node.body, names) + _constants(node.orelse, names)
     return []
 
 
@@ -50,7 +53,10 @@ def raised() -> tuple[frozenset[str], frozenset[str]]:
     for path in (ROOT / "k3launch").rglob("*.py"):
         if "sim" in path.relative_to(ROOT / "k3launch").parts[:1]:
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        names = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+                 and isinstance(n.value.value, str) for t in n.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
             found: list[ast.expr] = []
             if isinstance(node, ast.Call):
                 func = node.func
@@ -65,15 +71,23 @@ def raised() -> tuple[frozenset[str], frozenset[str]]:
                 found += [d for a, d in zip(named, node.defaults, strict=True) if a.arg == "code"]
                 found += [d for a, d in zip(node.kwonlyargs, node.kw_defaults, strict=True) if a.arg == "code" and d is not None]
             for expr in found:
-                codes.update(c for c in _constants(expr) if CODE.fullmatch(c))
+                codes.update(c for c in _constants(expr, names) if CODE.fullmatch(c))
                 if (p := _prefix(expr)) is not None and p:
                     prefixes.add(p)
     return frozenset(codes), frozenset(prefixes)
 
 
+@cache
+def _literals() -> frozenset[str]:
+    """Every string constant of the product's source (a code passed along as a constant, e.g. a
+    finding's ``Violation(OUT_OF_RANGE, ...)``, is raised by its own name elsewhere)."""
+    return frozenset(n.value for p in (ROOT / "k3launch").rglob("*.py") if "sim" not in p.relative_to(ROOT / "k3launch").parts[:1]
+                     for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.Constant) and isinstance(n.value, str))
+
+
 def _is_raised(code: str) -> bool:
     codes, prefixes = raised()
-    return code in codes or any(code.startswith(p) for p in prefixes)
+    return code in codes or any(code.startswith(p) for p in prefixes) or code in _literals()
 
 
 def listed() -> set[str]:
