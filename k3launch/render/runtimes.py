@@ -20,6 +20,10 @@ one entry into the words of one command, so the two renderers cannot drift apart
 * ``bare``: ``env`` with the node's venv first on ``PATH``, the variables and the argv; its
   session is signalled.
 
+A process with CPUs of its own (the plan's ``cpus``: :mod:`k3launch.planning.cpusets`) is held
+to them as a whole: ``taskset -c`` starts a bare or apptainer command (the mask is inherited by
+everything it starts), docker and podman get ``--cpuset-cpus``; pyxis keeps Slurm's own binding.
+
 A directory bound into a container is the node's HF cache at :data:`~.words.CONTAINER_HF_CACHE`
 and the process's compile cache at :data:`~k3launch.models.caches.CONTAINER_CACHE` (whose
 variables then point inside); only docker makes a missing bind source itself, so the others get
@@ -72,6 +76,8 @@ class Runtime:
     bind: str = ""  # the option before one SRC:DST; ending in "=": every mount in one word after it; "": nothing bound
     setenv: str = ""  # the option before NAME=VALUE; "": NAME=VALUE words of ``env`` before the engine
     env_names: str = ""  # the option before the comma-separated names the runtime passes in (pyxis)
+    cpuset: tuple[str, ...] = ()  # what holds the whole process to its CPUs ("{cpus}": the plan's list); none: the runtime's own binding
+    cpuset_first: bool = False  # those words start the command (taskset), else they are an option of the runtime
     secret: Secret = "inherited"
     entry: Entry = "env"
     venv: bool = False  # the node's venv (and ``up``'s tools) first on the engine's PATH
@@ -87,8 +93,9 @@ class Runtime:
         return bool(self.bind) and not self.makes_bind_source
 
 
+TASKSET = ("taskset", "-c", "{cpus}")  # util-linux; the mask is inherited by everything the process starts
 _CONTAINER = Runtime("", named=True, isolate=("--ipc=host", "--network", "host"), bind="-v", setenv="-e", entry="entrypoint",
-                     image="{image}", detached=True, stop="container")
+                     image="{image}", detached=True, stop="container", cpuset=("--cpuset-cpus", "{cpus}"))
 RUNTIMES: dict[str, Runtime] = {
     "docker": replace(_CONTAINER, name="docker", run=("docker", "run", "-d"), gpus={"cuda": ("--gpus", "all"), "rocm": ROCM_DEVICES},
                       shm_size=True, secret="by-name", makes_bind_source=True, program="docker"),
@@ -96,10 +103,10 @@ RUNTIMES: dict[str, Runtime] = {
                       gpus={"cuda": ("--device", "nvidia.com/gpu=all"), "rocm": ROCM_DEVICES}, secret="podman-secret", program="podman"),
     "apptainer": Runtime("apptainer", run=("apptainer", "exec"), gpus={"cuda": ("--nv",), "rocm": ("--rocm",)}, gpus_always=True,
                          isolate=("--cleanenv",), bind="--bind", setenv="--env", secret="apptainerenv", entry="image",
-                         image="docker://{image}", program="apptainer"),
+                         image="docker://{image}", program="apptainer", cpuset=TASKSET, cpuset_first=True),
     "pyxis": Runtime("pyxis", image="--container-image={image}", image_first=True, bind="--container-mounts=",
                      env_names="--container-env=", secret="env-names", stop="step", program=""),
-    "bare": Runtime("bare", venv=True),
+    "bare": Runtime("bare", venv=True, cpuset=TASKSET, cpuset_first=True),
 }
 
 
@@ -153,10 +160,11 @@ def wrap(rt: Runtime, plan: Plan, proc: Process, host: Host, argv: Sequence[str]
     id a named container's labels carry; ``tools``: a directory a bare process finds programs in
     before the node's PATH."""
     img = rt.image.format(image=image or "")
-    words = [*rt.run, *([img] if rt.image_first else [])]
+    pin = [w.format(cpus=proc.cpus) for w in rt.cpuset] if proc.cpus else []
+    words = [*(pin if rt.cpuset_first else []), *rt.run, *([img] if rt.image_first else [])]
     if rt.named:
         words += _names(rt, plan, proc, ident)
-    words += [*gpu_words(rt, plan, proc), *rt.isolate]
+    words += [*gpu_words(rt, plan, proc), *rt.isolate, *([] if rt.cpuset_first else pin)]
     if rt.shm_size:
         words += ["--shm-size", host.shm_size or "64g"]
     cache = cache_dir(plan, proc, host)
