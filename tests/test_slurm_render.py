@@ -47,7 +47,8 @@ from k3launch.planning.build import build_plan
 from k3launch.planning.inventory import Inventory, SlurmSection
 from k3launch.planning.recipes import RecipeTree
 from k3launch.render.sbatch import DOCTOR_FAILED_EXIT, job_library, make_array_string, make_sbatch_string
-from k3launch.render.scripts import cache_dir, cache_meta_json
+from k3launch.render.scripts import cache_meta_json
+from k3launch.render.words import cache_dir
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster

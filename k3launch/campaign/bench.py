@@ -47,7 +47,7 @@ from k3launch.errors import K3Error
 from k3launch.models.backends import spec
 from k3launch.models.bench import BenchMetrics, LoadPoint, bench_argv
 from k3launch.models.plan import is_container
-from k3launch.render.scripts import venv_path
+from k3launch.render.words import venv_path
 
 if TYPE_CHECKING:
     from k3launch.models.plan import Process

@@ -60,6 +60,15 @@ class Process(Frozen):
     node_rank: int | None = None
     dp_start_rank: int | None = None
     gpus: int = 0
+    cpus: str | None = None  # the CPUs it and all it starts run on (a CPU list; planning.cpusets); None: where the OS puts them
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_cpus(self, handler: SerializerFunctionWrapHandler) -> Any:
+        """``cpus`` came after the plan contract froze: it appears only when set (plans without stay byte-identical)."""
+        data = handler(self)
+        if isinstance(data, dict) and data.get("cpus") is None:
+            data.pop("cpus", None)
+        return data
 
     def rank_label(self) -> str:
         """``prefill, node rank 2`` / ``decode, DP ranks 8-15`` / ``router``: how people name the rank."""

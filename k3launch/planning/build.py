@@ -34,7 +34,7 @@ from k3launch.models.plan import (
 )
 from k3launch.models.recipe import KvOffloadOption
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
-from k3launch.planning import capacity, faulttol, loading, rules
+from k3launch.planning import capacity, cpusets, faulttol, loading, rules
 from k3launch.planning.capacity import NodeMemory
 from k3launch.planning.compose import LAYERS, Composed, Locked, Source, compose
 from k3launch.planning.faulttol import FaultTolerance, Rank
@@ -212,6 +212,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
         procs.append(router)
         if not any(h.name == rnode.name for h in hosts):
             hosts.append(_host(rnode, "router", 0))
+    procs = cpusets.bind(procs, placed, inventory, r.hardware.vendor_platform, notices)  # CPU engines sharing a machine: cores of their own
     kv_cap = _kv_capacity(r, kv.host_memory_gib_per_rank if kv else None, placed[:r.nodes], notices)
     cap = Capacity(weights_gb=r.weights_gb, formula=r.weights_formula, checkpoint_gb=r.checkpoint_gb, gpu_memory_gb=min(p.gpu_memory_gb for p in pool_caps),
                    fits=all(p.fits for p in pool_caps), pools=pool_caps, kv_offload=kv_cap)

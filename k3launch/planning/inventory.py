@@ -26,6 +26,7 @@ from k3launch.models.recipe import Strict
 from k3launch.models.selection import ENV_NAME, check_image, env_refusal
 from k3launch.models.supervise import RestartPolicy
 from k3launch.util.bounds import MEMORY_GB, READ_GBPS
+from k3launch.util.cpulist import canonical
 from k3launch.util.hosts import check_host, expand_hostlist
 from k3launch.util.yamlio import load_yaml_model
 
@@ -43,6 +44,7 @@ class NodeSettings(Strict):
     runtime: Runtime | None = None
     iface: str | None = None
     cpu_memory_gb: float | None = Field(default=None, **MEMORY_GB.field())
+    cpus: str | None = None  # vLLM's CPU backend: the CPUs engines may use ("0-15", "0-7,16-23", or a count); planning.cpusets
     hf_cache: str | None = None
     shm_size: str | None = None
     image: str | None = None
@@ -62,6 +64,15 @@ class NodeSettings(Strict):
             if why:
                 raise ValueError(why)
         return v
+
+    @field_validator("cpus", mode="before")
+    @classmethod
+    def _cpus(cls, v: object) -> str | None:
+        if v is None:
+            return None
+        if not isinstance(v, str | int):
+            raise ValueError(f"cpus {v!r} must be a CPU list (like \"0-15\") or a count of CPUs")
+        return canonical(v)
 
     @field_validator("user")
     @classmethod

@@ -40,6 +40,7 @@ class NodeSpec:
     ssh_port: int | None = None
     identity_file: str | None = None
     cpu_memory_gb: float | None = None
+    cpus: str | None = None  # a CPU list (planning.cpusets)
     hf_cache: str = "~/.cache/huggingface"
     shm_size: str = "64g"
     image: str | None = None

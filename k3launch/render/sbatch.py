@@ -41,31 +41,15 @@ from collections.abc import Iterable, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from k3launch.errors import K3Error
-from k3launch.models import caches
 from k3launch.models.identity import JOB_COMMENT
 from k3launch.models.plan import Plan, Process
 from k3launch.models.supervise import RestartPolicy
 from k3launch.planning.inventory import SlurmSection
 from k3launch.planning.porttable import process_ports
-from k3launch.render.scripts import (
-    CONTAINER_HF_CACHE,
-    DEFAULT_HF_CACHE,
-    Raw,
-    apptainer_gpu,
-    cache_dir,
-    cache_env,
-    cache_meta_json,
-    cache_mount,
-    engine_argv,
-    home_path,
-    markers,
-    mount_word,
-    shell_join,
-    token_snippet,
-    venv_path,
-)
+from k3launch.render.runtimes import Runtime, engine_argv, slurm_runtime, wrap
+from k3launch.render.scripts import cache_meta_json, markers, shell_join, token_snippet
+from k3launch.render.words import DEFAULT_HF_CACHE, Raw, cache_dir, home_path
 
-SECRET_ENV = ("HF_TOKEN",)
 LIBRARY = "k3launch-job.sh"
 CONTROL_END = "K3_CONTROL_JSON"  # the here-document that carries a supervised job's JobControl
 DOCTOR_FAILED_EXIT = 3  # the job's exit code when its doctor step refused a node
@@ -118,33 +102,21 @@ def _bind(word: str, addrs: dict[str, int], pat: re.Pattern[str]) -> str:
     return Raw(out + (shlex.quote(word[pos:]) if pos < len(word) else ""))
 
 
-def _bare(proc: Process, slurm: SlurmSection, image: str | None) -> bool:
-    """Slurm's container mode, not the host's runtime, decides whether the engine runs bare."""
-    return proc.role == "router" or slurm.container == "bare" or not image
+def _runtime(proc: Process, slurm: SlurmSection, image: str | None) -> Runtime:
+    """Slurm's container mode, not the host's runtime, decides how the engine runs (runtimes.slurm_runtime)."""
+    return slurm_runtime(proc, slurm.container, image)
 
 
 def _step(plan: Plan, proc: Process, slurm: SlurmSection, addrs: dict[str, int], image: str | None, ident: str = "") -> list[str]:
-    """srun options and command of one process (after ``k3_step NAME I``). Its compile/JIT caches
-    (models.caches) are the node's ``<compile_cache>/<key>``, which :func:`_prepare_lines` makes first:
-    a bare engine's variables point there, a container gets it mounted at ``CONTAINER_CACHE``."""
-    pat = address_pattern(addrs)
+    """srun options and command of one process (after ``k3_step NAME I``): its runtime's words
+    (:func:`~k3launch.render.runtimes.wrap`), plan node addresses bound to the allocation. Its
+    compile/JIT caches (models.caches) are the node's ``<compile_cache>/<key>``, which
+    :func:`_prepare_lines` makes first: a bare engine's variables point there, a container gets it
+    mounted at ``CONTAINER_CACHE``."""
     host = next(h for h in plan.hosts if h.name == proc.node)
-    env = {**proc.env, **markers(plan, proc, ident)}
-    bare = _bare(proc, slurm, image)
-    argv = engine_argv(plan, proc, host.model_copy(update={"runtime": "bare"}) if bare else host)
-    hf = host.hf_cache or DEFAULT_HF_CACHE  # "$HOME"/... expands on the node
-    cache = cache_dir(plan, proc, host)
-    if bare:
-        path = venv_path(host.venv) if proc.role != "router" else []
-        words = ["env", *path, *(cache_env(cache) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
-    elif slurm.container == "pyxis":  # the mounts are made before the command runs: the variables are set by it
-        mounts = [(hf, CONTAINER_HF_CACHE), *([(cache, caches.CONTAINER_CACHE)] if cache is not None else [])]
-        words = [f"--container-image={image}", mount_word(mounts, "--container-mounts="), "--container-env=" + ",".join([*env, *SECRET_ENV]),
-                 "env", *(cache_env(caches.CONTAINER_CACHE) if cache is not None else []), *(f"{k}={v}" for k, v in env.items()), *argv]
-    else:  # apptainer: --cleanenv so the job's environment does not leak into the engine
-        words = ["apptainer", "exec", *apptainer_gpu(plan.platform), "--cleanenv", "--bind", mount_word([(hf, CONTAINER_HF_CACHE)])]
-        words += cache_mount(plan, proc, host, "--bind", "--env")
-        words += [w for k, v in env.items() for w in ("--env", f"{k}={v}")] + [f"docker://{image}", *argv]
+    rt = _runtime(proc, slurm, image)
+    words = wrap(rt, plan, proc, host, engine_argv(rt, plan, proc, host), {**proc.env, **markers(plan, proc, ident)}, image=image)
+    pat = address_pattern(addrs)
     return [_bind(w, addrs, pat) for w in words]
 
 
@@ -161,7 +133,7 @@ def _prepare_lines(plan: Plan, slurm: SlurmSection, index: dict[str, int], addrs
             continue
         host = next(h for h in plan.hosts if h.name == proc.node)
         i = index.get(proc.node, 0)
-        if not _bare(proc, slurm, image):
+        if _runtime(proc, slurm, image).needs_bind_source:
             seen.setdefault((i, host.hf_cache or DEFAULT_HF_CACHE), "")
         cache = cache_dir(plan, proc, host)
         if cache is not None:
@@ -171,13 +143,14 @@ def _prepare_lines(plan: Plan, slurm: SlurmSection, index: dict[str, int], addrs
 
 
 def _doctor_program(plan: Plan, slurm: SlurmSection, image: str | None) -> str:
-    if slurm.container == "apptainer" and image:
-        return "apptainer"
-    if slurm.container == "pyxis" and image:
-        return ""  # pyxis is an srun plugin: nothing to find on the node's PATH
+    """What the doctor step finds on every node: the runtime's program ("" for pyxis, an srun
+    plugin: nothing to find on the node's PATH), else the engine's own."""
     engines = [p for p in plan.processes if p.role != "router"]
+    rt = _runtime(engines[0], slurm, image)
+    if rt.program is not None:
+        return rt.program
     host = next(h for h in plan.hosts if h.name == engines[0].node)
-    program = engine_argv(plan, engines[0], host.model_copy(update={"runtime": "bare"}))[0]
+    program = engine_argv(rt, plan, engines[0], host)[0]
     return home_path(f"{host.venv.rstrip('/')}/bin/{program}") if host.venv and "/" not in program else program
 
 
@@ -207,7 +180,8 @@ def deployment_body(plan: Plan, slurm: SlurmSection, log_dir: str, *, doctor: bo
     addrs = {h.address: index[h.name] for h in plan.hosts if h.name in index}
     lines = [f"K3_LOGDIR={shlex.quote(log_dir)}", f"K3_NODES={len(order)}", 'mkdir -p "$K3_LOGDIR"']
     image = next((p.image for p in plan.processes if p.image), None)
-    lines += [ln for ln in token_snippet(hf_token_file, apptainer=slurm.container == "apptainer" and image is not None).splitlines() if ln]
+    apptainer = any(_runtime(p, slurm, image).secret == "apptainerenv" for p in plan.processes)
+    lines += [ln for ln in token_snippet(hf_token_file, apptainer=apptainer).splitlines() if ln]
     lines.append("k3_bind")
     if doctor:
         specs = []

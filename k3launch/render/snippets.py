@@ -13,6 +13,7 @@ import shlex
 from collections.abc import Iterable, Mapping
 
 from k3launch.models.identity import ANY, Owned
+from k3launch.render.runtimes import RUNTIMES, token_secret
 
 # Finding a deployment's processes on a node. Lines "PID DEPLOYMENT ID PROCESS_ID" (ID: the
 # K3LAUNCH_ID marker, "-" for a process started before ids existed), by the environment markers,
@@ -167,7 +168,8 @@ def stop_containers(runtime: str, names: Iterable[str], grace_s: int) -> str:
     rt = shlex.quote(runtime)
     ids = " ".join(shlex.quote(n) for n in names)
     g = int(grace_s)
-    sec = f' {rt} secret rm "$c-hf-token" >/dev/null 2>&1 || true;' if runtime == "podman" else ""
+    # the container's HF_TOKEN secret (runtimes.token_secret), where its runtime keeps the token as one
+    sec = f' {rt} secret rm "{token_secret("$c")}" >/dev/null 2>&1 || true;' if runtime in RUNTIMES and RUNTIMES[runtime].secret == "podman-secret" else ""
     wait = f"timeout {g} {rt} wait \"$c\" >/dev/null 2>&1 || true; " if g > 0 else ""  # timeout 0 would wait forever
     # The /dev/shm files the group maps, noted before the signal as "inode path"; after the
     # container is gone, those still there that no process maps are unlinked: with its own PID

@@ -17,7 +17,7 @@ from typing import NoReturn
 from k3launch.defaults import DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
 from k3launch.planning.schema import FlagSchema, FlagSpec, Problem, load_schema
-from k3launch.sim import options
+from k3launch.sim import cpubind, options
 from k3launch.sim.logs import Logger
 from k3launch.sim.runner import SimProcess
 
@@ -65,6 +65,7 @@ def main(argv: list[str] | None = None, env: Mapping[str, str] | None = None) ->
     log = Logger("Worker" if opts.headless else "APIServer")
     try:
         options.check(opts, knobs)
+        cpubind.core_lists(opts)  # the CPU binding vLLM would refuse
     except options.SimConfigError as exc:
         log.error(f"Error in vllm serve: {exc}", src="arg_utils.py")
         log.fatal("ValueError", str(exc))

@@ -165,6 +165,7 @@ class ServeOptions:
     # comma-separated, matched exactly, without the query); --disable-uvicorn-access-log: all of them
     quiet_paths: frozenset[str] = frozenset()
     access_log: bool = True
+    omp_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: the CPU backend's cores per rank (sim.cpubind)
 
     @property
     def name(self) -> str:
@@ -255,6 +256,7 @@ def build(model: str, args: list[Arg], env: Mapping[str, str]) -> ServeOptions:
         lb_modes=sum((multi, external, implied_hybrid)),
         quiet_paths=frozenset(p.strip() for p in (vals.get("disable_access_log_for_endpoints") or "").split(",") if p.strip()),
         access_log=not flags.get("disable_uvicorn_access_log", False),
+        omp_bind=env.get("VLLM_CPU_OMP_THREADS_BIND") or "auto",
     )
 
 

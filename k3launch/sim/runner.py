@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from k3launch.sim import startup
+from k3launch.sim import cpubind, startup
 from k3launch.sim.engine import Engine
 from k3launch.sim.ft import FaultTolerance, FTSettings
 from k3launch.sim.ftgroup import HeadLink, MemberLink
@@ -164,6 +164,7 @@ class SimProcess:
     def _startup(self) -> None:
         t0 = time.monotonic()
         try:
+            cpubind.log_binding(self.log, self.opts)  # the engine core's first lines, before the workers start
             startup.distributed_init(self.log, self.opts)
             self._rendezvous(t0 + self.knobs.rendezvous_timeout_s)
             self._load(t0)

@@ -16,7 +16,7 @@ from k3launch.deploy.ssh.preflight import section
 from k3launch.models.caches import cache_root
 from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check
-from k3launch.render.scripts import DEFAULT_HF_CACHE, cache_dir, path_word
+from k3launch.render.words import DEFAULT_HF_CACHE, cache_dir, path_word
 
 # One directory: ok (a writable directory), creatable (its nearest existing ancestor is a writable
 # directory: `up` runs mkdir -p), unwritable, or "uncreatable P" (P, the nearest existing ancestor,

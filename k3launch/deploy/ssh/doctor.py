@@ -47,7 +47,7 @@ from k3launch.errors import K3Error
 from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check, DoctorReport
 from k3launch.render import snippets as remote
-from k3launch.render.scripts import path_word
+from k3launch.render.words import path_word
 from k3launch.transport.fleet import Fleet
 
 PROBE_TIMEOUT_S = 60.0

@@ -46,9 +46,9 @@ from k3launch.models.plan import Host, Plan, Process, is_container
 from k3launch.models.record import ProcessRecord, SshBackendName, SshRecord, Stage, StageFn
 from k3launch.models.reports import LaunchFailed, TeardownReport, error_line
 from k3launch.render import snippets as remote
+from k3launch.render.runtimes import container_name
 from k3launch.render.scripts import (
     BACKGROUND_HELPER,
-    container_name,
     runs_in_apptainer,
     runs_in_background,
     start_command,

@@ -26,7 +26,7 @@ import shlex
 from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check
 from k3launch.models.weights import State, Where
-from k3launch.render.scripts import path_word
+from k3launch.render.words import path_word
 
 OPT_IN = "K3LAUNCH_CHECK_WEIGHTS"  # a node env: "1" checks the simulated engine's weights too, "0" never checks
 GB = 1e9
