@@ -13,12 +13,18 @@ import yaml
 if TYPE_CHECKING:
     from e2e_helpers import Cli
 
-# tests import their helpers (plan_checks, sshhosts, ...) as top-level modules; the fakes are k3launch.testing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# tests import their helpers (plan_checks, sshhosts, ...) from tests/support as top-level modules;
+# the fakes are k3launch.testing
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
+from paths import ROOT
 from tiers import misplaced_lint, missing_markers
 
-ROOT = Path(__file__).resolve().parents[1]
+# The infrastructure fixtures (ssh_hosts, slurm_cluster and the fixtures built on it, vllm_cpu),
+# registered once for the whole session whichever tier folders use them: pytest takes
+# pytest_plugins only in this root conftest. A plugin's fixture starts nothing until a test asks
+# for it, so the fast tier only imports these modules.
+pytest_plugins = ["sshhosts", "slurmcluster", "enginecpu"]
 # The test suite's own loopback range. The bundled local inventories put their nodes on 127.0.0.x
 # (local.yaml: 127.0.0.11-14, router 127.0.0.1; local-cpu.yaml: 127.0.0.21-24, router 127.0.0.20),
 # where a user's deployment (the quick start's, still up) runs; the tests' local deployments run
@@ -39,10 +45,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     problems = missing_markers(items)
     if problems:
         raise pytest.UsageError("tests that start infrastructure need its markers (pytestmark = [pytest.mark.e2e, ...]; "
-                                "see tests/tiers.py):\n  " + "\n  ".join(problems))
+                                "see tests/support/tiers.py):\n  " + "\n  ".join(problems))
     problems = misplaced_lint(items)
     if problems:
-        raise pytest.UsageError("linters run in the fast tier (see tests/tiers.py):\n  " + "\n  ".join(problems))
+        raise pytest.UsageError("linters run in the fast tier (see tests/support/tiers.py):\n  " + "\n  ".join(problems))
 
 
 @pytest.fixture(autouse=True, scope="session")

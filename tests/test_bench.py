@@ -33,7 +33,6 @@ from k3launch.sim.pool import Pool
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
 
-pytest_plugins = ["enginecpu"]
 
 # The keys vLLM's `vllm bench serve --save-result` writes (vllm/benchmarks/serve.py: main_async's
 # result_json, benchmark()'s result dict, process_one_metric's mean/median/std/p<N> per metric).

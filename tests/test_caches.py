@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 from e2e_helpers import Cli, local_leftovers
+from paths import ROOT
 
 from k3launch.api.planning import plan
 from k3launch.deploy.ssh import binds
 from k3launch.models.caches import CACHE_ENV, cache_key, parse_list
 from k3launch.render.scripts import cache_dir, cache_list
 
-ROOT = Path(__file__).resolve().parents[1]
 INV = ROOT / "inventories" / "local.yaml"
 
 

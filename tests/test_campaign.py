@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 
 from k3launch import api
 from k3launch.campaign.file import Campaign, DeploymentAxes, Validity, load_campaign
@@ -22,8 +23,6 @@ from k3launch.defaults import ADVANCED_ALL, DEFAULT_VLLM_VERSION
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint
 from k3launch.models.selection import Selection
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def camp(**kw: object) -> Campaign:

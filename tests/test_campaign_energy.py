@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 
 from k3launch.campaign import power
 from k3launch.campaign.energy import MAX_GAP_S, cost_per_million, coverage, energy, node_joules
@@ -27,8 +28,6 @@ from k3launch.planning.inventory import load_inventory
 from k3launch.sim import power as simpower
 from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def ramp(t0: float, t1: float, w0: float, w1: float, every: float, gpus: int = 2) -> list[Sample]:

@@ -22,8 +22,6 @@ from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint
 from k3launch.planning.inventory import GpuHourPrice
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def metrics(**kw: float) -> BenchMetrics:
     base = {

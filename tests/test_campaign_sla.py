@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 
 from k3launch.campaign import repeats, sla
 from k3launch.campaign.file import Sla, load_campaign
@@ -22,8 +23,6 @@ from k3launch.campaign.results import ResultRow, append_row, latest, read_rows
 from k3launch.campaign.run import prepare
 from k3launch.errors import K3Error
 from k3launch.models.bench import BenchMetrics, LoadPoint
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def search(s: Sla, passes: object) -> sla.Capacity:

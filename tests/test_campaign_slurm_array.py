@@ -26,7 +26,6 @@ from k3launch.campaign.results import read_rows
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
-pytest_plugins = ["slurmcluster"]
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "20", "K3LAUNCH_SIM_ITL_MS": "2"}

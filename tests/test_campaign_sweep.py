@@ -22,8 +22,6 @@ from k3launch.models.bench import BenchMetrics, LoadPoint
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
 
-pytest_plugins = ["enginecpu"]
-
 
 def result_json(
     conc: int | None, tput: float, tpot: float, *, rate: float | str = "inf", prompts: int = 8, in_len: int = 32, out_len: int = 8

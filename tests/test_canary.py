@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 from simproc import free_port
 
 from k3launch import api
@@ -49,7 +50,6 @@ from k3launch.sim.options import Knobs
 from k3launch.sim.server import App, SimHTTPServer, start
 from k3launch.util import bounds
 
-ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "inventories" / "local.yaml"
 HOST = "127.0.81."  # this module's own loopback addresses: .1 prefill, .2 and .3 decodes, .9 nothing
 MODEL = "moonshotai/Kimi-K3"

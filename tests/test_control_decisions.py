@@ -6,7 +6,8 @@ the last good answer."""
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
+
+from paths import ROOT
 
 from k3launch.api.planning import plan
 from k3launch.models.control.actions import Action, Gate, Restart, Route, Swap
@@ -18,7 +19,7 @@ from k3launch.models.plan import Plan
 from k3launch.models.rollout import RolloutState, RolloutUnit
 from k3launch.models.supervise import RestartPolicy, units
 
-INV = Path(__file__).resolve().parents[1] / "inventories" / "local.yaml"
+INV = ROOT / "inventories" / "local.yaml"
 
 
 @cache

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 from inventory_helpers import example, run_cli
+from paths import ROOT
 
 from k3launch import api
 from k3launch.deploy import cordons
@@ -179,7 +180,7 @@ def test_a_campaign_plans_with_the_cordons_it_started_with(tmp_path: Path) -> No
     from k3launch.campaign.run import named_plan, prepare
 
     api.cordon(LOCAL, ["local-1"], "", tmp_path)
-    prep = prepare(Path(__file__).resolve().parents[1] / "campaigns" / "local-demo.yaml", state_dir=tmp_path)
+    prep = prepare(ROOT / "campaigns" / "local-demo.yaml", state_dir=tmp_path)
     assert prep.plans and all(hosts(p) == ["local-2"] for p in prep.plans.values())
     api.cordon(LOCAL, ["local-2"], "lost mid-run", tmp_path)
     plan = named_plan(prep, prep.groups[0])  # the same plan as when the campaign was planned (its hash holds)

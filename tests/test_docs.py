@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 README_LIMIT = 8000  # bytes, as `wc -c README.md` counts them
@@ -76,7 +76,7 @@ def test_readme_links_resolve() -> None:
 
 def _citations() -> list[tuple[Path, str, str | None]]:
     found = []
-    sources = [*sorted((ROOT / "k3launch").rglob("*.py")), *sorted(p for p in (ROOT / "tests").glob("*.py") if p.name != "test_docs.py")]
+    sources = [*sorted((ROOT / "k3launch").rglob("*.py")), *sorted(p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_docs.py")]
     for path in sources:
         text = " ".join(path.read_text().split())  # a citation may wrap across docstring lines
         for m in CITATION.finditer(text):

@@ -18,8 +18,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 CODE = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)+|[a-z]{3,}")  # kebab-case, or one word (`replicas`)
 CITE = re.compile(r"(?<![\w/])((?:tests|benchmarks)/[\w/]+\.py)(?:::(\w+))?")

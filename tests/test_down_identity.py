@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from inventory_helpers import run_cli
+from paths import ROOT
 
 from k3launch.deploy.state import StateStore
 from k3launch.models.identity import ANY, Owned
@@ -184,7 +185,7 @@ def test_down_from_another_state_directory_leaves_a_running_deployment_serving(t
     import yaml
     from e2e_helpers import CLI
 
-    inv = yaml.safe_load((Path(__file__).parent.parent / "inventories" / "local.yaml").read_text())
+    inv = yaml.safe_load((ROOT / "inventories" / "local.yaml").read_text())
     inv["nodes"] = [{"name": "t-1", "address": "127.0.78.201"}]
     inv["router"] = {"node": "login", "address": "127.0.78.200"}
     path = tmp_path / "inv.yaml"

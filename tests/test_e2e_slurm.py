@@ -1,4 +1,4 @@
-"""The Slurm backend end to end, on the local Slurm cluster (``tests/slurmcluster.py``).
+"""The Slurm backend end to end, on the local Slurm cluster (``tests/support/slurmcluster.py``).
 
 The simulated engine runs bare in the jobs' steps (``container: bare``); every other part is
 real: sbatch/squeue/scancel, the job script and its doctor step, srun steps in the nodes'
@@ -29,7 +29,6 @@ from k3launch.models.record import Status
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
-pytest_plugins = ["slurmcluster"]
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 MODEL = "moonshotai/Kimi-K3"

@@ -1,4 +1,4 @@
-"""The one controller inside a Slurm job, end to end on the local Slurm cluster (``tests/slurmcluster.py``).
+"""The one controller inside a Slurm job, end to end on the local Slurm cluster (``tests/support/slurmcluster.py``).
 
 ``k3launch up --replicas 2 --supervise``: the job's controller (``python -m k3launch.deploy.slurm.injob``
 on its batch host) runs the Python decision step. ``rollout --set ...`` rolls both copies onto the
@@ -26,7 +26,6 @@ from test_e2e_slurm_supervise import events, supervised_inventory, wait_for
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
-pytest_plugins = ["slurmcluster"]
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 

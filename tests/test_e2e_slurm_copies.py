@@ -27,7 +27,6 @@ from k3launch.models.record import Status
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
-pytest_plugins = ["slurmcluster"]
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 ENGINES = ["r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1"]

@@ -1,4 +1,4 @@
-"""A Slurm job that supervises itself, end to end on the local Slurm cluster (``tests/slurmcluster.py``).
+"""A Slurm job that supervises itself, end to end on the local Slurm cluster (``tests/support/slurmcluster.py``).
 
 ``k3launch up --supervise`` on a slurm inventory: the job's own controller (``python -m
 k3launch.deploy.slurm.injob`` on its batch host) starts the simulated engine's steps; a process
@@ -28,7 +28,6 @@ from test_e2e_slurm import assert_nothing_left, chat, jobs_named, k3, write_inve
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
-pytest_plugins = ["slurmcluster"]
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 

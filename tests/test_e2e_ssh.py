@@ -39,7 +39,6 @@ from k3launch.models.record import Status
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts"]
 pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 

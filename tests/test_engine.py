@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from paths import ROOT
 
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
-pytest_plugins = ["enginecpu"]
 
 RECIPE = "k3launch/tiny-llama"
 UP_TIMEOUT_S = 420  # a cold start is ~50 s on two idle cores; CI's are busy
@@ -223,7 +223,7 @@ def test_an_engine_that_fails_at_every_restart_is_given_up_with_vllms_own_words_
     model = k3.tmp / "model"
     shutil.copytree(vllm_cpu.model, model)
     recipes = k3.tmp / "recipes"
-    shutil.copytree(Path(__file__).resolve().parents[1] / "recipes", recipes)
+    shutil.copytree(ROOT / "recipes", recipes)
     spec = recipes / "models" / "k3launch" / "tiny-llama.yaml"
     spec.write_text(spec.read_text().replace(f'model_id: "{vllm_cpu.model}"', f'model_id: "{model}"'))
     name = f"eng-{uuid.uuid4().hex[:6]}"

@@ -35,7 +35,6 @@ from test_engine_ssh import UP_TIMEOUT_S, Pair, _argv_of, _up, pair  # noqa: F40
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
 
-pytest_plugins = ["sshhosts", "enginecpu"]
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.ssh]
 
 POLL_S = 0.5

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from enginecpu import VllmCpu
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine]
-pytest_plugins = ["enginecpu"]
 
 
 # The lines of vLLM's startup log that mark its phases, in order (quoted from vLLM 0.32.0's own log:

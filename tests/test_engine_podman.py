@@ -29,16 +29,15 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 from e2e_helpers import Cli, cleanup, host_netns, netns, no_engine_left, session
+from paths import ROOT, TESTS
 
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts"]
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.podman]
 
-HERE = Path(__file__).resolve().parent
-LOCAL_CPU = HERE.parent / "inventories" / "local-cpu.yaml"
-SCRIPT = HERE / "infra" / "vllm-cpu-image.sh"
+LOCAL_CPU = ROOT / "inventories" / "local-cpu.yaml"
+SCRIPT = TESTS / "infra" / "vllm-cpu-image.sh"
 TAG = "localhost/k3launch-vllm-cpu:test"
 RECIPE = "k3launch/tiny-llama"
 MODEL = "/var/cache/k3launch/vllm-cpu/tiny-llama"  # the recipe's model id, baked into the image at that path
@@ -272,7 +271,7 @@ def _hub_model(tmp: Path) -> tuple[Path, Path]:
     """(recipes tree, shared HF home): the bundled recipes plus tiny-llama under a hub id, and that
     model in a hub cache (refs/main -> a snapshot of blobs), as a cluster's shared filesystem holds it."""
     recipes = tmp / "recipes"
-    shutil.copytree(HERE.parent / "recipes", recipes)
+    shutil.copytree(ROOT / "recipes", recipes)
     src = yaml.safe_load((recipes / "models" / "k3launch" / "tiny-llama.yaml").read_text())
     src["meta"].update(slug="tiny-llama-hub", title="tiny-llama-hub")
     src["model"]["model_id"] = HUB_MODEL

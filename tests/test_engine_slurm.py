@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 from e2e_helpers import netns, no_engine_left
+from paths import ROOT
 
 from k3launch.models.record import Status
 
@@ -32,10 +33,8 @@ if TYPE_CHECKING:
     from enginecpu import VllmCpu
     from slurmcluster import Cluster
 
-pytest_plugins = ["slurmcluster", "enginecpu"]
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.slurm]
 
-ROOT = Path(__file__).resolve().parents[1]
 LOCAL_CPU = ROOT / "inventories" / "local-cpu.yaml"
 RECIPE = "k3launch/tiny-llama"
 UP_TIMEOUT_S = 480

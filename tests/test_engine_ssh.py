@@ -47,6 +47,7 @@ from e2e_helpers import (
     session,
     wait_event,
 )
+from paths import ROOT
 
 from k3launch.models.record import Status
 
@@ -54,10 +55,8 @@ if TYPE_CHECKING:
     from enginecpu import VllmCpu
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts", "enginecpu"]
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.ssh]
 
-ROOT = Path(__file__).resolve().parents[1]
 LOCAL_CPU = ROOT / "inventories" / "local-cpu.yaml"
 RECIPE = "k3launch/tiny-llama"
 UP_TIMEOUT_S = 480  # two engines starting on two busy cores: ~50 s idle, several times that on a loaded CI machine

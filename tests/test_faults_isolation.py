@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 
 from k3launch import api
 from k3launch.campaign.results import read_rows
@@ -33,7 +34,6 @@ from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Target
 
-ROOT = Path(__file__).resolve().parents[1]
 TEST_NET = "127.0.77."  # the suite's own loopback range (conftest.py)
 FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "5", "K3LAUNCH_SIM_ITL_MS": "1"}
 

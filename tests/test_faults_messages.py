@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 import yaml
 from e2e_helpers import processes
+from paths import ROOT
 
 from k3launch import api
 from k3launch.deploy.ssh import teardown as teardown_mod
@@ -52,7 +53,6 @@ from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Target
 
-ROOT = Path(__file__).resolve().parents[1]
 INVENTORIES = ROOT / "inventories"
 FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "5", "K3LAUNCH_SIM_ITL_MS": "1", "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "30"}
 HELPER = "k3launch_background() {"

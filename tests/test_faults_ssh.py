@@ -56,7 +56,6 @@ from k3launch.models.reports import LaunchFailed, TeardownReport
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts"]
 pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 SLOW_LOAD = {"K3LAUNCH_SIM_LOAD_S": "30"}

@@ -24,12 +24,12 @@ import pytest
 import yaml
 from e2e_helpers import CLI, local_leftovers
 from inventory_helpers import run_cli
+from paths import ROOT
 
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
 from k3launch.util.locks import locked
 
-ROOT = Path(__file__).resolve().parents[1]
 HOSTILE = ["../../x", "../x", "..", ".hidden", "-rf", "a/b", "Upper", "x" * 64, "a b", "$(id)", "a;b", "é", "a\nb"]
 
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import yaml
+from paths import ROOT
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
@@ -40,8 +41,6 @@ from k3launch.cli import app
 from k3launch.errors import K3Error
 from k3launch.util import bounds
 from k3launch.util.yamlio import load_yaml_model
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

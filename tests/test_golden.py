@@ -13,15 +13,15 @@ from __future__ import annotations
 import difflib
 import json
 import os
-from pathlib import Path
 
 import pytest
+from paths import TESTS
 
 from k3launch.models.selection import Selection
 from k3launch.planning.build import build_plan
 from k3launch.planning.recipes import RecipeTree
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "golden"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
 ADVANCED_ALL = ("max-num-batched-tokens", "max-num-seqs", "gpu-memory-utilization", "max-model-len")
 

@@ -1,4 +1,4 @@
-"""The Slurm test infrastructure itself (tests/infra/slurm-*.sh, tests/slurmcluster.py) works as promised.
+"""The Slurm test infrastructure itself (tests/infra/slurm-*.sh, tests/support/slurmcluster.py) works as promised.
 
 A real cluster (root needed; skipped otherwise): multi-node jobs with srun steps and fake GPUs,
 throttled job arrays, scancel, GRES limits enforced at submission, nodes with their own network
@@ -21,13 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from infrahelpers import pid_alive, wait_until
+from paths import SUPPORT
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
-# registers the slurm_cluster fixture once per session; slurmcluster itself is imported inside the
-# tests (importing it here, before pytest loads it as a plugin, earns an assert-rewrite warning)
-pytest_plugins = ["slurmcluster"]
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 ALL_GPUS = "0,1,2,3,4,5,6,7"
@@ -181,8 +179,9 @@ def test_submitit_runs_a_function_on_the_cluster(slurm_cluster: Cluster, tmp_pat
     for k in set(os.environ) - set(env):
         monkeypatch.delenv(k)
     monkeypatch.setenv("SLURM_CONF", c.conf)
-    # the job unpickles _where by module name: the job's python must find this module
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    # the job unpickles _where by module name: the job's python must find this module, and the
+    # helper modules it imports (tests/support)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), str(SUPPORT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     ex = submitit.AutoExecutor(folder=tmp_path / "%j")
     assert ex.cluster == "slurm"
     ex.update_parameters(timeout_min=5, slurm_partition=c.partition, nodes=1, tasks_per_node=1, gpus_per_node=2)

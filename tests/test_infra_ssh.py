@@ -1,4 +1,4 @@
-"""The SSH test infrastructure itself (tests/infra/*.sh, tests/sshhosts.py) works as promised.
+"""The SSH test infrastructure itself (tests/infra/*.sh, tests/support/sshhosts.py) works as promised.
 
 Real sshd hosts (root needed; skipped otherwise): every host answers with its own name, host
 keys are checked strictly, a server started over ssh lives inside its host's network, the fault
@@ -27,9 +27,6 @@ from infrahelpers import pid_alive, wait_until
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-# registers the ssh_hosts fixture once per session; sshhosts itself is imported inside the tests
-# (importing it here, before pytest loads it as a plugin, earns an assert-rewrite warning)
-pytest_plugins = ["sshhosts"]
 pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 

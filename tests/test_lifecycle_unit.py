@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from k3launch.deploy.ssh.doctor import doctor
 from k3launch.deploy.ssh.launch import Launch
@@ -23,8 +24,6 @@ from k3launch.render import snippets as remote
 from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Target
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plan(**kw):  # type: ignore[no-untyped-def]

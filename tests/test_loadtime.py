@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import TESTS
 
 from k3launch import api
 from k3launch.deploy.state import StateStore, write_atomic
@@ -18,7 +19,7 @@ from k3launch.models.plan import Plan
 from k3launch.models.weights import Probe, probes_json
 from k3launch.planning.loadtime import Reading, gb_per_rank, predict, reading
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = TESTS / "golden"
 
 
 def golden(name: str) -> Plan:

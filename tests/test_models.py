@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from k3launch import api
 from k3launch.models.record import (
@@ -18,8 +18,6 @@ from k3launch.models.record import (
     parse_record,
     status_schema,
 )
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _plan():  # type: ignore[no-untyped-def]

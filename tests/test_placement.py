@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from inventory_helpers import EXAMPLES, PLACEHOLDER, example, inventory_addresses, load_example, plan_json, run_cli, write_yaml
+from paths import TESTS
 from plan_checks import check_plan, engine_processes
 
 from k3launch.errors import K3Error
@@ -33,7 +34,7 @@ from k3launch.planning.inventory import Inventory
 from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.schema import load_schema
 
-GOLDEN = Path(__file__).parent / "golden" / "inventory"
+GOLDEN = TESTS / "golden" / "inventory"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
 SCHEMA = load_schema()
 TREE = RecipeTree()

@@ -24,12 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paths import TESTS
 
 from k3launch.deploy.state import StateStore
 from k3launch.models.plan import Plan
 
-HERE = Path(__file__).resolve().parent
-SCRIPT = HERE / "infra" / "podman-image.sh"
+SCRIPT = TESTS / "infra" / "podman-image.sh"
 TAG = "localhost/k3launch-sim:test"
 MODEL = "moonshotai/Kimi-K3"
 PREFIX = "k3pt-"  # every deployment made here; cleanup sweeps it

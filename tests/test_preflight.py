@@ -34,7 +34,6 @@ from k3launch.transport.runners import Target
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts"]
 
 # ---------------------------------------------------------------- real outputs of the tools
 NVSMI = "".join(f"{i}, NVIDIA H200, 143771, GPU-1b2c3d4e-5f60-7182-93a4-b5c6d7e8f90{i}, Enabled, 0\n" for i in range(8))

@@ -2,7 +2,7 @@
 log reads that ride along in the liveness poll, and how ``up`` and ``bench`` show them.
 
 The real log is vLLM 0.32.0's (CPU build) own, kept as a fixture (tests/data/vllm-0.32-cpu-serve.log,
-from one ``vllm serve`` of the tiny model: tests/enginecpu.py); the GPU-side lines are quoted from
+from one ``vllm serve`` of the tiny model: tests/support/enginecpu.py); the GPU-side lines are quoted from
 vLLM's sources (weights loading, torch.compile, CUDA graph capture, KV cache, NCCL).
 """
 
@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from paths import TESTS
 from rich.console import Console
 
 from k3launch.cli import show_progress
@@ -30,7 +31,7 @@ from k3launch.sim.logs import Logger
 from k3launch.sim.options import Knobs
 from k3launch.transport.runners import LocalRunner, Target
 
-DATA = Path(__file__).parent / "data"
+DATA = TESTS / "data"
 REAL_LOG = DATA / "vllm-0.32-cpu-serve.log"
 
 

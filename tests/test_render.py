@@ -27,12 +27,13 @@ from pathlib import Path
 
 import pytest
 from inventory_helpers import ROOT, example, plan_json, q, run_cli, write_yaml
+from paths import TESTS
 
 from k3launch.models.caches import CACHE_ENV
 from k3launch.models.plan import Plan, Process
 from k3launch.render.scripts import cache_dir
 
-GOLDEN = Path(__file__).parent / "golden" / "render"
+GOLDEN = TESTS / "golden" / "render"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
 SECRET = "secret-xyz"
 FAKES = ("vllm", "vllm-router", "python3", "docker", "podman", "apptainer")

@@ -13,6 +13,7 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from k3launch import api
 from k3launch.errors import K3Error
@@ -82,7 +83,7 @@ def test_what_replicas_cannot_copy_is_refused_with_a_hint(sel: Selection, words:
     assert exc.value.code == "replicas" and words in exc.value.message and exc.value.hint
 
 
-LOCAL = Path(__file__).resolve().parents[1] / "inventories" / "local.yaml"  # 4 nodes
+LOCAL = ROOT / "inventories" / "local.yaml"  # 4 nodes
 
 
 def test_replicas_of_independent_replicas_are_refused() -> None:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 from e2e_helpers import Cli, events, local_leftovers, wait_event
 from inventory_helpers import CliResult, run_cli
+from paths import ROOT
 
 from k3launch import api
 from k3launch.deploy import eventlog
@@ -35,7 +36,6 @@ from k3launch.models.record import ProcessRecord, SshRecord
 from k3launch.models.supervise import Event, RestartPolicy
 from k3launch.testing import FakeOps, FakeWatcher
 
-ROOT = Path(__file__).resolve().parents[1]
 P = Phase
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from k3launch.api.planning import plan
 from k3launch.deploy import rollout as ro
@@ -16,7 +17,7 @@ from k3launch.models.supervise import units
 from k3launch.testing import FakeWatcher
 from k3launch.transport.http import Completion
 
-INV = Path(__file__).resolve().parents[1] / "inventories" / "local.yaml"
+INV = ROOT / "inventories" / "local.yaml"
 
 
 def _plans(copies: int) -> tuple[Plan, Plan]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from paths import ROOT
 
 from k3launch.errors import K3Error
 from k3launch.planning.layers import RESERVED
@@ -20,9 +21,8 @@ from k3launch.planning.schema_dump import ENV_VARS, SERVE_FLAGS, check_dumped, d
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
 
-pytest_plugins = ["enginecpu"]
 
-DATA = Path(__file__).resolve().parent.parent / "k3launch" / "data" / "vllm"
+DATA = ROOT / "k3launch" / "data" / "vllm"
 
 # What a plan writes into `vllm serve` argvs: the placement's flags (RESERVED) and the usual knobs.
 PLAN_FLAGS = sorted({*RESERVED, "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--served-model-name"})

@@ -12,7 +12,7 @@ Three levels, like the ssh renderer's tests:
   then exits or sleeps as told). Each step's command after the srun options must be exactly the
   plan's, every placeholder address replaced by the host bound to it; hostile values arrive as
   data and no ``pwned-*`` file appears. The fail-fast tail names the failed process and exits 1.
-* one real job on the local Slurm cluster (``tests/slurmcluster.py``; skipped without it): the
+* one real job on the local Slurm cluster (``tests/support/slurmcluster.py``; skipped without it): the
   simulated engine, bare, answers /health at its node's address; scancel ends job and process.
 """
 
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from e2e_helpers import processes
 from infrahelpers import pid_alive
+from paths import ROOT, TESTS
 from pydantic import ValidationError
 
 from k3launch.errors import K3Error
@@ -52,11 +53,8 @@ from k3launch.render.scripts import cache_dir, cache_meta_json
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
-# registers the slurm_cluster fixture once per session (see tests/slurmcluster.py)
-pytest_plugins = ["slurmcluster"]
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = Path(__file__).parent / "golden" / "slurm"
+GOLDEN = TESTS / "golden" / "slurm"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
 TREE = RecipeTree()
 HF = "/root/.cache/huggingface"  # where the HF cache is mounted in containers

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from paths import TESTS
 from test_slurm_render import FAKE_ADDRS, LOG_DIR, bash_n, case_plan, hostile_inventory
 
 from k3launch import api
@@ -44,7 +45,7 @@ from k3launch.planning.recipes import RecipeTree
 from k3launch.render.sbatch import CONTROL_END, JobControl, job_library, lean, make_sbatch_string, step_words
 from k3launch.testing import FakeSlurm
 
-GOLDEN = Path(__file__).parent / "golden" / "slurm" / "supervised"
+GOLDEN = TESTS / "golden" / "slurm" / "supervised"
 UPDATE = os.environ.get("K3LAUNCH_UPDATE_GOLDEN") == "1"
 POLICY = RestartPolicy(max_restarts=3, window=1800, backoff=5, backoff_max=60, poll=1, start_timeout=900)
 SUPERVISED = ("multi_node_dep_4", "pd_cluster", "multi_node_dep_2_replicas_2")  # copies: one unit each, restarted inside the one job

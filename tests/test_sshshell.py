@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from paths import ROOT
 
 from k3launch.transport.heartbeat import KEEPALIVE, Heartbeat
 from k3launch.transport.runners import SshRunner, Target, Unreachable
@@ -456,7 +457,7 @@ def test_a_liveness_check_that_hangs_on_a_host_that_answers_is_one_line(tmp_path
     from k3launch.testing import FakeRunner
     from k3launch.transport.fleet import Fleet
 
-    inv = load_inventory(Path(__file__).resolve().parents[1] / "inventories" / "local.yaml")
+    inv = load_inventory(ROOT / "inventories" / "local.yaml")
     plan = build_plan(RecipeTree(), Selection(strategy="multi_node_tp", nodes=2), inventory=inv)
     rec = SshRecord(name=plan.name, state="ready", created=0, updated=0, endpoint=plan.endpoint, plan=plan)
     for i, p in enumerate(plan.processes):

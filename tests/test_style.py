@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from paths import ROOT
 
 
 def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
@@ -50,7 +49,7 @@ def test_modules_stay_small() -> None:
 
 
 def test_a_test_starting_infrastructure_must_carry_its_markers() -> None:
-    """conftest.py refuses a run in which a test uses an infrastructure fixture (tests/tiers.py)
+    """conftest.py refuses a run in which a test uses an infrastructure fixture (tests/support/tiers.py)
     without its markers: ``-m "not e2e"`` must never start sshd hosts, Slurm or podman; and one in
     which a linter (``lint``) would leave the fast tier."""
     from types import SimpleNamespace

@@ -12,6 +12,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from k3launch import api
 from k3launch.deploy import eventlog
@@ -163,7 +164,7 @@ def test_supervise_is_refused_where_the_backend_lacks_it(tmp_path: Path) -> None
 def test_the_policy_is_the_inventorys_with_flags_over_it(tmp_path: Path) -> None:
     import yaml
 
-    inv = yaml.safe_load((Path(__file__).resolve().parents[1] / "inventories" / "local.yaml").read_text())
+    inv = yaml.safe_load((ROOT / "inventories" / "local.yaml").read_text())
     inv["restart"] = {"max_restarts": 7, "backoff": 3}
     path = tmp_path / "inv.yaml"
     path.write_text(yaml.safe_dump(inv))

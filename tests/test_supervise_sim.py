@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import yaml
 from e2e_helpers import Cli, Load, events, local_leftovers, try_complete, wait_event
+from paths import ROOT
 
 pytestmark = [pytest.mark.e2e]
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "k3launch/tiny-llama"
 POLL_S = 0.5
 

@@ -17,7 +17,6 @@ from e2e_helpers import Cli, Load, cleanup, events, leftovers, processes, sessio
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts"]
 pytestmark = [pytest.mark.e2e, pytest.mark.ssh]
 
 

@@ -20,13 +20,12 @@ import pytest
 import yaml
 from e2e_helpers import CLI, local_leftovers
 from inventory_helpers import run_cli
+from paths import ROOT
 
 from k3launch.deploy.progress import Tracker
 from k3launch.deploy.state import StateStore
 from k3launch.models.phases import LogDelta, Phase, PhaseSpan, ProcessTimeline, Timeline
 from k3launch.models.record import parse_record
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _span(phase: Phase, start: float, end: float) -> PhaseSpan:

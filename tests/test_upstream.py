@@ -9,9 +9,8 @@ vLLM 0.33.0's spelling with a ``normalized-flag`` notice and never reach a comma
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from paths import ROOT
 from plan_checks import check_plan, engine_processes, flags, lint_errors
 
 from k3launch.errors import K3Error
@@ -21,7 +20,7 @@ from k3launch.planning.build import build_plan
 from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.schema import load_schema
 
-UPSTREAM = Path(__file__).resolve().parents[2] / "shared" / "upstream-recipes"
+UPSTREAM = ROOT.parent / "shared" / "upstream-recipes"
 if not UPSTREAM.is_dir():
     pytest.skip(f"{UPSTREAM} is absent", allow_module_level=True)
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from paths import ROOT
 from plan_checks import check_plan, engine_processes, flags, lint_errors
 
 from k3launch.errors import K3Error
@@ -31,7 +32,7 @@ from k3launch.planning.lint import lint
 from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.schema import load_schema
 
-UPSTREAM = Path(__file__).resolve().parents[2] / "shared" / "upstream-recipes"
+UPSTREAM = ROOT.parent / "shared" / "upstream-recipes"
 FULL = UPSTREAM / "latest-full"
 if not FULL.is_dir():
     pytest.skip(f"{FULL} is absent", allow_module_level=True)

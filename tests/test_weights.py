@@ -1,7 +1,7 @@
 """``k3launch weights check / fetch`` and ``up``'s ``weights-missing`` refusal.
 
 The node-side check (a stdlib Python program) runs for real on stand-in Hugging Face caches
-(tests/standin.py: the hub layout, real safetensors headers) on this machine's local nodes and,
+(tests/support/standin.py: the hub layout, real safetensors headers) on this machine's local nodes and,
 end to end, on the sshd test hosts; fetches copy from a shared path and from another node. No
 hub access anywhere: the hub download is checked for what it runs (the token stays in its file).
 """
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import standin
 import yaml
+from paths import ROOT
 
 from k3launch import api
 from k3launch.deploy.ssh import weights
@@ -31,7 +32,6 @@ from k3launch.transport.fleet import Fleet
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts"]
 TINY = Path("/var/cache/k3launch/vllm-cpu/tiny-llama")
 
 
@@ -92,8 +92,8 @@ def test_check_follows_the_plans_revision_and_reads_a_plain_model_directory(tmp_
     assert all(c for c, _ in states(api.weights_check(pinned, inv)).values())
     if not TINY.is_dir():
         pytest.skip(f"{TINY} not built (tests/infra/vllm-cpu-up.sh)")
-    cpu = api.plan(Path(__file__).parent.parent / "inventories" / "local-cpu.yaml", recipe="k3launch/tiny-llama")
-    (row,) = api.weights_check(cpu, Path(__file__).parent.parent / "inventories" / "local-cpu.yaml")
+    cpu = api.plan(ROOT / "inventories" / "local-cpu.yaml", recipe="k3launch/tiny-llama")
+    (row,) = api.weights_check(cpu, ROOT / "inventories" / "local-cpu.yaml")
     assert row.complete and row.state is not None and row.state.dir == str(TINY) and row.state.files == 1, (
         row
     )  # one model.safetensors, no index
@@ -137,7 +137,7 @@ def test_the_hub_download_runs_on_the_node_with_the_token_file_never_the_token(t
     cmd = fetch_command(plan, fleet, "w-1", Source("hub", token_file="~/.hf/token"))
     assert 'export HF_TOKEN_PATH="$HOME"/.hf/token' in cmd and "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2]" in cmd
     assert f"moonshotai/Kimi-K3 main {tmp_path}/hf-1/hub" in cmd and "HF_TOKEN=" not in cmd
-    cpu = api.plan(Path(__file__).parent.parent / "inventories" / "local-cpu.yaml", recipe="k3launch/tiny-llama")
+    cpu = api.plan(ROOT / "inventories" / "local-cpu.yaml", recipe="k3launch/tiny-llama")
     with pytest.raises(K3Error) as exc:
         fetch_command(cpu, Fleet.for_plan(cpu, FakeRunner(), FakeRunner()), cpu.processes[0].node, Source("hub"))
     assert exc.value.code == "bad-source" and "--from-path" in exc.value.hint

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from paths import ROOT
 
 from k3launch import api
 from k3launch.deploy.ssh import probe as pr
@@ -29,7 +30,6 @@ from k3launch.transport.fleet import Fleet
 if TYPE_CHECKING:
     from sshhosts import Hosts
 
-pytest_plugins = ["sshhosts"]
 
 HOST = Host(name="n1", address="127.0.0.1", role="serve", gpus=0, placeholder=False, runtime="bare")
 HOSTILE = "/tmp/x y'$(touch PWNED);`touch PWNED2`\"&"
@@ -109,7 +109,7 @@ def test_saved_probes_round_trip_and_slurm_refuses(tmp_path: Path) -> None:
     for bad in ('{"nodes": [{"nope": 1}]}', '{"nodes": [1]}', '[]', '{"nodes": [{"node": "a", "dir": "/w", "bytes": "10"}]}'):
         with pytest.raises(ValueError):
             read_probes(bad)
-    slurm = Path(__file__).parent.parent / "inventories" / "slurm-b200.yaml"
+    slurm = ROOT / "inventories" / "slurm-b200.yaml"
     with pytest.raises(K3Error) as exc:
         api.weights_probe(api.plan(slurm), slurm)
     assert exc.value.code == "not-supported" and "weights probe" in exc.value.message

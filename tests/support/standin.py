@@ -17,7 +17,9 @@ import shutil
 import struct
 from pathlib import Path
 
-STANDIN = Path(__file__).parent / "infra" / "standin"
+from paths import TESTS
+
+STANDIN = TESTS / "infra" / "standin"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

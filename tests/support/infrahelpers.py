@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Generic, NoReturn, Protocol, TypeVar
 
 import pytest
+from paths import TESTS
 
-INFRA = Path(__file__).resolve().parent / "infra"
+INFRA = TESTS / "infra"
 
 T = TypeVar("T")
 

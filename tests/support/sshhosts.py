@@ -4,17 +4,15 @@ A thin pytest-side wrapper of ``tests/infra/sshd-{up,down,ctl}.sh`` (read sshd-u
 host is: one sshd per network namespace, its own address and hostname, key-only root login,
 strict host keys). Root is needed.
 
-    pytest_plugins = ["sshhosts"]          # in a test module: provides the ``ssh_hosts`` fixture
-
     def test_something(ssh_hosts, tmp_path):
         inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml")     # k3launch inventory of the hosts
         ssh_hosts.ssh(ssh_hosts.names[0], "hostname")              # -> CompletedProcess
         ssh_hosts.stop_host("k3h2"); ssh_hosts.start_host("k3h2")  # sshd killed / back
         ssh_hosts.isolate("k3h3"); ssh_hosts.heal("k3h3")          # host silent / back
 
-``pytest_plugins`` registers the fixture once for the whole session, however many modules use it.
-Import names from sshhosts inside the tests (or under TYPE_CHECKING): a module-level import runs
-before pytest loads it as a plugin, and pytest then warns that it cannot assert-rewrite it.
+The root ``tests/conftest.py`` registers this module as a plugin (``pytest_plugins``), so the
+``ssh_hosts`` fixture is one for the whole session, whichever tier folders use it; it is loaded
+before any test module, so tests may import its names at module level.
 
 CI may own the hosts instead: ``bash tests/infra/sshd-up.sh DIR && . DIR/env.sh`` exports
 ``K3LAUNCH_TEST_SSH_DIR``; the helpers then reuse those hosts and never stop them. With

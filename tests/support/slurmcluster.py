@@ -4,16 +4,14 @@ A thin pytest-side wrapper of ``tests/infra/slurm-{up,down}.sh`` (read slurm-up.
 node is: one slurmd per network namespace, its own address and hostname, fake GPUs as device
 nodes; or, without namespaces, several slurmd on 127.0.0.1). Root is needed.
 
-    pytest_plugins = ["slurmcluster"]        # in a test module: provides the ``slurm_cluster`` fixture
-
     def test_something(slurm_cluster, tmp_path):
         job = slurm_cluster.sbatch("--nodes=2", "--gres=gpu:8", f"--output={tmp_path}/%j.out", "--wrap", "srun hostname")
         assert slurm_cluster.wait(job, timeout=60) == "COMPLETED"
         subprocess.run(["squeue"], env=slurm_cluster.env())      # any Slurm command, pointed at this cluster
 
-``pytest_plugins`` registers the fixture once for the whole session, however many modules use it.
-Import names from slurmcluster inside the tests (or under TYPE_CHECKING): a module-level import
-runs before pytest loads it as a plugin, and pytest then warns that it cannot assert-rewrite it.
+The root ``tests/conftest.py`` registers this module as a plugin (``pytest_plugins``), so the
+``slurm_cluster`` fixture is one for the whole session, whichever tier folders use it; it is loaded
+before any test module, so tests may import its names at module level.
 
 CI may own the cluster instead: ``bash tests/infra/slurm-up.sh DIR && . DIR/env.sh`` exports
 ``K3LAUNCH_TEST_SLURM_DIR`` (and SLURM_CONF); the helpers then reuse that cluster and never stop

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paths import ROOT
 from typer.testing import CliRunner
 
 from k3launch.cli import app
 from k3launch.planning.inventory import Inventory, load_inventory
 
-ROOT = Path(__file__).resolve().parents[1]
 INVENTORIES = ROOT / "inventories"
 EXAMPLES = sorted(p.stem for p in INVENTORIES.glob("*.yaml"))
 # What a placeholder address looks like: plan.placeholder_nodes, the slurm stand-ins, the login node.
