@@ -20,11 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from paths import ROOT
 from tiers import misplaced_lint, missing_markers
 
-# The infrastructure fixtures (ssh_hosts, slurm_cluster and the fixtures built on it, vllm_cpu),
-# registered once for the whole session whichever tier folders use them: pytest takes
-# pytest_plugins only in this root conftest. A plugin's fixture starts nothing until a test asks
-# for it, so the fast tier only imports these modules.
-pytest_plugins = ["sshhosts", "slurmcluster", "enginecpu"]
+# The fixtures more than one tier folder uses, with the helpers they wrap: the infrastructure
+# (ssh_hosts, slurm_cluster and the fixtures built on it, vllm_cpu) and simulated engine
+# processes (procs), registered once for the whole session: pytest takes pytest_plugins only in
+# this root conftest. A plugin's fixture starts nothing until a test asks for it, so the fast tier
+# only imports these modules.
+pytest_plugins = ["sshhosts", "slurmcluster", "enginecpu", "simproc"]
 # The test suite's own loopback range. The bundled local inventories put their nodes on 127.0.0.x
 # (local.yaml: 127.0.0.11-14, router 127.0.0.1; local-cpu.yaml: 127.0.0.21-24, router 127.0.0.20),
 # where a user's deployment (the quick start's, still up) runs; the tests' local deployments run

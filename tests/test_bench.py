@@ -14,14 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 from simproc import SIM, Procs, free_port, wait_healthy
-from test_sim_openai import sim_server
+from simserver import sim_server
 
 from k3launch.campaign.file import Validity
 from k3launch.campaign.matrix import invalid_reason
@@ -71,14 +70,6 @@ def vllm_metric_keys(metrics: str, percentiles: str) -> set[str]:
         out |= {f"p{int(float(p)) if float(p).is_integer() else p}_{m}_ms" for p in percentiles.split(",")}
     return out
 
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    p = Procs(tmp_path)
-    try:
-        yield p
-    finally:
-        p.kill_all()
 
 
 def bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

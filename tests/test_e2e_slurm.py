@@ -15,14 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
-import yaml
-from e2e_helpers import processes
+from slurmdeploy import assert_nothing_left, chat, jobs_named, k3, procs_of, refuses, write_inventory
 
 from k3launch.models.record import Status
 
@@ -30,62 +28,6 @@ if TYPE_CHECKING:
     from slurmcluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
-
-MODEL = "moonshotai/Kimi-K3"
-
-
-def write_inventory(tmp: Path, cluster: Cluster, env: dict[str, str] | None = None, **slurm: Any) -> Path:
-    inv = {"name": "test-slurm", "backend": "slurm", "hardware": "b300", "engine": "sim",
-           "defaults": {"runtime": "bare", "python": sys.executable, "env": {"K3LAUNCH_SIM_LOAD_S": "0.3", **(env or {})}},
-           "slurm": {"partition": cluster.partition, "container": "bare", "time_limit": "00:10:00", **slurm}}
-    path = tmp / f"inv-{uuid.uuid4().hex[:6]}.yaml"
-    path.write_text(yaml.safe_dump(inv))
-    return path
-
-
-def k3(cluster: Cluster, state: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "k3launch", *args], capture_output=True, text=True, timeout=timeout,
-                          env=cluster.env({"K3LAUNCH_STATE_DIR": str(state), "COLUMNS": "200"}), stdin=subprocess.DEVNULL)
-
-
-def procs_of(deployment: str) -> list[int]:
-    """Live processes of this deployment on this machine (the nodes share its kernel)."""
-    return list(processes(deployment))
-
-
-def jobs_named(cluster: Cluster, name: str) -> dict[str, str]:
-    """job id -> state of this cluster's jobs called k3-NAME (finished ones too, while Slurm remembers them)."""
-    r = cluster.run("squeue", "-h", "-t", "all", "--name", f"k3-{name}", "-o", "%i|%T")
-    return dict(line.split("|", 1) for line in r.stdout.split())
-
-
-def assert_nothing_left(cluster: Cluster, name: str) -> None:
-    from slurmcluster import TERMINAL
-
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and (procs_of(name) or set(jobs_named(cluster, name).values()) - TERMINAL):
-        time.sleep(0.1)
-    assert not procs_of(name), f"engine processes of {name} outlived their job"
-    assert not set(jobs_named(cluster, name).values()) - TERMINAL, jobs_named(cluster, name)
-    steps = cluster.run("squeue", "-h", "-s", "-o", "%i|%j").stdout
-    assert not [s for s in steps.split() if any(j in s.split("|")[0] for j in jobs_named(cluster, name))], steps
-
-
-def chat(endpoint: str) -> dict[str, Any]:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hello, Kimi"}], "max_tokens": 16}).encode()
-    req = urllib.request.Request(endpoint + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        data: dict[str, Any] = json.loads(r.read())
-        return data
-
-
-def refuses(endpoint: str) -> bool:
-    try:
-        urllib.request.urlopen(endpoint + "/health", timeout=2)
-    except OSError:
-        return True
-    return False
-
 
 # ------------------------------------------------------------------ serving
 SHAPES = {

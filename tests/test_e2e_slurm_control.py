@@ -19,9 +19,20 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from e2e_helpers import Load, processes
-from test_e2e_slurm import assert_nothing_left, chat, jobs_named, k3
-from test_e2e_slurm_copies import ENGINES, argv_of, step_ids, workers
-from test_e2e_slurm_supervise import events, supervised_inventory, wait_for
+from slurmdeploy import (
+    ENGINES,
+    argv_of,
+    assert_nothing_left,
+    chat,
+    events,
+    jobs_named,
+    k3,
+    record,
+    step_ids,
+    supervised_inventory,
+    wait_for,
+    workers,
+)
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
@@ -29,16 +40,11 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
 
-def _record(state: Path, name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((state / "deployments" / f"{name}.json").read_text())
-    return data
-
-
 def _up_copies(cluster: Cluster, state: Path, tmp: Path, name: str, restart: dict[str, Any], *args: str) -> dict[str, Any]:
     inv = supervised_inventory(tmp, cluster, restart)
     up = k3(cluster, state, "up", "-i", str(inv), *args, "--replicas", "2", "--name", name, "--supervise", "--ready-timeout", "60")
     assert up.returncode == 0, up.stdout + up.stderr
-    rec = _record(state, name)
+    rec = record(state, name)
     assert wait_for(lambda: [e for e in events(cluster, state, name) if e["kind"] == "watching"], 15, "the controller's watching event")
     return rec
 
@@ -77,7 +83,7 @@ def test_a_rollout_rolls_both_copies_inside_the_same_job_behind_the_router_witho
               f"per copy {per_copy}]")
         assert load.failed == 0 and load.ok > 20, (load.ok, load.failures[:5])
         # the login node's record runs the new plan: status, and the next rollout's plan, start from it
-        plan = _record(state, name)["plan"]
+        plan = record(state, name)["plan"]
         assert all("8" in p["argv"][p["argv"].index("--max-num-seqs") + 1:][:1] for p in plan["processes"] if p["id"] in ENGINES), plan
         snap = json.loads(k3(cluster, state, "status", name, "--json").stdout)
         assert snap["state"] == "ready" and all(p["alive"] for p in snap["processes"]), snap
@@ -135,7 +141,7 @@ def test_a_flag_the_engine_refuses_rolls_the_first_copy_back_then_rollback_and_a
         endpoint, model, job = rec["endpoint"], rec["plan"]["model"], rec["slurm"]["job_id"]
         with Load(endpoint, model, workers=2, limit=5000, pause=0.02) as load:
             bad = k3(cluster, state, "rollout", name, "--set", "max-num-seqs=0", "--json", "--no-canary", "--start-timeout", "20", timeout=300)
-            stopped = _record(state, name)
+            stopped = record(state, name)
             back = k3(cluster, state, "rollout", name, "--rollback", "--json", "--no-canary", timeout=300)
             good = k3(cluster, state, "rollout", name, "--set", "max-num-seqs=8", "--json", "--no-canary", timeout=300)
             time.sleep(1.0)
@@ -148,7 +154,7 @@ def test_a_flag_the_engine_refuses_rolls_the_first_copy_back_then_rollback_and_a
         assert good.returncode == 0 and json.loads(good.stdout)["ok"] is True, good.stdout + good.stderr
         after = argv_of(name)
         assert sorted(after) == engines and all(a[a.index("--max-num-seqs") + 1] == "8" for a in after.values()), after
-        assert jobs_named(cluster, name) == {job: "RUNNING"} and _record(state, name).get("rollout") is None
+        assert jobs_named(cluster, name) == {job: "RUNNING"} and record(state, name).get("rollout") is None
         print(f"\n[a refused flag rolled back inside the Slurm job, then --rollback and a good flag: client {load.ok} ok, {load.failed} failed]")
         assert load.failed == 0 and load.ok > 20, (load.ok, load.failures[:5])
     finally:

@@ -16,11 +16,11 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 from e2e_helpers import processes
-from test_e2e_slurm import assert_nothing_left, chat, jobs_named, k3, refuses, write_inventory
+from slurmdeploy import ENGINES, argv_of, assert_nothing_left, chat, jobs_named, k3, record, refuses, step_ids, workers, write_inventory
 
 from k3launch.models.record import Status
 
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
 
-ENGINES = ["r0-serve-0", "r0-serve-1", "r1-serve-0", "r1-serve-1"]
 REQUESTS = 8
 
 
@@ -40,33 +39,8 @@ def served(url: str) -> float:
     return sum(float(m.group(1)) for m in re.finditer(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
 
 
-def argv_of(name: str) -> dict[str, list[str]]:
-    """process id -> the command line its running process has (one process per step here)."""
-    out: dict[str, list[str]] = {}
-    for pid, proc in processes(name).items():
-        out[proc] = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")[:-1]
-    return out
-
-
-def workers(endpoint: str) -> list[str]:
-    """The HTTP servers the running vllm-router sends requests to (its own list, GET /list_workers)."""
-    with urllib.request.urlopen(endpoint + "/list_workers", timeout=5) as r:
-        urls: list[str] = json.loads(r.read())["urls"]
-    return urls
-
-
-def step_ids(cluster: Cluster, job: str) -> dict[str, str]:
-    out = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%j|%i").stdout.split()
-    return dict(line.split("|", 1) for line in out if not line.endswith((".batch", ".extern")))
-
-
 def _arg(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
-
-
-def _record(state: Path, name: str) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((state / "deployments" / f"{name}.json").read_text())
-    return data
 
 
 def test_two_copies_in_one_job_serve_through_the_router_show_in_status_refuse_a_rollout_and_go_down(
@@ -78,7 +52,7 @@ def test_two_copies_in_one_job_serve_through_the_router_show_in_status_refuse_a_
             "--ready-timeout", "60")
     up_s = time.monotonic() - t0
     assert up.returncode == 0, up.stdout + up.stderr
-    rec = _record(state, name)
+    rec = record(state, name)
     job, hosts, addrs, plan = rec["slurm"]["job_id"], rec["slurm"]["hosts"], rec["slurm"]["addresses"], rec["plan"]
     procs = {p["id"]: p for p in plan["processes"]}
     assert plan["replicas"] == 2 and list(procs) == [*ENGINES, "router"]
@@ -132,7 +106,7 @@ def test_two_copies_in_one_job_serve_through_the_router_show_in_status_refuse_a_
         and len(lines) == 2, ro.stderr
     assert "--supervise" in lines[1] and f"k3launch down {name}" in lines[1], ro.stderr
     assert lines[1].startswith("hint: ") and "Traceback" not in ro.stderr
-    after = _record(state, name)
+    after = record(state, name)
     assert after["plan"] == plan and after["state"] == "ready" and after["slurm"] == rec["slurm"]
     assert processes(name) == pids and step_ids(cluster, job) == steps and jobs_named(cluster, name) == {job: "RUNNING"}
     assert argv_of(name) == running  # the same processes, on the same command lines

@@ -18,31 +18,16 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
-import yaml
 from e2e_helpers import processes
-from test_e2e_slurm import assert_nothing_left, chat, jobs_named, k3, write_inventory
+from slurmdeploy import assert_nothing_left, chat, events, jobs_named, k3, step_ids, supervised_inventory, wait_for
 
 if TYPE_CHECKING:
     from slurmcluster import Cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slurm]
-
-
-def supervised_inventory(tmp: Path, cluster: Cluster, restart: dict[str, Any], env: dict[str, str] | None = None) -> Path:
-    path = write_inventory(tmp, cluster, env)
-    inv = yaml.safe_load(path.read_text())
-    inv["restart"] = restart
-    path.write_text(yaml.safe_dump(inv))
-    return path
-
-
-def events(cluster: Cluster, state: Path, name: str) -> list[dict[str, Any]]:
-    r = k3(cluster, state, "events", name, "--json", timeout=60)
-    assert r.returncode == 0, r.stderr
-    return [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
 
 
 def _served(endpoint: str) -> bool:
@@ -54,24 +39,8 @@ def _served(endpoint: str) -> bool:
         return False
 
 
-def wait_for(cond: Any, within: float, what: str, step: float = 0.2) -> Any:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(step)
-    raise AssertionError(f"{what}: not within {within:g}s")
-
-
 def pids_of(name: str, process: str) -> set[int]:
     return {pid for pid, p in processes(name).items() if p == process}
-
-
-def step_ids(cluster: Cluster, job: str) -> dict[str, str]:
-    """step name -> step id of the job's running steps (a restarted step gets a new id)."""
-    out = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%j|%i").stdout.split()
-    return dict(line.split("|", 1) for line in out if not line.endswith((".batch", ".extern")))
 
 
 def test_a_rank_killed_on_its_node_restarts_its_group_inside_the_same_job_and_serves_again(cluster: Cluster, state: Path,

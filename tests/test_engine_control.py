@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 from e2e_helpers import Cli, Load, events, wait_event
-from test_engine_ssh import UP_TIMEOUT_S, Pair, _argv_of, _up, pair  # noqa: F401  (pair: the fixture)
+from enginepair import UP_TIMEOUT_S, Pair, argv_of, up
+from test_engine_ssh import pair  # noqa: F401  (the fixture)
 
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
@@ -50,7 +51,7 @@ def _seqs(rec: dict[str, Any]) -> dict[str, str]:
     out = {}
     for i, p in rec["processes"].items():
         if i != "router":
-            argv = _argv_of(int(p["handle"]))
+            argv = argv_of(int(p["handle"]))
             out[i] = argv[argv.index("--max-num-seqs") + 1] if "--max-num-seqs" in argv else "default"
     return out
 
@@ -89,7 +90,7 @@ def test_a_standby_takes_a_killed_copys_place_during_a_rollout_of_real_engines(p
     pair.inv = tmp_path / "inv-ctl.yaml"
     pair.inv.write_text(yaml.safe_dump(inv))
     t0 = time.monotonic()
-    r = _up(pair, name, 22500, "--strategy", "single_node_tp", "--replicas", "1", "--standby", "1", json_out=True)
+    r = up(pair, name, 22500, "--strategy", "single_node_tp", "--replicas", "1", "--standby", "1", json_out=True)
     took_up = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     endpoint = json.loads(r.stdout)["endpoint"]

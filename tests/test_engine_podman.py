@@ -174,7 +174,8 @@ def _shm_of(pids: set[int]) -> set[str]:
 
 
 @pytest.fixture
-def k3(vllm_image: str, tmp_path: Path) -> Iterator[K3]:
+def image_k3(vllm_image: str, tmp_path: Path) -> Iterator[K3]:
+    """The CLI with its own state directory, once the real engine's image is built."""
     k = K3(tmp_path)
     try:
         yield k
@@ -186,11 +187,11 @@ def k3(vllm_image: str, tmp_path: Path) -> Iterator[K3]:
                 podman("rm", "-f", "-t", "0", cid)
 
 
-def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(k3: K3, vllm_image: str, local_cpu_inventory: Path) -> None:
-    inv = podman_inventory(local_cpu_inventory, vllm_image, k3.tmp / "local-cpu-podman.yaml")
+def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(image_k3: K3, vllm_image: str, local_cpu_inventory: Path) -> None:
+    inv = podman_inventory(local_cpu_inventory, vllm_image, image_k3.tmp / "local-cpu-podman.yaml")
     name = f"engp-{uuid.uuid4().hex[:6]}"
     t0 = time.monotonic()
-    up = k3("up", "-i", str(inv), "--recipe", RECIPE, "--strategy", "single_node_tp", "--name", name, timeout=UP_TIMEOUT_S)
+    up = image_k3("up", "-i", str(inv), "--recipe", RECIPE, "--strategy", "single_node_tp", "--name", name, timeout=UP_TIMEOUT_S)
     took = time.monotonic() - t0
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
     for stage in ("doctor", "start", "alive", "health", "completion", "ready"):
@@ -221,21 +222,21 @@ def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(k3: K
     titles = " ".join(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") for p in _alive(procs))
     assert "VLLM::EngineCore" in titles, titles  # vLLM's engine core runs in the container, under conmon
 
-    snap = k3.json("status", name)
+    snap = image_k3.json("status", name)
     assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
 
-    logs = k3("logs", name, "-n", "400")
+    logs = image_k3("logs", name, "-n", "400")
     assert logs.returncode == 0 and "==> serve-0 on cpu-1 <==" in logs.stdout, logs.stdout[-2000:] + logs.stderr
     assert "Application startup complete" in logs.stdout and "version 0.32.0" in logs.stdout, logs.stdout[-2000:]
 
-    tl = k3.json("timeline", name)
+    tl = image_k3.json("timeline", name)
     assert tl["name"] == name and tl["ready"] is True, tl
     phases = [s["phase"] for s in tl["processes"][0]["phases"]]
     assert phases[0] == "starting" and phases[-1] == "healthy" and "loading_weights" in phases, phases
 
     # vLLM's own client, `podman exec`ed in the engine's container; k3launch reads its result JSON
-    b = k3.json("bench", name, "--client", "engine", "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8",
-                "--max-concurrency", "2", "--result-dir", str(k3.tmp / "bench"), timeout=300)
+    b = image_k3.json("bench", name, "--client", "engine", "--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8",
+                "--max-concurrency", "2", "--result-dir", str(image_k3.tmp / "bench"), timeout=300)
     assert b["client"] == "engine" and b["valid"] is True, b
     m = b["result"]
     assert m["completed"] == 8 and m["failed"] == 0 and m["total_output_tokens"] == 64, m
@@ -244,14 +245,14 @@ def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(k3: K
     ours = _shm_of(_alive(procs))
     assert any(f.startswith("psm_") for f in ours), ours  # vLLM's shared-memory queues between its processes
 
-    down = k3.json("down", name, timeout=180)
+    down = image_k3.json("down", name, timeout=180)
     assert down["clean"] is True, down
     time.sleep(0.5)
     assert _containers(name) == []  # not stopped: removed
     assert not _alive(procs), sorted(_alive(procs))  # conmon, vLLM's API server, EngineCore, worker: all gone
     left = ours & set(os.listdir("/dev/shm"))
     assert not left, left  # every segment vLLM made in the container is unlinked
-    assert not (k3.tmp / "state" / "deployments" / f"{name}.json").exists()
+    assert not (image_k3.tmp / "state" / "deployments" / f"{name}.json").exists()
     print(f"\n[real engine in podman: up {took:.1f}s]")
 
 

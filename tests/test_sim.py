@@ -14,20 +14,12 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from simproc import FAST_ENV, MODEL, SIM, Proc, Procs, free_port, get, port_open, post, stream, wait_healthy
 
 HOST = "127.0.0.11"
 
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
-    yield pool
-    pool.kill_all()
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -18,8 +18,7 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from simproc import Proc, Procs, free_port, get, post, wait_healthy
@@ -239,12 +238,6 @@ def test_no_recovery_within_the_timeout_kills_the_engine() -> None:
 
 
 # -- processes: external-LB DP ranks ------------------------------------------------------------
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
-    yield pool
-    pool.kill_all()
 
 
 def ft_rank(procs: Procs, rank: int, dp: int, coord: tuple[str, int], http: int, env: dict[str, str] | None = None,

@@ -8,51 +8,24 @@ tests' own loopback address, so these are fast-tier tests. The expected shapes a
 
 from __future__ import annotations
 
-import contextlib
 import http.client
-import io
 import json
 import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from simserver import sim_server
 
-from k3launch.planning.schema import load_schema
-from k3launch.sim.cli import parse_serve
-from k3launch.sim.engine import Engine
-from k3launch.sim.logs import Logger
-from k3launch.sim.options import Knobs
-from k3launch.sim.server import App, SimHTTPServer, start
+from k3launch.sim.server import SimHTTPServer
 
 HOST = "127.0.79.1"  # this module's own loopback address (all of 127/8 is loopback on Linux)
-MODEL_LEN = 64
 Json = dict[str, Any]
-
-
-@contextlib.contextmanager
-def sim_server(host: str = HOST, max_model_len: int = MODEL_LEN) -> Iterator[SimHTTPServer]:
-    """A simulated engine's API server in this process, zero latency, serving "k3"; port: ``.server_address[1]``."""
-    env = {"K3LAUNCH_SIM_TTFT_MS": "0", "K3LAUNCH_SIM_ITL_MS": "0"}
-    knobs = Knobs.from_env(env)
-    opts = parse_serve(
-        load_schema(knobs.version), ["moonshotai/Kimi-K3", "--served-model-name", "k3", "--max-model-len", str(max_model_len)], env
-    )
-    log = Logger(stream=io.StringIO())
-    httpd = start(host, 0, App(opts, Engine(opts, knobs, log, None), log, knobs.version))
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    try:
-        yield httpd
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[SimHTTPServer]:
-    with sim_server() as httpd:
+    with sim_server(HOST) as httpd:
         yield httpd
 
 

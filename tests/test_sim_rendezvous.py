@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from simproc import Proc, Procs, free_port, get, port_open, post, wait_healthy
@@ -19,12 +17,6 @@ pytestmark = pytest.mark.e2e  # simulated engine processes
 NODES = ["127.0.0.11", "127.0.0.12", "127.0.0.13", "127.0.0.14"]
 SHORT = {"K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "1.5"}
 
-
-@pytest.fixture
-def procs(tmp_path: Path) -> Iterator[Procs]:
-    pool = Procs(tmp_path)
-    yield pool
-    pool.kill_all()
 
 
 def tp_node(procs: Procs, rank: int, nnodes: int, master: tuple[str, int], http: int, *, tp: int = 24,

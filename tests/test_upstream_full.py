@@ -65,7 +65,8 @@ def _yaml(path: Path) -> Any:
 
 
 @pytest.fixture(scope="module")
-def tree() -> RecipeTree:
+def full_tree() -> RecipeTree:
+    """The whole upstream data tree (FULL), loaded once for the module."""
     return RecipeTree(FULL)
 
 
@@ -219,13 +220,13 @@ def _planned_default(plan: Plan) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------ loading
-def test_every_recipe_loads_and_unknown_keys_are_notices_with_their_line(tree: RecipeTree) -> None:
-    ids = tree.model_ids()
+def test_every_recipe_loads_and_unknown_keys_are_notices_with_their_line(full_tree: RecipeTree) -> None:
+    ids = full_tree.model_ids()
     assert len(ids) == len(list((FULL / "models").glob("*/*.yaml")))
     for rid in ids:
-        rec = tree.model(rid)
+        rec = full_tree.model(rid)
         assert rec.model.model_id and rec.meta.title
-    ignored = [k for keys in tree.ignored.values() for k in keys]
+    ignored = [k for keys in full_tree.ignored.values() for k in keys]
     print(f"\nlatest-full: {len(ids)} of {len(ids)} recipes loaded; {len(ignored)} keys kept but not acted on "
           f"({len({k.file for k in ignored})} files)")
     assert ignored, "latest-full has keys k3launch does not model (labels, install notes, omni blocks)"
@@ -255,10 +256,10 @@ def test_an_upstream_tree_marked_strict_refuses_the_same_keys(tmp_path: Path) ->
     assert f"{rid}.yaml:{first.line}:" in info.value.message and first.path in info.value.message
 
 
-def test_a_plan_names_the_kept_keys_of_the_files_it_read(tree: RecipeTree) -> None:
+def test_a_plan_names_the_kept_keys_of_the_files_it_read(full_tree: RecipeTree) -> None:
     rid = "Qwen/Qwen3.8-2.4T-A95B"
-    plan = build_plan(tree, Selection(recipe=rid))
-    kept = tree.ignored[f"models/{rid}.yaml"]
+    plan = build_plan(full_tree, Selection(recipe=rid))
+    kept = full_tree.ignored[f"models/{rid}.yaml"]
     shown = [n.message for n in plan.notices if n.code == "ignored-key"]
     assert kept and shown == [f"models/{rid}.yaml:{k.line}: {k.path} {k.why}" for k in kept]
     bundled = build_plan(RecipeTree(), Selection())
@@ -285,7 +286,7 @@ def _check_refusal(where: str, err: K3Error) -> None:
         assert "models/" in err.message, f"{where}: {err.message}"
 
 
-def test_default_multi_node_and_pd_selections_plan_or_are_refused_for_a_reason(tree: RecipeTree, raw: dict[str, Any]) -> None:
+def test_default_multi_node_and_pd_selections_plan_or_are_refused_for_a_reason(full_tree: RecipeTree, raw: dict[str, Any]) -> None:
     tax, strategies = raw["taxonomy"], raw["strategies"]
     planned: Counter[str] = Counter()
     refused: dict[str, list[str]] = {}
@@ -302,7 +303,7 @@ def test_default_multi_node_and_pd_selections_plan_or_are_refused_for_a_reason(t
         for kind, sel in selections:
             where = f"{rid} {kind}"
             try:
-                plan = build_plan(tree, sel)
+                plan = build_plan(full_tree, sel)
             except K3Error as err:
                 _check_refusal(where, err)
                 refused.setdefault(err.code, []).append(where)
@@ -324,7 +325,7 @@ def test_default_multi_node_and_pd_selections_plan_or_are_refused_for_a_reason(t
     assert len(refused.get("omni-recipe", [])) == sum(OMNI in (r["meta"].get("tasks") or []) for r in raw["models"].values())
 
 
-def test_default_selections_follow_the_recipes_project(tree: RecipeTree, raw: dict[str, Any]) -> None:
+def test_default_selections_follow_the_recipes_project(full_tree: RecipeTree, raw: dict[str, Any]) -> None:
     agree, differ, rendered = 0, {}, 0
     for rid, rec in raw["models"].items():
         want = upstream_default(rec, raw["taxonomy"], raw["strategies"])
@@ -332,7 +333,7 @@ def test_default_selections_follow_the_recipes_project(tree: RecipeTree, raw: di
             continue
         rendered += 1
         try:
-            got: dict[str, Any] | str = _planned_default(build_plan(tree, Selection(recipe=rid)))
+            got: dict[str, Any] | str = _planned_default(build_plan(full_tree, Selection(recipe=rid)))
         except K3Error as err:
             got = err.code
         if got == want:
@@ -346,26 +347,26 @@ def test_default_selections_follow_the_recipes_project(tree: RecipeTree, raw: di
 
 
 # ------------------------------------------------------------------------------ specific rules
-def test_variant_nvidia_block_applies_on_hopper(tree: RecipeTree, raw: dict[str, Any]) -> None:
+def test_variant_nvidia_block_applies_on_hopper(full_tree: RecipeTree, raw: dict[str, Any]) -> None:
     """A variant's hardware_overrides.nvidia is the brand fallback when no generation block matches."""
     rid = "dots-studio/dots3-note-prev"
     block = raw["models"][rid]["variants"]["default"]["hardware_overrides"]["nvidia"]["extra_args"]
     assert "hopper" not in raw["models"][rid]["variants"]["default"]["hardware_overrides"]
-    (proc,) = engine_processes(build_plan(tree, Selection(recipe=rid, hardware="h200")))
+    (proc,) = engine_processes(build_plan(full_tree, Selection(recipe=rid, hardware="h200")))
     argv = proc.argv
     assert argv[argv.index(block[0]) + 1] == block[1]
     assert proc.provenance[block[0]][-1].origin.endswith("variants.default.hardware_overrides.nvidia")
 
 
 @pytest.mark.parametrize("rid", ["MiniMaxAI/MiniMax-M2.5", "thinkingmachines/Inkling-Small", "XiaomiMiMo/MiMo-V2.5", "Qwen/Qwen3-8B"])
-def test_single_node_tp_follows_the_recipe(tree: RecipeTree, raw: dict[str, Any], rid: str) -> None:
+def test_single_node_tp_follows_the_recipe(full_tree: RecipeTree, raw: dict[str, Any], rid: str) -> None:
     """Declared TP (variant, then strategy_overrides.single_node_tp; maps by hardware) or auto-fit,
     never simply the whole node; the process and the capacity count only the GPUs used."""
     rec, tax = raw["models"][rid], raw["taxonomy"]
     want = upstream_default(rec, tax, raw["strategies"])
     assert want is not None and want["strategy"] == "single_node_tp"
     assert want["tp"] < tax[want["hardware"]]["gpu_count"]
-    plan = build_plan(tree, Selection(recipe=rid, hardware=want["hardware"], strategy="single_node_tp"))
+    plan = build_plan(full_tree, Selection(recipe=rid, hardware=want["hardware"], strategy="single_node_tp"))
     (proc,) = engine_processes(plan)
     assert flags(SCHEMA, proc)["--tensor-parallel-size"].value == str(want["tp"])
     assert proc.gpus == want["tp"] and plan.capacity.pools[0].gpus == want["tp"]
@@ -374,13 +375,13 @@ def test_single_node_tp_follows_the_recipe(tree: RecipeTree, raw: dict[str, Any]
     assert any(n.code == "single-node-tp" for n in plan.notices)
 
 
-def test_a_recipe_sizing_its_own_one_node_layout_is_placed_as_it_asks(tree: RecipeTree, raw: dict[str, Any]) -> None:
+def test_a_recipe_sizing_its_own_one_node_layout_is_placed_as_it_asks(full_tree: RecipeTree, raw: dict[str, Any]) -> None:
     """strategy_overrides.single_node_dep --data-parallel-size 4 wins over the placement (as upstream's
     last-wins order has it), and the placement follows: 4 DP ranks, 4 local, 4 GPUs."""
     rid = "deepseek-ai/DeepSeek-V4-Flash"
     args = raw["models"][rid]["strategy_overrides"]["single_node_dep"]["extra_args"]
     dp = args[args.index("--data-parallel-size") + 1]
-    plan = build_plan(tree, Selection(recipe=rid, hardware="h200", strategy="single_node_dep"))
+    plan = build_plan(full_tree, Selection(recipe=rid, hardware="h200", strategy="single_node_dep"))
     check_plan(SCHEMA, plan)
     (proc,) = engine_processes(plan)
     got = flags(SCHEMA, proc)
@@ -388,7 +389,7 @@ def test_a_recipe_sizing_its_own_one_node_layout_is_placed_as_it_asks(tree: Reci
     assert proc.gpus == int(dp) and any(n.code == "recipe-layout" for n in plan.notices)
 
 
-def test_a_pool_the_recipe_sizes_is_composed_once(tree: RecipeTree, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_pool_the_recipe_sizes_is_composed_once(full_tree: RecipeTree, monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe's own size is read from the pool's layers before the pool is composed: one
     composition per engine process, at the size that runs."""
     composed: list[str] = []
@@ -399,7 +400,7 @@ def test_a_pool_the_recipe_sizes_is_composed_once(tree: RecipeTree, monkeypatch:
         return real(*args, **kwargs)
 
     monkeypatch.setattr(planning_build, "compose", counting)
-    plan = build_plan(tree, Selection(recipe="deepseek-ai/DeepSeek-V4-Flash", hardware="h200", strategy="single_node_dep"))
+    plan = build_plan(full_tree, Selection(recipe="deepseek-ai/DeepSeek-V4-Flash", hardware="h200", strategy="single_node_dep"))
     assert any(n.code == "recipe-layout" for n in plan.notices)
     assert len(composed) == len(engine_processes(plan)) == 1
 
@@ -437,28 +438,28 @@ def test_seed_one_node_tep_prefill_pool_has_no_cross_node_tuning() -> None:
         assert all(flags(SCHEMA, p)["--enable-expert-parallel"].polarity for p in prefill)
 
 
-def test_dotted_config_keys_are_flags_as_vllm_parses_them(tree: RecipeTree, raw: dict[str, Any]) -> None:
+def test_dotted_config_keys_are_flags_as_vllm_parses_them(full_tree: RecipeTree, raw: dict[str, Any]) -> None:
     """--speculative-config.method mtp and --limit-mm-per-prompt.video 0 (upstream spellings) are
     sub-keys of JSON flags: accepted, checked, and emitted as one --flag.key=value word each."""
     glm = raw["models"]["zai-org/GLM-4.5"]["features"]["spec_decoding"]["args"]
-    plan = build_plan(tree, Selection(recipe="zai-org/GLM-4.5", features=("spec_decoding",)))
+    plan = build_plan(full_tree, Selection(recipe="zai-org/GLM-4.5", features=("spec_decoding",)))
     got = flags(SCHEMA, engine_processes(plan)[0])
     for i in range(0, len(glm), 2):
         base, _, path = glm[i].partition(".")
         assert got[f"{base}.{path}"].value == str(glm[i + 1])
-    glyph = build_plan(tree, Selection(recipe="zai-org/Glyph"))
+    glyph = build_plan(full_tree, Selection(recipe="zai-org/Glyph"))
     assert "--limit-mm-per-prompt.video" in flags(SCHEMA, engine_processes(glyph)[0])
     args, problems = SCHEMA.parse(["--speculative-config.method", "mtp", "--limit-mm-per-prompt.video", "0", "--max-num-seqs.x", "1"])
     assert [a.key for a in args] == ["--speculative-config.method", "--limit-mm-per-prompt.video"]
     assert [p.code for p in problems] == ["bad-dotted"]  # an int flag: vLLM's int() would refuse the folded JSON
 
 
-def test_config_fields_vllm_refuses_are_refused_and_linted(tree: RecipeTree, raw: dict[str, Any]) -> None:
+def test_config_fields_vllm_refuses_are_refused_and_linted(full_tree: RecipeTree, raw: dict[str, Any]) -> None:
     rid = "inclusionAI/Ring-1T-FP8"
     extra = raw["models"][rid]["variants"]["default"]["extra_args"]
     value = extra[extra.index("--compilation-config") + 1]
     with pytest.raises(K3Error) as info:
-        build_plan(tree, Selection(recipe=rid))
+        build_plan(full_tree, Selection(recipe=rid))
     assert info.value.code == "unknown-field" and "use_inductor" in info.value.message and "variants.default" in info.value.message
     found = lint(SCHEMA, ["vllm", "serve", "m", "--compilation-config", value]) + lint(SCHEMA, ["vllm", "serve", "m", "-cc.use_inductr_graph_partition=True"])
     assert [(f.code, f.severity) for f in found] == [("unknown-field", "error")] * 2
@@ -467,7 +468,7 @@ def test_config_fields_vllm_refuses_are_refused_and_linted(tree: RecipeTree, raw
     assert [f.code for f in ok] == ["dotted-spellings"]  # vLLM folds -cc.* and --compilation-config.* apart: one is lost
 
 
-def test_a_modal_feature_runs_one_mode(tree: RecipeTree, raw: dict[str, Any]) -> None:
+def test_a_modal_feature_runs_one_mode(full_tree: RecipeTree, raw: dict[str, Any]) -> None:
     """A variant's default_modes turns an opt-in feature on in its mode; --feature NAME=MODE picks
     another offered mode; a mode the variant is not offered is refused."""
     rid = "deepseek-ai/DeepSeek-V4-Flash"
@@ -480,15 +481,15 @@ def test_a_modal_feature_runs_one_mode(tree: RecipeTree, raw: dict[str, Any]) ->
         arg = flags(SCHEMA, engine_processes(plan)[0]).get("--speculative-config")
         return arg.value if arg is not None else None
 
-    plan = build_plan(tree, Selection(recipe=rid))
+    plan = build_plan(full_tree, Selection(recipe=rid))
     assert feature in plan.features and spec(plan) == modes[mode]["args"][1]
     others = [m for m, body in modes.items() if m != mode and (not body.get("variants") or "default" in body["variants"])]
     hidden = [m for m, body in modes.items() if body.get("variants") and "default" not in body["variants"]]
     for other in others:
-        assert spec(build_plan(tree, Selection(recipe=rid, features=(f"{feature}={other}",)))) == modes[other]["args"][1]
+        assert spec(build_plan(full_tree, Selection(recipe=rid, features=(f"{feature}={other}",)))) == modes[other]["args"][1]
     for other in hidden:
         with pytest.raises(K3Error) as info:
-            build_plan(tree, Selection(recipe=rid, features=(f"{feature}={other}",)))
+            build_plan(full_tree, Selection(recipe=rid, features=(f"{feature}={other}",)))
         assert info.value.code == "unknown-feature-mode" and mode in info.value.hint
     assert others or hidden
 

@@ -3,6 +3,9 @@
 Every process is started in its own session and tracked by :class:`Procs`; teardown kills each
 process group that is still alive, so a failing test never leaves a listener behind. Output
 goes to a log file per process (a pipe nobody reads could fill up and stall the process).
+
+The ``procs`` fixture (a :class:`Procs` per test) is used by the local end-to-end tests and the
+engine tier alike, so this module is a plugin of the root ``tests/conftest.py`` (``pytest_plugins``).
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 SIM = [sys.executable, "-m", "k3launch.sim", "serve"]
 MODEL = "moonshotai/Kimi-K3"
@@ -114,6 +120,16 @@ class Procs:
                 p.popen.wait(5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Procs]:
+    """The test's own :class:`Procs`: whatever it started is killed after it, failed or not."""
+    pool = Procs(tmp_path)
+    try:
+        yield pool
+    finally:
+        pool.kill_all()
 
 
 def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:
