@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
-from simproc import SIM, Procs, free_port, wait_healthy
+from simproc import SIM, Procs, free_port, sim_bench, wait_healthy
 from simserver import sim_server
 
 from k3launch.campaign.file import Validity
@@ -72,17 +72,6 @@ def vllm_metric_keys(metrics: str, percentiles: str) -> set[str]:
 
 
 
-def bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "k3launch.sim", "bench", "serve", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-    )
-
-
 def test_statistics_match_numpy() -> None:
     rng = random.Random(7)
     for n in (1, 2, 5, 101):
@@ -130,7 +119,7 @@ def test_result_json_has_vllms_field_names(procs: Procs, tmp_path: Path) -> None
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)], {"K3LAUNCH_SIM_TTFT_MS": "25", "K3LAUNCH_SIM_ITL_MS": "2"})
     wait_healthy("127.0.0.1", port, sim)
-    r = bench(
+    r = sim_bench(
         "--port",
         str(port),
         "--num-prompts",
@@ -169,7 +158,7 @@ def test_default_file_name_and_percentiles(procs: Procs, tmp_path: Path) -> None
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)])
     wait_healthy("127.0.0.1", port, sim)
-    r = bench(
+    r = sim_bench(
         "--port",
         str(port),
         "--num-prompts",
@@ -201,7 +190,7 @@ def test_zero_token_engine_is_completed_but_invalid(procs: Procs, tmp_path: Path
     port = free_port()
     sim = procs.sim(["--host", "127.0.0.1", "--port", str(port)], {"K3LAUNCH_SIM_FAIL": "zero-tokens"})
     wait_healthy("127.0.0.1", port, sim)
-    r = bench(
+    r = sim_bench(
         "--port",
         str(port),
         "--num-prompts",
@@ -241,13 +230,13 @@ def test_served_model_name_is_what_requests_ask_for(procs: Procs, tmp_path: Path
         "--ready-check-timeout-sec",
         "1",
     )
-    wrong = bench(*common, cwd=tmp_path)
+    wrong = sim_bench(*common, cwd=tmp_path)
     assert wrong.returncode == 1 and "404" in wrong.stderr
-    assert bench(*common, "--served-model-name", "k3", cwd=tmp_path).returncode == 0
+    assert sim_bench(*common, "--served-model-name", "k3", cwd=tmp_path).returncode == 0
 
 
 def test_unreachable_server_fails_without_result(tmp_path: Path) -> None:
-    r = bench(
+    r = sim_bench(
         "--port",
         str(free_port()),
         "--model",
@@ -267,9 +256,9 @@ def test_unreachable_server_fails_without_result(tmp_path: Path) -> None:
 
 def test_usage_errors_exit_2(tmp_path: Path) -> None:
     assert subprocess.run([sys.executable, "-m", "k3launch.sim", "bench", "latency"], capture_output=True, timeout=30).returncode == 2
-    r = bench("--dataset-name", "sharegpt", cwd=tmp_path)
+    r = sim_bench("--dataset-name", "sharegpt", cwd=tmp_path)
     assert r.returncode == 2 and "invalid choice" in r.stderr
-    assert bench("--num-prompts", "0", cwd=tmp_path).returncode == 2
+    assert sim_bench("--num-prompts", "0", cwd=tmp_path).returncode == 2
 
 
 def test_gamma_arrivals_span_num_prompts_over_rate() -> None:

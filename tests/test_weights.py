@@ -9,15 +9,12 @@ hub access anywhere: the hub download is checked for what it runs (the token sta
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
 import standin
-import yaml
+from e2e_helpers import Cli
 from paths import ROOT
 
 from k3launch import api
@@ -35,35 +32,12 @@ if TYPE_CHECKING:
 TINY = Path("/var/cache/k3launch/vllm-cpu/tiny-llama")
 
 
-def local_inventory(tmp: Path, caches: dict[str, Path], env: dict[str, str] | None = None) -> Path:
-    inv: dict[str, Any] = {
-        "name": "weights-test",
-        "backend": "local",
-        "hardware": "b300",
-        "engine": "sim",
-        "defaults": {"runtime": "bare", "iface": "lo", "cpu_memory_gb": 4096},
-        "nodes": [
-            {"name": n, "address": f"127.0.0.{21 + i}", "env": {**(env or {}), "HF_HOME": str(c)}}
-            for i, (n, c) in enumerate(caches.items())
-        ],
-        "router": {"node": "login", "address": "127.0.0.1"},
-    }
-    path = tmp / "inv.yaml"
-    path.write_text(yaml.safe_dump(inv, sort_keys=False))
-    return path
-
-
-def two_nodes(tmp: Path, env: dict[str, str] | None = None) -> tuple[Path, dict[str, Path]]:
-    caches = {"w-1": tmp / "hf-1", "w-2": tmp / "hf-2"}
-    return local_inventory(tmp, caches, env), caches
-
-
 def states(rows: list[Any]) -> dict[str, tuple[bool, str]]:
     return {r.node: (r.complete, r.error or (r.state.problem() if r.state else "")) for r in rows}
 
 
 def test_check_reads_the_hub_layout_and_catches_missing_and_truncated_shards(tmp_path: Path) -> None:
-    inv, caches = two_nodes(tmp_path)
+    inv, caches = standin.two_nodes(tmp_path)
     snap = standin.hf_cache(caches["w-1"] / "hub", shards=3)
     plan = api.plan(inv, strategy="multi_node_tp", nodes=2)
     got = states(api.weights_check(plan, inv))
@@ -81,7 +55,7 @@ def test_check_reads_the_hub_layout_and_catches_missing_and_truncated_shards(tmp
 
 
 def test_check_follows_the_plans_revision_and_reads_a_plain_model_directory(tmp_path: Path) -> None:
-    inv, caches = two_nodes(tmp_path)
+    inv, caches = standin.two_nodes(tmp_path)
     other = "f" * 40
     for c in caches.values():
         standin.hf_cache(c / "hub", commit=other, ref="v2")  # only the revision v2 (and commit ffff...) is there
@@ -100,7 +74,7 @@ def test_check_follows_the_plans_revision_and_reads_a_plain_model_directory(tmp_
 
 
 def test_fetch_from_a_shared_path_then_from_another_node(tmp_path: Path) -> None:
-    inv, caches = two_nodes(tmp_path)
+    inv, caches = standin.two_nodes(tmp_path)
     shared = tmp_path / "shared"
     standin.hf_cache(shared / "hub")  # an HF_HOME on a shared filesystem
     plan = api.plan(inv, strategy="multi_node_tp", nodes=2)
@@ -121,7 +95,7 @@ def test_fetch_from_a_shared_path_then_from_another_node(tmp_path: Path) -> None
 
 
 def test_fetch_refuses_a_source_that_cannot_work(tmp_path: Path) -> None:
-    inv, _ = two_nodes(tmp_path)
+    inv, _ = standin.two_nodes(tmp_path)
     plan = api.plan(inv, strategy="multi_node_tp", nodes=2)
     with pytest.raises(K3Error) as exc:
         api.weights_fetch(plan, inv, from_node="w-1")  # w-1 has nothing to give
@@ -131,7 +105,7 @@ def test_fetch_refuses_a_source_that_cannot_work(tmp_path: Path) -> None:
 
 
 def test_the_hub_download_runs_on_the_node_with_the_token_file_never_the_token(tmp_path: Path) -> None:
-    inv, _ = two_nodes(tmp_path)
+    inv, _ = standin.two_nodes(tmp_path)
     plan = api.plan(inv, strategy="multi_node_tp", nodes=2)
     fleet = Fleet.for_plan(plan, FakeRunner(), FakeRunner())
     cmd = fetch_command(plan, fleet, "w-1", Source("hub", token_file="~/.hf/token"))
@@ -143,20 +117,15 @@ def test_the_hub_download_runs_on_the_node_with_the_token_file_never_the_token(t
     assert exc.value.code == "bad-source" and "--from-path" in exc.value.hint
 
 
-def _cli(*args: str, state: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "K3LAUNCH_STATE_DIR": str(state), "COLUMNS": "250", "NO_COLOR": "1"}
-    return subprocess.run([sys.executable, "-m", "k3launch", *args], capture_output=True, text=True, env=env, timeout=120)
-
-
 def test_weights_cli_exit_codes_table_and_json(tmp_path: Path) -> None:
-    inv, caches = two_nodes(tmp_path)
+    inv, caches = standin.two_nodes(tmp_path)
     standin.hf_cache(caches["w-1"] / "hub")
     sel = ("-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2")
-    r = _cli("weights", "check", *sel, "--json", state=tmp_path / "state")
+    r = Cli(tmp_path / "state").run("weights", "check", *sel, "--json", timeout=120)
     out = json.loads(r.stdout)
     assert r.returncode == 1 and not out["complete"], r.stdout + r.stderr
     assert [(n["node"], n["complete"]) for n in out["nodes"]] == [("w-1", True), ("w-2", False)]
-    r = _cli("weights", "fetch", *sel, "--from-node", "w-1", "--interval", "0.1", state=tmp_path / "state")
+    r = Cli(tmp_path / "state").run("weights", "fetch", *sel, "--from-node", "w-1", "--interval", "0.1", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "weights fetch: 1/1 node(s) done" in r.stderr and "complete" in r.stdout
     assert all(len(line) < 200 for line in r.stderr.splitlines())  # plain lines, not a wrapped table
@@ -165,26 +134,14 @@ def test_weights_cli_exit_codes_table_and_json(tmp_path: Path) -> None:
 @pytest.mark.e2e
 def test_up_refuses_missing_weights_when_the_inventory_opts_in(tmp_path: Path) -> None:
     """The simulated engine loads no weights, so `up` checks them only when the node env opts in."""
-    inv, caches = two_nodes(tmp_path, env={weights.OPT_IN: "1"})
+    inv, caches = standin.two_nodes(tmp_path, env={weights.OPT_IN: "1"})
     standin.hf_cache(caches["w-1"] / "hub")
-    r = _cli(
-        "up",
-        "-i",
-        str(inv),
-        "--strategy",
-        "multi_node_tp",
-        "--nodes",
-        "2",
-        "--port-base",
-        "24200",
-        "--name",
-        "wm-optin",
-        "--json",
-        state=tmp_path / "state",
-    )
+    cli = Cli(tmp_path / "state")
+    r = cli.run("up", "-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2", "--port-base", "24200", "--name", "wm-optin", "--json",
+                timeout=120)
     err = json.loads(r.stdout.strip().splitlines()[-1]).get("error", {})
     if r.returncode == 0:  # never leave a deployment behind, whatever the outcome
-        _cli("down", "wm-optin", state=tmp_path / "state")
+        cli.run("down", "wm-optin", timeout=120)
     assert r.returncode == 2 and err.get("code") == "weights-missing" and "w-2" in err["message"] and "w-1" not in err["message"], r.stdout
     assert "k3launch weights fetch" in err["hint"]
 
@@ -197,7 +154,7 @@ def test_fetch_between_ssh_hosts_over_the_same_ssh(ssh_hosts: Hosts, tmp_path: P
     inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", names=[n1, n2], extra={"nodes": nodes})
     standin.hf_cache(tmp_path / f"hf-{n1}" / "hub", shards=4)
     sel = ("-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2")
-    r = _cli("weights", "fetch", *sel, "--from-node", n1, "--interval", "0.2", "--json", state=tmp_path / "state")
+    r = Cli(tmp_path / "state").run("weights", "fetch", *sel, "--from-node", n1, "--interval", "0.2", "--json", timeout=120)
     out = json.loads(r.stdout)
     assert r.returncode == 0 and out["complete"], r.stdout + r.stderr
     assert {n["node"]: n["fetched"] for n in out["nodes"]} == {n1: False, n2: True}

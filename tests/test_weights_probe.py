@@ -21,6 +21,7 @@ from paths import ROOT
 
 from k3launch import api
 from k3launch.deploy.ssh import probe as pr
+from k3launch.deploy.ssh.probe import MIB
 from k3launch.errors import K3Error
 from k3launch.models.plan import Host
 from k3launch.models.weights import Probe, path_error, probes_json, read_probes
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 HOST = Host(name="n1", address="127.0.0.1", role="serve", gpus=0, placeholder=False, runtime="bare")
 HOSTILE = "/tmp/x y'$(touch PWNED);`touch PWNED2`\"&"
-MIB = 1 << 20
 
 
 def run_real(cmd: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

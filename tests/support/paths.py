@@ -14,3 +14,4 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent  # the checkout: k3launch/, inventories/, recipes/, docs/
 SUPPORT = TESTS / "support"  # these helper modules (on sys.path: tests import them by their bare names)
+VLLM_DATA = ROOT / "k3launch" / "data" / "vllm"  # the vendored vLLM flag schemas, one directory per version

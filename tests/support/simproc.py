@@ -35,6 +35,8 @@ FAST_ENV = {
     "K3LAUNCH_SIM_ITL_MS": "1",
     "K3LAUNCH_SIM_RENDEZVOUS_TIMEOUT_S": "10",
 }
+# The flags the sim's fault-tolerant DEP ranks start with in the fault-tolerance tests.
+FT_FLAGS = ["--enable-fault-tolerance", "--all2all-backend", "deepep_low_latency", "--enable-expert-parallel"]
 _used_ports: set[int] = set()
 
 
@@ -130,6 +132,18 @@ def procs(tmp_path: Path) -> Iterator[Procs]:
         yield pool
     finally:
         pool.kill_all()
+
+
+def sim_bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``k3launch-sim bench serve ARGS`` (the sim's `vllm bench serve`) to its end, in ``cwd``."""
+    return subprocess.run(
+        [sys.executable, "-m", "k3launch.sim", "bench", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def get(url: str, timeout: float = 5.0) -> tuple[int, bytes]:

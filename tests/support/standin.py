@@ -3,6 +3,7 @@
 * :func:`tools`: a copy of ``tests/infra/standin/`` (nvidia-smi, ibstat, lsmod, ip, date,
   all_reduce_perf, mpirun, vllm) with its ``standin.conf`` knobs; :func:`node_path` is the PATH to
   give a node through the inventory's ``env`` so the doctor's probe finds them first.
+* :func:`two_nodes`: an inventory of two local nodes, each with a Hugging Face cache of its own.
 * :func:`hf_cache`: a hub cache holding a small model in the real layout
   (``models--ORG--NAME/{refs/main, blobs/, snapshots/COMMIT/}``, snapshot files symlinked to
   blobs), with a safetensors index and shards whose headers are real; :func:`model_dir` the same
@@ -16,7 +17,9 @@ import json
 import shutil
 import struct
 from pathlib import Path
+from typing import Any
 
+import yaml
 from paths import TESTS
 
 STANDIN = TESTS / "infra" / "standin"
@@ -89,3 +92,28 @@ def truncate(snapshot: Path, name: str = "model-00002-of-00002.safetensors", cut
     """Cut the last ``cut`` bytes of a shard (its blob), as an interrupted download leaves it."""
     blob = (snapshot / name).resolve()
     blob.write_bytes(blob.read_bytes()[:-cut])
+
+
+def nodes_inventory(tmp: Path, caches: dict[str, Path], env: dict[str, str] | None = None) -> Path:
+    """A local inventory of the simulated engine, one node per entry of ``caches`` with ``HF_HOME`` there."""
+    inv: dict[str, Any] = {
+        "name": "weights-test",
+        "backend": "local",
+        "hardware": "b300",
+        "engine": "sim",
+        "defaults": {"runtime": "bare", "iface": "lo", "cpu_memory_gb": 4096},
+        "nodes": [
+            {"name": n, "address": f"127.0.0.{21 + i}", "env": {**(env or {}), "HF_HOME": str(c)}}
+            for i, (n, c) in enumerate(caches.items())
+        ],
+        "router": {"node": "login", "address": "127.0.0.1"},
+    }
+    path = tmp / "inv.yaml"
+    path.write_text(yaml.safe_dump(inv, sort_keys=False))
+    return path
+
+
+def two_nodes(tmp: Path, env: dict[str, str] | None = None) -> tuple[Path, dict[str, Path]]:
+    """(inventory, node -> HF_HOME) of two nodes whose caches are still empty: ``hf_cache`` fills one."""
+    caches = {"w-1": tmp / "hf-1", "w-2": tmp / "hf-2"}
+    return nodes_inventory(tmp, caches, env), caches
