@@ -1,9 +1,10 @@
 """``k3launch weights check / fetch`` and ``up``'s ``weights-missing`` refusal.
 
 The node-side check (a stdlib Python program) runs for real on stand-in Hugging Face caches
-(tests/support/standin.py: the hub layout, real safetensors headers) on this machine's local nodes and,
-end to end, on the sshd test hosts; fetches copy from a shared path and from another node. No
-hub access anywhere: the hub download is checked for what it runs (the token stays in its file).
+(tests/support/standin.py: the hub layout, real safetensors headers) on this machine's local
+nodes; fetches copy from a shared path and from another node. No hub access anywhere: the hub
+download is checked for what it runs (the token stays in its file). ``up``'s refusal end to end:
+test_weights_e2e.py; a fetch between sshd test hosts: test_weights_ssh.py.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 
 if TYPE_CHECKING:
-    from sshhosts import Hosts
+    pass
 
 TINY = Path("/var/cache/k3launch/vllm-cpu/tiny-llama")
 
@@ -129,34 +130,3 @@ def test_weights_cli_exit_codes_table_and_json(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "weights fetch: 1/1 node(s) done" in r.stderr and "complete" in r.stdout
     assert all(len(line) < 200 for line in r.stderr.splitlines())  # plain lines, not a wrapped table
-
-
-@pytest.mark.e2e
-def test_up_refuses_missing_weights_when_the_inventory_opts_in(tmp_path: Path) -> None:
-    """The simulated engine loads no weights, so `up` checks them only when the node env opts in."""
-    inv, caches = standin.two_nodes(tmp_path, env={weights.OPT_IN: "1"})
-    standin.hf_cache(caches["w-1"] / "hub")
-    cli = Cli(tmp_path / "state")
-    r = cli.run("up", "-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2", "--port-base", "24200", "--name", "wm-optin", "--json",
-                timeout=120)
-    err = json.loads(r.stdout.strip().splitlines()[-1]).get("error", {})
-    if r.returncode == 0:  # never leave a deployment behind, whatever the outcome
-        cli.run("down", "wm-optin", timeout=120)
-    assert r.returncode == 2 and err.get("code") == "weights-missing" and "w-2" in err["message"] and "w-1" not in err["message"], r.stdout
-    assert "k3launch weights fetch" in err["hint"]
-
-
-@pytest.mark.e2e
-@pytest.mark.ssh
-def test_fetch_between_ssh_hosts_over_the_same_ssh(ssh_hosts: Hosts, tmp_path: Path) -> None:
-    n1, n2 = ssh_hosts.names[:2]
-    nodes = [{"name": n, "address": ssh_hosts.addresses[n], "env": {"HF_HOME": str(tmp_path / f"hf-{n}")}} for n in (n1, n2)]
-    inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", names=[n1, n2], extra={"nodes": nodes})
-    standin.hf_cache(tmp_path / f"hf-{n1}" / "hub", shards=4)
-    sel = ("-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2")
-    r = Cli(tmp_path / "state").run("weights", "fetch", *sel, "--from-node", n1, "--interval", "0.2", "--json", timeout=120)
-    out = json.loads(r.stdout)
-    assert r.returncode == 0 and out["complete"], r.stdout + r.stderr
-    assert {n["node"]: n["fetched"] for n in out["nodes"]} == {n1: False, n2: True}
-    blobs = tmp_path / f"hf-{n2}" / "hub" / "models--moonshotai--Kimi-K3" / "blobs"
-    assert len(list(blobs.iterdir())) == 6  # config, index, 4 shards: each arrived over the relay

@@ -2,8 +2,8 @@
 
 Command construction and parsing against the FakeRunner (a hostile path stays one word); the
 node-side program run for real on this machine (small files), including its fall-back when
-O_DIRECT is refused (a ``dd`` that refuses ``iflag=direct`` first on PATH); the CLI end to end
-on the local inventory (marker ``e2e``).
+O_DIRECT is refused (a ``dd`` that refuses ``iflag=direct`` first on PATH). The CLI end to end:
+test_weights_probe_e2e.py (local inventory), test_weights_probe_ssh.py (sshd test hosts).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from k3launch.testing import FakeRunner
 from k3launch.transport.fleet import Fleet
 
 if TYPE_CHECKING:
-    from sshhosts import Hosts
+    pass
 
 
 HOST = Host(name="n1", address="127.0.0.1", role="serve", gpus=0, placeholder=False, runtime="bare")
@@ -129,41 +129,3 @@ def test_without_o_direct_the_page_cache_is_dropped_and_the_method_says_so(tmp_p
     got = pr.parse("n1", r.stdout, [str(tmp_path)])
     assert got.ok and got.method == "nocache", r.stdout + r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin"]  # every probe file removed
-
-
-@pytest.mark.e2e
-def test_weights_probe_on_this_machine_through_the_cli(local_inventory: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "K3LAUNCH_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "250", "NO_COLOR": "1"}
-    d = tmp_path / "weights dir"
-    d.mkdir()
-    cli = [sys.executable, "-m", "k3launch", "weights", "probe", "-i", str(local_inventory)]
-    r = subprocess.run([*cli, "--path", str(d), "--bytes", str(32 * MIB), "--save", "--json"], capture_output=True, text=True, env=env, timeout=120)
-    out = json.loads(r.stdout)
-    assert r.returncode == 0 and out["ok"], r.stdout + r.stderr
-    row = out["nodes"][0]
-    assert row["bytes"] == 32 * MIB and row["read_mbps"] > 0 and row["method"] == "o_direct" and row["dir"] == str(d)
-    assert list(d.iterdir()) == []
-    assert [p.node for p in api.saved_probe(local_inventory, tmp_path / "state")] == [row["node"]]
-    r = subprocess.run([*cli, "--path", str(d)], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 0 and "MB/s" in r.stdout and "O_DIRECT" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run([*cli, "--path", str(tmp_path / "none")], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and r.stderr.count("\n") == 2 and "error: weights probe on" in r.stderr and "hint: pass --path" in r.stderr
-    r = subprocess.run([*cli, "--bytes", "17179869185"], capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode == 2 and "--bytes" in r.stderr
-
-
-@pytest.mark.e2e
-@pytest.mark.ssh
-def test_weights_probe_over_ssh_hosts_per_node(ssh_hosts: Hosts, tmp_path: Path) -> None:
-    n1, n2 = ssh_hosts.names[:2]
-    d = tmp_path / "shared dir"
-    d.mkdir()
-    inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", names=[n1, n2], extra={"weights": {"path": str(d)}})
-    env = {**os.environ, "K3LAUNCH_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "250", "NO_COLOR": "1"}
-    r = subprocess.run([sys.executable, "-m", "k3launch", "weights", "probe", "-i", str(inv), "--strategy", "multi_node_tp", "--nodes", "2",
-                        "--bytes", str(8 * MIB), "--json"], capture_output=True, text=True, env=env, timeout=180)
-    out = json.loads(r.stdout)
-    assert r.returncode == 0 and out["ok"], r.stdout + r.stderr
-    assert {(n["node"], n["dir"], n["bytes"]) for n in out["nodes"]} == {(n1, str(d), 8 * MIB), (n2, str(d), 8 * MIB)}
-    assert all(n["method"] in ("o_direct", "fadvise", "nocache") and n["read_mbps"] > 0 for n in out["nodes"])
-    assert list(d.iterdir()) == []  # the inventory's weights.path was probed, and every file removed
