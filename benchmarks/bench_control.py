@@ -1,8 +1,8 @@
 """Benchmark: the one controller's times: detection, standby promotion, restart, and rollout per unit.
 
 Each scenario is one deployment per run, failed or rolled for real under a steady, bounded client
-load through the real vllm-router (tests/support/e2e_helpers.Load), as tests/test_control_sim.py and
-tests/test_engine_control.py do. Times of events are when the supervisor wrote them into
+load through the real vllm-router (tests/support/e2e_helpers.Load), as tests/e2e/local/test_control_sim.py and
+tests/engine/test_engine_control.py do. Times of events are when the supervisor wrote them into
 ``<state>/events/NAME.jsonl`` (read every 20 ms: bench_supervise.py's ``Logged``), and the router's
 membership is its ``/list_workers``, polled every 20 ms.
 

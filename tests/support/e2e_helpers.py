@@ -1,4 +1,4 @@
-"""Helpers of the end-to-end tests over real sshd hosts (tests/test_e2e_ssh.py, tests/test_faults_ssh.py).
+"""Helpers of the end-to-end tests over real sshd hosts (tests/e2e/ssh/test_e2e_ssh.py, tests/e2e/ssh/test_faults_ssh.py).
 
 * :class:`Cli` runs the real ``k3launch`` CLI in a subprocess of its own session, always bounded
   (on timeout the whole group is killed and the test fails with the output so far).

@@ -1,7 +1,7 @@
 """What the real-engine tests over SSH share: two sshd test hosts as a CPU inventory of the real
 vLLM (CPU build), the CLI with its own state directory, and ``up`` on them with the tier's timeouts.
 
-The ``pair`` fixture (tests/engine/conftest.py) makes a :class:`Pair`; tests/engine/test_engine_ssh.py
+The ``pair`` fixture (tests/conftest.py) makes a :class:`Pair`; tests/engine/test_engine_ssh.py
 and tests/engine/test_engine_control.py use it.
 """
 

@@ -2,7 +2,7 @@
 backend running engines in it under podman, the CLI with its own state directory (:class:`K3`), and
 what sweeps a deployment's containers, secrets and processes away.
 
-The image itself comes from the ``podman_env`` fixture (tests/e2e/podman/conftest.py, which runs
+The image itself comes from the ``podman_env`` fixture (tests/conftest.py, which runs
 tests/infra/podman-image.sh); the fast tier reads only the tag and the inventory.
 """
 

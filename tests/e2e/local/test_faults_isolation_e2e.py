@@ -89,8 +89,8 @@ def test_the_suites_deployments_and_campaigns_run_beside_a_users_deployment(tmp_
 
     # the suite's own tests, as CI runs them: a campaign end to end and a local lifecycle (up, bench, down)
     tests = [
-        "tests/test_campaign_e2e.py::test_campaign_end_to_end_one_start_per_deployment",
-        "tests/test_campaign_e2e.py::test_bench_command_on_a_live_deployment",
+        "tests/e2e/local/test_campaign_e2e.py::test_campaign_end_to_end_one_start_per_deployment",
+        "tests/e2e/local/test_campaign_e2e.py::test_bench_command_on_a_live_deployment",
     ]
     inner = subprocess.run(
         [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "inner")],

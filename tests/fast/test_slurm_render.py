@@ -7,7 +7,7 @@ test_slurm_render_e2e.py):
   inventories without a nodelist (plan nodes are ``slurm-node-i`` placeholders), across the pyxis,
   apptainer and bare container modes, and two copies (``--replicas 2``) of K3 DEP and multi-node TP
   in one job. Regenerate with
-  ``K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py`` and read the diff.
+  ``K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_slurm_render.py`` and read the diff.
 * execution with fakes: the whole script runs under bash with a fake ``scontrol`` (prints the
   "allocated" host names) and a fake ``srun`` (records its argv NUL-separated and its environment,
   then exits or sleeps as told). Each step's command after the srun options must be exactly the
@@ -180,7 +180,7 @@ def test_golden_sbatch(case: str) -> None:
         GOLDEN.mkdir(parents=True, exist_ok=True)
         path.write_text(got, encoding="utf-8")
         return
-    assert path.is_file(), f"{path} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_slurm_render.py and review it"
+    assert path.is_file(), f"{path} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_slurm_render.py and review it"
     want = path.read_text(encoding="utf-8")
     if got != want:
         diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), f"golden/slurm/{case}.sbatch", "now"))

@@ -4,7 +4,7 @@
 Goldens live in ``tests/golden/inventory/<inventory>__<selection>.json``; regenerate after an
 intended change with
 
-    K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_placement.py
+    K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_placement.py
 
 and read the diff. Each golden was read by hand when frozen: real addresses from the inventory
 in every argv/env/router URL, the inventory's NIC in GLOO/NCCL_SOCKET_IFNAME, heads first in
@@ -114,7 +114,7 @@ def test_golden(case: str, plans: dict[str, dict[str, Any]]) -> None:
         GOLDEN.mkdir(parents=True, exist_ok=True)
         path.write_text(got, encoding="utf-8")
         return
-    assert path.is_file(), f"{path} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_placement.py and review it"
+    assert path.is_file(), f"{path} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_placement.py and review it"
     want = path.read_text(encoding="utf-8")
     if json.loads(want) != plans[case]:
         diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), f"golden/inventory/{case}.json", "now", n=2))

@@ -3,7 +3,7 @@
 Each case is one selection; its ``plan.model_dump(mode="json")`` is stored pretty-printed in
 ``tests/golden/<name>.json``. Regenerate after an intended change with
 
-    K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_golden.py
+    K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_golden.py
 
 and read the diff: every golden was checked by hand against the seed when it was frozen.
 """
@@ -60,7 +60,7 @@ def test_golden(name: str) -> None:
         GOLDEN.mkdir(exist_ok=True)
         path.write_text(got, encoding="utf-8")
         return
-    assert path.is_file(), f"{path} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_golden.py and review it"
+    assert path.is_file(), f"{path} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_golden.py and review it"
     want = path.read_text(encoding="utf-8")
     if json.loads(got) != json.loads(want):
         diff = "".join(difflib.unified_diff(want.splitlines(True), got.splitlines(True), f"golden/{name}.json", "now", n=2))

@@ -7,7 +7,7 @@ fake receives must be exactly the plan's, hostile inventory values must arrive a
 ``/tmp/pwned-<uuid>`` (or ``./pwned-*``) file may appear. HF_TOKEN never reaches a file.
 
 Golden scripts live in ``tests/golden/render/<inventory>__<selection>/``; regenerate with
-``K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_render.py`` and read the diff.
+``K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_render.py`` and read the diff.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def test_golden_scripts(case: str, tmp_path: Path) -> None:
         for name, text in got.items():
             (want_dir / name).write_text(text)
         return
-    assert want_dir.is_dir(), f"{want_dir} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/test_render.py"
+    assert want_dir.is_dir(), f"{want_dir} missing: run K3LAUNCH_UPDATE_GOLDEN=1 pytest tests/fast/test_render.py"
     assert sorted(p.name for p in want_dir.iterdir()) == sorted(got)
     for name, text in got.items():
         want = (want_dir / name).read_text()

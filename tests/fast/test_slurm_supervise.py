@@ -2,7 +2,7 @@
 
 * goldens: a supervised K3 DEP, a P/D and a two-copy DEP job script in ``tests/golden/slurm/supervised/``
   (``K3LAUNCH_UPDATE_GOLDEN=1`` rewrites them); the unsupervised goldens stay as they are
-  (tests/test_slurm_render.py). A supervised script starts no step itself: after the doctor and
+  (tests/fast/test_slurm_render.py). A supervised script starts no step itself: after the doctor and
   prepare steps it hands over to ``python -m k3launch.deploy.slurm.injob`` with its settings.
 * the controller starts each step with exactly the words the unsupervised script gives ``k3_step``
   (hostile values included: nothing in them runs).
@@ -86,7 +86,7 @@ def test_a_supervised_script_hands_over_to_the_controller_with_its_settings(case
     assert job_library() in text and "k3launch-watch" not in text
     body = text.split("# ---- end of the k3launch job library ----\n", 1)[1]
     calls = [ln.split()[0] for ln in body.splitlines() if ln.startswith("k3_")]
-    dirs = calls.count("k3_dir")  # what the steps need on their nodes, made first (tests/test_slurm_render.py checks them)
+    dirs = calls.count("k3_dir")  # what the steps need on their nodes, made first (tests/fast/test_slurm_render.py checks them)
     assert calls == ["k3_bind", "k3_doctor", *["k3_dir"] * dirs, "k3_prepare", "k3_control"] and dirs > 0
     # the last lines: the interpreter recorded at submission, then one JSON line of settings in a quoted here-document
     lines = body.rstrip("\n").splitlines()

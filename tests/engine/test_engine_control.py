@@ -1,5 +1,5 @@
 """The one controller with the REAL vLLM (CPU build) behind the real vllm-router: hot standbys
-and a rollout that a kill interrupts (the engine tier; tests/test_control_sim.py proves the same
+and a rollout that a kill interrupts (the engine tier; tests/e2e/local/test_control_sim.py proves the same
 with the simulated engine).
 
 Two sshd test hosts (a core each: ``Hosts.own_cores``), ``up --replicas 1 --standby 1``: one copy

@@ -2,7 +2,7 @@
 ``restart.fault_tolerance``): one process and API server per DP rank, the flags vLLM 0.33.0 needs,
 their provenance, the router in front of every rank, what the plan tells a supervisor, and one
 test per refusal. The golden plan is ``tests/golden/b300_multi_node_dep_2_fault_tolerance.json``
-(tests/test_golden.py); test_ft_plan_e2e.py brings one up on the simulated engine."""
+(tests/fast/test_golden.py); test_ft_plan_e2e.py brings one up on the simulated engine."""
 
 from __future__ import annotations
 

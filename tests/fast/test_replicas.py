@@ -1,5 +1,5 @@
 """``--replicas N``: independent copies of any aggregated strategy's engine, each on nodes of its
-own behind one vllm-router (planning; tests/test_supervise_sim.py runs two copies and restarts one)."""
+own behind one vllm-router (planning; tests/e2e/local/test_supervise_sim.py runs two copies and restarts one)."""
 
 from __future__ import annotations
 

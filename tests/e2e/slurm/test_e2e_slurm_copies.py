@@ -5,7 +5,7 @@ cluster's 4 nodes (the simulated engine, bare; the real vllm-router on node 0 of
 Each copy's ranks meet at their own head; requests through the router reach both copies (each
 copy's engines count them on /metrics); ``status`` shows both copies; ``rollout`` of a job brought
 up without ``--supervise`` is refused (no controller runs in it: docs/rollout.md, "On Slurm") and
-changes nothing (tests/test_e2e_slurm_control.py rolls a supervised one); ``down`` leaves no job, step or process.
+changes nothing (tests/e2e/slurm/test_e2e_slurm_control.py rolls a supervised one); ``down`` leaves no job, step or process.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def test_dead_processes_and_unreachable_node(tmp_path: Path) -> None:
 
 
 def test_doctor_judges_ports_leftovers_and_skips_gpus_for_sim() -> None:
-    plan = _plan().model_copy(update={"backend": "ssh"})  # nodes of their own (local: tests/test_faults_isolation.py)
+    plan = _plan().model_copy(update={"backend": "ssh"})  # nodes of their own (local: tests/fast/test_faults_isolation.py)
     node = plan.processes[0].node
     addr = plan.processes[0].address
     port = plan.processes[0].http_port
