@@ -31,7 +31,6 @@ import pytest
 import yaml
 from e2e_helpers import Cli, Load, events, wait_event
 from enginepair import UP_TIMEOUT_S, Pair, argv_of, up
-from test_engine_ssh import pair  # noqa: F401  (the fixture)
 
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
@@ -82,7 +81,7 @@ def _rss_gb(name: str) -> float:
     return total / 2**20
 
 
-def test_a_standby_takes_a_killed_copys_place_during_a_rollout_of_real_engines(pair: Pair, vllm_cpu: VllmCpu, tmp_path: Path) -> None:  # noqa: F811
+def test_a_standby_takes_a_killed_copys_place_during_a_rollout_of_real_engines(pair: Pair, vllm_cpu: VllmCpu, tmp_path: Path) -> None:
     name = f"eng-ctl-{pair.suffix}"
     cli = pair.cli
     inv = yaml.safe_load(pair.inv.read_text())

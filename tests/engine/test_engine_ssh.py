@@ -25,7 +25,6 @@ import shutil
 import signal
 import time
 import urllib.request
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,52 +32,26 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 from e2e_helpers import (
-    Cli,
     Load,
-    cleanup,
     events,
     leftovers,
     log_sections,
     netns,
     no_engine_left,
     processes,
-    session,
     wait_event,
 )
-from enginepair import LOCAL_CPU, UP_TIMEOUT_S, Pair, argv_of, up
+from enginepair import UP_TIMEOUT_S, Pair, argv_of, up
 from paths import ROOT
 
 from k3launch.models.record import Status
 
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
-    from sshhosts import Hosts
 
 pytestmark = [pytest.mark.e2e, pytest.mark.engine, pytest.mark.ssh]
 
 STAGES = ("doctor", "start", "alive", "health", "completion", "ready")
-
-
-@pytest.fixture
-def pair(ssh_hosts: Hosts, vllm_cpu: VllmCpu, tmp_path: Path) -> Iterator[Pair]:
-    if ssh_hosts.mode != "netns":
-        pytest.skip("loopback mode: the hosts share one network namespace, so their engines cannot be told apart")
-    shipped = yaml.safe_load(LOCAL_CPU.read_text())
-    names = ssh_hosts.names[:2]
-    inv = ssh_hosts.write_inventory(tmp_path / "inv.yaml", hardware="cpu-x86", engine="vllm", names=names, extra={
-        "vllm_version": shipped["vllm_version"],
-        "defaults": {"venv": str(vllm_cpu.bin.parent), "cpu_memory_gb": shipped["defaults"]["cpu_memory_gb"],
-                     "env": shipped["defaults"]["env"]},
-    })
-    sfx, off = session(ssh_hosts)
-    cli = Cli(tmp_path / "state")
-    p = Pair(ssh_hosts, names, inv, cli, vllm_cpu.model, off, sfx)
-    try:
-        with ssh_hosts.own_cores(names):  # a core per host, as separate machines (see Hosts.own_cores)
-            yield p
-    finally:  # whatever a failing test left: `down`, then SIGKILL (the real checks are in the tests)
-        recs = cli.state_dir / "deployments"
-        cleanup(cli, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])
 
 
 def _shm() -> set[str]:

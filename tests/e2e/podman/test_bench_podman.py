@@ -1,6 +1,6 @@
 """The engine-container client path for real: `vllm bench serve` run with `podman exec` in the head
 container (the test image's `vllm` is the sim, which answers `vllm bench serve`), the result JSON
-read back with `cat`. Needs root and podman (the fixtures of test_podman.py build the image and
+read back with `cat`. Needs root and podman (the fixtures of this folder's conftest.py build the image and
 skip, or fail under K3LAUNCH_TEST_PODMAN_REQUIRED=1, when they cannot)."""
 
 from __future__ import annotations
@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import yaml
 from podmanenv import K3, PREFIX, containers
-from test_podman import k3, podman_env  # noqa: F401  (fixtures)
 
 from k3launch.campaign.results import read_rows
 
 pytestmark = [pytest.mark.e2e, pytest.mark.podman]
 
 
-def test_bench_runs_vllm_bench_serve_inside_the_head_container(k3: K3, tmp_path: Path) -> None:  # noqa: F811
+def test_bench_runs_vllm_bench_serve_inside_the_head_container(k3: K3, tmp_path: Path) -> None:
     name = f"{PREFIX}bench-{uuid.uuid4().hex[:6]}"
     r = k3.up(name, "--port-base", "32768", "--json")
     assert r.returncode == 0, r.stdout + r.stderr
@@ -36,7 +35,7 @@ def test_bench_runs_vllm_bench_serve_inside_the_head_container(k3: K3, tmp_path:
     assert k3.down(name)["clean"]
 
 
-def test_campaign_on_containers_records_the_image(k3: K3, tmp_path: Path) -> None:  # noqa: F811
+def test_campaign_on_containers_records_the_image(k3: K3, tmp_path: Path) -> None:
     cname = f"{PREFIX[:-1]}c{uuid.uuid4().hex[:5]}"
     camp = tmp_path / "c.yaml"
     camp.write_text(yaml.safe_dump({"name": cname, "inventory": str(k3.inventory), "port_base": 33280, "ready_timeout": 60,
