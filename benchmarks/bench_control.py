@@ -1,8 +1,8 @@
 """Benchmark: the one controller's times: detection, standby promotion, restart, and rollout per unit.
 
 Each scenario is one deployment per run, failed or rolled for real under a steady, bounded client
-load through the real vllm-router (tests/e2e_helpers.Load), as tests/test_control_sim.py and
-tests/test_engine_control.py do. Times of events are when the supervisor wrote them into
+load through the real vllm-router (tests/support/e2e_helpers.Load), as tests/e2e/local/test_control_sim.py and
+tests/engine/test_engine_control.py do. Times of events are when the supervisor wrote them into
 ``<state>/events/NAME.jsonl`` (read every 20 ms: bench_supervise.py's ``Logged``), and the router's
 membership is its ``/list_workers``, polled every 20 ms.
 
@@ -52,7 +52,7 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_rollout import _RUNNING, _rolled, _rollout, _stop_running
 from bench_supervise import REAL_PAUSE_S, Ctx, Logged, Run, TimedLoad, _engine, _hosts, _local_inventory, _pid, _up, _why, replicas

@@ -28,7 +28,7 @@ from pathlib import Path
 from k3launch import api
 
 ROOT = Path(__file__).resolve().parents[1]
-PHASES = [  # vLLM 0.32's own lines (the same patterns as tests/test_engine_drift.py)
+PHASES = [  # vLLM 0.32's own lines (the same patterns as tests/engine/test_engine_drift.py)
     ("engine: process start (banner)", re.compile(r"\bversion \d+\.\d+\.\d+")),
     ("engine: weights loaded", re.compile(r"\] Loading weights took [\d.]+ seconds")),
     ("engine: initialised (KV cache, warm-up)", re.compile(r"\] init engine \(profile, create kv cache, warmup model\) took")),

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 import standin  # the tests' stand-in tools and caches
 from sshhosts import ENV_DIR, Hosts, start_hosts_in_free_slot
 

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ssh_floor import _ssh_cli  # the floor, measured the same way as there
 from sshhosts import ENV_DIR, Hosts, start_hosts_in_free_slot

@@ -2,9 +2,9 @@
 
 Each scenario is one deployment per run (``local`` backend, ``inventories/local.yaml`` moved to
 loopback addresses of this benchmark's own, 127.0.78.x, engine load time ``K3LAUNCH_SIM_LOAD_S``),
-rolled once under a steady, bounded client load (tests/e2e_helpers.Load: 2 clients sending small
+rolled once under a steady, bounded client load (tests/support/e2e_helpers.Load: 2 clients sending small
 completions one after another through the deployment's endpoint, every failure counted), with the
-command lines of tests/test_rollout_sim.py. The load runs 1 s before the rollout and 1 s after it,
+command lines of tests/e2e/local/test_rollout_sim.py. The load runs 1 s before the rollout and 1 s after it,
 so a unit the router did not take back shows up as failed requests. The figures are the
 ``rolled`` entries of ``rollout --json`` (``seconds`` per unit from its leaving the router to its
 coming back, ``drained_s`` of them waiting for in-flight requests, ``downtime_s`` when no router
@@ -58,7 +58,7 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from e2e_helpers import Cli, Load, cleanup
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,8 +24,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from sshhosts import ENV_DIR, Hosts, start_hosts_in_free_slot  # the tests' helper (tests/ is not a package)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
+from sshhosts import ENV_DIR, Hosts, start_hosts_in_free_slot  # the tests' helper (tests/support is not a package)
 
 
 def _ssh_cli(hosts: Hosts, targets: list[str]) -> float:

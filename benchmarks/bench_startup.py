@@ -5,7 +5,7 @@ required libraries cost before k3launch does anything. The target is each k3laun
 within 1.25x of the floor running its `plan`, comparing medians of one run that alternates the
 commands N times (interleaved, so machine noise hits every row alike). Prints min and median
 wall times, the ratios and the machine's load; asserts nothing (speed targets are benchmarks,
-never test assertions; what each command imports is asserted by tests/test_startup.py).
+never test assertions; what each command imports is asserted by tests/fast/test_startup.py).
 
     python benchmarks/bench_startup.py [--runs 21] [--importtime] [--top 10]
 

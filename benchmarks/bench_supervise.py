@@ -1,9 +1,9 @@
 """Benchmark: how fast `k3launch supervise` brings a deployment back, and what a client sees meanwhile.
 
 Each scenario is one deployment per run, failed for real under a steady, bounded client load
-(tests/e2e_helpers.Load: a few clients sending small completions one after another, every
-failure counted), as tests/test_supervise_sim.py, tests/test_supervise_ssh.py and
-tests/test_engine_ssh.py do. Each figure is the seconds from the moment the failure was caused
+(tests/support/e2e_helpers.Load: a few clients sending small completions one after another, every
+failure counted), as tests/e2e/local/test_supervise_sim.py, tests/e2e/ssh/test_supervise_ssh.py and
+tests/engine/test_engine_ssh.py do. Each figure is the seconds from the moment the failure was caused
 to the moment the supervisor wrote the event into ``<state>/events/NAME.jsonl`` (the log is read
 every 20 ms). Not the event's own ``time``: that is when the look that found it began, up to a look
 earlier (a look at a silent node waits out the 3 s connect timeout, at a hung or busy engine the
@@ -57,7 +57,7 @@ from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from e2e_helpers import Cli, Load, cleanup, events, try_complete, wait_event
 from sshhosts import ENV_DIR, Hosts, start_hosts_in_free_slot
 

@@ -1,3 +1,12 @@
+"""The test session's own settings, whatever tier folder runs: the helpers' import path
+(tests/support), the fixtures more than one folder uses, the suite's own state directory and
+loopback range, and the tier checks of tests/support/tiers.py (markers, folders).
+
+Where a fixture lives: in the module that uses it; in its folder's conftest.py when several
+modules of one folder use it; here, or in a plugin module of tests/support listed in
+``pytest_plugins``, when tests of several folders use it. Each fixture name is defined once.
+"""
+
 from __future__ import annotations
 
 import os
@@ -5,20 +14,24 @@ import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
 import yaml
 
-if TYPE_CHECKING:
-    from e2e_helpers import Cli
+# tests import their helpers (plan_checks, sshhosts, ...) from tests/support as top-level modules;
+# the fakes are k3launch.testing
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
-# tests import their helpers (plan_checks, sshhosts, ...) as top-level modules; the fakes are k3launch.testing
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import ROOT, TESTS
+from tiers import misfiled, misplaced_lint, missing_markers
 
-from tiers import misplaced_lint, missing_markers
+# The fixtures more than one tier folder uses, with the helpers they wrap: the infrastructure
+# (ssh_hosts, slurm_cluster and the fixtures built on it, vllm_cpu) and simulated engine
+# processes (procs), registered once for the whole session: pytest takes pytest_plugins only in
+# this root conftest. A plugin's fixture starts nothing until a test asks for it, so the fast tier
+# only imports these modules.
+pytest_plugins = ["sshhosts", "slurmcluster", "enginecpu", "simproc"]
 
-ROOT = Path(__file__).resolve().parents[1]
 # The test suite's own loopback range. The bundled local inventories put their nodes on 127.0.0.x
 # (local.yaml: 127.0.0.11-14, router 127.0.0.1; local-cpu.yaml: 127.0.0.21-24, router 127.0.0.20),
 # where a user's deployment (the quick start's, still up) runs; the tests' local deployments run
@@ -39,10 +52,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     problems = missing_markers(items)
     if problems:
         raise pytest.UsageError("tests that start infrastructure need its markers (pytestmark = [pytest.mark.e2e, ...]; "
-                                "see tests/tiers.py):\n  " + "\n  ".join(problems))
+                                "see tests/support/tiers.py):\n  " + "\n  ".join(problems))
     problems = misplaced_lint(items)
     if problems:
-        raise pytest.UsageError("linters run in the fast tier (see tests/tiers.py):\n  " + "\n  ".join(problems))
+        raise pytest.UsageError("linters run in the fast tier (see tests/support/tiers.py):\n  " + "\n  ".join(problems))
+    problems = misfiled(items, TESTS)
+    if problems:
+        raise pytest.UsageError("each test module sits in the folder of its tier (see tests/support/tiers.py):\n  " + "\n  ".join(problems))
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -98,16 +114,3 @@ def local_inventory(tmp_path: Path) -> Path:
 def local_cpu_inventory(tmp_path: Path) -> Path:
     """inventories/local-cpu.yaml (the real engine) on the test range: 127.0.77.21-24, router 127.0.77.20."""
     return isolated_inventory("local-cpu", tmp_path)
-
-
-@pytest.fixture
-def state_cli(tmp_path: Path) -> Iterator[Cli]:
-    """The CLI with a state directory of its own; whatever the test left up is taken down after it."""
-    from e2e_helpers import Cli, cleanup
-
-    c = Cli(tmp_path / "state")
-    try:
-        yield c
-    finally:
-        recs = c.state_dir / "deployments"
-        cleanup(c, [r.stem for r in recs.glob("*.json")] if recs.is_dir() else [])

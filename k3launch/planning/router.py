@@ -96,7 +96,7 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
 def _supervision_flags(add: Callable[..., None], pd: bool) -> None:
     """The flags that let the router route around an engine a supervisor restarts on the same
     address and port. Figures: vllm-router 0.1.17, two sim engines, four clients sending small
-    completions, one engine killed with SIGKILL and restarted (tests/test_router_supervision.py).
+    completions, one engine killed with SIGKILL and restarted (tests/e2e/local/test_router_supervision.py).
 
     What takes a worker out and puts it back is the health checker (``GET /health`` of every
     worker each interval): unhealthy after ``--health-failure-threshold`` failed checks in a row,

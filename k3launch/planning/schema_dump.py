@@ -216,7 +216,7 @@ def check_dumped(vdir: Path) -> Dumped:
     Pure: reads the two files, nothing else. Checks the format (keys, version names agreeing with
     the directory, sorted unique env names, one option per flag spelling) and builds the
     :class:`FlagSchema` the way :func:`.schema.load_schema` builds it from a vendored directory
-    (``tests/test_schema_dump.py`` keeps the two in step). Raises :class:`K3Error` on any fault.
+    (``tests/engine/test_schema_dump_engine.py`` keeps the two in step). Raises :class:`K3Error` on any fault.
     """
     vdir = Path(vdir)
     version = vdir.name

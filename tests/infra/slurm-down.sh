@@ -105,7 +105,7 @@ if [ -f "$DIR/run/etc_dir_made" ]; then
 fi
 unlock_registry
 
-# without these, tests/slurmcluster.py would take the (now dead) cluster for a running one
+# without these, tests/support/slurmcluster.py would take the (now dead) cluster for a running one
 rm -f "$DIR"/{settings,cluster.json,env.sh}
 printf 'slurm-down: cluster of %s down (%d job(s) cancelled, %d process(es) stopped, %d node namespace(s) removed) in %.2fs\n' \
   "$DIR" "$cancelled" "$stopped" "${#nss[@]}" "$(awk -v a="$T0" -v b="$(date +%s%N)" 'BEGIN { print (b - a) / 1e9 }')"

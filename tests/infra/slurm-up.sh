@@ -29,14 +29,14 @@
 #   SLURMCTLD_PORT=6817  SLURMD_PORT_BASE=17000 (multi)  SLURMDBD_PORT=16819  MARIADB_PORT=13306
 #   SLURM_WAIT_S=60          bound on the wait for every node to be idle
 # (Slurm itself sets SLURM_GPUS_PER_NODE in jobs and srun reads SLURM_PARTITION: when running this
-# from inside a real Slurm job, set those knobs explicitly. tests/slurmcluster.py does.)
+# from inside a real Slurm job, set those knobs explicitly. tests/support/slurmcluster.py does.)
 #
 # Each cluster has its own munged (socket and key in DIR) and its own ports; machine-wide names
 # (bridge, namespaces, ports) are claimed in the registry of lib-netns.sh, so the SSH test hosts
 # and several clusters (one per DIR, other knobs) run side by side.
 # Outputs in DIR: slurm.conf, gres.conf, cgroup.conf, env.sh (exports SLURM_CONF and
 # K3LAUNCH_TEST_SLURM_DIR: sourcing it makes the tests reuse this cluster), cluster.json (what
-# tests/slurmcluster.py reads), log/ (daemon logs, jobcomp.txt: one line per finished job).
+# tests/support/slurmcluster.py reads), log/ (daemon logs, jobcomp.txt: one line per finished job).
 # Idempotent: a running cluster is only re-checked, dead daemons are restarted; different
 # settings for a running cluster are refused (run slurm-down.sh DIR first).
 # Returns once `sinfo` shows every node idle (or busy with jobs), or fails within SLURM_WAIT_S;

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # tests/infra/vllm-cpu-image.sh [TAG] -- a container image that holds the REAL vLLM CPU build, made
-# with no registry: the engine tier runs `runtime: podman` with it (tests/test_engine_podman.py).
+# with no registry: the engine tier runs `runtime: podman` with it (tests/engine/test_engine_podman.py).
 #
 #   * runs vllm-cpu-up.sh first (the venv and the tiny model; fast when already built) and
 #     podman-image.sh (podman + runc installed and configured the way this VM needs them; it also

@@ -251,7 +251,7 @@ PYEOF
 }
 
 # K3LAUNCH_VLLM_CPU_FAKE=1: the same layout, key, swap and clean-up in well under a second, for
-# tests/test_infra_engine_build.py (a second real build in CI would cost minutes and 3.5 GB). The
+# tests/e2e/local/test_infra_engine_build.py (a second real build in CI would cost minutes and 3.5 GB). The
 # venv has no pip and no vLLM: its `vllm` answers --version like the CPU build and `serve` sleeps
 # like a running engine.
 fake_venv() {
