@@ -134,7 +134,7 @@ def recipes_list(console: Console, rows: list[tuple[str, str, str]], taxonomy: T
 
 
 def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, kv: dict[str, dict[str, bool]], kv_hw: str,
-                  default: Mapping[str, object]) -> None:
+                  default: Mapping[str, object], one_node: Mapping[str, bool | None]) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -152,11 +152,12 @@ def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, k
     hw = Table(title="hardware")
     for col in ("id", "GPUs x memory", "verified", "one node holds the weights"):
         hw.add_column(col)
-    need = rec.variants[next(iter(rec.variants))].vram_minimum_gb or 0
     for hid, prof in taxonomy.hardware_profiles.items():
         if prof.restricted and hid not in rec.meta.hardware:
             continue
-        hw.add_row(hid, f"{prof.gpu_count} x {prof.gpu_memory_gb:g} GB = {prof.vram_gb} GB", rec.meta.hardware.get(hid, "no"), "yes" if prof.vram_gb >= need else "no")
+        holds = one_node.get(hid)
+        hw.add_row(hid, f"{prof.gpu_count} x {prof.gpu_memory_gb:g} GB = {prof.vram_gb} GB", rec.meta.hardware.get(hid, "no"),
+                   "?" if holds is None else "yes" if holds else "no")
     console.print(Group(hw))
     if kv:
         opts = list(next(iter(kv.values())))
