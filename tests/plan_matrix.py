@@ -47,6 +47,7 @@ Case = tuple[str, str, Callable[[], str]]  # (group, case, its text)
 OPTIONS: dict[str, dict[str, Any]] = {
     "features": {"features": ("tool_calling", "reasoning", "spec_decoding", "text_only")},
     "no-features": {"no_features": ("tool_calling", "reasoning")},
+    "ep-weight-filter": {"features": ("ep_weight_filter",)},
     "kv-simple": {"kv_offload": "simple"},
     "kv-lmcache": {"kv_offload": "lmcache"},
     "advanced-all": {"advanced": ("max-num-batched-tokens", "max-num-seqs", "gpu-memory-utilization", "max-model-len")},

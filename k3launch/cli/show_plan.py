@@ -45,6 +45,7 @@ def load_lines(pred: LoadPrediction) -> list[str]:
         staged = f" (the staged copy first, then its read at {', '.join(f'{g:,.2f}' for g in dict.fromkeys(pred.stage_gbps.values()))} GB/s)" if pred.stage_gbps else ""
         lines = [f"weights load (predicted, cold): {pred.total_s:,.0f} s until the last rank has its weights{staged}; {source}"]
     lines += [f"  read as {pred.reading}"] if pred.reading else []
+    lines += [f"  checkpoint {pred.checkpoint.gb:,.0f} GB: {pred.checkpoint.source}"] if pred.checkpoint else []
     for r in pred.ranks:
         copy = f" after a {r.copy_s:,.0f} s copy" if pred.stage_gbps else ""
         lines.append(f"  {r.process} on {r.node}: {r.ranks} rank(s) x {r.gb_per_rank:,.1f} GB, {r.seconds:,.0f} s{copy}")
