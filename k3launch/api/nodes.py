@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from k3launch.models.power import Sampler
     from k3launch.models.record import DeploymentRecord
     from k3launch.models.reports import ArrayJob, ArrayResult, DoctorReport
-    from k3launch.models.weights import FetchProgress, LoadPrediction, NodeWeights, Probe
+    from k3launch.models.weights import Checkpoint, FetchProgress, LoadPrediction, NodeWeights, Probe
     from k3launch.planning.inventory import Inventory
     from k3launch.transport.fleet import Fleet
 
@@ -111,31 +111,76 @@ def saved_probe(inventory: InventoryArg = None, state_dir: str | Path | None = N
         return []
 
 
-def load_prediction(plan: Plan, inventory: InventoryArg = None, state_dir: str | Path | None = None) -> LoadPrediction | None:
+def load_prediction(plan: Plan, inventory: InventoryArg = None, state_dir: str | Path | None = None,
+                    checkpoint: Checkpoint | None = None) -> LoadPrediction | None:
     """How long ``plan``'s engines take to read their weights (per process and the total), from
     the inventory's ``weights.read_gbps`` or the last saved ``weights probe``, read the way the
     plan's load format and strategy read (:mod:`k3launch.planning.loadtime`); with staging, the
     copy from that source plus the read of the copy at ``weights.stage_read_gbps``. None when no
     throughput is known for every engine node (or the plan is on placeholder nodes); a prediction
-    without figures when the plan's way of reading is not modelled (``unmodelled`` says why)."""
+    without figures when the plan's way of reading is not modelled (``unmodelled`` says why).
+    ``checkpoint``: the checkpoint's size as a node's index gave it (the doctor's); else the
+    index where this machine sees the model (:func:`local_checkpoint`), else the recipe's estimate."""
     from k3launch.planning.loadtime import predict
 
     if plan.inventory is None:
         return None
     inv = load(inventory).inventory
+    checkpoint = checkpoint or local_checkpoint(plan)
     src = inv.weights
     shared = bool(src and src.shared)
     staged = dict.fromkeys((h.name for h in plan.hosts), src.stage_read_gbps) if src is not None and src.stage_read_gbps else None
     if src is not None and src.read_gbps is not None:
         return predict(plan, dict.fromkeys((h.name for h in plan.hosts), src.read_gbps), shared=shared, shared_gbps=src.read_gbps,
-                       basis=f"inventory weights.read_gbps {src.read_gbps:g} GB/s" + (" (shared)" if shared else ""), stage_gbps=staged)
+                       basis=f"inventory weights.read_gbps {src.read_gbps:g} GB/s" + (" (shared)" if shared else ""), stage_gbps=staged,
+                       checkpoint=checkpoint)
     probes = [p for p in saved_probe(inv, state_dir) if p.ok]
     if not probes:
         return None
     methods = sorted({p.method for p in probes})
     basis = f"weights probe --save ({', '.join(methods)})" + (": the page cache, NOT the disk" if "cached" in methods else "")
     return predict(plan, {p.node: p.read_mbps / 1e3 for p in probes}, shared=shared, basis=basis + (" (shared)" if shared else ""),
-                   stage_gbps=staged)
+                   stage_gbps=staged, checkpoint=checkpoint)
+
+
+def local_checkpoint(plan: Plan) -> Checkpoint | None:
+    """The checkpoint's size from its ``model.safetensors.index.json`` where this machine sees the
+    model: a model given as a directory; else a Hugging Face hub cache here, at the plan's
+    revision -- the nodes' ``hf_cache`` and the engines' ``HF_HUB_CACHE`` / ``HF_HOME`` (the local
+    backend's nodes are this machine; a shared home is the same disk), then this process's own
+    (``HF_HUB_CACHE``, ``HF_HOME``, the default). None when no index here gives it: the recipe's
+    estimate is used then."""
+    import os
+
+    from k3launch.models.weights import INDEX, index_total, measured, revision
+
+    model = plan.model
+    if model.startswith(("/", "~", ".")):
+        dirs = [Path(model).expanduser()]
+    else:
+        envs = [*(p.env for p in plan.processes if p.role != "router"), os.environ]  # the engines' own (bare), then this process's
+        hubs = [f"{h.hf_cache.rstrip('/')}/hub" for h in plan.hosts if h.hf_cache]  # what containers mount as HF_HOME
+        hubs += [e.get("HF_HUB_CACHE") or f"{e.get('HF_HOME', '~/.cache/huggingface').rstrip('/')}/hub" for e in envs]
+        rev = revision(plan)
+        dirs = [_snapshot(Path(hub).expanduser() / ("models--" + model.replace("/", "--")), rev) for hub in dict.fromkeys(hubs) if hub]
+    for d in dirs:
+        try:
+            total = index_total((d / INDEX).read_text(encoding="utf-8"))
+        except OSError:
+            continue
+        if total:
+            return measured(total, f"read here in {d}")
+    return None
+
+
+def _snapshot(repo: Path, rev: str) -> Path:
+    """The snapshot directory of ``rev`` in a hub cache's model ``repo`` (a commit, or a ref such as ``main``)."""
+    if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev):
+        return repo / "snapshots" / rev
+    try:
+        return repo / "snapshots" / (repo / "refs" / rev).read_text(encoding="utf-8").strip()
+    except OSError:
+        return repo / "snapshots" / "?"  # no such ref here: a directory that is not there
 
 
 def load_against(rec: DeploymentRecord, state_dir: str | Path | None = None) -> tuple[LoadPrediction | None, list[dict[str, object]]]:

@@ -155,10 +155,12 @@ class RecipeDetail:
     default: dict[str, object]  # hardware, strategy, nodes, variant; or refused, message
     kv_offload: dict[str, dict[str, bool]]  # the KV offload options' support on ``kv_hardware``
     kv_hardware: str
+    one_node: dict[str, bool | None]  # hardware id -> one node holds the first variant's weights (None: the recipe gives no figure)
 
 
 def recipe(recipe_id: str, recipes_dir: str | Path | None = None) -> RecipeDetail:
     from k3launch.models.selection import Selection
+    from k3launch.planning import capacity
     from k3launch.planning.build import build_plan
     from k3launch.planning.options import kv_offload_matrix
     from k3launch.planning.recipes import RecipeTree
@@ -174,7 +176,13 @@ def recipe(recipe_id: str, recipes_dir: str | Path | None = None) -> RecipeDetai
     except K3Error as err:
         default = {"refused": err.code, "message": err.message}
     kv_hw = str(default.get("hardware") or rec.meta.default_hardware or next(iter(t.taxonomy.hardware_profiles)))
-    return RecipeDetail(rid, rec, t.taxonomy, default, kv_offload_matrix(t, rec, kv_hw), kv_hw)
+    try:  # the weights a plan counts, against one node as a plan checks it
+        w: float | None = capacity.weights(rec, next(iter(rec.variants.values()))).gb
+    except K3Error:
+        w = None
+    one_node = {hid: None if w is None else capacity.fits(w, capacity.node_memory(hid, prof), 1)
+                for hid, prof in t.taxonomy.hardware_profiles.items()}
+    return RecipeDetail(rid, rec, t.taxonomy, default, kv_offload_matrix(t, rec, kv_hw), kv_hw, one_node)
 
 
 @dataclass(frozen=True)

@@ -89,4 +89,4 @@ def recipes_show(ctx: typer.Context, recipe_id: Annotated[str, typer.Argument(he
         typer.echo(json.dumps({"id": d.id, "default": d.default, "recipe": d.recipe.model_dump(mode="json"),
                                "kv_offload_support": {d.kv_hardware: d.kv_offload}}, indent=2))
     else:
-        show.recipe_detail(console(), d.id, d.recipe, d.taxonomy, d.kv_offload, d.kv_hardware, d.default)
+        show.recipe_detail(console(), d.id, d.recipe, d.taxonomy, d.kv_offload, d.kv_hardware, d.default, d.one_node)

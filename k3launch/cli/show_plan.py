@@ -45,6 +45,7 @@ def load_lines(pred: LoadPrediction) -> list[str]:
         staged = f" (the staged copy first, then its read at {', '.join(f'{g:,.2f}' for g in dict.fromkeys(pred.stage_gbps.values()))} GB/s)" if pred.stage_gbps else ""
         lines = [f"weights load (predicted, cold): {pred.total_s:,.0f} s until the last rank has its weights{staged}; {source}"]
     lines += [f"  read as {pred.reading}"] if pred.reading else []
+    lines += [f"  checkpoint {pred.checkpoint.gb:,.0f} GB: {pred.checkpoint.source}"] if pred.checkpoint else []
     for r in pred.ranks:
         copy = f" after a {r.copy_s:,.0f} s copy" if pred.stage_gbps else ""
         lines.append(f"  {r.process} on {r.node}: {r.ranks} rank(s) x {r.gb_per_rank:,.1f} GB, {r.seconds:,.0f} s{copy}")
@@ -134,7 +135,7 @@ def recipes_list(console: Console, rows: list[tuple[str, str, str]], taxonomy: T
 
 
 def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, kv: dict[str, dict[str, bool]], kv_hw: str,
-                  default: Mapping[str, object]) -> None:
+                  default: Mapping[str, object], one_node: Mapping[str, bool | None]) -> None:
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -152,11 +153,12 @@ def recipe_detail(console: Console, rid: str, rec: Recipe, taxonomy: Taxonomy, k
     hw = Table(title="hardware")
     for col in ("id", "GPUs x memory", "verified", "one node holds the weights"):
         hw.add_column(col)
-    need = rec.variants[next(iter(rec.variants))].vram_minimum_gb or 0
     for hid, prof in taxonomy.hardware_profiles.items():
         if prof.restricted and hid not in rec.meta.hardware:
             continue
-        hw.add_row(hid, f"{prof.gpu_count} x {prof.gpu_memory_gb:g} GB = {prof.vram_gb} GB", rec.meta.hardware.get(hid, "no"), "yes" if prof.vram_gb >= need else "no")
+        holds = one_node.get(hid)
+        hw.add_row(hid, f"{prof.gpu_count} x {prof.gpu_memory_gb:g} GB = {prof.vram_gb} GB", rec.meta.hardware.get(hid, "no"),
+                   "?" if holds is None else "yes" if holds else "no")
     console.print(Group(hw))
     if kv:
         opts = list(next(iter(kv.values())))

@@ -60,7 +60,7 @@ def doctor(
             accept_unknown_hosts=accept_unknown_hosts,
             connect_timeout=connect_timeout,
         )
-        load = api.load_prediction(plan, args.inventory, args.state_dir)
+        load = api.load_prediction(plan, args.inventory, args.state_dir, checkpoint=report.checkpoint)  # a node's index, when one said
     except K3Error as err:
         fail(err)
     if json_out:
@@ -95,6 +95,7 @@ def _rows(rows: list[NodeWeights]) -> list[dict[str, object]]:
                 "commit": s.commit if s else "",
                 "files": s.files if s else 0,
                 "bytes": s.bytes if s else 0,
+                "index_total_bytes": s.total if s else None,  # the checkpoint's size, as its index says (null: no index)
                 "free_bytes": s.free if s else None,
                 "problem": r.error or (s.problem() if s else ""),
                 "fetched": r.fetched,
@@ -115,7 +116,7 @@ def _weights_table(con: Console, rows: list[NodeWeights]) -> None:
                 f"{r.where.model}@{r.where.revision}",
                 "complete" if r.complete else "missing",
                 str(s.files if s else 0),
-                f"{(s.bytes if s else 0) / 1e9:,.1f} GB",
+                f"{(s.bytes if s else 0) / 1e9:,.1f}" + (f" of {s.total / 1e9:,.1f}" if s is not None and s.total else "") + " GB",
                 free,
                 where,
             )

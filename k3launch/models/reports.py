@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3launch.errors import HOST_KEY_HINT, K3Error
+from k3launch.models.weights import Checkpoint
 
 # How a rank says it went down *because another did* (torch/gloo/NCCL, vLLM, the simulated engine)
 PEER_LOSS = re.compile(r"by peer|peer process|remote process exited|disconnected|lost the connection|lost a member|"
@@ -81,9 +82,11 @@ class Check:
 
 @dataclass
 class DoctorReport:
-    """Every check of every node; ``ok`` when none failed."""
+    """Every check of every node; ``ok`` when none failed. ``checkpoint``: the model's size as an
+    engine node's checkpoint index gave it, when one did (the load prediction reads it)."""
 
     checks: list[Check]
+    checkpoint: Checkpoint | None = None
 
     @property
     def ok(self) -> bool:

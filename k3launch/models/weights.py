@@ -10,9 +10,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from k3launch.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3launch.models.plan import Plan
+
+INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class State:
     bad: list[tuple[str, int, int | None]] = field(default_factory=list)
     free: int | None = None
     error: str = ""
+    total: int | None = None  # the index's metadata.total_size: the checkpoint's bytes (None: no index, or it does not say)
 
     @property
     def complete(self) -> bool:
@@ -62,6 +68,56 @@ class State:
                 f"{name} is {have} bytes, its header says {want}" if want is not None else f"{name} has no readable safetensors header"
             )
         return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """How many GB a weight load reads, and whose figure that is, in words: the checkpoint's own
+    index (``metadata.total_size``, read where the weights are) or the recipe's estimate."""
+
+    gb: float
+    source: str
+    measured: bool = False
+
+
+def index_total(text: str) -> int | None:
+    """``metadata.total_size`` of a safetensors index (the bytes of every tensor, as the writer of
+    the checkpoint counted them); None when the text does not give one."""
+    try:
+        meta = json.loads(text).get("metadata")
+    except (ValueError, AttributeError):
+        return None
+    total = meta.get("total_size") if isinstance(meta, dict) else None
+    return total if isinstance(total, int) and not isinstance(total, bool) and total > 0 else None
+
+
+def measured(total_bytes: int, where: str) -> Checkpoint:
+    return Checkpoint(total_bytes / 1e9, f"{INDEX} metadata.total_size, {where}", True)
+
+
+def estimated(plan: Plan) -> Checkpoint:
+    """The recipe's figure, when no index was read: parameters x bytes per parameter (the plan's
+    ``capacity.checkpoint_gb``; the 1.2 headroom of ``weights_gb`` is GPU memory's, not the
+    files'), else the recipe's weights figure itself."""
+    c = plan.capacity
+    if c.checkpoint_gb:
+        return Checkpoint(c.checkpoint_gb, "the recipe's parameters x bytes/param (no checkpoint index read)")
+    return Checkpoint(c.weights_gb, f"the recipe's weights figure, {c.formula} (no checkpoint index read)")
+
+
+def node_checkpoint(plan: Plan, state: State | None, node: str) -> Checkpoint:
+    """The checkpoint's size as ``node`` reported it (its index), else the recipe's."""
+    if state is not None and state.total:
+        return measured(state.total, f"on {node}")
+    return estimated(plan)
+
+
+def revision(plan: Plan) -> str:
+    """The ``--revision`` the engines load (vLLM's default: the hub's ``main``)."""
+    for p in plan.processes:
+        if "--revision" in p.argv[:-1]:
+            return p.argv[p.argv.index("--revision") + 1]
+    return "main"
 
 
 @dataclass(frozen=True)
@@ -197,6 +253,7 @@ class LoadPrediction:
     notes: tuple[str, ...] = ()  # what the figure leaves out
     unmodelled: str = ""  # why there is no figure ('' when there is one)
     stage_gbps: dict[str, float] = field(default_factory=dict)  # node -> GB/s reading the staged copy ({}: not staged)
+    checkpoint: Checkpoint | None = None  # the checkpoint's size the figure reads, and whose figure it is
 
     @property
     def total_s(self) -> float:
@@ -220,4 +277,7 @@ class LoadPrediction:
             out["notes"] = list(self.notes)
         if self.unmodelled:
             out["unmodelled"] = self.unmodelled
+        if self.checkpoint is not None:
+            out["checkpoint_gb"] = round(self.checkpoint.gb, 1)
+            out["checkpoint"] = self.checkpoint.source
         return out

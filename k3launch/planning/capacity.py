@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from k3launch.errors import K3Error
+from k3launch.models.plan import Capacity, KvOffloadCapacity, PoolCapacity
 from k3launch.models.recipe import HardwareProfile, Recipe, Variant
 from k3launch.models.selection import Pool
 
@@ -136,12 +137,66 @@ def node_memory(hw_id: str, hw: HardwareProfile, host: HostMemory | None = None)
     return NodeMemory(min(known), True, where)
 
 
-def nodes_to_fit(weights_gb: float, mem: NodeMemory) -> int:
-    return max(1, math.ceil(weights_gb / mem.gb - 1e-9))
+SLACK_GB = 1e-9  # float noise: 8 x 268 GB holds 2144 GB even when the product rounds a hair under
+
+
+def holds(have_gb: float, need_gb: float) -> bool:
+    """The fit rule, the one every capacity question of planning asks: memory holds a need when it
+    is at least as large. Weights against the GPUs of a pool's copy (:func:`pool_fit`) or of one
+    node (:func:`fits`), a variant's ``vram_minimum_gb`` against one GPU (single_node_tp's auto-fit),
+    the host RAM KV offload pins against a node's, the smallest node count (:func:`nodes_to_fit`)."""
+    return have_gb + SLACK_GB >= need_gb
 
 
 def fits(weights_gb: float, mem: NodeMemory, nodes: int) -> bool:
-    return nodes * mem.gb + 1e-9 >= weights_gb
+    """Whether ``nodes`` nodes of ``mem`` hold the weights (the :func:`holds` rule)."""
+    return holds(nodes * mem.gb, weights_gb)
+
+
+def nodes_to_fit(weights_gb: float, mem: NodeMemory) -> int:
+    """The smallest node count that holds the weights (the :func:`holds` rule, counted up from the
+    floor of the ratio: at most one step)."""
+    n = max(1, math.floor(weights_gb / mem.gb))
+    while not fits(weights_gb, mem, n):
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class PoolFit:
+    """Whether one copy of a pool holds the weights: what each of its nodes holds them in, how many
+    nodes hold a copy, and the :func:`holds` verdict."""
+
+    node: NodeMemory
+    nodes: int
+    weights_gb: float
+
+    @property
+    def gb(self) -> float:
+        return self.nodes * self.node.gb
+
+    @property
+    def fits(self) -> bool:
+        return holds(self.gb, self.weights_gb)
+
+
+def pool_fit(weights_gb: float, mem: NodeMemory, pool: Pool, hw: HardwareProfile) -> PoolFit:
+    """One copy of ``pool`` against the weights: its nodes (:attr:`Pool.copy_nodes`), each holding
+    what the GPUs its engine uses hold (:func:`pool_node_memory`)."""
+    return PoolFit(pool_node_memory(mem, pool, hw), pool.copy_nodes, weights_gb)
+
+
+def pool_capacity(fit: PoolFit, pool: Pool, sizes: tuple[int, int, int]) -> PoolCapacity:
+    """The plan's capacity row of a pool, at the size it runs (``sizes``: its TP, DP, PP)."""
+    tp, dp, pp = sizes
+    return PoolCapacity(role=pool.role, parallelism=pool.parallelism, nodes=pool.nodes, gpus=pool.gpus, gpu_memory_gb=fit.gb,
+                        weights_gb=fit.weights_gb, fits=fit.fits, tp=tp, dp=dp, pp=pp)
+
+
+def plan_capacity(w: Weights, pools: Sequence[PoolCapacity], kv: KvOffloadCapacity | None) -> Capacity:
+    """The plan's capacity: the weights, the smallest pool's memory, and whether every pool holds them."""
+    return Capacity(weights_gb=w.gb, formula=w.formula, checkpoint_gb=w.on_disk_gb, gpu_memory_gb=min(p.gpu_memory_gb for p in pools),
+                    fits=all(p.fits for p in pools), pools=list(pools), kv_offload=kv)
 
 
 def pool_node_memory(mem: NodeMemory, pool: Pool, hw: HardwareProfile) -> NodeMemory:

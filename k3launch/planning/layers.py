@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from k3launch.defaults import PROBE_PATHS
 from k3launch.errors import K3Error
-from k3launch.models.recipe import AdvancedPreset, Env, HardwareProfile, Recipe, Strategy
+from k3launch.models.recipe import AdvancedPreset, Env, HardwareProfile, Recipe, RoleOverride, Strategy, StrategyOverride
 from k3launch.models.selection import Pool, Resolved
 from k3launch.planning import rules
 from k3launch.planning.compose import Locked, Source
@@ -113,43 +113,75 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
     inside the advanced layer. ``pool_strategies`` maps a P/D pool's layout (``tep``) to the strategy
     whose args it takes.
     """
-    rec, hw, hid = r.recipe, r.hardware, r.hardware_id
-    role = pool.role
-    sname = r.strategy.name
-    pre: list[Source] = [Source("base", f"{rf} model.base_args", tuple(rec.model.base_args), _env(rec.model.base_env))]
-    v = r.variant
-    pre.append(Source("variant", f"{rf} variants.{r.variant_name}", tuple(v.extra_args), _env(v.extra_env)))
+    ov, role_ov = _overrides(r, pool.role)
+    pre = [*_model_sources(r, rf), _strategy_source(r, pool, strategy_file), *_pool_layout_source(r, pool, pool_strategies or {})]
+    layout: list[Source] = []
+    for src in _override_sources(r, pool.role, rf, ov, role_ov):
+        (layout if _writes_layout(schema, src) else pre).append(src)
+    post = [*_hardware_sources(r, pool.role, rf, ov, role_ov), *_preset_sources(r, taxonomy_presets)]
+    tail = [*_user_sources(r, schema), *_feature_sources(r, rf)]
+    if kv_args is not None:
+        tail.append(Source("kv_offload", f"taxonomy.yaml kv_offload.{r.kv_offload}", tuple(kv_args[0]), _env(kv_args[1])))
+    return PoolSources(pre, layout, post, tail, quiet_probes(schema))
+
+
+def _overrides(r: Resolved, role: str) -> tuple[StrategyOverride | None, RoleOverride | None]:
+    """The recipe's ``strategy_overrides`` block of the strategy, and of the P/D role within it."""
+    ov = r.recipe.strategy_overrides.get(r.strategy.name)
+    role_ov = getattr(ov, role, None) if ov is not None and role in ("prefill", "decode") else None
+    return ov, role_ov
+
+
+def _model_sources(r: Resolved, rf: str) -> list[Source]:
+    """The base layer (the recipe's model) and the variant's, with its block for this exact hardware id."""
+    rec, v, hid = r.recipe, r.variant, r.hardware_id
+    out = [Source("base", f"{rf} model.base_args", tuple(rec.model.base_args), _env(rec.model.base_env)),
+           Source("variant", f"{rf} variants.{r.variant_name}", tuple(v.extra_args), _env(v.extra_env))]
     if hid in v.hardware_overrides:
         vb = v.hardware_overrides[hid]
-        pre.append(Source("variant", f"{rf} variants.{r.variant_name}.hardware_overrides.{hid}", tuple(vb.extra_args), _env(vb.extra_env)))
-    st = r.strategy
-    role_args = getattr(st, role, None) if role in ("prefill", "decode") else None
-    if role_args is not None:
-        pre.append(Source("strategy", f"{strategy_file} {role}", tuple(role_args.vllm_args), _env(role_args.env)))
-        # A P/D pool laid out as TEP or DEP takes that strategy's args (expert parallelism,
-        # hybrid load balancing); its env (NIC names) comes from placement.
-        ps = (pool_strategies or {}).get(pool.parallelism)
-        if ps is not None:
-            pre.append(Source("strategy", f"strategies/{ps.name}.yaml ({role} pool)", tuple(ps.vllm_args)))
-        elif pool.parallelism in ("tep", "dep"):
-            pre.append(Source("strategy", f"k3launch placement ({role} pool is {pool.parallelism})", ("--enable-expert-parallel",)))
-    else:
-        pre.append(Source("strategy", strategy_file, tuple(st.vllm_args), _env(st.env)))
-    ov = rec.strategy_overrides.get(sname)
-    role_ov = getattr(ov, role, None) if ov is not None and role in ("prefill", "decode") else None
-    layout: list[Source] = []
-    overrides: list[Source] = []
+        out.append(Source("variant", f"{rf} variants.{r.variant_name}.hardware_overrides.{hid}", tuple(vb.extra_args), _env(vb.extra_env)))
+    return out
+
+
+def _strategy_source(r: Resolved, pool: Pool, strategy_file: str) -> Source:
+    """The strategy file's args: its P/D role's for a P/D pool."""
+    role_args = getattr(r.strategy, pool.role, None) if pool.role in ("prefill", "decode") else None
+    if role_args is None:
+        return Source("strategy", strategy_file, tuple(r.strategy.vllm_args), _env(r.strategy.env))
+    return Source("strategy", f"{strategy_file} {pool.role}", tuple(role_args.vllm_args), _env(role_args.env))
+
+
+def _pool_layout_source(r: Resolved, pool: Pool, pool_strategies: Mapping[str, Strategy]) -> list[Source]:
+    """A P/D pool laid out as TEP or DEP takes that strategy's args (expert parallelism, hybrid load
+    balancing); its env (NIC names) comes from placement."""
+    if pool.role not in ("prefill", "decode") or getattr(r.strategy, pool.role, None) is None:
+        return []
+    ps = pool_strategies.get(pool.parallelism)
+    if ps is not None:
+        return [Source("strategy", f"strategies/{ps.name}.yaml ({pool.role} pool)", tuple(ps.vllm_args))]
+    if pool.parallelism in ("tep", "dep"):
+        return [Source("strategy", f"k3launch placement ({pool.role} pool is {pool.parallelism})", ("--enable-expert-parallel",))]
+    return []
+
+
+def _override_sources(r: Resolved, role: str, rf: str, ov: StrategyOverride | None, role_ov: RoleOverride | None) -> list[Source]:
+    """The recipe's ``strategy_overrides`` of the strategy, then of the P/D role."""
+    sname = r.strategy.name
+    out: list[Source] = []
     if ov is not None:
         # extra_env is the non-P/D env of a strategy override: a P/D role takes env only.
         env = ov.env if role in ("prefill", "decode") else {**ov.env, **ov.extra_env}
-        overrides.append(Source("strategy", f"{rf} strategy_overrides.{sname}", tuple(ov.extra_args + ov.vllm_args), _env(env)))
+        out.append(Source("strategy", f"{rf} strategy_overrides.{sname}", tuple(ov.extra_args + ov.vllm_args), _env(env)))
     if role_ov is not None:
-        overrides.append(Source("strategy", f"{rf} strategy_overrides.{sname}.{role}", tuple(role_ov.vllm_args), _env(role_ov.env)))
-    for src in overrides:
-        (layout if _writes_layout(schema, src) else pre).append(src)
+        out.append(Source("strategy", f"{rf} strategy_overrides.{sname}.{role}", tuple(role_ov.vllm_args), _env(role_ov.env)))
+    return out
 
-    post: list[Source] = []
-    # Hardware: a strategy- or role-level generation block replaces the recipe's and variant's.
+
+def _hardware_sources(r: Resolved, role: str, rf: str, ov: StrategyOverride | None, role_ov: RoleOverride | None) -> list[Source]:
+    """The hardware layer: the generation block (a strategy- or role-level one replaces the recipe's
+    and the variant's), then the blocks keyed by this exact hardware id."""
+    rec, hw, hid, sname = r.recipe, r.hardware, r.hardware_id, r.strategy.name
+    out: list[Source] = []
     replacing = None
     for blocks, where in ((role_ov.hardware_overrides if role_ov else {}, f"strategy_overrides.{sname}.{role}"),
                           (ov.hardware_overrides if ov else {}, f"strategy_overrides.{sname}")):
@@ -157,47 +189,58 @@ def pool_sources(r: Resolved, pool: Pool, rf: str, strategy_file: str, taxonomy_
         if found is not None and replacing is None:
             replacing = (f"{where}.hardware_overrides.{found[0]}", found[1])
     if replacing is not None:
-        post.append(Source("hardware", f"{rf} {replacing[0]}", tuple(replacing[1].extra_args), _env(replacing[1].extra_env)))
+        out.append(Source("hardware", f"{rf} {replacing[0]}", tuple(replacing[1].extra_args), _env(replacing[1].extra_env)))
     else:
         found = rules.generation_block(rec.hardware_overrides, hw)
         if found is not None:
-            post.append(Source("hardware", f"{rf} hardware_overrides.{found[0]}", tuple(found[1].extra_args), _env(found[1].extra_env)))
-        vfound = rules.generation_block(v.hardware_overrides, hw)
+            out.append(Source("hardware", f"{rf} hardware_overrides.{found[0]}", tuple(found[1].extra_args), _env(found[1].extra_env)))
+        vfound = rules.generation_block(r.variant.hardware_overrides, hw)
         if vfound is not None:
             vkey, vblock = vfound
-            post.append(Source("hardware", f"{rf} variants.{r.variant_name}.hardware_overrides.{vkey}", tuple(vblock.extra_args), _env(vblock.extra_env)))
+            out.append(Source("hardware", f"{rf} variants.{r.variant_name}.hardware_overrides.{vkey}", tuple(vblock.extra_args), _env(vblock.extra_env)))
     for blocks, where in ((rec.hardware_overrides, "hardware_overrides"),
                           (ov.hardware_overrides if ov else {}, f"strategy_overrides.{sname}.hardware_overrides"),
                           (role_ov.hardware_overrides if role_ov else {}, f"strategy_overrides.{sname}.{role}.hardware_overrides")):
         if hid in blocks and hid not in (hw.generation, hw.brand.lower()):
-            post.append(Source("hardware", f"{rf} {where}.{hid}", tuple(blocks[hid].extra_args), _env(blocks[hid].extra_env)))
+            out.append(Source("hardware", f"{rf} {where}.{hid}", tuple(blocks[hid].extra_args), _env(blocks[hid].extra_env)))
+    return out
 
-    presets = advanced_presets(rec, taxonomy_presets)
+
+def _preset_sources(r: Resolved, taxonomy_presets: Mapping[str, AdvancedPreset]) -> list[Source]:
+    """The Advanced presets asked for (``--advanced``)."""
+    presets = advanced_presets(r.recipe, taxonomy_presets)
+    out = []
     for name in r.selection.advanced:
         if name not in presets:
             raise K3Error("unknown-advanced", f"unknown Advanced preset {name!r}", "choose one of: " + ", ".join(presets))
-        post.append(Source("advanced", f"advanced preset {name}", tuple(presets[name].args)))
-    user = [Source("advanced", f"--set {s}", set_tokens(s, schema), user=True) for s in r.selection.sets]
-    user += [Source("advanced", f"--env {name}", (), ((name, value),), user=True)
-             for name, _, value in (e.partition("=") for e in r.selection.env)]
+        out.append(Source("advanced", f"advanced preset {name}", tuple(presets[name].args)))
+    return out
 
-    feats: list[Source] = []
+
+def _user_sources(r: Resolved, schema: FlagSchema) -> list[Source]:
+    """The user's ``--set`` and ``--env``, in the advanced layer."""
+    user = [Source("advanced", f"--set {s}", set_tokens(s, schema), user=True) for s in r.selection.sets]
+    return user + [Source("advanced", f"--env {name}", (), ((name, value),), user=True)
+                   for name, _, value in (e.partition("=") for e in r.selection.env)]
+
+
+def _feature_sources(r: Resolved, rf: str) -> list[Source]:
+    """Each feature that runs: its args, its one resolved mode's for a modal feature, replaced by a
+    hardware entry for this hardware id, generation, brand or ``default``."""
+    out = []
     for name in r.features:
-        feat = rec.features[name]
+        feat = r.recipe.features[name]
         base = f"features.{name}"
         args, fblocks = feat.args, feat.hardware_overrides
         mode = r.feature_modes.get(name)
         if mode is not None:  # a modal feature runs its one mode's args
             base, args, fblocks = f"{base}.modes.{mode}", feat.modes[mode].args, feat.modes[mode].hardware_overrides
         where = base
-        hit = rules.hw_keyed(fblocks, hid, hw)  # a hardware entry replaces the args
+        hit = rules.hw_keyed(fblocks, r.hardware_id, r.hardware)  # a hardware entry replaces the args
         if hit is not None:
             args, where = hit[1].args, f"{base}.hardware_overrides.{hit[0]}"
-        feats.append(Source("features", f"{rf} {where}", tuple(args)))
-    tail = list(feats)
-    if kv_args is not None:
-        tail.append(Source("kv_offload", f"taxonomy.yaml kv_offload.{r.kv_offload}", tuple(kv_args[0]), _env(kv_args[1])))
-    return PoolSources(pre, layout, post, user + tail, quiet_probes(schema))
+        out.append(Source("features", f"{rf} {where}", tuple(args)))
+    return out
 
 
 _TRUE = ("true", "yes", "on", "1")

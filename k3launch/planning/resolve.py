@@ -183,10 +183,10 @@ def resolve(tree: RecipeTree, sel: Selection, host_memory: HostMemory | None = N
         pools = [_serve_pool(tree, recipe, variant, vname, strategy, hw_id, hw, sel, fit, mem, w.gb, notices)]
 
     for pool in pools:
-        held = capacity.pool_node_memory(mem, pool, hw)
-        if not capacity.fits(w.gb, held, pool.copy_nodes):
+        held = capacity.pool_fit(w.gb, mem, pool, hw)
+        if not held.fits:
             if pool.nodes == 1 and pool.gpus_per_node < hw.gpu_count:
-                raise K3Error("does-not-fit", f"TP {pool.gpus_per_node} x {hw_id} = {held.text()} cannot hold the {w.gb:g} GB of weights "
+                raise K3Error("does-not-fit", f"TP {pool.gpus_per_node} x {hw_id} = {held.node.text()} cannot hold the {w.gb:g} GB of weights "
                               f"({sname} on {pool.gpus_per_node} of the node's {hw.gpu_count} GPUs, as the recipe declares)",
                               "choose hardware with larger GPUs, or a strategy that uses the whole node")
             need = max(fit, pool.nodes + 1)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import TypeVar
 
 from k3launch.models.recipe import Feature, HardwareProfile, HwKeyedInt, PrecisionHardware, Recipe, Strategy, Variant
+from k3launch.planning.capacity import holds
 
 T = TypeVar("T")
 
@@ -79,7 +80,7 @@ def single_node_tp(recipe: Recipe, variant: Variant, variant_name: str, hw_id: s
             clamped = f", clamped to the node's {g} GPUs" if tp < found[0] else ""
             return tp, f"{where}{key} = {found[0]}{clamped}"
     need = variant.vram_minimum_gb or 0
-    if 0 < need <= hw.gpu_memory_gb:
+    if need > 0 and holds(hw.gpu_memory_gb, need):
         return 1, f"auto-fit: vram_minimum_gb {need:g} GB fits one {hw.gpu_memory_gb:g} GB GPU"
     return g, "the whole node"
 

@@ -148,7 +148,7 @@ def cuda_plan() -> Plan:
     return api.plan(example("h200-pair"), strategy="multi_node_tp", nodes=2)
 
 
-def good_weights(plan: Plan) -> str:
+def good_weights(plan: Plan, **more: object) -> str:
     state = {
         "dir": "/data/hf-cache/hub/models--moonshotai--Kimi-K3/snapshots/" + "a" * 40,
         "commit": "a" * 40,
@@ -158,6 +158,7 @@ def good_weights(plan: Plan) -> str:
         "bad": [],
         "free": 4 * 10**12,
         "error": "",
+        **more,
     }
     return "K3W " + json.dumps(state)
 
@@ -296,6 +297,23 @@ def test_weights_missing_refuses_up_with_its_own_code_and_the_fetch_command() ->
     assert "k3launch weights fetch" in err.hint and "--from-path" in err.hint
     disk = rows(report, "h200-a")["disk"]
     assert disk.status == "fail" and "1,000 GB free" in disk.detail and "needs" in disk.detail  # 1 TB free < the model
+
+
+def test_the_disk_row_and_the_doctors_report_take_the_checkpoints_own_size() -> None:
+    """The disk must hold the checkpoint's bytes -- its index's total_size where the node has the
+    index, else the recipe's parameters x bytes/param -- not the GPU memory (x 1.2) that holds it."""
+    plan = cuda_plan()
+    partial = {"dir": "/data/hf-cache/hub/models--moonshotai--Kimi-K3/snapshots/" + "a" * 40, "files": 1, "bytes": 0,
+               "missing": ["model-00002-of-00064.safetensors"], "free": 1_500 * 10**9}
+    report, _ = run(plan, answers(plan, **{"h200-a": {"weights": good_weights(plan, **partial)}}))
+    disk = rows(report, "h200-a")["disk"]
+    assert disk.status == "pass" and "needs 1,400 GB (the recipe's parameters x bytes/param" in disk.detail, disk  # 1,500 GB free
+    assert report.checkpoint is None  # no node read an index
+    measured = {**partial, "total": 1_561_000_000_000}  # K3's card: about 1.56 TB
+    report, _ = run(plan, answers(plan, **{"h200-a": {"weights": good_weights(plan, **measured)}}))
+    disk = rows(report, "h200-a")["disk"]
+    assert disk.status == "fail" and "needs 1,561 GB (model.safetensors.index.json metadata.total_size, on h200-a)" in disk.detail, disk
+    assert report.checkpoint is not None and report.checkpoint.gb == 1561.0 and report.checkpoint.measured
 
 
 def test_the_simulated_engine_and_cpu_profiles_skip_with_the_reason() -> None:

@@ -157,7 +157,7 @@ def test_bad_default_strategy_names_the_recipe_file(broken: Callable[..., Path])
 
 
 def test_unknown_opt_in_feature_is_a_recipe_error(broken: Callable[..., Path]) -> None:
-    root = broken(K3, lambda t: t.replace("opt_in_features: [spec_decoding, text_only]", "opt_in_features: [spec_decoding, text_only, vision]", 1))
+    root = broken(K3, lambda t: t.replace("opt_in_features: [spec_decoding, text_only,", "opt_in_features: [spec_decoding, text_only, vision,", 1))
     err = _refusal(root)
     assert err.code == "bad-recipe" and str(K3) in err.message and "vision" in err.message
 

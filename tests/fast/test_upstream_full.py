@@ -26,7 +26,7 @@ from plan_checks import check_plan, engine_processes, flags, lint_errors
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
 from k3launch.models.selection import Selection
-from k3launch.planning import build as planning_build
+from k3launch.planning import pools as planning_pools
 from k3launch.planning.build import build_plan
 from k3launch.planning.lint import lint
 from k3launch.planning.recipes import RecipeTree
@@ -393,13 +393,13 @@ def test_a_pool_the_recipe_sizes_is_composed_once(full_tree: RecipeTree, monkeyp
     """The recipe's own size is read from the pool's layers before the pool is composed: one
     composition per engine process, at the size that runs."""
     composed: list[str] = []
-    real = planning_build.compose
+    real = planning_pools.compose
 
     def counting(*args: Any, **kwargs: Any) -> Any:
         composed.append("one")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(planning_build, "compose", counting)
+    monkeypatch.setattr(planning_pools, "compose", counting)
     plan = build_plan(full_tree, Selection(recipe="deepseek-ai/DeepSeek-V4-Flash", hardware="h200", strategy="single_node_dep"))
     assert any(n.code == "recipe-layout" for n in plan.notices)
     assert len(composed) == len(engine_processes(plan)) == 1

@@ -46,6 +46,7 @@ def test_check_reads_the_hub_layout_and_catches_missing_and_truncated_shards(tmp
     (r1,) = [r for r in api.weights_check(plan, inv) if r.node == "w-1"]
     assert r1.state is not None and r1.state.files == 3 and r1.state.dir == str(snap) and r1.state.commit == standin.COMMIT
     assert r1.state.free is not None and r1.state.free > 0
+    assert r1.state.total == 3 * standin.TENSOR_BYTES  # the index's metadata.total_size: the checkpoint's own size
 
     standin.truncate(snap, "model-00002-of-00003.safetensors")
     (snap / "model-00003-of-00003.safetensors").unlink()
@@ -126,6 +127,7 @@ def test_weights_cli_exit_codes_table_and_json(tmp_path: Path) -> None:
     out = json.loads(r.stdout)
     assert r.returncode == 1 and not out["complete"], r.stdout + r.stderr
     assert [(n["node"], n["complete"]) for n in out["nodes"]] == [("w-1", True), ("w-2", False)]
+    assert [n["index_total_bytes"] for n in out["nodes"]] == [2 * standin.TENSOR_BYTES, None]  # w-2 has no index
     r = Cli(tmp_path / "state").run("weights", "fetch", *sel, "--from-node", "w-1", "--interval", "0.1", timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "weights fetch: 1/1 node(s) done" in r.stderr and "complete" in r.stdout

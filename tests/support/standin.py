@@ -51,13 +51,16 @@ def shard(tensors: int = 2, floats: int = 64, index: int = 0) -> bytes:
     return struct.pack("<Q", len(head)) + head + bytes(4 * floats * tensors)
 
 
+TENSOR_BYTES = 2 * 64 * 4  # a default shard's tensors: 2 x 64 F32, what the index's total_size counts per shard
+
+
 def files(shards: int = 2) -> dict[str, bytes]:
     """The model's files: config.json, the index, the shards."""
     names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
     weight_map = {f"s{i}.layer.{t}.weight": name for i, name in enumerate(names) for t in range(2)}
     out = {
         "config.json": json.dumps({"architectures": ["LlamaForCausalLM"]}).encode(),
-        "model.safetensors.index.json": json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}).encode(),
+        "model.safetensors.index.json": json.dumps({"metadata": {"total_size": TENSOR_BYTES * shards}, "weight_map": weight_map}).encode(),
     }
     out.update({name: shard(index=i) for i, name in enumerate(names)})
     return out

@@ -344,7 +344,8 @@ def doctor(plan: Plan, fleet: Fleet, live_deployments: Iterable[str]) -> DoctorR
                 )
             )
     order = {n: i for i, n in enumerate(hosts)}  # each node's rows together, the cross-node ones with them
-    return PreflightReport(sorted(checks + preflight.fleet_checks(answers, window), key=lambda c: order.get(c.node, len(order))))
+    return PreflightReport(sorted(checks + preflight.fleet_checks(answers, window), key=lambda c: order.get(c.node, len(order))),
+                           model_weights.reported_checkpoint(plan, {n: answers[n]["weights"] for n in hosts if "weights" in answers.get(n, {})}))
 
 
 class PreflightReport(DoctorReport):

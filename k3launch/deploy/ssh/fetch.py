@@ -34,7 +34,7 @@ from k3launch.deploy.ssh import weights as w
 from k3launch.deploy.ssh.launch import run_host
 from k3launch.errors import K3Error
 from k3launch.models.plan import Plan
-from k3launch.models.weights import FetchProgress, NodeWeights, Source, Where
+from k3launch.models.weights import FetchProgress, NodeWeights, Source, Where, estimated, node_checkpoint
 from k3launch.transport.fleet import Fleet
 
 FETCH_TIMEOUT_S = 24 * 3600.0  # a 1.5 TB model over a slow link: hours, not forever
@@ -187,7 +187,9 @@ def fetch(
                 "pick a node `k3launch weights check` reports complete, or --from-path / the hub",
             )
         todo = [r for r in todo if r.node != src.node]
-    per_node = (origin.state.bytes if origin is not None and origin.state else 0) or int(plan.capacity.weights_gb * w.GB)
+    # the copy's size: the source's files; else the checkpoint as a node's index gives it, else the recipe's estimate
+    ck = next((node_checkpoint(plan, r.state, r.node) for r in before if r.state is not None and r.state.total), estimated(plan))
+    per_node = (origin.state.bytes if origin is not None and origin.state else 0) or int(ck.gb * w.GB)
     tally = _Tally()
     t0 = time.monotonic()
 

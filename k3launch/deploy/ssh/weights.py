@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Mapping
 
 from k3launch.models.plan import Host, Plan, is_container
 from k3launch.models.reports import Check
-from k3launch.models.weights import State, Where
+from k3launch.models.weights import Checkpoint, State, Where, node_checkpoint, revision
 from k3launch.render.words import path_word
 
 OPT_IN = "K3LAUNCH_CHECK_WEIGHTS"  # a node env: "1" checks the simulated engine's weights too, "0" never checks
@@ -36,7 +37,7 @@ DEFAULT_HOME = "~/.cache/huggingface"  # huggingface_hub's HF_HOME when nothing 
 CHECK_PY = r"""
 import json, os, sys
 hub, model, rev = [os.path.expanduser(a) for a in sys.argv[1:4]]
-out = {"dir": "", "commit": "", "files": 0, "bytes": 0, "missing": [], "bad": [], "free": None, "error": ""}
+out = {"dir": "", "commit": "", "files": 0, "bytes": 0, "missing": [], "bad": [], "free": None, "error": "", "total": None}
 if model.startswith(("/", "~", ".")):
     snap = os.path.expanduser(model)
 else:
@@ -64,7 +65,10 @@ elif snap:
     index = os.path.join(snap, "model.safetensors.index.json")
     try:
         with open(index) as fh:
-            files = sorted(set(json.load(fh)["weight_map"].values()))
+            data = json.load(fh)
+        files = sorted(set(data["weight_map"].values()))
+        total = (data.get("metadata") or {}).get("total_size")
+        out["total"] = total if type(total) is int and total > 0 else None
     except OSError:
         files = sorted(f for f in os.listdir(snap) if f.endswith(".safetensors"))
     except (ValueError, KeyError, TypeError):
@@ -98,14 +102,6 @@ print("K3W " + json.dumps(out))
 def engine_env(plan: Plan, node: str) -> dict[str, str]:
     """The environment the node's engines get (the first engine process of the node)."""
     return next((p.env for p in plan.processes if p.node == node and p.role != "router"), {})
-
-
-def revision(plan: Plan) -> str:
-    """The ``--revision`` the engines load (vLLM's default: the hub's ``main``)."""
-    for p in plan.processes:
-        if "--revision" in p.argv[:-1]:
-            return p.argv[p.argv.index("--revision") + 1]
-    return "main"
 
 
 def where(plan: Plan, host: Host) -> Where:
@@ -157,9 +153,20 @@ def parse(out: str) -> State | None:
                     [(str(b[0]), int(b[1]), None if b[2] is None else int(b[2])) for b in d["bad"]],
                     d["free"],
                     d["error"],
+                    d.get("total") if type(d.get("total")) is int else None,  # older k3launch programs did not report it
                 )
             except (ValueError, KeyError, TypeError, IndexError):
                 return None
+    return None
+
+
+def reported_checkpoint(plan: Plan, sections: Mapping[str, list[str]]) -> Checkpoint | None:
+    """The checkpoint's size as the first node whose index gives it reported it (the nodes'
+    ``weights`` sections, in plan order); None when none did."""
+    for node, lines in sections.items():
+        state = parse("\n".join(lines))
+        if state is not None and state.total:
+            return node_checkpoint(plan, state, node)
     return None
 
 
@@ -188,7 +195,8 @@ def judge(plan: Plan, host: Host, lines: list[str]) -> list[Check]:
                 hint=f"the check runs {python_word(host)} on {n}: install python3 there, or set the node's `python:`",
             )
         ]
-    need = plan.capacity.weights_gb
+    ck = node_checkpoint(plan, state, n)  # the bytes of the checkpoint, not the GPU memory (with headroom) that holds it
+    need = ck.gb
     free = f"{state.free / GB:,.0f} GB free" if state.free is not None else "free space unknown"
     if state.complete:
         rows = [
@@ -213,7 +221,7 @@ def judge(plan: Plan, host: Host, lines: list[str]) -> list[Check]:
             n,
             "disk",
             "fail" if short else "pass",
-            f"{free} for {w.hub}; the model needs {need:,.0f} GB",
+            f"{free} for {w.hub}; the model needs {need:,.0f} GB ({ck.source})",
             hint=f"free space on {n}, or point the node's hf_cache at a larger disk" if short else "",
         ),
     ]
