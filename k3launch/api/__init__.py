@@ -70,9 +70,10 @@ if TYPE_CHECKING:
         recipes,
         schema_dump,
     )
+    from k3launch.api.policy import restart_policy
     from k3launch.api.rollouts import rollout, rollout_continue, rollout_preview
     from k3launch.api.scaling import scale
-    from k3launch.api.supervision import events, follow_events, restart_policy, stop_supervisor, supervise, supervise_detached
+    from k3launch.api.supervision import events, follow_events, stop_supervisor, supervise, supervise_detached
     from k3launch.api.timelines import restart_timeline, timeline
 
 # Each name's module, imported on first use: `plan` then loads only the planning part of the API
@@ -109,7 +110,7 @@ _HOMES: dict[str, str] = {
     "plan": "planning",
     "power_sampler": "nodes",
     "ready_timeout": "lifecycle",
-    "restart_policy": "supervision",
+    "restart_policy": "policy",
     "rollout": "rollouts",
     "rollout_continue": "rollouts",
     "rollout_preview": "rollouts",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3launch.api._common import InventoryArg, access, load, store
+from k3launch.api.policy import self_policy
 from k3launch.errors import K3Error
 from k3launch.models.identity import ANY, Owned
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
     from k3launch.models.plan import Plan
     from k3launch.models.record import DeploymentRecord, StageFn, Status
     from k3launch.models.reports import DoctorReport, LaunchFailed, TeardownReport
-    from k3launch.models.supervise import RestartPolicy
-    from k3launch.planning.inventory import Inventory
 
 
 def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None,
@@ -97,18 +96,6 @@ def deployed(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Pat
     finally:
         down(rec.name, state_dir=state_dir, grace=grace, accept_unknown_hosts=up_options.get("accept_unknown_hosts", False),
              connect_timeout=up_options.get("connect_timeout", 10.0))
-
-
-def self_policy(inv: Inventory, supervise: bool | Mapping[str, Any]) -> RestartPolicy | None:
-    """The policy a self-supervising deployment follows (None: not asked for): the inventory's
-    ``restart:``, then the fields ``supervise`` overrides; refused by a backend without the feature."""
-    from k3launch.api.supervision import merged_policy
-    from k3launch.models.backends import Feature, require
-
-    if supervise is False:
-        return None
-    require(inv.backend, Feature.SELF_SUPERVISE, "supervision built into the deployment (up --supervise)")
-    return merged_policy(inv.restart, supervise if isinstance(supervise, Mapping) else None)
 
 
 def ready_timeout(plan: Plan, override: float | None = None) -> float:

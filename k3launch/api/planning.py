@@ -96,7 +96,7 @@ def dry_run(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path
     b = backend(name, [SlurmOptions(extra_sbatch=tuple(extra_sbatch))])
     policy = None
     if supervise is not False and inv is not None:
-        from k3launch.api.lifecycle import self_policy
+        from k3launch.api.policy import self_policy
 
         policy = self_policy(inv, supervise)
     return b.dry_run(plan, inv, store(state_dir), UpOptions(supervise=policy))

@@ -1,7 +1,8 @@
 """Keeping a deployment serving: ``supervise`` (in the foreground, or detached), its events.
 
 The restart policy is the inventory's ``restart:`` section (the inventory the deployment was
-brought up from), each field overridable by the caller (``supervise``'s flags).
+brought up from), each field overridable by the caller (``supervise``'s flags):
+:mod:`k3launch.api.policy`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3launch.api._common import access, load, store
-from k3launch.errors import K3Error, plain
+from k3launch.api.policy import restart_policy
+from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
     from k3launch.deploy.control import loop as loop_mod
@@ -23,39 +25,6 @@ if TYPE_CHECKING:
     from k3launch.models.record import DeploymentRecord, Supervisor
     from k3launch.models.rollout import RolloutState
     from k3launch.models.supervise import Event, RestartPolicy
-
-
-def restart_policy(name: str, overrides: Mapping[str, Any] | None = None, *, state_dir: str | Path | None = None) -> RestartPolicy:
-    """The policy a supervisor of ``name`` follows: the inventory's ``restart:``, then ``overrides``."""
-    rec = store(state_dir).load(name)
-    return merged_policy(_inventory_policy(rec), overrides)
-
-
-def merged_policy(base: RestartPolicy | None, overrides: Mapping[str, Any] | None) -> RestartPolicy:
-    """``base`` (an inventory's ``restart:``; None: the defaults) with the fields ``overrides`` sets (None values: not set)."""
-    from pydantic import ValidationError
-
-    from k3launch.models.supervise import RestartPolicy
-
-    try:
-        return RestartPolicy.model_validate({**(base or RestartPolicy()).model_dump(),
-                                             **{k: v for k, v in (overrides or {}).items() if v is not None}})
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(x) for x in err["loc"])
-        flag = "--restart" if field == "policy" else "--" + field.replace("_", "-")
-        raise K3Error("bad-policy", f"restart policy {field} ({flag}, or restart.{field} in the inventory): {plain(err['msg'])}",
-                      "see `k3launch supervise --help` for each setting's range") from None
-
-
-def _inventory_policy(rec: DeploymentRecord) -> RestartPolicy:
-    from k3launch.models.supervise import RestartPolicy
-
-    if rec.inventory and Path(rec.inventory).is_file():
-        inv = load(rec.inventory).inventory
-        if inv.restart is not None:
-            return inv.restart
-    return RestartPolicy()
 
 
 def canary_lines(st: StateStore, name: str) -> Callable[[Plan, Collection[str] | None], list[str] | None]:

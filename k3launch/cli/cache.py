@@ -14,8 +14,7 @@ from typing import Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, app, console, fail
-from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout
+from k3launch.cli.common import STATE, AcceptUnknown, ConnectTimeout, JsonOut, app, console, fail
 from k3launch.errors import K3Error
 
 cache_app = typer.Typer(help="The compile/JIT caches engines keep on the nodes: list them, clear them.", no_args_is_help=True)

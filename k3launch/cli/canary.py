@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, app, console, fail, number_option
-from k3launch.cli.deploy import StateDir
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, StateDir, app, console, fail, number_option
 from k3launch.errors import K3Error
 from k3launch.util import bounds
 

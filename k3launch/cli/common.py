@@ -31,7 +31,7 @@ import typer.core
 
 from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
-from k3launch.util.bounds import Bound
+from k3launch.util.bounds import CONNECT_TIMEOUT, Bound
 
 if TYPE_CHECKING:  # heavy imports stay lazy so `--help` and `plan` start fast
     from rich.console import Console
@@ -217,6 +217,11 @@ RecipesDir = Annotated[
     Path | None, typer.Option("--recipes-dir", help="A recipes tree (vLLM recipes layout) to use instead of the bundled one.")
 ]
 VllmVersion = Annotated[str, typer.Option("--vllm-version", help="vLLM flag schema to check against.")]  # the lint command's own
+# the options of the commands that read deployment records and reach their nodes
+StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
+AcceptUnknown = Annotated[bool, typer.Option("--accept-unknown-hosts", help="Accept (and remember) SSH host keys not in known_hosts. Off by default.")]
+ConnectTimeout = Annotated[float, number_option("--connect-timeout", CONNECT_TIMEOUT,
+                                                "Seconds to wait for a node's SSH connection (ssh_config ConnectTimeout wins).")]
 
 
 # Off a terminal (CI logs, nohup, Slurm output, a pipe) lines are never wrapped or cut: rich's

@@ -9,7 +9,21 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, rule, with_selection
+from k3launch.cli.common import (
+    INTERRUPTED,
+    STATE,
+    AcceptUnknown,
+    ConnectTimeout,
+    JsonOut,
+    PlanArgs,
+    StateDir,
+    app,
+    console,
+    fail,
+    number_option,
+    rule,
+    with_selection,
+)
 from k3launch.errors import K3Error
 from k3launch.util import bounds
 
@@ -21,10 +35,6 @@ if TYPE_CHECKING:
     from k3launch.models.record import DeploymentRecord
     from k3launch.models.reports import DryRun
 
-StateDir = Annotated[Path | None, typer.Option("--state-dir", help="Deployment records (default ~/.k3launch or $K3LAUNCH_STATE_DIR).")]
-AcceptUnknown = Annotated[bool, typer.Option("--accept-unknown-hosts", help="Accept (and remember) SSH host keys not in known_hosts. Off by default.")]
-ConnectTimeout = Annotated[float, number_option("--connect-timeout", bounds.CONNECT_TIMEOUT,
-                                                "Seconds to wait for a node's SSH connection (ssh_config ConnectTimeout wins).")]
 
 
 @app.command()
@@ -275,7 +285,7 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
             typer.echo(text)
         shown = [e for e in since if e.kind not in ("watching", "stopped-watching")]
         if shown:
-            from k3launch.cli.supervise import line
+            from k3launch.cli.show_events import line
 
             con.print(f"[bold]since it served[/]: {len(shown)} supervisor event(s) (`k3launch events {name}`)")
             for e in shown:

@@ -7,8 +7,7 @@ from typing import Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, app, console, fail
-from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
+from k3launch.cli.common import INTERRUPTED, STATE, AcceptUnknown, ConnectTimeout, JsonOut, StateDir, app, console, fail
 from k3launch.errors import K3Error
 
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, app, console, fail
-from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout, StateDir
+from k3launch.cli.common import INTERRUPTED, STATE, AcceptUnknown, ConnectTimeout, JsonOut, StateDir, app, console, fail
+from k3launch.cli.show_events import line
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
@@ -20,19 +19,6 @@ Seconds = float | None
 
 def _opt(flag: str, what: str) -> Any:
     return typer.Option(flag, help=what, show_default=False)
-
-
-def line(e: Event) -> str:
-    """One event as one line: time, kind, where, why."""
-    where = " ".join(x for x in (e.unit and f"unit {e.unit}", e.process and f"process {e.process}", e.node and f"node {e.node}") if x)
-    t = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.time))
-    phases = ""
-    if e.timeline is not None:  # a restart's phases (`k3launch timeline NAME --restart` has them all)
-        from k3launch.models.bringups import in_brief
-
-        brief = in_brief(e.timeline)
-        phases = f" [{brief}]" if brief else ""
-    return f"{t}  {e.kind:<16} {where + '  ' if where else ''}{e.reason}{phases}"
 
 
 @app.command()

@@ -16,8 +16,19 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, PlanArgs, app, console, fail, number_option, with_selection
-from k3launch.cli.deploy import AcceptUnknown, ConnectTimeout
+from k3launch.cli.common import (
+    INTERRUPTED,
+    STATE,
+    AcceptUnknown,
+    ConnectTimeout,
+    JsonOut,
+    PlanArgs,
+    app,
+    console,
+    fail,
+    number_option,
+    with_selection,
+)
 from k3launch.errors import K3Error
 from k3launch.util.bounds import BUSBW, PROBE_BYTES, PROBE_TIMEOUT, PROGRESS_INTERVAL
 

@@ -30,6 +30,7 @@ from paths import TESTS
 from sbatchcases import FAKE_ADDRS, LOG_DIR, bash_n, case_plan, hostile_inventory
 
 from k3launch import api
+from k3launch.api.policy import self_policy
 from k3launch.deploy import eventlog
 from k3launch.deploy.slurm.client import JobInfo
 from k3launch.deploy.slurm.launch import SlurmLaunch
@@ -336,7 +337,7 @@ def test_a_supervised_launch_hands_over_to_the_controller_records_the_policy_and
     old.parent.mkdir(parents=True)
     old.write_text('{"time": 1.0, "kind": "failed", "deployment": "u-launch", "reason": "an earlier job"}\n')
     fake = FakeSlurm([JobInfo("42", "PENDING", [], "Resources")])
-    policy = api.lifecycle.self_policy(inv, {"window": 60})
+    policy = self_policy(inv, {"window": 60})
     assert policy is not None and (policy.max_restarts, policy.backoff, policy.window, policy.start_timeout) == (2, 1, 60, None)
     sl = SlurmLaunch(plan, inv, StateStore(tmp_path / "state"), client=fake, supervise=policy)
     sl.start()
