@@ -43,7 +43,7 @@ import typer.core
 import typer.main
 
 from k3launch import __version__
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, fail, io_error, refusals, say, with_selection
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, io_error, refusals, say, with_selection
 from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
 
@@ -110,15 +110,12 @@ def _main(
 def plan(json_out: JsonOut = False, *, args: PlanArgs) -> None:
     """Compose every process of a deployment: argv, env, ranks, ports, provenance."""
     STATE.json = json_out
-    try:
-        p = args.build()
-        load = None
-        if args.inventory_path is not None:  # a throughput is known only for an inventory's nodes
-            from k3launch import api
+    p = args.build()
+    load = None
+    if args.inventory_path is not None:  # a throughput is known only for an inventory's nodes
+        from k3launch import api
 
-            load = api.load_prediction(p, args.inventory, args.state_dir)
-    except K3Error as err:
-        fail(err)
+        load = api.load_prediction(p, args.inventory, args.state_dir)
     if json_out:
         if load is None:
             typer.echo(p.to_json())
@@ -145,10 +142,7 @@ def explain(
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        key, items = api.explain(args.build(), flag, process)
-    except K3Error as err:
-        fail(err)
+    key, items = api.explain(args.build(), flag, process)
     if json_out:
         out = {
             "flag": key,
@@ -178,11 +172,8 @@ def render(
     STATE.json = json_out
     from k3launch.cli.writeout import write_render
 
-    try:
-        p = args.build()
-        written = write_render(p, out, args, force)
-    except K3Error as err:
-        fail(err)
+    p = args.build()
+    written = write_render(p, out, args, force)
     if json_out:
         typer.echo(json.dumps({"name": p.name, "out": str(out), "files": written}, indent=2))
     else:
@@ -373,7 +364,7 @@ def main() -> None:
 def _run(debug: bool) -> None:
     try:
         app()
-    except K3Error as err:  # raised outside a command's own handler
+    except K3Error as err:  # raised outside the commands (K3Group's refusals say theirs)
         _refuse(err)
     except SystemExit:
         raise

@@ -29,11 +29,8 @@ def _show(inventory: str, nodes: list[str] | None, keys: list[str], clear_all: b
     STATE.json = json_out
     from k3launch.api.caches import cache_dirs
 
-    try:
-        found, failed = cache_dirs(inventory, nodes=nodes or [], clear=keys, clear_all=clear_all,
-                                   accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    except K3Error as err:
-        fail(err)
+    found, failed = cache_dirs(inventory, nodes=nodes or [], clear=keys, clear_all=clear_all,
+                               accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     if json_out:
         typer.echo(json.dumps({"caches": [asdict(c) for c in found], "unreadable": failed}))
     else:

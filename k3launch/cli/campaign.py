@@ -71,14 +71,11 @@ def bench(
         rate = math.inf if request_rate.strip().lower() in ("inf", "infinity") else bounds.REQUEST_RATE.parse("--request-rate", request_rate)
     except K3Error as err:
         fail(K3Error("bad-rate", err.message, f"{err.hint}, or inf (all at once); e.g. --request-rate 4"))
-    try:
-        rec = benchmod.record(name, state_dir)
-        load = LoadPoint(max_concurrency=max_concurrency, input_len=input_len, output_len=output_len, request_rate=rate, num_prompts=num_prompts)
-        tag = (result_filename or f"bench-{name}-{load.key}.json").removesuffix(".json")
-        run = benchmod.run(rec, load, out_dir=benchmod.result_dir(name, state_dir, result_dir), tag=tag, client=_client(client) or "auto", seed=seed,
-                           on_progress=_bench_view(json_out))
-    except K3Error as err:
-        fail(err)
+    rec = benchmod.record(name, state_dir)
+    load = LoadPoint(max_concurrency=max_concurrency, input_len=input_len, output_len=output_len, request_rate=rate, num_prompts=num_prompts)
+    tag = (result_filename or f"bench-{name}-{load.key}.json").removesuffix(".json")
+    run = benchmod.run(rec, load, out_dir=benchmod.result_dir(name, state_dir, result_dir), tag=tag, client=_client(client) or "auto", seed=seed,
+                       on_progress=_bench_view(json_out))
     reason = run.error or (invalid_reason(run.metrics, Validity()) if run.metrics else "no figures")
     if json_out:
         body = json.loads(run.result_file.read_text(encoding="utf-8")) if run.result_file and run.result_file.is_file() else None
@@ -179,8 +176,6 @@ def campaign_run(
         finally:
             signal.signal(signal.SIGTERM, old)
             signal.signal(signal.SIGHUP, old_hup)
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         typer.echo("interrupted: the deployment in use was taken down; rows written so far are kept (run again to resume)", err=True)
         raise typer.Exit(INTERRUPTED) from None
@@ -221,21 +216,18 @@ def campaign_report(file: CampaignFile, out: OutDir, json_out: JsonOut = False) 
     from k3launch.campaign.run import campaign_path, prepare
     from k3launch.cli import show_campaign
 
-    try:
-        prep = prepare(campaign_path(file))
-        c = prep.campaign
-        every = latest(read_rows(out), c.name)
-        runs = [prep.rejudge(r) for r in prep.current(every)]  # rows of an earlier version of the matrix stay out
-        if not runs:
-            raise K3Error("no-results", f"{out}: no results of campaign {c.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
-        rows = prep.points(runs)  # one per point: the medians of its runs (repeats), judged by the spread gate
-        searches = prep.searches(runs)
-        csv_path = write_csv(out, runs)  # one line per run
-        ctx = rep.Context({g.index: prep.plans[g.specs[0].key] for g in prep.groups}, prep.inventory.gpu_hour_price, c.references)
-        plots = plot_all(rows, out / "plots", c.name, ctx)
-        html = write_report(out, c.name, rows, ctx, description=c.description, generated=f"k3launch {__version__}, {now_iso()}")
-    except K3Error as err:
-        fail(err)
+    prep = prepare(campaign_path(file))
+    c = prep.campaign
+    every = latest(read_rows(out), c.name)
+    runs = [prep.rejudge(r) for r in prep.current(every)]  # rows of an earlier version of the matrix stay out
+    if not runs:
+        raise K3Error("no-results", f"{out}: no results of campaign {c.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
+    rows = prep.points(runs)  # one per point: the medians of its runs (repeats), judged by the spread gate
+    searches = prep.searches(runs)
+    csv_path = write_csv(out, runs)  # one line per run
+    ctx = rep.Context({g.index: prep.plans[g.specs[0].key] for g in prep.groups}, prep.inventory.gpu_hour_price, c.references)
+    plots = plot_all(rows, out / "plots", c.name, ctx)
+    html = write_report(out, c.name, rows, ctx, description=c.description, generated=f"k3launch {__version__}, {now_iso()}")
     tables = rep.tables(rows, ctx)
     bad = rep.invalid_table(rows)
     if json_out:
@@ -274,18 +266,15 @@ def campaign_export(file: CampaignFile, out: OutDir,
     from k3launch.campaign.results import latest, read_rows
     from k3launch.campaign.run import campaign_path, prepare
 
+    prep = prepare(campaign_path(file))
+    runs = [prep.rejudge(r) for r in prep.current(latest(read_rows(out), prep.campaign.name))]
+    if not runs:
+        raise K3Error("no-results", f"{out}: no results of campaign {prep.campaign.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
+    gpus = {g.plan_hash[:12]: sum(pool.gpus for pool in prep.plans[g.specs[0].key].capacity.pools) for g in prep.groups}
     try:
-        prep = prepare(campaign_path(file))
-        runs = [prep.rejudge(r) for r in prep.current(latest(read_rows(out), prep.campaign.name))]
-        if not runs:
-            raise K3Error("no-results", f"{out}: no results of campaign {prep.campaign.name!r}", f"run `k3launch campaign run {file} --out {out}` first")
-        gpus = {g.plan_hash[:12]: sum(pool.gpus for pool in prep.plans[g.specs[0].key].capacity.pools) for g in prep.groups}
-        try:
-            written = sweepio.export(out, runs, to, gpus)
-        except OSError as exc:
-            raise K3Error("bad-out", f"--to {to}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
-    except K3Error as err:
-        fail(err)
+        written = sweepio.export(out, runs, to, gpus)
+    except OSError as exc:
+        raise K3Error("bad-out", f"--to {to}: {exc.strerror or exc}", "choose a directory you can write (created if missing)") from None
     if json_out:
         typer.echo(json.dumps({"campaign": prep.campaign.name, "experiment": str(to), "runs": len(runs), "summaries": [str(p) for p in written]}))
     else:
@@ -310,20 +299,17 @@ def campaign_import(src: Annotated[Path, typer.Argument(help="A `vllm bench swee
     from k3launch.cli import show_campaign
 
     campaign = name or re.sub(r"[^a-z0-9-]+", "-", src.resolve().name.lower()).strip("-") or "imported"
-    try:
-        rows, raw = sweepio.read(src, campaign)
-        make_out(out)
-        (out / "bench").mkdir(exist_ok=True)
-        for i, (row, data) in enumerate(zip(rows, raw, strict=True)):
-            copy = out / "bench" / f"imported-{i}.json"  # the run's own JSON, every key vLLM wrote
-            copy.write_text(json.dumps(data), encoding="utf-8")
-            append_row(out, row.model_copy(update={"result_file": str(copy.relative_to(out))}))
-        runs = latest(read_rows(out), campaign)
-        csv_path = write_csv(out, runs)
-        points = repeats.points(runs, Repeats().confidence, Validity().max_spread)  # a sweep's --num-runs: medians and intervals
-        plots = plot_all(points, out / "plots", campaign)
-    except K3Error as err:
-        fail(err)
+    rows, raw = sweepio.read(src, campaign)
+    make_out(out)
+    (out / "bench").mkdir(exist_ok=True)
+    for i, (row, data) in enumerate(zip(rows, raw, strict=True)):
+        copy = out / "bench" / f"imported-{i}.json"  # the run's own JSON, every key vLLM wrote
+        copy.write_text(json.dumps(data), encoding="utf-8")
+        append_row(out, row.model_copy(update={"result_file": str(copy.relative_to(out))}))
+    runs = latest(read_rows(out), campaign)
+    csv_path = write_csv(out, runs)
+    points = repeats.points(runs, Repeats().confidence, Validity().max_spread)  # a sweep's --num-runs: medians and intervals
+    plots = plot_all(points, out / "plots", campaign)
     if json_out:
         typer.echo(json.dumps({"campaign": campaign, "runs": len(rows), "results": str(out / "results.jsonl"), "csv": str(csv_path),
                                "plots": [str(p) for p in plots]}))

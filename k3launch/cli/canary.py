@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, StateDir, app, console, fail, number_option
-from k3launch.errors import K3Error
+from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, StateDir, app, console, number_option
 from k3launch.util import bounds
 
 if TYPE_CHECKING:
@@ -40,8 +39,6 @@ def canary(
 
     try:
         report = run(name, rebaseline=rebaseline, match_prefix=match_prefix, timeout=timeout, state_dir=state_dir)
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
     if json_out:

@@ -9,7 +9,8 @@ command once and hands the command one :class:`PlanArgs` instead of twenty param
 
 Every way a command can end badly ends in the same shape (:class:`K3Group`): a bad option value,
 an unknown option or command, a :class:`~k3launch.errors.K3Error`, a file that cannot be written
-are ``error:``/``hint:`` lines and exit 2; Ctrl-C is one ``interrupted`` line and exit 130.
+are ``error:``/``hint:`` lines and exit 2; Ctrl-C is one ``interrupted`` line and exit 130. A
+command raises its refusals and lets them go: :func:`refusals` says them (in JSON after ``--json``).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def refusals(json_out: bool, where: str = "k3launch") -> Iterator[None]:
     except _CLICK.ClickException as exc:
         STATE.json = STATE.json or json_out
         fail(_usage(exc, where))
-    except K3Error as err:  # raised outside a command's own handler, or by an option's parser
+    except K3Error as err:  # a command's refusal, or an option parser's: commands leave them all to this one place
         STATE.json = STATE.json or json_out
         fail(err)
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, app, console, fail
+from k3launch.cli.common import STATE, JsonOut, app, console
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
@@ -58,16 +58,13 @@ def cordon(
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        loaded = api.load(inventory)
-        if not nodes:
-            if reason is not None:
-                raise K3Error("bad-usage", "--reason needs the nodes to cordon", f"k3launch cordon NODE... -i {inventory} --reason TEXT")
-            found = api.cordoned(loaded, state_dir)
-        else:
-            change = api.cordon(loaded, nodes, reason or "", state_dir)
-    except K3Error as err:
-        fail(err)
+    loaded = api.load(inventory)
+    if not nodes:
+        if reason is not None:
+            raise K3Error("bad-usage", "--reason needs the nodes to cordon", f"k3launch cordon NODE... -i {inventory} --reason TEXT")
+        found = api.cordoned(loaded, state_dir)
+    else:
+        change = api.cordon(loaded, nodes, reason or "", state_dir)
     name = loaded.inventory.name
     if not nodes:
         if json_out:
@@ -96,10 +93,7 @@ def uncordon(
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        change = api.uncordon(inventory, nodes, state_dir)
-    except K3Error as err:
-        fail(err)
+    change = api.uncordon(inventory, nodes, state_dir)
     _warn_set_aside(change)
     if json_out:
         typer.echo(_change_json(change))

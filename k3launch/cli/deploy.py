@@ -94,8 +94,6 @@ def up(
                          canary=not no_canary, on_stage=view.stage, on_progress=view.progress,
                          on_doctor=lambda report: None if json_out else show_deploy.doctor(con, report.checks),
                          on_failure=lambda exc: show_deploy.log_block(con, exc.failing or "?", exc.log_tail) if exc.log_tail and not json_out else None)
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         # api.up has torn down what it started (the record stays if something was left)
         typer.echo("interrupted: what was started has been torn down", err=True)
@@ -169,10 +167,7 @@ def status(name: Annotated[str, typer.Argument(help="Deployment name (see `k3lau
     from k3launch import api
     from k3launch.cli import show_deploy
 
-    try:
-        snap = api.status(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    except K3Error as err:
-        fail(err)
+    snap = api.status(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
     if json_out:
         typer.echo(snap.to_json())
     else:
@@ -194,8 +189,6 @@ def logs(
     try:
         api.logs(name, typer.echo, role=role, node=node, lines=lines, follow=follow, state_dir=state_dir,
                  accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         return
 
@@ -217,11 +210,8 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
     from k3launch import api
     from k3launch.cli import show_deploy
 
-    try:
-        report = api.down(name, state_dir=state_dir, grace=grace, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
-                          inventory=inventory, any_owner=any_owner)
-    except K3Error as err:
-        fail(err)
+    report = api.down(name, state_dir=state_dir, grace=grace, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+                      inventory=inventory, any_owner=any_owner)
     if json_out:
         typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "exited": report.exited,
                                "rollout": report.rollout, "leftovers": report.leftovers,
@@ -255,20 +245,14 @@ def timeline(name: Annotated[str, typer.Argument(help="Deployment name (see `k3l
         _restart_timeline(name, compare, state_dir, json_out)
         return
     if compare is not None:  # NAME too may be a saved file then: two bring-ups of deployments long gone
-        try:
-            mine, other = api.timeline(name, state_dir), api.timeline(compare, state_dir)
-        except K3Error as err:
-            fail(err)
+        mine, other = api.timeline(name, state_dir), api.timeline(compare, state_dir)
         _show_comparison(side_by_side(mine.timeline, other.timeline, name, compare, other.deployment), json_out)
         return
-    try:
-        rec = api.record(name, state_dir)
-        if rec is None:
-            raise K3Error("unknown-deployment", f"no deployment named {name!r}", "see `k3launch list`")
-        if rec.timeline is None:
-            raise no_timeline(name, rec.state)
-    except K3Error as err:
-        fail(err)
+    rec = api.record(name, state_dir)
+    if rec is None:
+        raise K3Error("unknown-deployment", f"no deployment named {name!r}", "see `k3launch list`")
+    if rec.timeline is None:
+        raise no_timeline(name, rec.state)
     since = [e for e in api.events(name, state_dir=state_dir) if e.time >= rec.created]  # this life's supervision
     pred, loads = api.load_against(rec, state_dir)
     if json_out:
@@ -308,11 +292,8 @@ def _restart_timeline(name: str, compare: str | None, state_dir: Path | None, js
     from k3launch.models.bringups import compare as side_by_side
     from k3launch.models.bringups import narrow
 
-    try:
-        ev, mine = api.restart_timeline(name, state_dir)
-        other = api.timeline(compare, state_dir) if compare is not None else None
-    except K3Error as err:
-        fail(err)
+    ev, mine = api.restart_timeline(name, state_dir)
+    other = api.timeline(compare, state_dir) if compare is not None else None
     tl = mine.timeline
     label = f"{name} restart of {ev.unit}" + (f" (attempt {ev.attempt})" if ev.attempt else "")
     if other is not None:
@@ -334,10 +315,7 @@ def list_(state_dir: StateDir = None, json_out: JsonOut = False) -> None:
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        recs: list[DeploymentRecord] = api.deployments(state_dir)
-    except K3Error as err:
-        fail(err)
+    recs: list[DeploymentRecord] = api.deployments(state_dir)
     if json_out:
         typer.echo(json.dumps([{"name": r.name, "state": r.state, "endpoint": r.endpoint, "strategy": r.plan.strategy,
                                 "hardware": r.plan.hardware, "nodes": r.plan.nodes, "slurm_job": r.job.job_id if r.job else None}
@@ -360,11 +338,8 @@ def chat(
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        data = api.chat(name, message, max_tokens=max_tokens, state_dir=state_dir)
-        rec = api.record(name, state_dir)
-    except K3Error as err:
-        fail(err)
+    data = api.chat(name, message, max_tokens=max_tokens, state_dir=state_dir)
+    rec = api.record(name, state_dir)
     if json_out:
         typer.echo(json.dumps(data))
         return

@@ -34,10 +34,7 @@ def lint(
         import shlex
 
         words = shlex.split(words[0])
-    try:
-        found = api.lint(words, vllm_version)
-    except K3Error as err:
-        fail(err)
+    found = api.lint(words, vllm_version)
     if json_out:
         typer.echo(json.dumps({"vllm_version": vllm_version, "findings": [f.as_dict() for f in found]}, indent=2))
     else:
@@ -56,10 +53,7 @@ def recipes(ctx: typer.Context, recipes_dir: RecipesDir = None, json_out: JsonOu
     from k3launch import api
     from k3launch.cli import show_plan as show
 
-    try:
-        listing = api.recipes(recipes_dir)
-    except K3Error as err:
-        fail(err)
+    listing = api.recipes(recipes_dir)
     if json_out:
         typer.echo(json.dumps({"root": str(listing.root), "recipes": [{"id": r[0], "title": r[1]} for r in listing.recipes],
                                "broken": listing.broken, "hardware": sorted(listing.taxonomy.hardware_profiles),
@@ -81,10 +75,7 @@ def recipes_show(ctx: typer.Context, recipe_id: Annotated[str, typer.Argument(he
     from k3launch import api
     from k3launch.cli import show_plan as show
 
-    try:
-        d = api.recipe(recipe_id, recipes_dir)
-    except K3Error as err:
-        fail(err)
+    d = api.recipe(recipe_id, recipes_dir)
     if json_out:
         typer.echo(json.dumps({"id": d.id, "default": d.default, "recipe": d.recipe.model_dump(mode="json"),
                                "kv_offload_support": {d.kv_hardware: d.kv_offload}}, indent=2))

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, AcceptUnknown, ConnectTimeout, JsonOut, StateDir, app, console, fail
+from k3launch.cli.common import INTERRUPTED, STATE, AcceptUnknown, ConnectTimeout, JsonOut, StateDir, app, console
 from k3launch.errors import K3Error
 
 
@@ -75,8 +75,6 @@ def rollout(
                                 max_unavailable=max_unavailable, allow_downtime=allow_downtime, say=say, state_dir=state_dir,
                                 canary=not no_canary, rebaseline=rebaseline,
                                 accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
     rolled = [{"unit": r.unit, "seconds": round(r.seconds, 3), "drained_s": round(r.drained_s, 3), "downtime_s": round(r.downtime_s, 3)}

@@ -8,8 +8,7 @@ from typing import Annotated
 
 import typer
 
-from k3launch.cli.common import STATE, JsonOut, app, fail
-from k3launch.errors import K3Error
+from k3launch.cli.common import STATE, JsonOut, app
 
 schema_app = typer.Typer(help="vLLM flag schemas: plans are checked against the schema of the vLLM that runs.", no_args_is_help=True)
 app.add_typer(schema_app, name="schema")
@@ -27,10 +26,7 @@ def dump(
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        res = api.schema_dump(python, out)
-    except K3Error as err:
-        fail(err)
+    res = api.schema_dump(python, out)
     if json_out:
         typer.echo(json.dumps({"version": res.version, "path": str(res.path), "flags": res.flags, "env_vars": res.env_vars,
                                "used": res.used, "bounded_flags": res.bounded, "rules": res.rules,

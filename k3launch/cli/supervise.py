@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from k3launch.cli.common import INTERRUPTED, STATE, AcceptUnknown, ConnectTimeout, JsonOut, StateDir, app, console, fail
+from k3launch.cli.common import INTERRUPTED, STATE, AcceptUnknown, ConnectTimeout, JsonOut, StateDir, app, console
 from k3launch.cli.show_events import line
 from k3launch.errors import K3Error
 
@@ -67,8 +67,6 @@ def supervise(
 
         outcome = api.supervise(name, state_dir=state_dir, policy=policy, on_event=show, on_event_command=on_event,
                                 accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
     if outcome == "failed":
@@ -98,7 +96,5 @@ def events(
             return
         for e in api.follow_events(name, lambda: False, state_dir=state_dir):
             show(e)
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None

@@ -25,11 +25,9 @@ from k3launch.cli.common import (
     PlanArgs,
     app,
     console,
-    fail,
     number_option,
     with_selection,
 )
-from k3launch.errors import K3Error
 from k3launch.util.bounds import BUSBW, PROBE_BYTES, PROBE_TIMEOUT, PROGRESS_INTERVAL
 
 if TYPE_CHECKING:
@@ -59,21 +57,18 @@ def doctor(
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        args = args.or_local()
-        plan = args.build()
-        report = api.doctor(
-            plan,
-            args.inventory,
-            state_dir=args.state_dir,
-            bandwidth=bandwidth,
-            min_busbw=min_busbw,
-            accept_unknown_hosts=accept_unknown_hosts,
-            connect_timeout=connect_timeout,
-        )
-        load = api.load_prediction(plan, args.inventory, args.state_dir, checkpoint=report.checkpoint)  # a node's index, when one said
-    except K3Error as err:
-        fail(err)
+    args = args.or_local()
+    plan = args.build()
+    report = api.doctor(
+        plan,
+        args.inventory,
+        state_dir=args.state_dir,
+        bandwidth=bandwidth,
+        min_busbw=min_busbw,
+        accept_unknown_hosts=accept_unknown_hosts,
+        connect_timeout=connect_timeout,
+    )
+    load = api.load_prediction(plan, args.inventory, args.state_dir, checkpoint=report.checkpoint)  # a node's index, when one said
     if json_out:
         out: dict[str, object] = {"name": plan.name, "ok": report.ok, "checks": [asdict(c) for c in report.checks]}
         if load is not None:
@@ -157,13 +152,10 @@ def check(
     STATE.json = json_out
     from k3launch import api
 
-    try:
-        args = args.or_local()
-        rows = api.weights_check(
-            args.build(), args.inventory, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
-        )
-    except K3Error as err:
-        fail(err)
+    args = args.or_local()
+    rows = api.weights_check(
+        args.build(), args.inventory, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
+    )
     _finish(rows, json_out)
 
 
@@ -213,8 +205,6 @@ def fetch(
             accept_unknown_hosts=accept_unknown_hosts,
             connect_timeout=connect_timeout,
         )
-    except K3Error as err:
-        fail(err)
     except KeyboardInterrupt:
         typer.echo("interrupted: partial downloads stay in the cache (the next fetch resumes them)", err=True)
         raise typer.Exit(INTERRUPTED) from None
@@ -259,14 +249,11 @@ def probe(
     from k3launch import api
     from k3launch.models.weights import probe_rows
 
-    try:
-        args = args.or_local()
-        rows = api.weights_probe(
-            args.build(), args.inventory, path=path, size=size, timeout=timeout, save=save, state_dir=args.state_dir,
-            accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
-        )
-    except K3Error as err:
-        fail(err)
+    args = args.or_local()
+    rows = api.weights_probe(
+        args.build(), args.inventory, path=path, size=size, timeout=timeout, save=save, state_dir=args.state_dir,
+        accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+    )
     if json_out:
         typer.echo(json.dumps({"ok": all(p.ok for p in rows), "nodes": probe_rows(rows)}, indent=2))
     else:

@@ -122,3 +122,25 @@ def test_down_tells_an_exited_engine_from_a_stopped_one_and_abandons_a_rollout(t
     assert res.code == 0, res.stdout + res.stderr
     assert "a rollout was under way (--set max-num-seqs=128): abandoned" in res.stdout, res.stdout
     assert "process(es) stopped" not in res.stdout and "1 had exited already (serve-0)" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize(("args", "code"), [
+    (["status", "nope"], "unknown-deployment"),
+    (["timeline", "nope"], "unknown-deployment"),
+    (["events", "nope"], "unknown-deployment"),
+    (["rollout", "nope", "--set", "max-num-seqs=8"], "unknown-deployment"),
+    (["supervise", "nope"], "unknown-deployment"),
+    (["cordon", "-i", LOCAL, "--reason", "disk"], "bad-usage"),
+])
+def test_a_refusal_inside_a_command_is_one_error_line_a_hint_and_exit_2_in_text_and_json(tmp_path: Path, args: list[str], code: str) -> None:
+    """A K3Error a command's body raises ends in the CLI's one shape, whichever command: on stderr
+    ``error: <message> [<code>]`` then ``hint: ...`` and nothing on stdout; with ``--json`` the same
+    refusal as the one JSON object on stdout and nothing on stderr; exit 2 both ways."""
+    text = _cli(tmp_path, tmp_path / "s", *args)
+    lines = text.stderr.splitlines()
+    assert (text.code, text.stdout, len(lines)) == (2, "", 2), (text.code, text.stdout, text.stderr)
+    assert lines[0].startswith("error: ") and lines[0].endswith(f" [{code}]") and lines[1].startswith("hint: "), lines
+    js = _cli(tmp_path, tmp_path / "s", *args, "--json")
+    err = js.error()  # exit 2, one {"error": {code, message, hint}}, no traceback
+    assert js.stderr == "" and len(js.stdout.splitlines()) == 1, js.stdout + js.stderr
+    assert (f"error: {err['message']} [{err['code']}]", f"hint: {err['hint']}") == (lines[0], lines[1])
