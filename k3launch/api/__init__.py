@@ -20,194 +20,100 @@ job per deployment), and an operation a backend does not support is refused ther
 
 from __future__ import annotations
 
-from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+# The API's names, each with the module it comes from: the one list of them. Type checkers and
+# editors read these imports; at run time the block is skipped and each name is imported from its
+# module on first use (PEP 562 __getattr__ below, reading this block's lines), so `plan` loads only
+# the planning part of the API, not the lifecycle, the node operations or the backend table, on its
+# way to start-up. A name is added here, and only here, as `from MODULE import NAME as NAME` (the
+# form that says it is exported; tests/fast/test_api_names.py checks every one resolves).
 if TYPE_CHECKING:
-    from k3launch.api._common import InventoryArg, Loaded, bundled_inventory, load
-    from k3launch.api.caches import cache_dirs
-    from k3launch.api.canaries import canary
-    from k3launch.api.cordons import cordon, cordoned, uncordon
-    from k3launch.api.lifecycle import (
-        bench_dir,
-        chat,
-        deployed,
-        deployments,
-        down,
-        logs,
-        nodes_in_use,
-        ready_timeout,
-        record,
-        state_root,
-        status,
-        up,
-    )
-    from k3launch.api.nodes import (
-        active_array_tasks,
-        attached_record,
-        doctor,
-        fleet,
-        load_against,
-        load_prediction,
-        power_sampler,
-        saved_probe,
-        submit_array,
-        wait_array,
-        weights_check,
-        weights_fetch,
-        weights_probe,
-    )
-    from k3launch.api.planning import (
-        RecipeDetail,
-        RecipeListing,
-        SchemaDumped,
-        check_port_base,
-        dry_run,
-        explain,
-        lint,
-        plan,
-        recipe,
-        recipes,
-        schema_dump,
-    )
-    from k3launch.api.policy import restart_policy
-    from k3launch.api.rollouts import rollout, rollout_continue, rollout_preview
-    from k3launch.api.scaling import scale
-    from k3launch.api.supervision import events, follow_events, stop_supervisor, supervise, supervise_detached
-    from k3launch.api.timelines import restart_timeline, timeline
+    from k3launch.api._common import InventoryArg as InventoryArg
+    from k3launch.api._common import Loaded as Loaded
+    from k3launch.api._common import bundled_inventory as bundled_inventory
+    from k3launch.api._common import load as load
+    from k3launch.api.caches import cache_dirs as cache_dirs
+    from k3launch.api.canaries import canary as canary
+    from k3launch.api.cordons import cordon as cordon
+    from k3launch.api.cordons import cordoned as cordoned
+    from k3launch.api.cordons import uncordon as uncordon
+    from k3launch.api.lifecycle import bench_dir as bench_dir
+    from k3launch.api.lifecycle import chat as chat
+    from k3launch.api.lifecycle import deployed as deployed
+    from k3launch.api.lifecycle import deployments as deployments
+    from k3launch.api.lifecycle import down as down
+    from k3launch.api.lifecycle import logs as logs
+    from k3launch.api.lifecycle import nodes_in_use as nodes_in_use
+    from k3launch.api.lifecycle import ready_timeout as ready_timeout
+    from k3launch.api.lifecycle import record as record
+    from k3launch.api.lifecycle import state_root as state_root
+    from k3launch.api.lifecycle import status as status
+    from k3launch.api.lifecycle import up as up
+    from k3launch.api.nodes import active_array_tasks as active_array_tasks
+    from k3launch.api.nodes import attached_record as attached_record
+    from k3launch.api.nodes import doctor as doctor
+    from k3launch.api.nodes import fleet as fleet
+    from k3launch.api.nodes import load_against as load_against
+    from k3launch.api.nodes import load_prediction as load_prediction
+    from k3launch.api.nodes import power_sampler as power_sampler
+    from k3launch.api.nodes import saved_probe as saved_probe
+    from k3launch.api.nodes import submit_array as submit_array
+    from k3launch.api.nodes import wait_array as wait_array
+    from k3launch.api.nodes import weights_check as weights_check
+    from k3launch.api.nodes import weights_fetch as weights_fetch
+    from k3launch.api.nodes import weights_probe as weights_probe
+    from k3launch.api.planning import RecipeDetail as RecipeDetail
+    from k3launch.api.planning import RecipeListing as RecipeListing
+    from k3launch.api.planning import SchemaDumped as SchemaDumped
+    from k3launch.api.planning import check_port_base as check_port_base
+    from k3launch.api.planning import dry_run as dry_run
+    from k3launch.api.planning import explain as explain
+    from k3launch.api.planning import lint as lint
+    from k3launch.api.planning import plan as plan
+    from k3launch.api.planning import recipe as recipe
+    from k3launch.api.planning import recipes as recipes
+    from k3launch.api.planning import schema_dump as schema_dump
+    from k3launch.api.policy import restart_policy as restart_policy
+    from k3launch.api.rollouts import rollout as rollout
+    from k3launch.api.rollouts import rollout_continue as rollout_continue
+    from k3launch.api.rollouts import rollout_preview as rollout_preview
+    from k3launch.api.scaling import scale as scale
+    from k3launch.api.supervision import events as events
+    from k3launch.api.supervision import follow_events as follow_events
+    from k3launch.api.supervision import stop_supervisor as stop_supervisor
+    from k3launch.api.supervision import supervise as supervise
+    from k3launch.api.supervision import supervise_detached as supervise_detached
+    from k3launch.api.timelines import restart_timeline as restart_timeline
+    from k3launch.api.timelines import timeline as timeline
+# (end of the API's names)
 
-# Each name's module, imported on first use: `plan` then loads only the planning part of the API
-# (not the lifecycle, node operations or the backend table) on its way to start-up.
-_HOMES: dict[str, str] = {
-    "InventoryArg": "_common",
-    "Loaded": "_common",
-    "RecipeDetail": "planning",
-    "RecipeListing": "planning",
-    "SchemaDumped": "planning",
-    "active_array_tasks": "nodes",
-    "attached_record": "nodes",
-    "bench_dir": "lifecycle",
-    "bundled_inventory": "_common",
-    "cache_dirs": "caches",
-    "canary": "canaries",
-    "chat": "lifecycle",
-    "check_port_base": "planning",
-    "cordon": "cordons",
-    "cordoned": "cordons",
-    "deployed": "lifecycle",
-    "deployments": "lifecycle",
-    "doctor": "nodes",
-    "down": "lifecycle",
-    "dry_run": "planning",
-    "explain": "planning",
-    "events": "supervision",
-    "fleet": "nodes",
-    "follow_events": "supervision",
-    "lint": "planning",
-    "load": "_common",
-    "logs": "lifecycle",
-    "nodes_in_use": "lifecycle",
-    "plan": "planning",
-    "power_sampler": "nodes",
-    "ready_timeout": "lifecycle",
-    "restart_policy": "policy",
-    "rollout": "rollouts",
-    "rollout_continue": "rollouts",
-    "rollout_preview": "rollouts",
-    "scale": "scaling",
-    "recipe": "planning",
-    "recipes": "planning",
-    "record": "lifecycle",
-    "schema_dump": "planning",
-    "state_root": "lifecycle",
-    "status": "lifecycle",
-    "stop_supervisor": "supervision",
-    "submit_array": "nodes",
-    "supervise": "supervision",
-    "supervise_detached": "supervision",
-    "uncordon": "cordons",
-    "up": "lifecycle",
-    "wait_array": "nodes",
-    "weights_check": "nodes",
-    "weights_fetch": "nodes",
-    "weights_probe": "nodes",
-    "saved_probe": "nodes",
-    "load_prediction": "nodes",
-    "load_against": "nodes",
-    "timeline": "timelines",
-    "restart_timeline": "timelines",
-}
+
+def _homes() -> dict[str, str]:
+    """Each name of the block above -> its module, read from this file once (the block is not run)."""
+    import re
+    from pathlib import Path
+
+    text = Path(__file__).read_text(encoding="utf-8")
+    block = text[text.index("\nif TYPE_CHECKING:\n"):text.index("\n# (end of the API's names)")]
+    return {name: module for module, name in re.findall(r"^    from ([\w.]+) import (\w+) as \2$", block, re.MULTILINE)}
 
 
 def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
+    homes = globals().get("_HOMES")
+    if homes is None:
+        homes = globals()["_HOMES"] = _homes()
+    if name == "__all__":
+        value: Any = sorted(homes)
+    elif name in homes:
+        from importlib import import_module
+
+        value = getattr(import_module(homes[name]), name)
+    else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{home}"), name)
     globals()[name] = value  # once found, an ordinary attribute
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
-
-
-__all__ = [
-    "InventoryArg",
-    "Loaded",
-    "RecipeDetail",
-    "RecipeListing",
-    "SchemaDumped",
-    "active_array_tasks",
-    "attached_record",
-    "bench_dir",
-    "bundled_inventory",
-    "cache_dirs",
-    "canary",
-    "chat",
-    "check_port_base",
-    "cordon",
-    "cordoned",
-    "deployed",
-    "deployments",
-    "doctor",
-    "down",
-    "dry_run",
-    "events",
-    "explain",
-    "fleet",
-    "follow_events",
-    "lint",
-    "load",
-    "load_against",
-    "load_prediction",
-    "logs",
-    "nodes_in_use",
-    "plan",
-    "power_sampler",
-    "ready_timeout",
-    "recipe",
-    "recipes",
-    "record",
-    "restart_policy",
-    "restart_timeline",
-    "rollout",
-    "rollout_continue",
-    "rollout_preview",
-    "saved_probe",
-    "scale",
-    "schema_dump",
-    "state_root",
-    "status",
-    "stop_supervisor",
-    "submit_array",
-    "supervise",
-    "supervise_detached",
-    "timeline",
-    "uncordon",
-    "up",
-    "wait_array",
-    "weights_check",
-    "weights_fetch",
-    "weights_probe",
-]
+    return list(__getattr__("__all__"))
