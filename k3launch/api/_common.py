@@ -1,5 +1,5 @@
-"""What every API function shares: inventories (a path, a loaded one, or the bundled local one),
-the state directory, and how nodes are reached."""
+"""What every API function shares: inventories (a path, a loaded one, or the bundled local one)
+and the state directory. How nodes are reached is one value, :class:`~k3launch.models.access.Access`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, NamedTuple, TypeAlias
 from k3launch.errors import K3Error
 
 if TYPE_CHECKING:
-    from k3launch.deploy.options import Access
     from k3launch.deploy.state import StateStore
     from k3launch.planning.inventory import Inventory
 
@@ -46,15 +45,6 @@ def load(inventory: InventoryArg) -> Loaded:
         return Loaded(inventory, inventory.name)
     path = Path(inventory) if inventory is not None else bundled_inventory("local")
     return Loaded(load_placed(path), str(path))
-
-
-def access(accept_unknown_hosts: bool, connect_timeout: float) -> Access:
-    """How nodes are reached, with the same bounds as the CLI's options (a library caller's NaN
-    or negative timeout is refused, not waited on forever)."""
-    from k3launch.deploy.options import Access
-    from k3launch.util import bounds
-
-    return Access(accept_unknown_hosts, bounds.CONNECT_TIMEOUT.parse("connect_timeout", connect_timeout))
 
 
 def store(state_dir: str | Path | None) -> StateStore:

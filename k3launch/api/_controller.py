@@ -17,6 +17,7 @@ def main(argv: list[str]) -> int:
     from k3launch.deploy.control.process import read_spec
     from k3launch.deploy.state import StateStore
     from k3launch.errors import K3Error
+    from k3launch.models.access import Access
 
     if len(argv) != 2:
         print("usage: python -m k3launch.api._controller NAME STATE_DIR", file=sys.stderr)
@@ -26,8 +27,7 @@ def main(argv: list[str]) -> int:
     try:
         outcome = supervise(name, state_dir=state_dir, policy=spec.policy if spec is not None else None,
                             on_event_command=spec.hook if spec is not None else None, detached=True,
-                            accept_unknown_hosts=spec.accept_unknown_hosts if spec is not None else False,
-                            connect_timeout=spec.connect_timeout if spec is not None else 10.0,
+                            access=spec.access if spec is not None else Access(),
                             on_event=lambda e: print(e.model_dump_json(exclude_defaults=True), flush=True))
     except K3Error as err:
         print(f"{err.message} [{err.code}]" + (f"; hint: {err.hint}" if err.hint else ""), flush=True)

@@ -18,6 +18,7 @@ from typing import Any
 from k3launch.api._common import store
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.record import DeploymentRecord
 from k3launch.models.supervise import Event
 
@@ -31,8 +32,8 @@ Done = Callable[[DeploymentRecord], bool]
 
 
 def converge(name: str, change: Mapping[str, Any], *, done: Done, refuse: Callable[[StateStore, DeploymentRecord], None],
-             what: str, say: Callable[[str], None], state_dir: str | Path | None, accept_unknown_hosts: bool,
-             connect_timeout: float, progress: Callable[[DeploymentRecord], list[str]] | None = None) -> int:
+             what: str, say: Callable[[str], None], state_dir: str | Path | None, access: Access,
+             progress: Callable[[DeploymentRecord], list[str]] | None = None) -> int:
     """Write ``change`` as a new spec revision (under the deployment's lock, after ``refuse``),
     then see the controller reach it (``done``); the revision written."""
     from k3launch.api.supervision import refuse_self_supervised, supervise, supervise_detached, write_spec
@@ -44,7 +45,7 @@ def converge(name: str, change: Mapping[str, Any], *, done: Done, refuse: Callab
         rec = st.load(name)
         refuse_self_supervised(rec)
         refuse(st, rec)
-        revision = write_spec(st, name, **change, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+        revision = write_spec(st, name, **change, access=access)
     if held(lock_path(st, name)):
         say(f"the supervisor of {name} converges it (spec revision {revision})")
         if follow(st, name, revision, done, say, progress):
@@ -57,8 +58,7 @@ def converge(name: str, change: Mapping[str, Any], *, done: Done, refuse: Callab
 
     outcome = "stopped"
     try:
-        outcome = supervise(name, state_dir=state_dir, on_event=on_event, until_converged=True,
-                            accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+        outcome = supervise(name, state_dir=state_dir, on_event=on_event, until_converged=True, access=access)
     finally:
         if outcome == "stopped":  # interrupted: a detached controller finishes what this one started
             from k3launch.deploy.control.process import stop_path
@@ -68,8 +68,7 @@ def converge(name: str, change: Mapping[str, Any], *, done: Done, refuse: Callab
                 say(f"{name} is being taken down: the {what} ends with it")
             else:
                 try:
-                    sv = supervise_detached(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
-                                            connect_timeout=connect_timeout)
+                    sv = supervise_detached(name, state_dir=state_dir, access=access)
                     say(f"interrupted: the {what} goes on under a detached supervisor (pid {sv.pid} on {sv.host}); "
                         f"`k3launch status {name}` follows it")
                 except K3Error as exc:  # e.g. a `down` that came meanwhile

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from k3launch.api._common import InventoryArg, access, load
+from k3launch.api._common import InventoryArg, load
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.caches import KEY_RE, CacheDir
 
 
 def cache_dirs(inventory: InventoryArg = None, *, nodes: Sequence[str] = (), clear: Sequence[str] = (), clear_all: bool = False,
-               accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> tuple[list[CacheDir], dict[str, str]]:
+               access: Access = Access()) -> tuple[list[CacheDir], dict[str, str]]:
     """Each node's cache directories (``nodes``: only these), after removing the ``clear`` keys, or
     every key with ``clear_all``; and node -> why it could not be read. A running engine keeps
     what it has open: clear a key while nothing runs with it, or the next start compiles again."""
@@ -24,4 +25,4 @@ def cache_dirs(inventory: InventoryArg = None, *, nodes: Sequence[str] = (), cle
     unknown = [n for n in nodes if n not in {x.name for x in inv.nodes}]
     if unknown:
         raise K3Error("unknown-node", f"no node {unknown[0]!r} in inventory {inv.name}", "nodes: " + ", ".join(n.name for n in inv.nodes))
-    return cache_ops(inv.backend, [access(accept_unknown_hosts, connect_timeout)]).caches(inv, nodes, clear, clear_all)
+    return cache_ops(inv.backend, [access]).caches(inv, nodes, clear, clear_all)

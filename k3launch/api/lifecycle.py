@@ -3,7 +3,7 @@
 
 Each call picks the backend from the registry by the inventory's or the record's ``backend``
 (:mod:`k3launch.deploy.registry`) and hands it its own options: how nodes are reached
-(``accept_unknown_hosts``, ``connect_timeout``: SSH backends) and the job's settings
+(``access``, an :class:`~k3launch.models.access.Access`: SSH backends) and the job's settings
 (``extra_sbatch``, ``queue_timeout``: Slurm, refused elsewhere).
 """
 
@@ -16,9 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from k3launch.api._common import InventoryArg, access, load, store
+from k3launch.api._common import InventoryArg, load, store
 from k3launch.api.policy import self_policy
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.identity import ANY, Owned
 
 if TYPE_CHECKING:
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None,
        ready_timeout: float | None = None, keep_on_failure: bool = False, force: bool = False, skip_doctor: bool = False,
-       accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, extra_sbatch: Sequence[str] = (),
+       access: Access = Access(), extra_sbatch: Sequence[str] = (),
        queue_timeout: float | None = None, supervise: bool | Mapping[str, Any] = False, on_stage: StageFn | None = None,
        on_doctor: Callable[[DoctorReport], None] | None = None, on_failure: Callable[[LaunchFailed], None] | None = None,
        on_progress: Callable[[BringUp], None] | None = None, canary: bool = True) -> DeploymentRecord:
@@ -68,7 +69,7 @@ def up(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | No
     opts = UpOptions(ready_timeout=None if ready_timeout is None else bounds.READY_TIMEOUT.parse("ready_timeout", ready_timeout),
                      keep_on_failure=keep_on_failure, force=force, skip_doctor=skip_doctor, supervise=self_policy(inv, supervise))
     slurm = SlurmOptions(tuple(extra_sbatch), None if queue_timeout is None else bounds.QUEUE_TIMEOUT.parse("queue_timeout", queue_timeout))
-    b = backend(inv.backend, [access(accept_unknown_hosts, connect_timeout), slurm])
+    b = backend(inv.backend, [access, slurm])
     events = Events(on_stage or no_op, on_doctor or no_op, on_failure or no_op, on_progress or no_op)
     with st.lock(plan.name):
         from k3launch.deploy import canary as canary_io
@@ -94,8 +95,7 @@ def deployed(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Pat
     try:
         yield rec
     finally:
-        down(rec.name, state_dir=state_dir, grace=grace, accept_unknown_hosts=up_options.get("accept_unknown_hosts", False),
-             connect_timeout=up_options.get("connect_timeout", 10.0))
+        down(rec.name, state_dir=state_dir, grace=grace, access=up_options.get("access", Access()))
 
 
 def ready_timeout(plan: Plan, override: float | None = None) -> float:
@@ -131,8 +131,7 @@ def bench_dir(name: str, state_dir: str | Path | None = None) -> Path:
     return store(state_dir).bench_dir(name)
 
 
-def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
-           connect_timeout: float = 10.0) -> Status:
+def status(name: str, *, state_dir: str | Path | None = None, access: Access = Access()) -> Status:
     """The deployment now: per process alive and healthy, its state and endpoint (``status --json``);
     with copies (``--replicas``), each process's copy and each copy's state."""
     from k3launch.deploy.control.process import alive
@@ -141,7 +140,7 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
 
     st = store(state_dir)
     rec = st.load(name)
-    snap = with_replicas(backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).status(rec), rec.plan)
+    snap = with_replicas(backend(rec.backend, [access]).status(rec), rec.plan)
     sv = rec.supervisor
     if sv is not None and alive(sv):
         snap.supervisor = SupervisorStatus(host=sv.host, pid=sv.pid, since=sv.since, detached=sv.detached,
@@ -167,8 +166,7 @@ def status(name: str, *, state_dir: str | Path | None = None, accept_unknown_hos
 
 
 def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, node: str | None = None, lines: int = 40,
-         follow: bool = False, state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
-         connect_timeout: float = 10.0) -> None:
+         follow: bool = False, state_dir: str | Path | None = None, access: Access = Access()) -> None:
     """Hand ``emit`` the last ``lines`` of each process (only ``role``/``node`` when given; without
     them the backend's own log first, e.g. a Slurm job's output); ``follow`` keeps going (Ctrl-C)."""
     from k3launch.deploy.registry import backend
@@ -177,7 +175,7 @@ def logs(name: str, emit: Callable[[str], None], *, role: str | None = None, nod
     ids = [p.id for p in rec.plan.processes if (role is None or p.role == role) and (node is None or p.node == node)]
     if not ids:
         raise K3Error("no-processes", "no process matches --role/--node", "processes: " + ", ".join(f"{p.id}@{p.node}" for p in rec.plan.processes))
-    backend(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).logs(rec, ids, lines, follow, _without_probes(emit),
+    backend(rec.backend, [access]).logs(rec, ids, lines, follow, _without_probes(emit),
                                                                               everything=role is None and node is None)
 
 
@@ -195,8 +193,8 @@ def _without_probes(emit: Callable[[str], None]) -> Callable[[str], None]:
     return out
 
 
-def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, accept_unknown_hosts: bool = False,
-         connect_timeout: float = 10.0, inventory: InventoryArg = None, any_owner: bool = False) -> TeardownReport:
+def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0, access: Access = Access(),
+         inventory: InventoryArg = None, any_owner: bool = False) -> TeardownReport:
     """Stop everything of ``name`` and verify; the record is deleted only when nothing is left.
 
     A supervisor watching it is stopped first (it never revives what ``down`` stops; one
@@ -225,12 +223,11 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
 
     st = store(state_dir)
     grace = bounds.GRACE.parse("grace", grace)
-    conn = access(accept_unknown_hosts, connect_timeout)
     stopped = stop_supervisor(st, name)  # first: a supervisor must never revive what `down` stops
     with st.lock(name):
         rec = st.try_load(name)
         if rec is not None:
-            report = backend(rec.backend, [conn]).down(rec, st, grace)
+            report = backend(rec.backend, [access]).down(rec, st, grace)
             report.supervisor = stopped
             if rec.rollout is not None and not rec.rollout.stopped:  # its controller was stopped above: the rollout ends here
                 report.rollout = " ".join(rec.rollout.changes)
@@ -250,7 +247,7 @@ def down(name: str, *, state_dir: str | Path | None = None, grace: float = 10.0,
         here = inventory is None
         inv = load(inventory).inventory  # None: the bundled local inventory, this machine
         aside = str(st.set_aside(name)) if unreadable else None
-        report = backend(inv.backend, [conn]).sweep(name, inv, grace, ANY if any_owner else Owned.from_state(st.state_id(create=False)))
+        report = backend(inv.backend, [access]).sweep(name, inv, grace, ANY if any_owner else Owned.from_state(st.state_id(create=False)))
         if report.clean:
             from k3launch.deploy import canary
 

@@ -9,8 +9,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from k3launch.api._common import InventoryArg, access, load, store
+from k3launch.api._common import InventoryArg, load, store
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.backends import Feature
 
 if TYPE_CHECKING:
@@ -24,38 +25,36 @@ if TYPE_CHECKING:
     from k3launch.transport.fleet import Fleet
 
 
-def _node_ops(inventory: InventoryArg, feature: Feature, what: str, accept_unknown_hosts: bool,
-              connect_timeout: float) -> tuple[Inventory, NodeOps]:
+def _node_ops(inventory: InventoryArg, feature: Feature, what: str, access: Access) -> tuple[Inventory, NodeOps]:
     """The inventory and its backend's node operations (``not-supported`` without ``feature``)."""
     from k3launch.deploy.registry import node_ops
 
     inv = load(inventory).inventory
-    return inv, node_ops(inv.backend, feature, what, [access(accept_unknown_hosts, connect_timeout)])
+    return inv, node_ops(inv.backend, feature, what, [access])
 
 
 def doctor(plan: Plan, inventory: InventoryArg = None, *, state_dir: str | Path | None = None, bandwidth: bool = False,
-           min_busbw: float | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> DoctorReport:
+           min_busbw: float | None = None, access: Access = Access()) -> DoctorReport:
     """The pre-flight checks ``up`` runs, on the plan's nodes, without starting anything; with
     ``bandwidth``, a short all-reduce per node and across nodes (``min_busbw`` GB/s to pass)."""
     from k3launch.util import bounds
 
     if min_busbw is not None:
         min_busbw = bounds.BUSBW.parse("min_busbw", min_busbw)
-    inv, ops = _node_ops(inventory, Feature.DOCTOR, "doctor", accept_unknown_hosts, connect_timeout)
+    inv, ops = _node_ops(inventory, Feature.DOCTOR, "doctor", access)
     return ops.doctor(plan, inv, [r.name for r in store(state_dir).list()], bandwidth, min_busbw)
 
 
-def weights_check(plan: Plan, inventory: InventoryArg = None, *, accept_unknown_hosts: bool = False,
-                  connect_timeout: float = 10.0) -> list[NodeWeights]:
+def weights_check(plan: Plan, inventory: InventoryArg = None, *, access: Access = Access()) -> list[NodeWeights]:
     """Per engine node: is ``plan.model`` (at its ``--revision``) complete in the node's Hugging
     Face cache, and how much disk is free there."""
-    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights check", accept_unknown_hosts, connect_timeout)
+    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights check", access)
     return ops.weights_check(plan, inv)
 
 
 def weights_fetch(plan: Plan, inventory: InventoryArg = None, *, from_path: str | None = None,
                   from_node: str | None = None, on_progress: Callable[[FetchProgress], None] | None = None, interval: float = 10.0,
-                  accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> list[NodeWeights]:
+                  access: Access = Access()) -> list[NodeWeights]:
     """Bring ``plan.model`` to every engine node that lacks it, in parallel: from the hub on each
     node (the inventory's ``hf_token_file`` as the token), or copied from ``from_path`` (a
     directory the nodes share) or ``from_node`` (over the same SSH); ``on_progress`` every ``interval`` s."""
@@ -65,7 +64,7 @@ def weights_fetch(plan: Plan, inventory: InventoryArg = None, *, from_path: str 
     interval = bounds.PROGRESS_INTERVAL.parse("interval", interval)
     if from_path and from_node:
         raise K3Error("bad-source", "--from-path and --from-node both given", "pick one source (neither: the hub)")
-    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights fetch", accept_unknown_hosts, connect_timeout)
+    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights fetch", access)
     src = (Source("path", path=from_path) if from_path else Source("node", node=from_node) if from_node
            else Source("hub", token_file=inv.hf_token_file))
     return ops.weights_fetch(plan, inv, src, on_progress, interval)
@@ -73,7 +72,7 @@ def weights_fetch(plan: Plan, inventory: InventoryArg = None, *, from_path: str 
 
 def weights_probe(plan: Plan, inventory: InventoryArg = None, *, path: str | None = None, size: int = 256 << 20,
                   timeout: float = 60.0, save: bool = False, state_dir: str | Path | None = None,
-                  accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> list[Probe]:
+                  access: Access = Access()) -> list[Probe]:
     """Per engine node: the read throughput of the disk its weights load from (``path``, else where
     its engine looks for ``plan.model``): a fresh file of ``size`` bytes written there, kept out of
     the page cache (each :class:`~k3launch.models.weights.Probe` says how), read, removed; the write
@@ -84,7 +83,7 @@ def weights_probe(plan: Plan, inventory: InventoryArg = None, *, path: str | Non
 
     size = int(bounds.PROBE_BYTES.parse("size", size))
     timeout = bounds.PROBE_TIMEOUT.parse("timeout", timeout)
-    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights probe", accept_unknown_hosts, connect_timeout)
+    inv, ops = _node_ops(inventory, Feature.WEIGHTS, "weights probe", access)
     rows = ops.weights_probe(plan, inv, path or (inv.weights.path if inv.weights else None), size, timeout)
     err = path_error(rows)
     if err is not None:
@@ -196,19 +195,19 @@ def load_against(rec: DeploymentRecord, state_dir: str | Path | None = None) -> 
     return pred, against(rec.timeline, pred) if rec.timeline is not None else []
 
 
-def fleet(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Fleet:
+def fleet(rec: DeploymentRecord, access: Access = Access()) -> Fleet:
     """A :class:`~k3launch.transport.fleet.Fleet` reaching the nodes of a live deployment, for
     commands on them (``bench --client engine``); use it as a context manager (``with``) or close it."""
     from k3launch.deploy.registry import node_ops
 
-    return node_ops(rec.backend, Feature.FLEET, "commands on the deployment's nodes", [access(accept_unknown_hosts, connect_timeout)]).fleet(rec)
+    return node_ops(rec.backend, Feature.FLEET, "commands on the deployment's nodes", [access]).fleet(rec)
 
 
-def power_sampler(rec: DeploymentRecord, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> Sampler:
+def power_sampler(rec: DeploymentRecord, access: Access = Access()) -> Sampler:
     """A sampler of the GPU power of ``rec``'s engine nodes (``start()``, then ``stop()`` returns the trace)."""
     from k3launch.deploy.registry import power_ops
 
-    return power_ops(rec.backend, [access(accept_unknown_hosts, connect_timeout)]).power_sampler(rec)
+    return power_ops(rec.backend, [access]).power_sampler(rec)
 
 
 def submit_array(plans: Sequence[Plan], inventory: InventoryArg, *, work: Callable[[int, Plan], Sequence[str]] | None = None,

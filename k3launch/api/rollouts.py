@@ -26,6 +26,7 @@ from k3launch.api._rollgate import refuse_stale
 from k3launch.deploy.rollout import RolloutResult, pd_plan
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.backends import Feature, require
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord
@@ -201,7 +202,7 @@ def refusal(name: str, preview: RolloutPreview, max_unavailable: int = 1, allow_
 def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), env: Sequence[str] = (), image: str | None = None,
             vllm_version: str | None = None, drain_timeout: float = 120.0, start_timeout: float | None = None,
             max_unavailable: int = 1, allow_downtime: bool = False, say: Callable[[str], None] = lambda _: None,
-            state_dir: str | Path | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0,
+            state_dir: str | Path | None = None, access: Access = Access(),
             preview: RolloutPreview | None = None, surge: bool = False, canary: bool = True,
             rebaseline: bool = False) -> RolloutResult:
     """Roll :func:`rollout_preview`'s plan out, ``max_unavailable`` units at a time: a new revision
@@ -233,12 +234,12 @@ def rollout(name: str, *, sets: Sequence[str] = (), unsets: Sequence[str] = (), 
                          units=[RolloutUnit(name=u.name, processes=list(u.processes)) for u in preview.units],
                          max_unavailable=max_unavailable, drain_timeout=drain_timeout, start_timeout=start_timeout,
                          canary=canary, rebaseline=rebaseline, routes=router and not pd_plan(preview.old))
-    return _converge(name, state, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    return _converge(name, state, say=say, state_dir=state_dir, access=access)
 
 
 def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float | None = None, start_timeout: float | None = None,
                      max_unavailable: int | None = None, say: Callable[[str], None] = lambda _: None, state_dir: str | Path | None = None,
-                     accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, canary: bool = True) -> RolloutResult:
+                     access: Access = Access(), canary: bool = True) -> RolloutResult:
     """Resume ``name``'s stopped rollout: roll the units that do not run the new plan yet (a unit
     that failed its gate is tried again). ``rollback``: take the units that run the new plan back
     to the old one instead, last rolled first. Either way the record drops the rollout once every
@@ -258,8 +259,7 @@ def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float 
         if not rollback:
             raise K3Error("surge-stopped", f"{name}'s surge stopped midway ({state.stopped or 'its command ended'}); it is not resumed",
                           f"`k3launch rollout {name} --rollback` stops the new engines, then `rollout --surge` again")
-        return _surge_back(name, state, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
-                           connect_timeout=connect_timeout)
+        return _surge_back(name, state, say=say, state_dir=state_dir, access=access)
     ahead = state.model_copy(deep=True)
     ahead.stopped, ahead.logs = "", []
     for u in ahead.units:
@@ -277,14 +277,13 @@ def rollout_continue(name: str, *, rollback: bool = False, drain_timeout: float 
     if ahead.canary:  # answers recorded for the other plan are stale for this one: the first unit records anew
         target = ahead.old if rollback else ahead.new
         ahead.rebaseline = bool(_with_rebaseline(st, name, RolloutPreview(rec.plan, target, [], [])).rebaseline)
-    return _converge(name, ahead, say=say, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    return _converge(name, ahead, say=say, state_dir=state_dir, access=access)
 
 
 def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], state_dir: str | Path | None,
-                accept_unknown_hosts: bool, connect_timeout: float) -> RolloutResult:
+                access: Access) -> RolloutResult:
     """Undo a surge that stopped midway: stop the new set, run on the old plan again (its
     engines must still be running: a surge stops them only after the router switched)."""
-    from k3launch.api._common import access
     from k3launch.deploy.registry import supervise_ops
     from k3launch.deploy.rollout import GRACE_S
 
@@ -296,7 +295,7 @@ def _surge_back(name: str, state: RolloutState, *, say: Callable[[str], None], s
         if missing:
             raise K3Error("surge-switched", f"{name}'s old engines are stopped already ({', '.join(missing[:3])}): the switch is done",
                           f"`k3launch status {name}`; `down` then `up` brings it back to one plan")
-        ops = supervise_ops(rec.backend, "rollout", [access(accept_unknown_hosts, connect_timeout)])
+        ops = supervise_ops(rec.backend, "rollout", [access])
         watcher = ops.watcher(rec, st)
         try:
             extra = [i for i in rec.processes if i not in old_ids]
@@ -327,7 +326,7 @@ def _pending(st: StateStore, name: str, rec: DeploymentRecord) -> bool:
 
 
 def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], state_dir: str | Path | None,
-              accept_unknown_hosts: bool, connect_timeout: float) -> RolloutResult:
+              access: Access) -> RolloutResult:
     """Write ``state`` as the spec's new rollout and see the controller converge to it
     (:func:`k3launch.api._converge.converge`): done, or stopped with every unit back on one plan."""
     from k3launch.api._converge import converge
@@ -350,7 +349,7 @@ def _converge(name: str, state: RolloutState, *, say: Callable[[str], None], sta
         return [f"{u.name}: {u.on}" + (f" ({u.failed})" if u.failed else "") for u in ro.units] if ro is not None else []
 
     revision = converge(name, {"rollout": state}, done=done, refuse=refuse, what="rollout", say=say, state_dir=state_dir,
-                        accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout, progress=progress)
+                        access=access, progress=progress)
     return _result(store(state_dir), name, revision)
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from k3launch.api._common import store
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.backends import Feature, require
 from k3launch.models.control.scaling import plan_copies
 from k3launch.models.record import DeploymentRecord
@@ -33,7 +34,7 @@ class ScaleResult:
 
 
 def scale(name: str, *, replicas: int | None = None, standby: int | None = None, say: Callable[[str], None] = lambda _: None,
-          state_dir: str | Path | None = None, accept_unknown_hosts: bool = False, connect_timeout: float = 10.0) -> ScaleResult:
+          state_dir: str | Path | None = None, access: Access = Access()) -> ScaleResult:
     """Converge ``name`` to ``replicas`` serving copies and ``standby`` standbys (None: as now).
     Refused: a deployment without copies, a P/D one, fewer than two copies in all, a rollout under way."""
     import time
@@ -79,7 +80,7 @@ def scale(name: str, *, replicas: int | None = None, standby: int | None = None,
     t0 = time.monotonic()
     say(f"{name}: {len(have)} -> {total} copies ({want} serving, {want_standby} standby)")
     converge(name, {"replicas": want, "standby": want_standby}, done=done, refuse=refuse, what="scale", say=say,
-             state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+             state_dir=state_dir, access=access)
     after = st.load(name)
     c = after.control
     if c is None or not done(after):

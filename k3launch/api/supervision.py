@@ -13,9 +13,10 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from k3launch.api._common import access, load, store
+from k3launch.api._common import load, store
 from k3launch.api.policy import restart_policy
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 
 if TYPE_CHECKING:
     from k3launch.deploy.control import loop as loop_mod
@@ -45,7 +46,7 @@ def canary_lines(st: StateStore, name: str) -> Callable[[Plan, Collection[str] |
 
 def supervise(name: str, *, state_dir: str | Path | None = None, policy: RestartPolicy | Mapping[str, Any] | None = None,
               on_event: Callable[[Event], None] | None = None, on_event_command: str | None = None, stop: threading.Event | None = None,
-              accept_unknown_hosts: bool = False, connect_timeout: float = 10.0, detached: bool = False,
+              access: Access = Access(), detached: bool = False,
               until_converged: bool = False) -> str:
     """Watch deployment ``name`` and keep it serving until stopped (``stop`` set, SIGINT or
     SIGTERM, a ``down``); the deployment itself is never stopped by stopping this. This is the
@@ -63,7 +64,7 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
     rec = st.load(name)
     refuse_self_supervised(rec)
     pol = policy if isinstance(policy, RestartPolicy) else restart_policy(name, policy, state_dir=state_dir)
-    ops = supervise_ops(rec.backend, "supervise", [access(accept_unknown_hosts, connect_timeout)])
+    ops = supervise_ops(rec.backend, "supervise", [access])
     stop = stop or threading.Event()
     restore = _on_signals(stop)
     try:
@@ -158,8 +159,7 @@ def _on_signals(stop: threading.Event) -> Callable[[], None]:
 
 
 def supervise_detached(name: str, *, policy: RestartPolicy | Mapping[str, Any] | None = None, on_event_command: str | None = None,
-                       state_dir: str | Path | None = None, accept_unknown_hosts: bool = False,
-                       connect_timeout: float = 10.0) -> Supervisor:
+                       state_dir: str | Path | None = None, access: Access = Access()) -> Supervisor:
     """Start a controller of ``name`` in the background and return it once it runs (its host and
     pid are in the record). Its policy (the inventory's, with ``policy``'s fields over it), hook
     and SSH settings are written to the deployment's spec first, as a new revision; refused
@@ -175,7 +175,7 @@ def supervise_detached(name: str, *, policy: RestartPolicy | Mapping[str, Any] |
     refuse_supervised(st, rec)
     process.refuse_not_ready(rec)  # said here, in its own words: a detached controller's refusal reaches us second-hand
     pol = policy if isinstance(policy, RestartPolicy) else restart_policy(name, policy, state_dir=state_dir)
-    write_spec(st, name, policy=pol, hook=on_event_command, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    write_spec(st, name, policy=pol, hook=on_event_command, access=access)
     return process.detach(st, name)
 
 
@@ -188,13 +188,16 @@ def refuse_supervised(st: StateStore, rec: DeploymentRecord) -> None:
         raise already_supervised(rec)
 
 
-def write_spec(st: StateStore, name: str, **change: Any) -> int:
+def write_spec(st: StateStore, name: str, access: Access | None = None, **change: Any) -> int:
     """A new revision of ``name``'s spec with ``change`` over the last one (fields of
-    :class:`~k3launch.models.control.Spec`); its revision number."""
+    :class:`~k3launch.models.control.Spec`; ``access``: the SSH settings its controller uses);
+    its revision number."""
     from k3launch.deploy.control.process import read_spec
     from k3launch.deploy.control.process import write_spec as write
     from k3launch.models.control.spec import Spec
 
+    if access is not None:
+        change = {**change, "accept_unknown_hosts": access.accept_unknown_hosts, "connect_timeout": access.connect_timeout}
     last = read_spec(st, name) or Spec()
     rec = st.try_load(name)
     done = rec.control.revision if rec is not None and rec.control is not None else 0

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from k3launch import api
 from k3launch.campaign.run import Prepared, named_plan
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.backends import Feature, spec
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class Held:
     blocking: bool  # `up` refuses these groups as things stand (else a note)
 
 
-def held(prep: Prepared, todo: Mapping[int, int], state_dir: Path | None = None, connect_timeout: float = 10.0) -> list[Held]:
+def held(prep: Prepared, todo: Mapping[int, int], state_dir: Path | None = None, access: Access = Access()) -> list[Held]:
     """Findings for the groups with cells still to run (``todo``: group index -> cells to run)."""
     traits = spec(prep.inventory.backend)
     if not traits.holds_nodes:
@@ -77,7 +78,7 @@ def held(prep: Prepared, todo: Mapping[int, int], state_dir: Path | None = None,
             placements.setdefault(key, (plan, []))[1].append(g.index)
     for plan, groups in placements.values() if traits.supports(Feature.DOCTOR) else ():
         try:
-            checks = api.doctor(plan, prep.inventory, state_dir=state_dir, connect_timeout=connect_timeout).checks
+            checks = api.doctor(plan, prep.inventory, state_dir=state_dir, access=access).checks
         except K3Error as exc:
             found.setdefault(("-", exc.code, exc.message, True), []).extend(groups)
             continue

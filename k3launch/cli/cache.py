@@ -27,10 +27,10 @@ Nodes = Annotated[list[str] | None, typer.Option("--node", help="Only this node 
 def _show(inventory: str, nodes: list[str] | None, keys: list[str], clear_all: bool, accept_unknown_hosts: bool, connect_timeout: float,
           json_out: bool) -> None:
     STATE.json = json_out
-    from k3launch.api.caches import cache_dirs
+    from k3launch import api
 
-    found, failed = cache_dirs(inventory, nodes=nodes or [], clear=keys, clear_all=clear_all,
-                               accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    found, failed = api.cache_dirs(inventory, nodes=nodes or [], clear=keys, clear_all=clear_all,
+                                   access=api.Access(accept_unknown_hosts, connect_timeout))
     if json_out:
         typer.echo(json.dumps({"caches": [asdict(c) for c in found], "unreadable": failed}))
     else:

@@ -63,6 +63,7 @@ def up(
     from k3launch.cli import show_deploy, show_progress
 
     con = console()
+    access = api.Access(accept_unknown_hosts, connect_timeout)
     try:
         if args.inventory_path is None:
             args = args.or_local()
@@ -89,7 +90,7 @@ def up(
         t0 = time.monotonic()
         with show_progress.UpView(con, quiet=json_out) as view:  # stages, and each process's phase while it waits
             rec = api.up(plan, args.inventory, state_dir=state_dir, ready_timeout=ready_timeout, keep_on_failure=keep_on_failure,
-                         force=force, skip_doctor=skip_doctor, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+                         force=force, skip_doctor=skip_doctor, access=access,
                          extra_sbatch=tuple(extra_sbatch or ()), queue_timeout=queue_timeout, supervise=in_job,
                          canary=not no_canary, on_stage=view.stage, on_progress=view.progress,
                          on_doctor=lambda report: None if json_out else show_deploy.doctor(con, report.checks),
@@ -102,11 +103,9 @@ def up(
     sv = None
     if supervise and not in_job:
         try:
-            sv = api.supervise_detached(rec.name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
-                                        connect_timeout=connect_timeout)
+            sv = api.supervise_detached(rec.name, state_dir=state_dir, access=access)
             if standby:  # the supervisor keeps the last copies out of the router, serving, as standbys
-                api.scale(rec.name, replicas=serving, standby=standby, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts,
-                          connect_timeout=connect_timeout)
+                api.scale(rec.name, replicas=serving, standby=standby, state_dir=state_dir, access=access)
         except K3Error as err:  # it serves: say so, then why it is not supervised
             if not json_out:
                 show_deploy.ready(con, rec)
@@ -167,7 +166,7 @@ def status(name: Annotated[str, typer.Argument(help="Deployment name (see `k3lau
     from k3launch import api
     from k3launch.cli import show_deploy
 
-    snap = api.status(name, state_dir=state_dir, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+    snap = api.status(name, state_dir=state_dir, access=api.Access(accept_unknown_hosts, connect_timeout))
     if json_out:
         typer.echo(snap.to_json())
     else:
@@ -188,7 +187,7 @@ def logs(
 
     try:
         api.logs(name, typer.echo, role=role, node=node, lines=lines, follow=follow, state_dir=state_dir,
-                 accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+                 access=api.Access(accept_unknown_hosts, connect_timeout))
     except KeyboardInterrupt:
         return
 
@@ -210,7 +209,7 @@ def down(name: Annotated[str, typer.Argument(help="Deployment name.")],
     from k3launch import api
     from k3launch.cli import show_deploy
 
-    report = api.down(name, state_dir=state_dir, grace=grace, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+    report = api.down(name, state_dir=state_dir, grace=grace, access=api.Access(accept_unknown_hosts, connect_timeout),
                       inventory=inventory, any_owner=any_owner)
     if json_out:
         typer.echo(json.dumps({"name": name, "clean": report.clean, "stopped": report.stopped, "exited": report.exited,

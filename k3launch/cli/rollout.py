@@ -35,6 +35,7 @@ def rollout(
 
     The new plan is the deployment's own (same inventory, nodes and ports) with the changes; a unit that fails its gate (health and a real completion) is rolled back and the rollout stops there: `--continue` resumes it, `--rollback` undoes it."""
     STATE.json = json_out
+    from k3launch.api import Access
     from k3launch.api.rollouts import refusal, rollout_continue, rollout_preview
     from k3launch.api.rollouts import rollout as do_rollout
 
@@ -47,7 +48,7 @@ def rollout(
                               f"`k3launch status {name}` shows the stopped rollout")
             result = rollout_continue(name, rollback=rollback, drain_timeout=drain_timeout, start_timeout=start_timeout,
                                       max_unavailable=max_unavailable, say=say, state_dir=state_dir, canary=not no_canary,
-                                      accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+                                      access=Access(accept_unknown_hosts, connect_timeout))
         else:
             preview = rollout_preview(name, sets=sets or [], unsets=unsets or [], env=env or [], image=image,
                                           vllm_version=vllm_version, surge=surge, state_dir=state_dir)
@@ -74,7 +75,7 @@ def rollout(
             result = do_rollout(name, preview=preview, drain_timeout=drain_timeout, start_timeout=start_timeout,
                                 max_unavailable=max_unavailable, allow_downtime=allow_downtime, say=say, state_dir=state_dir,
                                 canary=not no_canary, rebaseline=rebaseline,
-                                accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+                                access=Access(accept_unknown_hosts, connect_timeout))
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
     rolled = [{"unit": r.unit, "seconds": round(r.seconds, 3), "drained_s": round(r.drained_s, 3), "downtime_s": round(r.downtime_s, 3)}
@@ -109,6 +110,7 @@ def scale(
 
     Out: new copies start on free nodes of the inventory (the doctor first), then join the router (standbys stay out). In: the copies with the highest indices leave the router, drain and stop. The deployment's supervisor does it; without one, this command does until it is done."""
     STATE.json = json_out
+    from k3launch.api import Access
     from k3launch.api.scaling import scale as do_scale
 
     con = console()
@@ -117,7 +119,7 @@ def scale(
         if replicas is None and standby is None:
             raise K3Error("no-change", "nothing to scale", "give --replicas N and/or --standby K")
         result = do_scale(name, replicas=replicas, standby=standby, say=say, state_dir=state_dir,
-                          accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+                          access=Access(accept_unknown_hosts, connect_timeout))
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
     if json_out:

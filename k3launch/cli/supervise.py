@@ -55,7 +55,7 @@ def supervise(
         policy = api.restart_policy(name, overrides, state_dir=state_dir)
         if detach:
             sv = api.supervise_detached(name, policy=policy, on_event_command=on_event, state_dir=state_dir,
-                                        accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+                                        access=api.Access(accept_unknown_hosts, connect_timeout))
             if json_out:
                 typer.echo(json.dumps({"name": name, "supervisor": sv.model_dump(mode="json")}))
             else:
@@ -66,7 +66,7 @@ def supervise(
             typer.echo(e.model_dump_json(exclude_defaults=True) if json_out else line(e))
 
         outcome = api.supervise(name, state_dir=state_dir, policy=policy, on_event=show, on_event_command=on_event,
-                                accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout)
+                                access=api.Access(accept_unknown_hosts, connect_timeout))
     except KeyboardInterrupt:
         raise typer.Exit(INTERRUPTED) from None
     if outcome == "failed":

@@ -65,8 +65,7 @@ def doctor(
         state_dir=args.state_dir,
         bandwidth=bandwidth,
         min_busbw=min_busbw,
-        accept_unknown_hosts=accept_unknown_hosts,
-        connect_timeout=connect_timeout,
+        access=api.Access(accept_unknown_hosts, connect_timeout),
     )
     load = api.load_prediction(plan, args.inventory, args.state_dir, checkpoint=report.checkpoint)  # a node's index, when one said
     if json_out:
@@ -154,7 +153,7 @@ def check(
 
     args = args.or_local()
     rows = api.weights_check(
-        args.build(), args.inventory, accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout
+        args.build(), args.inventory, access=api.Access(accept_unknown_hosts, connect_timeout)
     )
     _finish(rows, json_out)
 
@@ -202,8 +201,7 @@ def fetch(
             from_node=from_node,
             on_progress=_progress_printer(json_out),
             interval=interval,
-            accept_unknown_hosts=accept_unknown_hosts,
-            connect_timeout=connect_timeout,
+            access=api.Access(accept_unknown_hosts, connect_timeout),
         )
     except KeyboardInterrupt:
         typer.echo("interrupted: partial downloads stay in the cache (the next fetch resumes them)", err=True)
@@ -252,7 +250,7 @@ def probe(
     args = args.or_local()
     rows = api.weights_probe(
         args.build(), args.inventory, path=path, size=size, timeout=timeout, save=save, state_dir=args.state_dir,
-        accept_unknown_hosts=accept_unknown_hosts, connect_timeout=connect_timeout,
+        access=api.Access(accept_unknown_hosts, connect_timeout),
     )
     if json_out:
         typer.echo(json.dumps({"ok": all(p.ok for p in rows), "nodes": probe_rows(rows)}, indent=2))

@@ -4,9 +4,10 @@ backend's own option types (submitit's ``slurm_*`` parameters, as types).
 :class:`UpOptions` means the same on every backend. A backend's own options are a type of their
 own, handed to the backend when :func:`k3launch.deploy.registry.backend` builds it: a backend
 takes the option types it lists in ``OPTIONS`` and never sees the others. Options that describe
-the client (how k3launch reaches nodes: :class:`Access`) are ignored by a backend that reaches
-none; options that change the deployment (:class:`SlurmOptions`) are refused by the others, in
-the registry, one ``not-supported`` line naming the flag.
+the client (how k3launch reaches nodes: :class:`~k3launch.models.access.Access`, a model because
+every layer above passes it on) are ignored by a backend that reaches none; options that change
+the deployment (:class:`SlurmOptions`) are refused by the others, in the registry, one
+``not-supported`` line naming the flag.
 """
 
 from __future__ import annotations
@@ -35,18 +36,6 @@ class UpOptions:
     force: bool = False  # use nodes another live deployment holds (backends whose nodes k3launch arbitrates)
     skip_doctor: bool = False
     supervise: RestartPolicy | None = None  # the deployment supervises itself under this policy (feature self-supervise)
-
-
-@dataclass(frozen=True)
-class Access:
-    """How k3launch reaches nodes over SSH (the ``ssh`` and ``local`` backends)."""
-
-    APPLIES_TO: ClassVar[str] = "ssh and local"
-    accept_unknown_hosts: bool = False  # only ever set from an explicit user flag
-    connect_timeout: float = 10.0
-
-    def given(self) -> list[str]:
-        return []  # the client's own settings: a backend that reaches no node over SSH has nothing to refuse
 
 
 @dataclass(frozen=True)

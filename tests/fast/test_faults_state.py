@@ -286,19 +286,19 @@ def test_ssh_down_without_record_searches_every_machine_of_the_inventory(tmp_pat
 
 
 @pytest.mark.parametrize(("call", "kwargs"), [
-    ("status", {"connect_timeout": float("nan")}),
-    ("status", {"connect_timeout": -1}),
+    ("status", {"access": {"connect_timeout": float("nan")}}),
+    ("status", {"access": {"connect_timeout": -1}}),
     ("down", {"grace": float("inf")}),
-    ("logs", {"connect_timeout": 0}),
+    ("logs", {"access": {"connect_timeout": 0}}),
 ])
-def test_the_api_refuses_the_numbers_the_cli_refuses(tmp_path: Path, call: str, kwargs: dict[str, float]) -> None:
+def test_the_api_refuses_the_numbers_the_cli_refuses(tmp_path: Path, call: str, kwargs: dict[str, Any]) -> None:
     from k3launch import api
 
     store = StateStore(tmp_path)
     _sample_record(store, "dep")
     fn = getattr(api, call)
     args = (lambda line: None,) if call == "logs" else ()
-    with pytest.raises(K3Error) as exc:
-        fn("dep", *args, state_dir=tmp_path, **kwargs)
+    with pytest.raises(K3Error) as exc:  # an Access is checked when made: a script's NaN timeout never reaches a node
+        fn("dep", *args, state_dir=tmp_path, **{k: api.Access(**v) if k == "access" else v for k, v in kwargs.items()})
     assert exc.value.code == "bad-value", exc.value
     assert store.exists("dep")  # nothing was done

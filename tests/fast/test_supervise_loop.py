@@ -324,3 +324,17 @@ def test_a_failed_deployment_is_not_offered_a_supervisor_and_detach_refuses_it_f
     assert refused.output.splitlines()[0] == f"error: {rec.name} is failed: only a ready deployment can be supervised [not-ready]", \
         refused.output
     assert not process.spec_path(store, rec.name).exists() and store.load(rec.name).supervisor is None
+
+
+def test_the_spec_keeps_how_the_detached_controller_reaches_the_nodes(tmp_path: Path) -> None:
+    """``access`` written with a revision is what the controller started from the spec uses; a
+    later revision that does not say it keeps it."""
+    from k3launch.api.supervision import write_spec
+    from k3launch.deploy.control.process import read_spec
+
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    write_spec(store, rec.name, access=api.Access(accept_unknown_hosts=True, connect_timeout=3.5))
+    write_spec(store, rec.name, policy=RestartPolicy(poll=1.0))
+    spec = read_spec(store, rec.name)
+    assert spec is not None and spec.revision == 2 and spec.access == api.Access(True, 3.5)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 from k3launch.deploy.base import Emit, Events, own, run_up
-from k3launch.deploy.options import Access, UpOptions
+from k3launch.deploy.options import UpOptions
 from k3launch.deploy.power import FleetSampler, engine_nodes
 from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.ssh.bandwidth import measure
@@ -28,6 +28,7 @@ from k3launch.deploy.ssh.teardown import sweep, teardown
 from k3launch.deploy.ssh.watch import SshWatcher
 from k3launch.deploy.state import StateStore
 from k3launch.errors import K3Error
+from k3launch.models.access import Access
 from k3launch.models.backends import spec
 from k3launch.models.caches import CacheDir
 from k3launch.models.identity import Owned

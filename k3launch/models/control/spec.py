@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict
 
+from k3launch.models.access import Access
 from k3launch.models.rollout import RolloutState
 from k3launch.models.supervise import RestartPolicy
 
@@ -37,5 +38,10 @@ class Spec(_Rec):
     hook: str | None = None  # --on-event: a command run with each event as JSON on stdin
     replicas: int | None = None  # serving copies wanted (``scale``; None: as many as the plan has)
     standby: int = 0  # hot standbys wanted beside them
-    accept_unknown_hosts: bool = False  # the SSH client settings a detached controller uses
+    accept_unknown_hosts: bool = False  # the SSH client settings a detached controller uses (:attr:`access`)
     connect_timeout: float = 10.0
+
+    @property
+    def access(self) -> Access:
+        """How the controller reaches the nodes: as the command that wrote this revision did."""
+        return Access(self.accept_unknown_hosts, self.connect_timeout)
