@@ -35,6 +35,12 @@ if TYPE_CHECKING:
     from k3launch.api._common import load as load
     from k3launch.api.caches import cache_dirs as cache_dirs
     from k3launch.api.canaries import canary as canary
+    from k3launch.api.catalog import RecipeDetail as RecipeDetail
+    from k3launch.api.catalog import RecipeListing as RecipeListing
+    from k3launch.api.catalog import SchemaDumped as SchemaDumped
+    from k3launch.api.catalog import recipe as recipe
+    from k3launch.api.catalog import recipes as recipes
+    from k3launch.api.catalog import schema_dump as schema_dump
     from k3launch.api.cordons import cordon as cordon
     from k3launch.api.cordons import cordoned as cordoned
     from k3launch.api.cordons import uncordon as uncordon
@@ -63,17 +69,11 @@ if TYPE_CHECKING:
     from k3launch.api.nodes import weights_check as weights_check
     from k3launch.api.nodes import weights_fetch as weights_fetch
     from k3launch.api.nodes import weights_probe as weights_probe
-    from k3launch.api.planning import RecipeDetail as RecipeDetail
-    from k3launch.api.planning import RecipeListing as RecipeListing
-    from k3launch.api.planning import SchemaDumped as SchemaDumped
     from k3launch.api.planning import check_port_base as check_port_base
     from k3launch.api.planning import dry_run as dry_run
     from k3launch.api.planning import explain as explain
     from k3launch.api.planning import lint as lint
     from k3launch.api.planning import plan as plan
-    from k3launch.api.planning import recipe as recipe
-    from k3launch.api.planning import recipes as recipes
-    from k3launch.api.planning import schema_dump as schema_dump
     from k3launch.api.policy import restart_policy as restart_policy
     from k3launch.api.rollouts import rollout as rollout
     from k3launch.api.rollouts import rollout_continue as rollout_continue

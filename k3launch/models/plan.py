@@ -6,8 +6,9 @@ processes[{id, role, node, address, head, http_port, argv, env, image, provenanc
 keys are additive.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here (as in models.recipe): pydantic takes annotation
+# objects as they are, while it compiles and evaluates every string one at each start. So a model
+# is defined before the models that use it.
 import re
 from typing import Any, Literal
 

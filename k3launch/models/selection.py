@@ -12,8 +12,9 @@ refusal naming the smallest node count that would fit). Everything changed autom
 notice.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here (as in models.recipe and models.plan): pydantic takes annotation
+# objects as they are, while it compiles and evaluates every string one at each start. So a model
+# is defined before the models that use it.
 import re
 from dataclasses import dataclass, field
 from typing import Any, get_args

@@ -16,7 +16,6 @@ and total the capacity (:mod:`k3launch.planning.capacity`).
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import replace
@@ -65,6 +64,7 @@ from k3launch.planning.recipes import RecipeTree
 from k3launch.planning.resolve import resolve
 from k3launch.planning.router import router_process
 from k3launch.planning.schema import FlagSchema, load_schema
+from k3launch.util.digest import sha256
 from k3launch.util.names import as_name, check_name
 
 if TYPE_CHECKING:  # only plans placed on an inventory load the inventory models
@@ -278,7 +278,7 @@ def _plan(s: Setup, name: str | None, e: Engines, cap: Capacity, notices: list[N
     r, inv, procs = s.r, s.inventory, e.procs
     table = port_table(procs, s.ports)
     front = next((p for p in procs if p.role == "router"), None) or next(p for p in procs if p.http_port is not None)
-    digest = hashlib.sha256(json.dumps([[p.node, p.argv, p.env] for p in procs], sort_keys=True).encode()).hexdigest()[:6]
+    digest = sha256(json.dumps([[p.node, p.argv, p.env] for p in procs], sort_keys=True).encode()).hexdigest()[:6]
     short = {"pd_cluster": "pd"}.get(r.strategy.name, r.strategy.name.replace("single_node_", "").replace("multi_node_", "").replace("_", ""))
     short += f"x{r.replicas}" if r.replicas > 1 else ""
     slug = (r.recipe.meta.slug or r.recipe_id.split("/")[-1]).lower()

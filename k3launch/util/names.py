@@ -9,10 +9,10 @@ length of a DNS label), so no name can climb out of the state directory (``../x`
 
 from __future__ import annotations
 
-import hashlib
 import re
 
 from k3launch.errors import K3Error
+from k3launch.util.digest import sha256
 
 NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 RULE = "use lowercase letters, digits and '-' (max 63, first a letter or digit)"
@@ -37,5 +37,5 @@ def as_name(text: str) -> str:
     if is_name(text):
         return text
     word = re.sub(r"-{2,}", "-", re.sub(r"[^a-z0-9-]", "-", text.lower())).strip("-")[:55].strip("-")
-    digest = hashlib.sha256(text.encode()).hexdigest()[:6]
+    digest = sha256(text.encode()).hexdigest()[:6]
     return f"{word}-{digest}" if word else digest

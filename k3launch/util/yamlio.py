@@ -20,7 +20,6 @@ data someone else wrote).
 
 from __future__ import annotations
 
-import hashlib
 import marshal
 import os
 import sys
@@ -31,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from k3launch.errors import K3Error, plain
+from k3launch.util.digest import sha256
 
 if TYPE_CHECKING:
     import yaml
@@ -147,7 +147,7 @@ def _cache_dir() -> Path | None:
 
 def _entry(raw: bytes) -> Path | None:
     d = _cache_dir()
-    return None if d is None else d / hashlib.sha256(_CACHE_KEY + raw).hexdigest()
+    return None if d is None else d / sha256(_CACHE_KEY + raw).hexdigest()
 
 
 def _cached(entry: Path | None) -> dict[str, Any] | None:

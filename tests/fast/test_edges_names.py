@@ -55,3 +55,14 @@ def test_the_default_name_has_the_documented_form(tmp_path: Path) -> None:
         res = run_cli(["plan", "--json", "--strategy", strategy], tmp_path)
         assert res.code == 0, res.stderr
         assert re.fullmatch(pattern, res.json()["name"]), (form, res.json()["name"])
+
+
+def test_the_digests_of_names_and_cache_keys_are_sha256_without_openssl() -> None:
+    """k3launch.util.digest gives hashlib's SHA-256 (plan names, the YAML cache's keys stay as they
+    were) from CPython's own implementation where it has one."""
+    import hashlib
+
+    from k3launch.util.digest import sha256
+
+    for data in (b"", b"kimi-k3-tep-b300", bytes(range(256)) * 65):
+        assert sha256(data).hexdigest() == hashlib.sha256(data).hexdigest()
