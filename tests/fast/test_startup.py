@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import typer.main
+from paths import ROOT
 
 from k3launch.cli import COMMANDS, app
 
@@ -175,3 +176,22 @@ def test_quick_commands_run_without_the_cycle_collector(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stderr
         assert proc.stderr.splitlines()[-1] == expected, args
 
+
+def test_the_benchmarks_typer_floor_has_the_options_of_plan() -> None:
+    """benchmarks/bench_startup.py compares `plan --json` with a bare Typer app whose command has
+    `plan`'s options: the same number of each type, so that the floor costs what Typer costs for it."""
+    import ast
+    import collections
+    import typing
+
+    from k3launch.cli import _build, _here
+
+    _build("plan")
+    callback = next(i.callback for i in _here.registered_commands if i.callback is not None and i.callback.__name__ == "plan")
+    own = collections.Counter(typing.get_args(p.annotation)[0] if typing.get_origin(p.annotation) is typing.Annotated else p.annotation
+                              for p in inspect.signature(callback).parameters.values())
+    bench = ast.parse((ROOT / "benchmarks" / "bench_startup.py").read_text())
+    kinds = next(n.value.value for n in bench.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "PLAN_OPTION_KINDS"
+                 and isinstance(n.value, ast.Constant))
+    floor = collections.Counter(eval(kinds, {"Path": Path}))
+    assert floor == own, (floor, own)
