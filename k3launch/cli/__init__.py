@@ -34,7 +34,6 @@ import importlib
 import json
 import types
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -46,6 +45,7 @@ from k3launch import __version__
 from k3launch.cli.common import INTERRUPTED, STATE, JsonOut, K3Group, PlanArgs, app, console, io_error, refusals, say, with_selection
 from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
+from k3launch.util.records import record
 
 if TYPE_CHECKING:
     import logging
@@ -204,7 +204,7 @@ def _evaluate_group(group: typer.Typer) -> None:
             _evaluate_group(sub.typer_instance)
 
 
-@dataclass(frozen=True)
+@record
 class Lazy:
     """A command of ``k3launch`` as its listing shows it, before its module is imported."""
 

@@ -23,7 +23,6 @@ import inspect
 import json
 import typing
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -33,6 +32,7 @@ import typer.core
 from k3launch.cli.labels import labelled
 from k3launch.errors import K3Error
 from k3launch.util.bounds import CONNECT_TIMEOUT, Bound
+from k3launch.util.records import record
 
 if TYPE_CHECKING:  # heavy imports stay lazy so `--help` and `plan` start fast
     from rich.console import Console
@@ -313,7 +313,7 @@ PLACEMENT_PARAMS = [
 ]
 
 
-@dataclass(frozen=True)
+@record
 class PlanArgs:
     """The selection and placement options of one command, turned into a plan by :func:`k3launch.api.plan`
     (one validation, one error code, whoever plans)."""

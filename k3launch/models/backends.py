@@ -14,11 +14,11 @@ first use; :func:`register` adds a backend at run time (a plug-in, or a test's t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
 from k3launch.errors import K3Error
+from k3launch.util.records import record
 
 
 class Feature(StrEnum):
@@ -42,7 +42,7 @@ class Feature(StrEnum):
 RouterHome = Literal["inventory", "allocation"]
 
 
-@dataclass(frozen=True)
+@record
 class BackendSpec:
     """One backend: its implementation (``module:Class``, imported on first use), its features, its traits."""
 

@@ -25,6 +25,7 @@ from k3launch.defaults import ADVANCED_ALL, DEFAULT_RECIPE, DEFAULT_VLLM_VERSION
 from k3launch.models.plan import EngineRole, Parallelism
 from k3launch.models.recipe import HardwareProfile, Recipe, Strategy, Variant
 from k3launch.util.bounds import NODES, REPLICAS, Bound
+from k3launch.util.records import record
 
 KV_OFFLOAD_OFF = "off"
 MAX_POOL_NODES = 16
@@ -81,7 +82,7 @@ def env_refusal(name: str, where: str) -> str | None:
 POOL_FLOOR_STRATEGY = {"tp": "multi_node_tp", "tep": "multi_node_tep", "dep": "multi_node_dep"}
 
 
-@dataclass(frozen=True)
+@record
 class Notice:
     """Something k3launch changed or decided on its own (every automatic change is one)."""
 
@@ -222,7 +223,7 @@ def copy_nodes(parallelism: Parallelism, nodes: int) -> int:
     return 1 if parallelism == "replicas" else nodes
 
 
-@dataclass(frozen=True)
+@record
 class Pool:
     """One group of nodes running one engine: the whole deployment, or a P/D role."""
 

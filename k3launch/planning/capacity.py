@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 
 from k3launch.errors import K3Error
 from k3launch.models.plan import Capacity, KvOffloadCapacity, PoolCapacity
 from k3launch.models.recipe import HardwareProfile, Recipe, Variant
 from k3launch.models.selection import Pool
+from k3launch.util.records import record
 
 HEADROOM = 1.2
 GIB = 1024**3
@@ -54,7 +55,7 @@ def parse_parameter_count(text: str) -> float | None:
     return float(m.group(1)) * _SUFFIX[m.group(2)]
 
 
-@dataclass(frozen=True)
+@record
 class Weights:
     gb: float
     formula: str
@@ -95,7 +96,7 @@ def gb_text(gb: float) -> str:
     return str(int(gb)) if float(gb).is_integer() else f"{gb:g}"
 
 
-@dataclass(frozen=True)
+@record
 class HostMemory:
     """An inventory's ``cpu_memory_gb`` of each usable node, per hardware id (``None``: not set;
     the key ``""`` holds nodes that name no hardware, usable as any)."""
@@ -107,7 +108,7 @@ class HostMemory:
         return [*self.nodes.get(hw_id, ()), *self.nodes.get("", ())]
 
 
-@dataclass(frozen=True)
+@record
 class NodeMemory:
     """What one node holds weights in: GPU memory, or on a CPU profile host memory (``source`` says whose figure)."""
 
@@ -162,7 +163,7 @@ def nodes_to_fit(weights_gb: float, mem: NodeMemory) -> int:
     return n
 
 
-@dataclass(frozen=True)
+@record
 class PoolFit:
     """Whether one copy of a pool holds the weights: what each of its nodes holds them in, how many
     nodes hold a copy, and the :func:`holds` verdict."""

@@ -27,11 +27,12 @@ from k3launch.models.selection import Notice
 from k3launch.planning import ranges
 from k3launch.planning.configs import unknown_fields
 from k3launch.planning.schema import Arg, FlagSchema
+from k3launch.util.records import record
 
 LAYERS = ("base", "variant", "strategy", "hardware", "advanced", "features", "kv_offload")
 
 
-@dataclass(frozen=True)
+@record
 class Source:
     """One list of args/env written by one layer."""
 
@@ -42,7 +43,7 @@ class Source:
     user: bool = False  # written by the user (--set): locks and placement keys apply
 
 
-@dataclass(frozen=True)
+@record
 class Locked:
     """A hardware-mandated value: ``key`` is a flag key or ``<flag key>.<json path>`` or ``env:NAME``."""
 
@@ -50,7 +51,7 @@ class Locked:
     reason: str
 
 
-@dataclass(frozen=True)
+@record
 class ProvEntry:
     layer: str
     value: str

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from k3launch.errors import K3Error
@@ -33,6 +32,7 @@ from k3launch.models.selection import Notice, Pool, Resolved, Selection
 from k3launch.planning.compose import Composed, Source
 from k3launch.planning.placement import NodeSpec, Ports
 from k3launch.planning.schema import FlagSchema, available_versions, load_schema
+from k3launch.util.records import record
 
 if TYPE_CHECKING:
     from k3launch.planning.inventory import Inventory
@@ -47,7 +47,7 @@ DEFAULT_RECOVERY_TIMEOUT_S = 120  # FaultToleranceConfig.engine_recovery_timeout
 _OFF = ("", "0", "false", "no", "off")
 
 
-@dataclass(frozen=True)
+@record
 class FaultTolerance:
     """The opt-in as a plan applies it."""
 

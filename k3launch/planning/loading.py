@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -49,6 +48,7 @@ from k3launch.models.plan import WeightStage
 from k3launch.models.selection import Notice
 from k3launch.planning.compose import LAYERS, Composed, Locked, Source
 from k3launch.planning.schema import LOAD_FORMATS, FlagSchema, user_schema_dir, vendored_versions
+from k3launch.util.records import record
 
 if TYPE_CHECKING:
     from k3launch.planning.inventory import Inventory
@@ -65,7 +65,7 @@ DEFAULT_LOADER = "DefaultModelLoader"
 HUB_ENV = "HF_HUB_CACHE"
 
 
-@dataclass(frozen=True)
+@record
 class KnownFormats:
     """The load formats one vLLM version's model-loader registry knows, and each one's loader class."""
 

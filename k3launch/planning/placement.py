@@ -11,12 +11,13 @@ from __future__ import annotations
 import shlex
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import field, replace
 from typing import TYPE_CHECKING
 
 from k3launch.errors import K3Error
 from k3launch.models.backends import spec
 from k3launch.planning.capacity import HostMemory
+from k3launch.util.records import record
 
 if TYPE_CHECKING:  # imported where an inventory is used: a plan without one never loads the inventory models
     from k3launch.models.selection import Notice  # (and `check_port_base` never loads the selection model)
@@ -26,7 +27,7 @@ PLACEHOLDER_IFACE = "ib0"
 DEFAULT_PORT_BASE = 8000
 
 
-@dataclass(frozen=True)
+@record
 class NodeSpec:
     """A machine to place processes on: an inventory node (settings merged) or a placeholder."""
 
@@ -52,7 +53,7 @@ class NodeSpec:
     env: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class Ports:
     """Every port k3launch plans.
 
@@ -112,7 +113,7 @@ class Ports:
                    dp_rpc=base + 6, nixl_prefill=base + 16, nixl_decode=base + 144, compact=True)
 
 
-@dataclass(frozen=True)
+@record
 class Cordoned:
     """The cordoned nodes of the inventory a plan is placed on (``k3launch cordon``), as planning
     needs them: the API reads them from the state directory, since planning does no I/O."""

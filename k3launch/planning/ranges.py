@@ -32,7 +32,6 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any, Protocol
 from k3launch.errors import K3Error
 from k3launch.planning.ranges_dump import CONSTRAINTS
 from k3launch.planning.schema import Arg, FlagSchema, FlagSpec, Problem, user_schema_dir, vendored_versions
+from k3launch.util.records import record
 
 OUT_OF_RANGE = "value-out-of-range"
 CONFLICT = "values-conflict"
@@ -49,14 +49,14 @@ _OPS = ("multiple_of", "le", "lt", "ge", "gt")
 _CHECKS = ("ge", "le", "divisible")
 
 
-@dataclass(frozen=True)
+@record
 class Limit:
     op: str  # one of _OPS
     limit: float
     message: str  # vLLM's (pydantic's) words for a value past it
 
 
-@dataclass(frozen=True)
+@record
 class Bound:
     field: str  # the config field the flag fills, e.g. CacheConfig.gpu_memory_utilization
     number: str  # "int" or "float": what vLLM validates the value as
@@ -64,7 +64,7 @@ class Bound:
     when: tuple[tuple[str, str, Any], ...] = ()
 
 
-@dataclass(frozen=True)
+@record
 class Rule:
     id: str
     config: str
@@ -74,14 +74,14 @@ class Rule:
     message: str  # vLLM's words, a format string over the dests
 
 
-@dataclass(frozen=True)
+@record
 class Constraints:
     version: str
     bounds: Mapping[str, Bound]
     rules: tuple[Rule, ...]
 
 
-@dataclass(frozen=True)
+@record
 class Violation:
     """A value (or combination) vLLM refuses: ``keys`` are the flag keys it is about, first the one to change."""
 

@@ -11,13 +11,13 @@ own trees set ``strict_keys: true``: there an unknown key is a typo, refused wit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from k3launch.errors import K3Error, plain
+from k3launch.util.records import record
 from k3launch.util.yamlio import compose_file, line_of, load_yaml_model
 
 if TYPE_CHECKING:
@@ -28,7 +28,7 @@ M = TypeVar("M", bound=BaseModel)
 _MAX_PASSES = 8  # a pass drops every unknown key pydantic reported; a union's members may need another
 
 
-@dataclass(frozen=True)
+@record
 class IgnoredKey:
     """A key k3launch does not act on, as found in one file."""
 

@@ -11,15 +11,15 @@ enough that no value makes k3launch loop, allocate or wait without end.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 from k3launch.errors import K3Error
+from k3launch.util.records import record
 
 DAY_S = 86_400
 
 
-@dataclass(frozen=True)
+@record
 class Bound:
     """A closed range ``[lo, hi]`` of finite numbers (``lo`` excluded when ``above``)."""
 

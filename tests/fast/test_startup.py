@@ -195,3 +195,24 @@ def test_the_benchmarks_typer_floor_has_the_options_of_plan() -> None:
                  and isinstance(n.value, ast.Constant))
     floor = collections.Counter(eval(kinds, {"Path": Path}))
     assert floor == own, (floor, own)
+
+
+def test_plan_json_compiles_no_frozen_dataclass_of_its_own() -> None:
+    """Every frozen class `plan --json` defines is a ``@record`` (k3launch.util.records: only its
+    ``__init__`` compiled at import), but planning.schema's, which the simulated engine's minimal
+    image carries without k3launch.util."""
+    res = _run("""
+        import contextlib, dataclasses, io
+        made = []
+        process = dataclasses._process_class
+        def spy(cls, *args, **kw):
+            made.append((cls.__module__ + "." + cls.__qualname__, args[5]))  # (..., frozen, ...)
+            return process(cls, *args, **kw)
+        dataclasses._process_class = spy
+        from k3launch.cli import app
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            app(["plan", "--json"], prog_name="k3launch", standalone_mode=False)
+        result = {"frozen": [name for name, frozen in made if frozen and name.startswith("k3launch.")]}
+    """)
+    assert sorted(res["frozen"]) == ["k3launch.planning.schema.Arg", "k3launch.planning.schema.FlagSpec", "k3launch.planning.schema.Problem"]
