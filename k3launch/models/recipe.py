@@ -13,7 +13,7 @@ upstream trees load unchanged.
 import datetime as dt
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Strict(BaseModel):
@@ -152,43 +152,6 @@ class Strategy(Strict):
     prefill: RoleArgs | None = None
     decode: RoleArgs | None = None
     router: RouterPolicy | None = None
-
-
-# ---------------------------------------------------------------------------- kv_store
-class ArgsBlock(Strict):
-    args: list[str] = []
-
-
-class KvStoreRouter(Strict):
-    policy: str = ""
-    install: str = ""
-    port: int | None = None
-
-
-class KvStoreVllm(Strict):
-    vllm_args: list[str] = []
-    env: Env = {}
-    install: dict[str, str] = {}
-    port: int | None = None
-
-
-class KvStore(Strict):
-    name: str
-    deploy_type: str = ""
-    display_name: str = ""
-    label: str = ""
-    order: int = 0
-    description: str = ""
-    router: KvStoreRouter | None = None
-    vllm: KvStoreVllm = Field(default_factory=KvStoreVllm)  # a factory: an instance would build the model at import
-    pd: dict[str, ArgsBlock] = {}
-    # Service set-up the upstream page renders as extra tabs; k3launch refuses Mooncake for
-    # the bundled recipes, so these are carried, validated as JSON, and not interpreted.
-    mooncake_master: dict[str, JsonValue] | None = None
-    mooncake_store_config: dict[str, JsonValue] | None = None
-    mooncake_vllm_config: dict[str, JsonValue] | None = None
-    min_vllm_version: str | None = None
-    default_instances: int | None = None
 
 
 # ------------------------------------------------------------------------------ models

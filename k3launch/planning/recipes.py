@@ -12,14 +12,17 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import BaseModel
 
 from k3launch.errors import K3Error
-from k3launch.models.recipe import KvStore, Recipe, Strategy, Taxonomy
+from k3launch.models.recipe import Recipe, Strategy, Taxonomy
 from k3launch.planning.recipe_keys import IgnoredKey, ignored_entry, load_lenient, unknown_key_error
 from k3launch.util.yamlio import load_yaml_model
+
+if TYPE_CHECKING:
+    from k3launch.models.kvstore import KvStore
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -97,6 +100,8 @@ class RecipeTree:
 
     @cached_property
     def kv_stores(self) -> dict[str, KvStore]:
+        from k3launch.models.kvstore import KvStore
+
         out: dict[str, KvStore] = {}
         for path in sorted((self.root / "kv_store").glob("*.yaml")):
             store = self._load(path, KvStore)
