@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 from paths import ROOT
+from proctree import alive_of, descendants
 
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
@@ -53,36 +54,6 @@ class K3:
         assert r.returncode in (0, 1), r.stdout + r.stderr
         out: dict[str, object] = json.loads(r.stdout)
         return out
-
-
-def _descendants(root: int) -> set[int]:
-    """``root`` and every process below it (from /proc: ppid links)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        out.add(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def _alive(pids: set[int]) -> set[int]:
-    left = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            left.add(pid)
-    return left
 
 
 def _names(pids: set[int]) -> list[str]:
@@ -143,7 +114,7 @@ def test_up_status_logs_bench_down_with_the_real_engine(cpu_k3: K3, vllm_cpu: Vl
     serve = plan["processes"][0]
     assert serve["argv"][:3] == ["vllm", "serve", vllm_cpu.model]
     api_pid = int(rec["processes"]["serve-0"]["handle"])  # type: ignore[index]
-    tree = _descendants(api_pid)
+    tree = descendants(api_pid)
     titles = " ".join(_names(tree))
     assert "VLLM::EngineCore" in titles, titles  # vLLM's children are part of what k3launch must stop
 
@@ -165,7 +136,7 @@ def test_up_status_logs_bench_down_with_the_real_engine(cpu_k3: K3, vllm_cpu: Vl
     down = cpu_k3.json("down", name, timeout=180)
     assert down["clean"] is True, down
     time.sleep(0.5)
-    assert not _alive(tree), _names(_alive(tree))  # API server, EngineCore, worker, helpers: all gone
+    assert not alive_of(tree), _names(alive_of(tree))  # API server, EngineCore, worker, helpers: all gone
     assert _port_free(serve["address"], serve["http_port"])
     left = {f for f in _shm() - shm_before if f.startswith(("psm_", "sem.mp-", "vllm"))}
     assert not left, left
@@ -198,7 +169,7 @@ def test_a_dead_enginecore_shows_as_degraded_at_once_and_down_leaves_nothing(cpu
     up = cpu_k3("up", "-i", str(cpu_k3.inventory), "--recipe", RECIPE, "--name", name, "--json", timeout=UP_TIMEOUT_S)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
     api_pid = int(_record(cpu_k3, name)["processes"]["serve-0"]["handle"])  # type: ignore[index]
-    tree = _descendants(api_pid)
+    tree = descendants(api_pid)
     core = [pid for pid in tree if "VLLM::EngineCore" in " ".join(_names({pid}))]
     assert core, _names(tree)
     os.kill(core[0], signal.SIGKILL)
@@ -210,7 +181,7 @@ def test_a_dead_enginecore_shows_as_degraded_at_once_and_down_leaves_nothing(cpu
     down = cpu_k3.json("down", name, timeout=180)
     assert down["clean"] is True, down
     time.sleep(0.5)
-    assert not _alive(tree), _names(_alive(tree))
+    assert not alive_of(tree), _names(alive_of(tree))
 
 
 def test_an_engine_that_fails_at_every_restart_is_given_up_with_vllms_own_words_and_nothing_left(cpu_k3: K3, vllm_cpu: VllmCpu) -> None:
@@ -234,7 +205,7 @@ def test_an_engine_that_fails_at_every_restart_is_given_up_with_vllms_own_words_
     serve = rec["plan"]["processes"][0]  # type: ignore[index]
     assert serve["argv"][2] == str(model)
     api_pid = int(rec["processes"]["serve-0"]["handle"])  # type: ignore[index]
-    tree = _descendants(api_pid)
+    tree = descendants(api_pid)
     shutil.rmtree(model)
     sup = subprocess.Popen([sys.executable, "-m", "k3launch", "supervise", name, "--poll", "1", "--max-restarts", "2", "--backoff", "1"],
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=cpu_k3.env, stdin=subprocess.DEVNULL)
@@ -260,7 +231,7 @@ def test_an_engine_that_fails_at_every_restart_is_given_up_with_vllms_own_words_
     kept = cpu_k3.tmp / "state" / "logs" / name / "serve-0.log"
     assert "HFValidationError" in kept.read_text() or "does not" in kept.read_text(), kept.read_text()[-2000:]
     time.sleep(0.5)
-    assert not _alive(tree), _names(_alive(tree))
+    assert not alive_of(tree), _names(alive_of(tree))
     assert _port_free(serve["address"], serve["http_port"])
     down = cpu_k3.json("down", name, timeout=180)
     assert down["clean"] is True, down

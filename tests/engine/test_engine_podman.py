@@ -30,6 +30,7 @@ import pytest
 import yaml
 from e2e_helpers import Cli, cleanup, host_netns, netns, no_engine_left, session
 from paths import ROOT, TESTS
+from proctree import alive_of, descendants
 
 if TYPE_CHECKING:
     from sshhosts import Hosts
@@ -117,36 +118,6 @@ def _containers(dep: str) -> list[str]:
     return r.stdout.split()
 
 
-def _tree(root: int) -> set[int]:
-    """``root`` and every process below it (ppid links in /proc)."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        out.add(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def _alive(pids: set[int]) -> set[int]:
-    left = set()
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in ("Z", "X"):
-            left.add(pid)
-    return left
-
-
 def _shm_of(pids: set[int]) -> set[str]:
     """The /dev/shm files ``pids`` map or hold open: this deployment's, not those of other engines
     that other test sessions run on this machine meanwhile (``--ipc=host``: the same /dev/shm).
@@ -218,8 +189,8 @@ def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(image
     mounts = {m["Destination"]: m["Source"] for m in info["Mounts"]}
     assert mounts.get("/root/.cache/huggingface") == str(Path("~/.cache/huggingface").expanduser()), mounts
     conmon = int(info["State"]["ConmonPid"])
-    procs = _tree(conmon) | _tree(pid)
-    titles = " ".join(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") for p in _alive(procs))
+    procs = descendants(conmon) | descendants(pid)
+    titles = " ".join(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") for p in alive_of(procs))
     assert "VLLM::EngineCore" in titles, titles  # vLLM's engine core runs in the container, under conmon
 
     snap = image_k3.json("status", name)
@@ -242,14 +213,14 @@ def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(image
     assert m["completed"] == 8 and m["failed"] == 0 and m["total_output_tokens"] == 64, m
     assert m["mean_ttft_ms"] > 0 and m["output_throughput"] > 0 and m["backend"] == "openai", m
 
-    ours = _shm_of(_alive(procs))
+    ours = _shm_of(alive_of(procs))
     assert any(f.startswith("psm_") for f in ours), ours  # vLLM's shared-memory queues between its processes
 
     down = image_k3.json("down", name, timeout=180)
     assert down["clean"] is True, down
     time.sleep(0.5)
     assert _containers(name) == []  # not stopped: removed
-    assert not _alive(procs), sorted(_alive(procs))  # conmon, vLLM's API server, EngineCore, worker: all gone
+    assert not alive_of(procs), sorted(alive_of(procs))  # conmon, vLLM's API server, EngineCore, worker: all gone
     left = ours & set(os.listdir("/dev/shm"))
     assert not left, left  # every segment vLLM made in the container is unlinked
     assert not (image_k3.tmp / "state" / "deployments" / f"{name}.json").exists()
@@ -334,7 +305,7 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
         assert d["clean"] is True and d["unreachable"] == {} and d["leftovers"] == {}, d
         assert _containers(name) == []
         assert no_engine_left([ns]) == {}  # found by what runs in the host's namespace, not by k3launch's markers
-        assert not _alive(procs), sorted(_alive(procs))
+        assert not alive_of(procs), sorted(alive_of(procs))
 
     try:
         with ssh_hosts.own_cores([host]):
@@ -354,8 +325,8 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
             assert (stage / "hub" / HUB_REPO / "snapshots" / HUB_COMMIT / "model.safetensors").is_file()
             i = argv.index("--load-format")
             assert argv[i + 1] == "safetensors" and argv[argv.index("--safetensors-load-strategy") + 1] == "eager", argv
-            procs = _tree(int(info["State"]["ConmonPid"])) | _tree(pid)
-            ours = _shm_of(_alive(procs))
+            procs = descendants(int(info["State"]["ConmonPid"])) | descendants(pid)
+            ours = _shm_of(alive_of(procs))
             assert any(f.startswith("sem.mp-") for f in ours), ours  # a named semaphore (tqdm's lock): found by its inode
 
             snap = cli.json("status", name)
@@ -385,7 +356,7 @@ def test_the_real_engine_in_podman_on_an_ssh_host_starts_warm_after_down(vllm_im
             assert row["other_s"] == pytest.approx(_compiling_s(cold), abs=0.05), (row, cold)
             info = json.loads(podman("inspect", _containers(name)[0]).stdout)[0]
             assert {m["Destination"]: m["Source"] for m in info["Mounts"]}["/root/.cache/k3launch-compile"] == str(key_dir)
-            procs = _tree(int(info["State"]["ConmonPid"])) | _tree(int(info["State"]["Pid"]))
+            procs = descendants(int(info["State"]["ConmonPid"])) | descendants(int(info["State"]["Pid"]))
             down_leaves_nothing(procs)
     finally:
         cleanup(cli, [name])
