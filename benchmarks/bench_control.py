@@ -12,7 +12,8 @@ membership is its ``/list_workers``, polled every 20 ms.
   again (``restarted``, as the standby now).
 * ``promotion-one``: the same with one serving copy (``--replicas 1 --standby 1``): between the
   kill and the look that promotes the standby, the router has no live engine, and only its retries
-  (5, from 50 ms: about 0.7 s; its circuit breaker opens after 10 failed sends) carry requests.
+  (8 attempts over about 3 s, as planned; its circuit breaker opens after 10 failed sends) carry
+  requests.
 * ``restart``: bench_supervise.py's ``replicas-kill`` (two simulated replicas, no standby,
   ``--poll 0.5``): kill → detected, → serving again.
 * ``rollout``: one copy serving and one standby (``up --replicas 1 --standby 1``), ``rollout NAME

@@ -119,12 +119,19 @@ def _supervision_flags(add: Callable[..., None], pd: bool) -> None:
     add("--health-failure-threshold", "1", origin=SUPERVISION)
     if pd:
         return  # the retry and breaker flags below do nothing in 0.1.17's P/D router
-    # Retries are on by default (--retry-max-retries 5, 50 ms first backoff, x1.5), each attempt
-    # to a worker the policy picks again; k3launch relies on them, so they are pinned. With
-    # --disable-retries a kill cost 10 requests (500 "Request failed: error sending request"),
-    # with retries none, not even the non-streamed requests in flight on the killed engine. A
-    # stream whose headers were sent is not retried: the client's stream is cut.
-    add("--retry-max-retries", "5", origin=SUPERVISION)
+    # Retries: each attempt goes to the worker the policy picks again. vllm-router's default (5
+    # attempts, sleeps from 50 ms x1.5, about 0.4 s in all) ends before the health checker's next
+    # look at a dead engine (up to 1 s): a policy that picks the same worker again (cache_aware,
+    # or round robin when the clients' requests interleave) answered 500 "Request failed: error
+    # sending request" to 2 of 3 requests sent right after a kill (two runs). 8 attempts, sleeps from 100 ms
+    # x1.5 capped at 1 s: 3.1 s (2.5 s at the jitter's low end), two health-check intervals, and
+    # none of them failed. With --disable-retries a kill cost 10 requests. A request to an engine
+    # that is up and refuses it (4xx) is not retried; a stream whose headers were sent is not
+    # either: the client's stream is cut.
+    add("--retry-max-retries", "8", origin=SUPERVISION)
+    add("--retry-initial-backoff-ms", "100", origin=SUPERVISION)
+    add("--retry-backoff-multiplier", "1.5", origin=SUPERVISION)
+    add("--retry-max-backoff-ms", "1000", origin=SUPERVISION)
     # The breaker opens 0.2-0.6 s after a kill (10 failed sends) and, at its default 60 s, keeps
     # the worker out for 60 s from then even when health checks pass: with the 1 s health
     # interval alone, an engine restarted 5 s after its kill was healthy again and still got no

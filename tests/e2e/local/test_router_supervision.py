@@ -3,7 +3,7 @@
 The real ``vllm-router`` runs with the argv of a k3launch plan (the engines' URLs and the router's
 own port swapped for loopback ones) in front of simulated engines, under a bounded stream of
 small completions from four clients. A ``kill -9`` of one engine must cost no request in the
-regular router (it retries on another worker), the engine restarted on the same address and port
+regular router (it retries until the dead worker is out, even when every retry meets it), the engine restarted on the same address and port
 must get requests again within seconds (health checks every second, a 2 s circuit-breaker
 timeout), and the P/D router, which does not retry, must stop pairing requests with a dead
 engine after one failed health check. The worker-management routes a rolling restart will use
@@ -191,6 +191,38 @@ def test_a_killed_engine_costs_no_request_and_its_restart_gets_requests_again(pr
     # about 1.5 s here; with vllm-router's defaults it stays out about 60 s
     assert took < 6, f"restarted engine got its first request {took:.1f}s after its /health answered"
     print(f"\n[{len(results)} requests, 0 failed; restarted engine served again {took:.2f}s after its /health answered]")
+
+
+
+def test_a_request_whose_retries_all_meet_the_killed_engine_outlasts_the_health_check(procs: Procs) -> None:
+    """A policy that sends a prompt back to the worker that holds its prefix (``cache_aware``)
+    sends every retry of it to the killed engine until the router takes that engine out: the
+    retries must outlast one health-check interval (a breaker of 10 failed sends in a row does
+    not open on one client's requests). One client, one request right after each of three kills;
+    with vllm-router's default retries (about 0.4 s) 2 of 3 failed."""
+    engines = [Engine(procs, f"engine-{i}", f"{NET}{61 + i}", [], {}).start() for i in range(2)]
+    for e in engines:
+        e.healthy()
+    port = free_port()
+    argv = planned_router_argv(REGULAR, [e.url for e in engines], port)
+    argv[argv.index("--policy") + 1] = "cache_aware"
+    router = start_router(procs, argv, port)
+    client = Load(port, clients=0)  # no threads: its one-request call, from this thread only
+    answers: list[tuple[float, int | str]] = []
+    waits: list[float] = []
+    for _ in range(3):
+        before = [e.served() for e in engines]
+        assert client._one() == 200
+        victim = next(e for e, n in zip(engines, before, strict=True) if e.served() > n)
+        victim.kill()
+        start = time.monotonic()
+        answers.append((start, client._one()))
+        waits.append(time.monotonic() - start)
+        victim.start().healthy()
+        time.sleep(2.5)  # two good health checks put it back
+    print(f"\n[cache_aware: {len(Load.failed(answers))} of {len(answers)} failed; the requests sent right after the kills took "
+          f"{', '.join(f'{w:.2f}s' for w in waits)}]")
+    assert Load.failed(answers) == [], f"{Load.failed(answers)}\n{router.log()[-3000:]}"
 
 
 # ------------------------------------------------------------------ worker-management routes (rolling restarts)
