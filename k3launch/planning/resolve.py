@@ -77,6 +77,15 @@ def _pick_hardware(tree: RecipeTree, recipe: Recipe, variant: Variant, sel: Sele
         listing = _recipes_listing(tree, hw)
         raise K3Error("restricted-hardware", f"{hw} is restricted and this recipe does not list it",
                       "choose: " + ", ".join(visible) + (f"; or a recipe that lists {hw}: --recipe {' | '.join(listing)}" if listing else ""))
+    if profiles[hw].vendor_platform == "other":
+        # TPU, XPU, NPU profiles of the upstream tree: their engines need another vLLM build and
+        # other device flags than the CUDA, ROCm and CPU runtimes k3launch renders
+        listed = [h for h in recipe.meta.hardware if h in profiles and profiles[h].vendor_platform != "other"]
+        others = [h for h in visible if profiles[h].vendor_platform != "other"]
+        p = profiles[hw]
+        raise K3Error("unsupported-platform", f"{hw} is {p.brand} {p.generation}: k3launch plans vLLM on CUDA, ROCm and CPU hardware only",
+                      f"choose: --hardware {' | '.join(listed)}" if listed else
+                      f"this recipe is verified on no CUDA, ROCm or CPU hardware; choose one anyway: --hardware {' | '.join(others[:6])}{' | ...' if len(others) > 6 else ''}")
     allowed = variant.supported_hardware
     if allowed and hw not in allowed:
         raise K3Error("variant-hardware", f"this variant supports only {', '.join(allowed)}", "choose one of them")

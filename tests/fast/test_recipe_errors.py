@@ -220,3 +220,17 @@ def test_cli_json_plan_is_one_object() -> None:
     for key in ("recipe", "variant", "hardware", "strategy", "nodes", "gpus_per_node", "verified", "capacity", "notices", "processes"):
         assert key in doc
     assert doc["processes"][0]["argv"][:3] == ["vllm", "serve", "moonshotai/Kimi-K3"]
+
+
+def test_cli_refuses_hardware_that_is_neither_cuda_rocm_nor_cpu(broken: Callable[..., Path]) -> None:
+    """A TPU profile (as upstream's ``ironwood``: brand Google, no platform) is refused in one line
+    that names the hardware k3launch plans on, not failed on deep in planning."""
+    tpu = ("  ironwood:\n    brand: Google\n    generation: tpu\n    display_name: \"TPU7x\"\n"
+           "    gpu_count: 4\n    vram_gb: 768\n    multi_node: true\n")
+    root = broken(Path("taxonomy.yaml"), _insert_after("hardware_profiles:\n", tpu))
+    code, stderr = _cli_refusal(["--recipes-dir", str(root), "--hardware", "ironwood"])
+    assert code == "unsupported-platform", stderr
+    error, hint = stderr.splitlines()
+    assert error == "error: ironwood is Google tpu: k3launch plans vLLM on CUDA, ROCm and CPU hardware only [unsupported-platform]"
+    # Kimi K3's own hardware, all CUDA or ROCm, is what the hint offers
+    assert hint.startswith("hint: choose: --hardware ") and "b300" in hint.split() and "ironwood" not in hint, hint
