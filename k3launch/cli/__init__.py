@@ -256,6 +256,7 @@ COMMANDS: dict[str, Lazy] = {
     "schema": Lazy("k3launch.cli.schema", "vLLM flag schemas: plans are checked against the schema of the vLLM that runs."),
     "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them, probe their disk."),
     "cache": Lazy("k3launch.cli.cache", "The compile/JIT caches engines keep on the nodes: list them, clear them."),
+    "monitoring": Lazy("k3launch.cli.monitoring", "Prometheus targets, alert rules and dashboards of the deployments."),
 }
 
 

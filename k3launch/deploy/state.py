@@ -83,9 +83,10 @@ def set_aside(path: Path) -> Path:
     return aside
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Write ``path`` whole or not at all: a temporary file in its directory, synced, then renamed
-    over it, so a reader (or a command killed mid-write) never sees half a file."""
+    over it, so a reader (or a command killed mid-write) never sees half a file. ``mode``: its
+    permissions (default the temporary file's, owner-only)."""
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.")
     except OSError as exc:
@@ -95,6 +96,8 @@ def write_atomic(path: Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
         os.replace(tmp, path)
     except OSError as exc:
         Path(tmp).unlink(missing_ok=True)
@@ -117,7 +120,7 @@ class StateStore:
     per inventory: :mod:`k3launch.deploy.cordons`), ``events/NAME.jsonl`` (what supervisors saw
     and did), ``supervise/`` (their locks, stop requests and output), ``canary/NAME.json`` (the
     canary's baseline, owner-only: :mod:`k3launch.deploy.canary`), ``weights-probe/INVENTORY.json``
-    (the last saved ``weights probe``).
+    (the last saved ``weights probe``), ``monitoring/targets/NAME.json`` (Prometheus targets).
     """
 
     def __init__(self, root: Path | None = None) -> None:
@@ -156,6 +159,11 @@ class StateStore:
         """The last ``weights probe --save`` on an inventory: each node's read throughput of its weight source."""
         # an inventory's name is free text (``labA``): its file is named by a plain word for it
         return self.root / "weights-probe" / f"{as_name(inventory_name)}.json"
+
+    def targets_dir(self) -> Path:
+        """Prometheus ``file_sd`` target files: ``NAME.json`` for each deployment that is ready,
+        rewritten with its record (docs/monitoring.md)."""
+        return self.root / "monitoring" / "targets"
 
     def cordons_path(self) -> Path:
         return self.root / "cordons.json"
@@ -261,9 +269,23 @@ class StateStore:
         rec.updated = time.time()
         rec.owner = me() if rec.state in TRANSIENT_STATES else None
         write_atomic(self.path(rec.name), rec.to_json())
+        self._targets(rec)
 
     def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
+        (self.targets_dir() / f"{check_name(name)}.json").unlink(missing_ok=True)
+
+    def _targets(self, rec: DeploymentRecord) -> None:
+        """A ready deployment's processes are Prometheus targets; any other is none (a bring-up
+        that takes an hour is not an hour of engines down)."""
+        path = self.targets_dir() / f"{rec.name}.json"
+        if rec.state != "ready":
+            path.unlink(missing_ok=True)
+            return
+        from k3launch.render.monitoring import targets_json
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, targets_json(rec), mode=0o644)  # read by a Prometheus running as another user
 
     def list(self) -> list[DeploymentRecord]:
         if not self.dir.is_dir():

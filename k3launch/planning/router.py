@@ -77,6 +77,9 @@ def router_process(r: Resolved, procs: list[Process], notices: list[Notice], nod
     add("--host", node.address)
     add("--port", str(http))
     add("--prometheus-port", str(metrics))
+    # vllm-router binds its metrics to 127.0.0.1 by default: a Prometheus on another machine could
+    # not scrape it (docs/monitoring.md)
+    add("--prometheus-host", node.address)
     ov = r.recipe.strategy_overrides.get(r.strategy.name)
     intra = ov.router.get("intra_node_data_parallel_size") if ov is not None else None
     if intra is not None and fault_tolerant:  # each URL is one DP rank's API server
