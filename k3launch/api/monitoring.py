@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from k3launch.api._common import store
+from k3launch.api._common import InventoryArg, load, store
 
 
 def targets_dir(state_dir: str | Path | None = None) -> Path:
@@ -22,3 +22,16 @@ def prometheus_config(state_dir: str | Path | None = None, interval_s: int = 15)
     from k3launch.render.monitoring import scrape_config
 
     return scrape_config(str(targets_dir(state_dir).resolve()), interval_s)
+
+
+def alert_rules(inventory: InventoryArg | None = None, *, every: bool = False) -> str:
+    """The Prometheus rule file (YAML) for the deployments of ``inventory``, with its
+    ``monitoring:`` thresholds (defaults where it names none); ``every``: the rules for every
+    deployment, with the defaults."""
+    from k3launch.models.monitoring import Monitoring
+    from k3launch.render.alerts import rule_file
+
+    if every:
+        return rule_file(Monitoring())
+    inv = load(inventory).inventory
+    return rule_file(inv.monitoring or Monitoring(), inv.name)

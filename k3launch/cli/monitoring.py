@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -22,3 +23,13 @@ def config(
     from k3launch import api
 
     typer.echo(api.prometheus_config(state_dir, interval), nl=False)
+
+
+@monitoring_app.command("rules")
+def rules(
+    inventory: Annotated[Path | None, typer.Option("--inventory", "-i", help="Rules for this inventory's deployments, with its monitoring: thresholds.")] = None,
+) -> None:
+    """Print the Prometheus alert rules (promtool-checked) for the deployments of an inventory, or of every inventory with the defaults."""
+    from k3launch import api
+
+    typer.echo(api.alert_rules(inventory, every=inventory is None), nl=False)

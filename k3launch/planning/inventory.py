@@ -21,6 +21,7 @@ from k3launch.errors import K3Error, plain
 from k3launch.models.backends import Feature
 from k3launch.models.backends import names as backend_names
 from k3launch.models.backends import spec as backend_spec
+from k3launch.models.monitoring import Monitoring
 from k3launch.models.plan import Runtime
 from k3launch.models.recipe import Strict
 from k3launch.models.selection import ENV_NAME, check_image, env_refusal
@@ -264,6 +265,7 @@ class Inventory(Strict):
     gpu_hour_price: GpuHourPrice | None = None  # {amount: 2.5, currency: USD}: for the cost per million tokens
     restart: RestartPolicy | None = None  # how `k3launch supervise` restarts (docs/supervise.md); flags override it
     weights: WeightSource | None = None  # the weight source: a shared filesystem? its read throughput (docs/ssh.md "Predicted load time")
+    monitoring: Monitoring | None = None  # the controller's metrics address, the alert rules' thresholds (docs/monitoring.md)
 
     @field_validator("backend")
     @classmethod

@@ -72,6 +72,7 @@ def targets(rec: DeploymentRecord) -> list[dict[str, Any]]:
         labels = {
             "job": job,
             "deployment": rec.name,
+            "inventory": plan.inventory or "",
             "k3launch_id": rec.deployment_id,
             "process": p.id,
             "role": p.role,
