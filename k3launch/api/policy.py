@@ -17,6 +17,7 @@ from k3launch.api._common import load, store
 from k3launch.errors import K3Error, plain
 
 if TYPE_CHECKING:
+    from k3launch.models.monitoring import Monitoring
     from k3launch.models.record import DeploymentRecord
     from k3launch.models.supervise import RestartPolicy
     from k3launch.planning.inventory import Inventory
@@ -54,6 +55,19 @@ def merged_policy(base: RestartPolicy | None, overrides: Mapping[str, Any] | Non
         flag = "--restart" if field == "policy" else "--" + field.replace("_", "-")
         raise K3Error("bad-policy", f"restart policy {field} ({flag}, or restart.{field} in the inventory): {plain(err['msg'])}",
                       "see `k3launch supervise --help` for each setting's range") from None
+
+
+def monitoring_settings(name: str, *, state_dir: str | Path | None = None) -> Monitoring:
+    """The ``monitoring:`` section of the inventory ``name`` was brought up from (the defaults
+    where it has none, or the inventory is no longer there)."""
+    from k3launch.models.monitoring import Monitoring
+
+    rec = store(state_dir).load(name)
+    if rec.inventory and Path(rec.inventory).is_file():
+        found = load(rec.inventory).inventory.monitoring
+        if found is not None:
+            return found
+    return Monitoring()
 
 
 def _inventory_policy(rec: DeploymentRecord) -> RestartPolicy:

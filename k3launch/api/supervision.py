@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from k3launch.api._common import load, store
-from k3launch.api.policy import restart_policy
+from k3launch.api.policy import monitoring_settings, restart_policy
 from k3launch.errors import K3Error
 from k3launch.models.access import Access
 
@@ -70,7 +70,8 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
     try:
         return loop.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
                                     detached=detached, stop=stop, places=_places(rec, state_dir), canary=canary_lines(st, name),
-                                    gate_for=rollout_gate(st, name), until_converged=until_converged)
+                                    gate_for=rollout_gate(st, name), until_converged=until_converged,
+                                    metrics_listen=monitoring_settings(name, state_dir=state_dir).listen)
     finally:
         restore()
 

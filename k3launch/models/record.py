@@ -106,6 +106,7 @@ class Supervisor(Record):
     detached: bool  # --detach (a background process) rather than a foreground command
     restarts: int = 0  # restarts it made
     policy: RestartPolicy = RestartPolicy()
+    metrics: str = ""  # ADDRESS:PORT where it serves k3launch's metrics (docs/monitoring.md); "": none
 
 
 class CanaryNote(Record):

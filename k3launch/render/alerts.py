@@ -14,8 +14,10 @@ import json
 from dataclasses import dataclass
 
 from k3launch.models.monitoring import Monitoring
+from k3launch.render.monitoring import JOB_CONTROLLERS as CONTROLLERS
+from k3launch.render.monitoring import JOB_ENGINES as ENGINES
+from k3launch.render.monitoring import JOB_ROUTERS as ROUTERS
 
-ENGINES, ROUTERS, CONTROLLERS = "k3launch-vllm", "k3launch-vllm-router", "k3launch-controller"
 RUNBOOK = "docs/monitoring.md#what-each-alert-means"
 
 

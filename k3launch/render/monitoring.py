@@ -6,7 +6,9 @@ the labels an operator filters and groups by. A headless rank serves no HTTP: it
 its head's. Written by :mod:`k3launch.deploy.state` whenever the record is saved, removed when it
 is deleted, so the file follows every restart elsewhere, re-placement, scale and promotion.
 
-``scrape_config(dir)`` is the ``scrape_configs`` entry that reads those files.
+While a controller (``supervise``) watches the deployment, its own metrics are a target too
+(:mod:`k3launch.render.controller_metrics`). ``scrape_config(dir)`` is the ``scrape_configs``
+entry that reads those files.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from k3launch.util.digest import sha256
 
 JOB_ENGINES = "k3launch-vllm"
 JOB_ROUTERS = "k3launch-vllm-router"
+JOB_CONTROLLERS = "k3launch-controller"
 # file_sd files are named <deployment>.json in one directory per state directory
 TARGETS_GLOB = "*.json"
 
@@ -85,6 +88,11 @@ def targets(rec: DeploymentRecord) -> list[dict[str, Any]]:
             "revision": revision(plan),
         }
         groups.append({"targets": [f"{address}:{port}"], "labels": {k_: v for k_, v in labels.items() if v != ""}})
+    sup = rec.supervisor
+    if sup is not None and sup.metrics:  # its controller, while one watches (and after one died: then it is down)
+        labels = {"job": JOB_CONTROLLERS, "deployment": rec.name, "inventory": rec.plan.inventory or "", "k3launch_id": rec.deployment_id,
+                  "process": "controller", "node": sup.host}
+        groups.append({"targets": [sup.metrics], "labels": {k_: v for k_, v in labels.items() if v != ""}})
     return groups
 
 

@@ -338,3 +338,51 @@ def test_the_spec_keeps_how_the_detached_controller_reaches_the_nodes(tmp_path: 
     write_spec(store, rec.name, policy=RestartPolicy(poll=1.0))
     spec = read_spec(store, rec.name)
     assert spec is not None and spec.revision == 2 and spec.access == api.Access(True, 3.5)
+
+
+def test_the_controller_serves_its_view_as_metrics_and_its_target_comes_and_goes(tmp_path: Path) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    store = StateStore(tmp_path)
+    rec = _record(store)
+    stop = threading.Event()
+    scraped: dict[str, object] = {}
+
+    def scrape(now: float) -> Observation:
+        cur = store.load(rec.name)
+        assert cur.supervisor is not None
+        scraped["address"] = cur.supervisor.metrics
+        scraped["targets"] = json.loads((store.targets_dir() / f"{rec.name}.json").read_text())
+        with urllib.request.urlopen(f"http://{cur.supervisor.metrics}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        scraped["samples"] = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                              for f in text_string_to_metric_families(text) for s in f.samples}
+        return Observation(now, healthy=OK)
+
+    w = FakeWatcher([Observation(0, healthy=OK), Observation(0, dead={"serve-1": "exited with code 137"}, healthy=OK),
+                     Observation(0, healthy=OK), scrape], stop=stop)
+    router = next(p for p in rec.plan.processes if p.role == "router")
+    w.listed = worker_urls(router)
+    t0 = time.time()
+    out = loop.supervise(rec.name, store, FakeOps(w), FAST, on_event=lambda e: None, stop=stop, metrics_listen="127.0.0.1:0")
+    assert out == "stopped"
+    d = (("deployment", rec.name),)
+    samples = scraped["samples"]
+    assert isinstance(samples, dict)
+    assert samples[("k3launch_restarts_total", d)] == 1.0
+    assert samples[("k3launch_units_serving", d)] == samples[("k3launch_units_desired", d)] == 3.0  # two replicas and the router
+    assert samples[("k3launch_units_given_up", d)] == 0.0 and samples[("k3launch_units_out_of_router", d)] == 0.0
+    assert samples[("k3launch_units", (("deployment", rec.name), ("state", "serving")))] == 3.0
+    assert t0 <= samples[("k3launch_last_look_timestamp_seconds", d)] <= time.time()
+    address = scraped["address"]
+    assert isinstance(address, str) and address.startswith("127.0.0.1:")
+    controller = [g for g in scraped["targets"] if g["labels"]["job"] == "k3launch-controller"]  # type: ignore[union-attr]
+    assert controller == [{"targets": [address], "labels": {"job": "k3launch-controller", "deployment": rec.name, "inventory": "local",
+                                                           "process": "controller", "node": controller[0]["labels"]["node"]}}]
+    # it let go: no controller target, nothing listening
+    after = json.loads((store.targets_dir() / f"{rec.name}.json").read_text())
+    assert not [g for g in after if g["labels"]["job"] == "k3launch-controller"]
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{address}/metrics", timeout=2)

@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from k3launch.deploy import eventlog
 from k3launch.deploy.base import SuperviseOps, Watcher
 from k3launch.deploy.control.actor import GRACE_S, Actor, Places
+from k3launch.deploy.control.exporter import Exporter
 from k3launch.deploy.control.process import already_supervised, lock_path, read_spec, refuse_not_ready, stop_path
 from k3launch.deploy.readiness import ready_timeout
 from k3launch.deploy.rollout import Gate as GateFn
@@ -44,6 +45,7 @@ from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, Supervisor
 from k3launch.models.rollout import RolloutState
 from k3launch.models.supervise import Event, RestartPolicy
+from k3launch.render.controller_metrics import Seen, families
 from k3launch.util.locks import locked
 
 __all__ = ["CanaryFn", "EventFn", "GateFor", "Places", "supervise"]
@@ -63,8 +65,10 @@ class _Run:
 
     def __init__(self, rec: DeploymentRecord, store: StateStore, watcher: Watcher, policy: RestartPolicy, on_event: EventFn,
                  hook: str | None, stop: threading.Event, places: Places | None = None, canary: CanaryFn | None = None,
-                 gate_for: GateFor | None = None, until_converged: bool = False) -> None:
+                 gate_for: GateFor | None = None, until_converged: bool = False, exporter: Exporter | None = None) -> None:
         self.rec = rec
+        self.exporter = exporter
+        self.canary_seen: tuple[bool, float] | None = None  # the last replay's outcome, for the metrics
         self.places = places
         self.store = store
         self.watcher = watcher
@@ -229,11 +233,21 @@ class _Run:
                 self.rejoin(obs)
             self.settle()
             self.persist()
+            self.export(obs, acted=bool(actions))
             if self.until_converged and self.converged() and not actions:  # a look with nothing to do: the routers list every serving unit too
                 return "converged"
             self._canary(busy=bool(actions) or any(e.kind != "rerouted" for e in events))
             self.stop.wait(max(0.0, self.policy.poll - (time.monotonic() - t0)))
         return "stopped"
+
+    def export(self, obs: Observation, acted: bool) -> None:
+        """The metrics a scrape sees until the next look (docs/monitoring.md); after actions, the
+        routers' lists as they are now (an action may have added or removed a worker)."""
+        if self.exporter is not None:
+            if acted and obs.routers:
+                self.listed(obs)
+            seen = Seen(time=obs.now, out_of_router=self.sup.unlisted(obs), canary=self.canary_seen)
+            self.exporter.update(families(self.rec, self.sup.dump(self.revision), self.sup.rollout, seen))
 
     def _canary(self, busy: bool) -> None:
         """Collect a finished replay (its mismatches are events), and start the next one every
@@ -258,6 +272,7 @@ class _Run:
                 self.emit([Event(time=time.time(), kind="canary-ok", deployment=self.rec.name, reason="every target matches its baseline again")])
             if found is not None:  # None: nothing to compare with (no baseline)
                 self.canary_bad = bool(found)
+                self.canary_seen = (not found, time.time())
             return
         serving = [p for u in self.sup.units if self.sup.state(u.name) is UnitState.SERVING for p in u.processes]
         if busy or self.busy() or not serving or time.monotonic() - self.canary_last < self.policy.canary_interval:
@@ -288,12 +303,14 @@ class _Run:
 
 def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPolicy, *, on_event: EventFn,
               hook: str | None = None, detached: bool = False, stop: threading.Event | None = None, places: Places | None = None,
-              canary: CanaryFn | None = None, gate_for: GateFor | None = None, until_converged: bool = False) -> str:
+              canary: CanaryFn | None = None, gate_for: GateFor | None = None, until_converged: bool = False,
+              metrics_listen: str | None = None) -> str:
     """Watch ``name`` until stopped: ``"stopped"`` (asked to), ``"failed"`` (gave up: nothing left
     running), ``"gone"`` (taken down), ``"converged"`` (``until_converged``: the spec's rollout is
     done or stopped), or the state it left ``ready`` for. ``canary``: the correctness check
     replayed every ``policy.canary_interval`` on every serving unit; ``gate_for``: a rollout's
-    gate beyond health and a completion."""
+    gate beyond health and a completion; ``metrics_listen``: ADDRESS:PORT to serve k3launch's
+    metrics on while it watches (None: none)."""
     stop = stop or threading.Event()
     sdir = store.supervise_dir()
     try:
@@ -308,8 +325,10 @@ def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPo
         refuse_not_ready(rec)
         watcher = ops.watcher(rec, store)
         ident = me()
-        rec.supervisor = Supervisor(host=ident.host, pid=ident.pid, started=ident.started, since=time.time(), detached=detached, policy=policy)
-        run = _Run(rec, store, watcher, policy, on_event, hook, stop, places, canary, gate_for, until_converged)
+        exporter = Exporter(metrics_listen) if metrics_listen else None
+        rec.supervisor = Supervisor(host=ident.host, pid=ident.pid, started=ident.started, since=time.time(), detached=detached, policy=policy,
+                                    metrics=exporter.address if exporter else "")
+        run = _Run(rec, store, watcher, policy, on_event, hook, stop, places, canary, gate_for, until_converged, exporter)
         with store.lock(name):
             run.save()
         run.emit([Event(time=time.time(), kind="watching", deployment=name,
@@ -321,6 +340,8 @@ def supervise(name: str, store: StateStore, ops: SuperviseOps, policy: RestartPo
             run.emit([Event(time=time.time(), kind="stopped-watching", deployment=name, reason=outcome)])
             run.close()
             watcher.close()
+            if exporter is not None:
+                exporter.close()
             _release(store, name, ident.pid)
         return outcome
 

@@ -104,6 +104,16 @@ class Converge:
                 out.append(Route(r.id, add, remove, "; ".join(said)))
         return out
 
+    def unlisted(self, obs: Observation) -> int | None:
+        """Units that should be in the regular routers and are not listed by one of them, as this
+        look saw the routers (None: no regular router, or none answered)."""
+        lists = [obs.routers.get(r.id) for r in self.routers()]
+        known = [{_norm(x) for x in listed} for listed in lists if listed is not None]
+        if not known:
+            return None
+        want = [u for u in self.units if self.memory[u.name].state in _IN_ROUTER and not self.out_of_router(u) and self.urls(u)]
+        return sum(any(_norm(x) not in have for have in known for x in self.urls(u)) for u in want)
+
     def _why_out(self, worker: str) -> str:
         owner = next((u for u in self.units if _norm(worker) in {_norm(x) for x in self.urls(u)}), None)
         if owner is None:
