@@ -47,4 +47,6 @@ Faults (``K3LAUNCH_SIM_FAIL``):
   decode asked directly is right. Only the correctness canary catches it.
 * ``other-weights`` — serve; every answer has wrong tokens after the first: another model served
   under the same name, which only the canary catches.
+* ``latch`` — serve; after the first completion (up's probe) every admitted request holds its
+  slot and never gets a token or an answer, /health 200 throughout: "up but not serving".
 """

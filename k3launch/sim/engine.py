@@ -45,7 +45,7 @@ class Rank:
     def __init__(self, rank: int, max_num_seqs: int) -> None:
         self.rank = rank
         self.slots = threading.Semaphore(max_num_seqs)
-        self.metrics = Metrics()
+        self.metrics = Metrics(max_num_seqs)
 
 
 class Session:
@@ -141,6 +141,8 @@ class Engine:
         self.empty_after_ready = knobs.fault == "empty-after-ready"
         self.corrupt_pd = knobs.fault == "corrupt-pd"
         self.corrupt_all = knobs.fault == "other-weights"
+        self.latch = knobs.fault == "latch"
+        self._latched = threading.Event()  # never set: a latched request waits on it until the engine exits
         self._corrupted = False  # the first corrupted answer is logged (once, as empty-after-ready's switch is)
         self._admitted = 0  # completion requests admitted so far (empty-after-ready answers the first one)
         self._admitted_lock = threading.Lock()
@@ -204,7 +206,21 @@ class Engine:
                 m.running -= 1
             rank.slots.release()
             raise
+        if self._latches():
+            self._latched.wait()  # admitted, holding its slot, never a token: /health still answers (a separate thread)
         return Session(self, rank, req, arrival, 0 if self._empty() else length, kv_out, epoch, self._corrupts(pulled))
+
+    def _latches(self) -> bool:
+        """Whether this request latches: the ``latch`` fault, after the first request (up's probe)."""
+        if not self.latch:
+            return False
+        with self._admitted_lock:
+            self._admitted += 1
+            n = self._admitted
+        if n == 2:
+            self.log.warning("requests are admitted and never scheduled from now on; /health still answers 200 "
+                             "(simulated: K3LAUNCH_SIM_FAIL=latch)", src="core.py")
+        return n > 1
 
     def _corrupts(self, pulled: bool) -> bool:
         """Whether this answer is corrupted: the corrupt-pd fault, on a decode that pulled its KV

@@ -43,7 +43,8 @@ class Histogram:
 class Metrics:
     """Thread-safe engine statistics (request threads write, ``/metrics`` reads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 1) -> None:
+        self.capacity = max(1, capacity)  # --max-num-seqs: the sim's KV cache holds this many requests
         self.lock = threading.Lock()
         self.running = 0
         self.waiting = 0
@@ -77,6 +78,10 @@ def render(model: str, engines: dict[int, Metrics]) -> str:
                 [f"vllm:num_requests_running{{{lb}}} {float(m.running)}" for lb, m in snap])
         _metric(out, "vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
                 [f"vllm:num_requests_waiting{{{lb}}} {float(m.waiting)}" for lb, m in snap])
+        _metric(out, "vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+                [f"vllm:kv_cache_usage_perc{{{lb}}} {min(1.0, m.running / m.capacity)}" for lb, m in snap])
+        _metric(out, "vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
+                [f"vllm:num_preemptions_total{{{lb}}} 0.0" for lb, m in snap])  # the sim never preempts
         _metric(out, "vllm:prompt_tokens", "counter", "Number of prefill tokens processed.",
                 [f"vllm:prompt_tokens_total{{{lb}}} {float(m.prompt_tokens)}" for lb, m in snap])
         _metric(out, "vllm:generation_tokens", "counter", "Number of generation tokens processed.",

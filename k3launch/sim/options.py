@@ -17,7 +17,7 @@ from k3launch.planning.schema import Arg
 from k3launch.sim import ftconfig
 from k3launch.sim.ftconfig import FTOptions
 
-FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready", "empty-after-ready", "collective-timeout", "corrupt-pd", "other-weights")
+FAULTS = ("exit-during-load", "hang", "zero-tokens", "crash-after-ready", "empty-after-ready", "collective-timeout", "corrupt-pd", "other-weights", "latch")
 
 # vLLM's defaults for the settings below when the flag is absent (ParallelConfig, envs.py).
 DEFAULT_PORT = 8000

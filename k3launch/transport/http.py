@@ -124,6 +124,40 @@ def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S, paths: Map
         return dict(zip(asked, oks, strict=True))
 
 
+def _work(base: str, timeout: float) -> tuple[float, float] | None:
+    """(requests running or waiting, tokens generated so far) from an engine's ``/metrics``,
+    summed over its DP ranks; None when it cannot be read."""
+    try:
+        with urllib.request.urlopen(base.rstrip("/") + "/metrics", timeout=timeout) as r:
+            text = r.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    held = tokens = 0.0
+    seen = False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total") and " " in line:
+            try:
+                value = float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+            seen = seen or name == "vllm:generation_tokens_total"
+            if name == "vllm:generation_tokens_total":
+                tokens += value
+            else:
+                held += value
+    return (held, tokens) if seen else None
+
+
+def work_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, tuple[float, float]]:
+    """id → (requests held, tokens generated) of each engine whose ``/metrics`` could be read, all at once."""
+    if not urls:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(32, len(urls))) as pool:
+        got = pool.map(lambda u: _work(u, timeout), urls.values())
+        return {i: w for i, w in zip(urls, got, strict=True) if w is not None}
+
+
 class InFlight:
     """A completion request running on a daemon thread (a caller that gives up never waits for it)."""
 

@@ -136,6 +136,29 @@ def test_a_healthy_answer_resets_the_hung_clock() -> None:
     assert s.step(Observation(12.0, healthy={**ALL_OK, "serve-0": False})) == ([], [])
 
 
+def test_an_engine_that_answers_but_holds_requests_and_generates_nothing_is_hung() -> None:
+    """Up but not serving: /health 200, requests held, the token count still for unhealthy_after."""
+    s = _sup(unhealthy_after=10)
+    busy = {"serve-0": (2.0, 500.0), "serve-1": (1.0, 40.0)}
+    assert s.step(Observation(0.0, healthy=ALL_OK, work=busy)) == ([], [])
+    # serve-1 keeps generating; serve-0 holds its two requests and generates nothing
+    assert s.step(Observation(9.0, healthy=ALL_OK, work={**busy, "serve-1": (1.0, 90.0)})) == ([], [])
+    ev, acts = s.step(Observation(10.0, healthy=ALL_OK, work={**busy, "serve-1": (1.0, 140.0)}))
+    assert _kinds(ev) == ["detected", "restarting"] and ev[0].process == "serve-0", ev
+    assert "2 request(s) held and no token generated for 10s, /health answering" in ev[0].reason
+    assert [type(a) for a in acts] == [Restart] and acts[0].unit.name == "serve-0"  # type: ignore[union-attr]
+
+
+def test_an_idle_engine_or_one_whose_tokens_move_is_not_hung() -> None:
+    s = _sup(unhealthy_after=10)
+    for t in range(0, 40, 5):  # idle: nothing held, no token
+        assert s.step(Observation(float(t), healthy=ALL_OK, work={"serve-0": (0.0, 7.0)})) == ([], [])
+    for t in range(40, 80, 5):  # busy and generating (slowly)
+        assert s.step(Observation(float(t), healthy=ALL_OK, work={"serve-0": (3.0, 7.0 + t)})) == ([], [])
+    for t in range(80, 120, 5):  # unreadable /metrics says nothing
+        assert s.step(Observation(float(t), healthy=ALL_OK)) == ([], [])
+
+
 def test_a_restart_that_never_serves_fails_after_the_start_timeout() -> None:
     s = Supervision(_plan("multi_node_replicas", "k3launch/tiny-llama"), RestartPolicy(start_timeout=30), start_timeout=999)
     s.step(Observation(0.0, dead={"serve-0": "exited"}))

@@ -43,7 +43,7 @@ from k3launch.planning.inventory import SlurmSection
 from k3launch.render.sbatch import step_words
 from k3launch.render.scripts import shell_join
 from k3launch.transport import http
-from k3launch.transport.http import probe_all
+from k3launch.transport.http import probe_all, work_all
 
 KEPT_LOG_LINES = 500
 KILL_WAIT_S = 5.0  # after SIGKILL through Slurm: then srun itself is killed
@@ -186,7 +186,9 @@ class JobWatcher:
         healthy = probe_all(urls, timeout=self.probe_timeout, paths={p.id: "/liveness" for p in plan.processes if p.role == "router"})
         ranks = {pid for f in plan.fault_tolerance for pid in f.processes}
         ft = routing.ft_status(plan, [p for p in plan.processes if p.id in urls], ranks, self.probe_timeout)
-        return Observation(now=now, dead=dead, healthy=healthy, tails={p: self.tails[p] for p in dead if p in self.tails}, ft=ft)
+        routers = {p.id for p in plan.processes if p.role == "router"}
+        work = work_all({pid: urls[pid] for pid, ok in healthy.items() if ok and pid not in routers}, timeout=self.probe_timeout)
+        return Observation(now=now, dead=dead, healthy=healthy, tails={p: self.tails[p] for p in dead if p in self.tails}, ft=ft, work=work)
 
     def restart(self, unit: Unit, grace_s: float, proceed: Callable[[], bool]) -> list[LaunchFailed]:
         """Stop the unit's steps, then (if ``proceed()`` still says so) start them again on the plan it runs now."""

@@ -40,7 +40,7 @@ from k3launch.models.supervise import Unit
 from k3launch.render import snippets as remote
 from k3launch.transport import http
 from k3launch.transport.fleet import Fleet
-from k3launch.transport.http import probe_all
+from k3launch.transport.http import probe_all, work_all
 from k3launch.util.polling import poll_until
 
 SILENT_RETRY_S = 5.0  # a silent node is asked again after this, doubling ...
@@ -111,8 +111,10 @@ class SshWatcher:
         unreachable = {**self._still_silent(), **pl.unreachable}
         # only while an engine does not serve (a restart is starting): nothing extra while all is well
         cpu = self._session_cpu(set(dead), set(unreachable)) if not all(healthy.values()) else {}
+        # what each engine that answers holds and has generated: an engine up but not serving
+        work = work_all({pid: urls[pid] for pid, ok in healthy.items() if ok and pid not in routers}, timeout=self.probe_timeout)
         return Observation(now=now, dead=dead, unreachable=unreachable, healthy=healthy, tails=dict(pl.tails), reclaimed=reclaimed, ft=ft,
-                           cpu=cpu)
+                           cpu=cpu, work=work)
 
     def _session_cpu(self, dead: set[str], silent: set[str]) -> dict[str, tuple[int, str]]:
         """Process id -> (CPU ticks of its session, the leader's state) of every live bare process."""

@@ -124,6 +124,7 @@ class Supervision(Scale, Converge):
                 m.state = UnitState.SERVING
                 m.last_ok.clear()
                 m.progress.clear()
+                m.tokens.clear()
                 took = now - (now if m.detected is None else m.detected)
                 events.append(self._event(now, "restarted", u, reason=f"serving again after {took:.1f}s", seconds=round(took, 3),
                                           attempt=len(m.restarts)))
@@ -184,12 +185,31 @@ class Supervision(Scale, Converge):
                 continue
             if ok:
                 m.last_ok[pid] = obs.now
+                latched = self._latched(pid, m, obs)
+                if latched is not None:
+                    return latched, pid, ""
                 continue
             # silence counts from the last good answer, not from the first failed probe (which itself
             # may have waited out the probe's timeout)
             since = m.last_ok.setdefault(pid, obs.now)
             if obs.now - since >= self.policy.unhealthy_after:
                 return f"{pid} hung: /health failing or silent for {obs.now - since:.0f}s", pid, ""
+        return None
+
+    def _latched(self, pid: str, m: Memory, obs: Observation) -> str | None:
+        """An engine that answers /health and holds requests, and has generated no token for
+        ``unhealthy_after``: up but not serving (the clock starts again at every new token, and
+        stops while it holds nothing)."""
+        got = obs.work.get(pid)
+        if got is None or got[0] <= 0:
+            m.tokens.pop(pid, None)
+            return None
+        seen = m.tokens.get(pid)
+        if seen is None or seen[0] != got[1]:
+            m.tokens[pid] = (got[1], obs.now)
+            return None
+        if obs.now - seen[1] >= self.policy.unhealthy_after:
+            return f"{pid} hung: {got[0]:.0f} request(s) held and no token generated for {obs.now - seen[1]:.0f}s, /health answering"
         return None
 
     def _stalled(self, u: Unit, m: Memory, obs: Observation) -> tuple[str, str | None, str] | None:

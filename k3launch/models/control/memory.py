@@ -36,6 +36,8 @@ class Memory:
     last_ok: dict[str, float] = field(default_factory=dict)  # HTTP process -> when its /health last answered 200
     ft_sent: float | None = None  # when the last retry went out
     progress: dict[str, tuple[int, float]] = field(default_factory=dict)  # starting process -> (CPU ticks, since when unchanged)
+    # serving HTTP process holding requests -> (tokens generated, since when unchanged): "up but not serving"
+    tokens: dict[str, tuple[float, float]] = field(default_factory=dict)
     to: str = ""  # a roll under way: the plan it is swapped to
     undo: bool = False  # ... to take back a roll that failed its gate
     leaving: bool = False  # its copy is scaled in: out of the router, drained, then stopped

@@ -23,3 +23,5 @@ class Observation:
     routers: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
     # HTTP process id -> its engine's ``vllm:num_requests_running`` (asked of draining units only; None: unreadable)
     running: Mapping[str, float | None] = field(default_factory=dict)
+    # healthy engine's HTTP process id -> (requests running or waiting, tokens generated so far), from its /metrics
+    work: Mapping[str, tuple[float, float]] = field(default_factory=dict)
