@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from k3launch.api.supervision import supervise_detached as supervise_detached
     from k3launch.api.timelines import restart_timeline as restart_timeline
     from k3launch.api.timelines import timeline as timeline
+    from k3launch.api.top import Top as Top
     from k3launch.models.access import Access as Access
 # (end of the API's names)
 

@@ -257,6 +257,10 @@ COMMANDS: dict[str, Lazy] = {
     "weights": Lazy("k3launch.cli.weights", "The model's weights on the nodes: check them, fetch them, probe their disk."),
     "cache": Lazy("k3launch.cli.cache", "The compile/JIT caches engines keep on the nodes: list them, clear them."),
     "monitoring": Lazy("k3launch.cli.monitoring", "Prometheus targets, alert rules and dashboards of the deployments."),
+    "top": Lazy(
+        "k3launch.cli.top",
+        "Live per engine and router: requests running/waiting, KV cache use, tokens/s, TTFT and ITL p50/p99, the controller's unit states.",
+    ),
 }
 
 

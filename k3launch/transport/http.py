@@ -124,13 +124,20 @@ def probe_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S, paths: Map
         return dict(zip(asked, oks, strict=True))
 
 
+def get_text(url: str, timeout: float = 2.0) -> str | None:
+    """A page's text (``/metrics``); None when it cannot be read."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return str(r.read().decode(errors="replace"))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
 def _work(base: str, timeout: float) -> tuple[float, float] | None:
     """(requests running or waiting, tokens generated so far) from an engine's ``/metrics``,
     summed over its DP ranks; None when it cannot be read."""
-    try:
-        with urllib.request.urlopen(base.rstrip("/") + "/metrics", timeout=timeout) as r:
-            text = r.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError, ValueError):
+    text = get_text(base.rstrip("/") + "/metrics", timeout)
+    if text is None:
         return None
     held = tokens = 0.0
     seen = False

