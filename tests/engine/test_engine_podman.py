@@ -158,6 +158,15 @@ def image_k3(vllm_image: str, tmp_path: Path) -> Iterator[K3]:
                 podman("rm", "-f", "-t", "0", cid)
 
 
+def _title(pid: int) -> str:
+    """A process's command line and its kernel name (``comm``: 15 characters), or "" once it is gone."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        return f"{cmdline} [{Path(f'/proc/{pid}/comm').read_text().strip()}]"
+    except OSError:
+        return ""
+
+
 def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(image_k3: K3, vllm_image: str, local_cpu_inventory: Path) -> None:
     inv = podman_inventory(local_cpu_inventory, vllm_image, image_k3.tmp / "local-cpu-podman.yaml")
     name = f"engp-{uuid.uuid4().hex[:6]}"
@@ -189,9 +198,15 @@ def test_up_status_logs_timeline_bench_down_with_the_real_engine_in_podman(image
     mounts = {m["Destination"]: m["Source"] for m in info["Mounts"]}
     assert mounts.get("/root/.cache/huggingface") == str(Path("~/.cache/huggingface").expanduser()), mounts
     conmon = int(info["State"]["ConmonPid"])
-    procs = descendants(conmon) | descendants(pid)
-    titles = " ".join(Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace") for p in alive_of(procs))
-    assert "VLLM::EngineCore" in titles, titles  # vLLM's engine core runs in the container, under conmon
+    # vLLM's engine core runs in the container, under conmon. Its title (setproctitle: the command
+    # line and the kernel's name of the process) was once read without it from a loaded machine
+    # right after `up`: read both, for a few seconds
+    deadline, titles = time.monotonic() + 15, ""
+    while "VLLM::EngineCor" not in titles and time.monotonic() < deadline:
+        procs = descendants(conmon) | descendants(pid)
+        titles = " ".join(_title(p) for p in alive_of(procs))
+        time.sleep(0.5)
+    assert "VLLM::EngineCor" in titles, titles
 
     snap = image_k3.json("status", name)
     assert snap["state"] == "ready" and all(p["alive"] and p["healthy"] for p in snap["processes"]), snap
