@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from k3launch.api.lifecycle import status as status
     from k3launch.api.lifecycle import up as up
     from k3launch.api.monitoring import alert_rules as alert_rules
+    from k3launch.api.monitoring import grafana_dashboard as grafana_dashboard
     from k3launch.api.monitoring import prometheus_config as prometheus_config
     from k3launch.api.monitoring import targets_dir as targets_dir
     from k3launch.api.nodes import active_array_tasks as active_array_tasks

@@ -35,3 +35,10 @@ def alert_rules(inventory: InventoryArg | None = None, *, every: bool = False) -
         return rule_file(Monitoring())
     inv = load(inventory).inventory
     return rule_file(inv.monitoring or Monitoring(), inv.name)
+
+
+def grafana_dashboard() -> str:
+    """The Grafana dashboard (JSON) of every deployment, with a ``deployment`` variable."""
+    from k3launch.render.dashboard import dashboard_json
+
+    return dashboard_json()

@@ -32,6 +32,7 @@ import functools
 import gc
 import importlib
 import json
+import os
 import types
 import typing
 from pathlib import Path
@@ -352,11 +353,16 @@ def main() -> None:
     cyclic garbage collector off and leaves it no work at exit (``gc.freeze``): its passes over the
     objects that Typer's commands and pydantic's models create cost about 40 ms of such a command's
     0.2 s, for garbage a command that ends in a fraction of a second makes too little of to
-    matter. Every other command, which may run for hours, runs with the collector on.
+    matter. Every other command, which may run for hours, runs with the collector on. A quick
+    command also runs without pydantic's plugins (``PYDANTIC_DISABLE_PLUGINS``, unless set).
     """
     quick = _command_word(sys.argv[1:]) in _QUICK | {None}
     if quick:
         gc.disable()
+        # pydantic looks for plugins (entry points of every installed distribution: importlib.metadata
+        # and a scan of each one's metadata, about 13 ms here) the first time it builds a validator;
+        # a quick command validates only its own files and options. A value the user set is kept.
+        os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "__all__")
     else:
         gc.enable()  # k3launch.__main__ turns it off while the command line is imported
     try:

@@ -33,3 +33,11 @@ def rules(
     from k3launch import api
 
     typer.echo(api.alert_rules(inventory, every=inventory is None), nl=False)
+
+
+@monitoring_app.command("dashboard")
+def dashboard() -> None:
+    """Print a Grafana dashboard (JSON) of every deployment: throughput, TTFT/ITL percentiles, queue, KV cache, DP ranks, restarts and rollouts."""
+    from k3launch import api
+
+    typer.echo(api.grafana_dashboard(), nl=False)

@@ -32,6 +32,7 @@ from proctree import alive_of, descendants
 
 from k3launch.models.monitoring import Monitoring
 from k3launch.render.alerts import rules
+from k3launch.render.dashboard import dashboard
 
 if TYPE_CHECKING:
     from enginecpu import VllmCpu
@@ -138,10 +139,11 @@ def test_up_status_logs_bench_down_with_the_real_engine(cpu_k3: K3, vllm_cpu: Vl
     assert isinstance(m, dict) and m["completed"] == 8 and m["failed"] == 0 and m["total_output_tokens"] == 64, m
     assert m["mean_ttft_ms"] > 0 and m["output_throughput"] > 0 and m["backend"] == "openai" and "mean_itl_ms" in m
 
-    # every vLLM metric the alert rules read is one this vLLM exports (a rename fails here)
+    # every vLLM metric the alert rules and the dashboard read is one this vLLM exports (a rename fails here)
     with urllib.request.urlopen(f"http://{serve['address']}:{serve['http_port']}/metrics", timeout=10) as r:
         exported = set(re.findall(r"^(vllm:\w+)", r.read().decode(), re.M))
-    used = {n for rule in rules(Monitoring()) for n in re.findall(r"vllm:\w+", rule.expr)}
+    queries = [r.expr for r in rules(Monitoring())] + [t["expr"] for p in dashboard()["panels"] for t in p.get("targets", [])]
+    used = {n for q in queries for n in re.findall(r"vllm:\w+", q)}
     assert len(used) >= 6 and used <= exported, sorted(used - exported)
 
     down = cpu_k3.json("down", name, timeout=180)

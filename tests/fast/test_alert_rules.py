@@ -181,3 +181,40 @@ def test_the_cli_prints_an_inventorys_rules_with_its_thresholds(tmp_path: Path) 
     bad = CliRunner().invoke(app, ["monitoring", "rules", "-i", str(inv)])
     assert bad.exit_code == 2 and "Traceback" not in bad.output
     assert bad.stderr.startswith("error: ") and "ttft_p95" in bad.stderr, bad.stderr
+
+
+def _dashboard_exprs() -> list[str]:
+    from k3launch.render.dashboard import dashboard
+
+    d = dashboard()
+    panels = [p for p in d["panels"] if p.get("type") != "row"]
+    return [t["expr"] for p in panels for t in p["targets"]] + [a["expr"] for a in d["annotations"]["list"] if "expr" in a]
+
+
+def test_the_dashboard_is_grafanas_model_and_its_queries_are_promql(tmp_path: Path) -> None:
+    """The JSON reads back as grafana-foundation-sdk's typed model, and every panel's and
+    annotation's query, with Grafana's variables filled in, passes promtool as a recording rule."""
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    from k3launch.render.dashboard import dashboard
+
+    d = dashboard()
+    typed = Dashboard.from_json(d)
+    assert typed.title == "k3launch deployments" and typed.uid == "k3launch-deployments"
+    assert [v["name"] for v in d["templating"]["list"]] == ["datasource", "deployment"]
+    exprs = _dashboard_exprs()
+    assert len(exprs) >= 14
+    filled = [e.replace("$__rate_interval", "1m").replace("$deployment", ".*") for e in exprs]
+    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"k3launch:dashboard_query_{i}", "expr": e} for i, e in enumerate(filled)]}]}
+    (tmp_path / "q.yml").write_text(yaml.safe_dump(rules))
+    r = _promtool("check", "rules", "q.yml", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_vllm_metric_the_rules_and_dashboard_read_is_one_the_simulated_engine_exports() -> None:
+    """The same check against the real vLLM is in tests/engine/test_engine.py."""
+    from k3launch.sim.metrics import Metrics, render
+
+    exported = set(re.findall(r"^(vllm:\w+)", render("m", {0: Metrics()}), re.M))
+    used = {n for e in [r.expr for r in rules(M)] + _dashboard_exprs() for n in re.findall(r"vllm:\w+", e)}
+    assert len(used) >= 7 and used <= exported, sorted(used - exported)
