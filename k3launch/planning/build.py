@@ -38,7 +38,7 @@ from k3launch.models.plan import (
 )
 from k3launch.models.recipe import KvOffloadOption
 from k3launch.models.selection import Notice, Pool, Resolved, Selection
-from k3launch.planning import capacity, cpusets, faulttol, loading, rules
+from k3launch.planning import capacity, cpusets, faulttol, loading, rules, tracing
 from k3launch.planning.capacity import NodeMemory
 from k3launch.planning.compose import Composed, Locked
 from k3launch.planning.faulttol import FaultTolerance
@@ -113,6 +113,7 @@ def _build_plan(tree: RecipeTree, sel: Selection, nodes: Sequence[NodeSpec] | No
     engines = _engines(s, sized, ft, notices)
     _router(s, placed, exclude, cordoned, engines, notices)
     engines = engines._replace(procs=cpusets.bind(engines.procs, placed, inventory, s.r.hardware.vendor_platform, notices))  # CPU engines sharing a machine: cores of their own
+    engines = engines._replace(procs=tracing.apply(engines.procs, inventory.observability if inventory else None, s.schema, notices))
     kv_cap = _kv_capacity(s.r, s.kv.host_memory_gib_per_rank if s.kv else None, placed[:s.r.nodes], notices)
     cap = capacity.plan_capacity(capacity.Weights(s.r.weights_gb, s.r.weights_formula, s.r.checkpoint_gb), engines.caps, kv_cap)
     return _plan(s, name, engines, cap, notices, kept_out, stage)

@@ -198,6 +198,13 @@ class RouterSection(Strict):
         return None if v is None else check_host(v, "router address")
 
 
+class Observability(Strict):
+    """OpenTelemetry traces of the engines (docs/monitoring.md, "Traces")."""
+
+    otlp_endpoint: str | None = Field(default=None, pattern=r"^(https?|grpc)://[A-Za-z0-9._:\[\]/-]+$")  # vLLM's --otlp-traces-endpoint
+    detailed_traces: list[Literal["model", "worker", "all"]] = []  # vLLM's --collect-detailed-traces
+
+
 class WeightSource(Strict):
     """The weights on the nodes: where the engines read them (load-time predictions, ``weights
     probe``'s default directory), how (the load format and strategy every engine runs with,
@@ -266,6 +273,7 @@ class Inventory(Strict):
     restart: RestartPolicy | None = None  # how `k3launch supervise` restarts (docs/supervise.md); flags override it
     weights: WeightSource | None = None  # the weight source: a shared filesystem? its read throughput (docs/ssh.md "Predicted load time")
     monitoring: Monitoring | None = None  # the controller's metrics address, the alert rules' thresholds (docs/monitoring.md)
+    observability: Observability | None = None  # engines' OpenTelemetry traces (docs/monitoring.md)
 
     @field_validator("backend")
     @classmethod
