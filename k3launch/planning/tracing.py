@@ -9,12 +9,15 @@ router is named in a notice: vllm-router 0.1.17 has no tracing flag.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from k3launch.errors import K3Error
 from k3launch.models.plan import Process, ProvenanceEntry
 from k3launch.models.selection import Notice
-from k3launch.planning.inventory import Observability
 from k3launch.planning.schema import FlagSchema
+
+if TYPE_CHECKING:  # a plan without an inventory does not load the inventory models
+    from k3launch.planning.inventory import Observability
 
 ENDPOINT, DETAILED = "--otlp-traces-endpoint", "--collect-detailed-traces"
 ORIGIN = "inventory observability"

@@ -129,7 +129,9 @@ def test_plan_json_loads_only_planning() -> None:
     """)["modules"])
     assert _loaded([m for m in res["modules"] if m not in floor],
                    (*NOT_AT_START, *COMMAND_MODULES, "rich", "logging", "k3launch.planning.lint", "k3launch.planning.explain",
-                    "k3launch.api.lifecycle", "k3launch.api.nodes", "k3launch.api.catalog", "hashlib", "_hashlib")) == []
+                    "k3launch.api.lifecycle", "k3launch.api.nodes", "k3launch.api.catalog", "hashlib", "_hashlib",
+                    # no --inventory: the inventory's models are not even defined
+                    "k3launch.planning.inventory", "k3launch.models.monitoring")) == []
     built = set(res["built"])
     assert {"k3launch.models.recipe.Recipe", "k3launch.models.recipe.Taxonomy", "k3launch.models.recipe.Strategy"} <= built
     # no --inventory: no inventory model is built; the KV store files are not read (their models not defined) without Mooncake

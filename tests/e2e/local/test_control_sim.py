@@ -57,6 +57,12 @@ def _urls(cli: Cli, name: str, by_id: bool = False) -> Any:
     return pairs if by_id else sorted(u for _, u in pairs)
 
 
+def _targets(cli: Cli, name: str) -> list[str]:
+    """The processes of the deployment's Prometheus target file (docs/monitoring.md)."""
+    groups = json.loads((cli.state_dir / "monitoring" / "targets" / f"{name}.json").read_text())
+    return sorted(g["labels"]["process"] for g in groups)
+
+
 def _engines(cli: Cli, name: str) -> dict[str, int]:
     return {i: int(p["handle"]) for i, p in cli.record(name)["processes"].items() if i != "router"}
 
@@ -144,11 +150,13 @@ def test_scale_out_and_in_then_a_standby_takes_a_killed_copys_place(state_cli: C
         out = cli.json("scale", name, "--replicas", "4", timeout=180)
         t_out = time.monotonic() - t0
         four = _all_listed(endpoint, _urls(cli, name))
+        targets_four = _targets(cli, name)
         leaving = [pid for i, pid in _engines(cli, name).items() if i.startswith(("r2-", "r3-"))]
         t0 = time.monotonic()
         back = cli.json("scale", name, "--replicas", "2", timeout=180)
         t_in = time.monotonic() - t0
         two_rec = cli.record(name)
+        targets_two = _targets(cli, name)
         two = _listed(endpoint)
         urls = _urls(cli, name)
         sb = cli.json("scale", name, "--standby", "1", timeout=180)
@@ -169,6 +177,9 @@ def test_scale_out_and_in_then_a_standby_takes_a_killed_copys_place(state_cli: C
     assert len(four) == 4, four
     assert two == urls and len(two) == 2, two
     assert sorted(two_rec["processes"]) == ["r0-serve-0", "r1-serve-0", "router"]
+    # the Prometheus targets follow the copies: exactly the serving processes, and the controller
+    assert targets_four == ["controller", "r0-serve-0", "r1-serve-0", "r2-serve-0", "r3-serve-0", "router"], targets_four
+    assert targets_two == ["controller", "r0-serve-0", "r1-serve-0", "router"], targets_two
     assert len(leaving) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in leaving)  # the freed nodes hold nothing
     assert listed_sb == urls, listed_sb  # the standby r2 serves, out of the router
     assert added["time"] - detected["time"] < 2.0, (detected, added)

@@ -62,6 +62,11 @@ def test_a_cut_host_is_cordoned_its_copy_re_placed_on_a_spare_and_reclaimed_when
         assert {p["id"]: p["node"] for p in now["plan"]["processes"] if p["role"] != "router"} == {
             gone_id: names[2], kept_id: names[1 - cut]}
         assert now["processes"][kept_id]["handle"] == kept_pid  # the other copy was not touched
+        # the Prometheus targets moved with it: the spare's address, the other copy's unchanged
+        targets = {g["labels"]["process"]: (g["labels"]["node"], g["targets"][0])
+                   for g in json.loads((cli.state_dir / "monitoring" / "targets" / f"{name}.json").read_text())}
+        where = {p["id"]: (p["node"], f"{p['address']}:{p['http_port']}") for p in now["plan"]["processes"] if p["role"] != "router"}
+        assert {k: v for k, v in targets.items() if k in where} == where and where[gone_id][0] == names[2], (targets, where)
         assert names[cut] in now["left_behind"] and now["left_behind"][names[cut]]["processes"][gone_id]["handle"] == str(old)
         cordoned = cli.json("cordon", "-i", str(inv))
         assert [c["node"] for c in cordoned["cordoned"]] == [names[cut]], cordoned
