@@ -57,24 +57,22 @@ def merged_policy(base: RestartPolicy | None, overrides: Mapping[str, Any] | Non
                       "see `k3launch supervise --help` for each setting's range") from None
 
 
-def monitoring_settings(name: str, *, state_dir: str | Path | None = None) -> Monitoring:
-    """The ``monitoring:`` section of the inventory ``name`` was brought up from (the defaults
+def monitoring_settings(rec: DeploymentRecord) -> Monitoring:
+    """The ``monitoring:`` section of the inventory ``rec`` was brought up from (the defaults
     where it has none, or the inventory is no longer there)."""
     from k3launch.models.monitoring import Monitoring
 
-    rec = store(state_dir).load(name)
-    if rec.inventory and Path(rec.inventory).is_file():
-        found = load(rec.inventory).inventory.monitoring
-        if found is not None:
-            return found
-    return Monitoring()
+    inv = _inventory_of(rec)
+    return inv.monitoring if inv is not None and inv.monitoring is not None else Monitoring()
 
 
 def _inventory_policy(rec: DeploymentRecord) -> RestartPolicy:
     from k3launch.models.supervise import RestartPolicy
 
-    if rec.inventory and Path(rec.inventory).is_file():
-        inv = load(rec.inventory).inventory
-        if inv.restart is not None:
-            return inv.restart
-    return RestartPolicy()
+    inv = _inventory_of(rec)
+    return inv.restart if inv is not None and inv.restart is not None else RestartPolicy()
+
+
+def _inventory_of(rec: DeploymentRecord) -> Inventory | None:
+    """The inventory ``rec`` was brought up from, while its file is still there."""
+    return load(rec.inventory).inventory if rec.inventory and Path(rec.inventory).is_file() else None

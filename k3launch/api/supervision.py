@@ -71,7 +71,7 @@ def supervise(name: str, *, state_dir: str | Path | None = None, policy: Restart
         return loop.supervise(name, st, ops, pol, on_event=on_event or (lambda e: None), hook=on_event_command,
                                     detached=detached, stop=stop, places=_places(rec, state_dir), canary=canary_lines(st, name),
                                     gate_for=rollout_gate(st, name), until_converged=until_converged,
-                                    metrics_listen=monitoring_settings(name, state_dir=state_dir).listen)
+                                    metrics_listen=monitoring_settings(rec).listen)
     finally:
         restore()
 

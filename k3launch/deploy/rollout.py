@@ -88,16 +88,10 @@ def _url(p: Process) -> str:
 
 def running_requests(url: str, timeout: float = 3.0) -> float | None:
     """The engine's ``vllm:num_requests_running`` (summed over its label sets); None if unreadable."""
-    import urllib.error
-    import urllib.request
+    from k3launch.transport.http import metric_sums
 
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
-            text = r.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError):
-        return None
-    vals = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("vllm:num_requests_running") and " " in ln]
-    return sum(vals) if vals else None
+    got = metric_sums(url, ("vllm:num_requests_running",), timeout)
+    return None if got is None else got.get("vllm:num_requests_running")
 
 
 class Roller:

@@ -26,8 +26,10 @@ ORIGIN = "inventory observability"
 def apply(procs: Sequence[Process], obs: Observability | None, schema: FlagSchema, notices: list[Notice]) -> list[Process]:
     if obs is None or obs.otlp_endpoint is None:
         return list(procs)
-    wanted = [(ENDPOINT, obs.otlp_endpoint)] + ([(DETAILED, ",".join(obs.detailed_traces))] if obs.detailed_traces else [])
-    for flag, _ in wanted:
+    wanted = [(ENDPOINT, obs.otlp_endpoint, "otlp_endpoint")]  # flag, value, the inventory key it comes from
+    if obs.detailed_traces:
+        wanted.append((DETAILED, ",".join(obs.detailed_traces), "detailed_traces"))
+    for flag, _, _ in wanted:
         if schema.lookup(flag) is None:
             raise K3Error("tracing-unsupported", f"observability in the inventory asks for traces, and vLLM {schema.version} has no {flag}",
                           "plan for a vLLM that has it (--vllm-version), or remove observability from the inventory")
@@ -36,9 +38,9 @@ def apply(procs: Sequence[Process], obs: Observability | None, schema: FlagSchem
         if p.role == "router" or p.http_port is None:
             out.append(p)
             continue
-        argv = [*p.argv, *(w for pair in wanted for w in pair)]
-        prov = {**p.provenance, **{flag: [ProvenanceEntry(layer="strategy", value=f"{flag} {v}", origin=f"{ORIGIN}.{key}")]
-                                   for (flag, v), key in zip(wanted, ("otlp_endpoint", "detailed_traces"), strict=False)}}
+        argv = [*p.argv, *(w for flag, value, _ in wanted for w in (flag, value))]
+        prov = {**p.provenance, **{flag: [ProvenanceEntry(layer="strategy", value=f"{flag} {value}", origin=f"{ORIGIN}.{key}")]
+                                   for flag, value, key in wanted}}
         out.append(p.model_copy(update={"argv": argv, "provenance": prov}))
     if any(p.role == "router" for p in procs):
         notices.append(Notice("tracing-router", "the router is not traced: vllm-router 0.1.17 has no tracing flag (the engines are)"))

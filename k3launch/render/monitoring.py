@@ -18,6 +18,7 @@ from typing import Any
 
 from k3launch.models.plan import Plan, Process
 from k3launch.models.record import DeploymentRecord
+from k3launch.planning.porttable import flag_value
 from k3launch.util.digest import sha256
 
 JOB_ENGINES = "k3launch-vllm"
@@ -32,10 +33,6 @@ def revision(plan: Plan) -> str:
     environments, so a rollout's old and new processes carry different ones."""
     body = json.dumps([[p.id, p.argv, p.env, p.image] for p in plan.processes], sort_keys=True)
     return sha256(body.encode()).hexdigest()[:12]
-
-
-def _flag(argv: list[str], name: str) -> str | None:
-    return argv[argv.index(name) + 1] if name in argv and argv.index(name) + 1 < len(argv) else None
 
 
 def _running(rec: DeploymentRecord) -> list[tuple[Process, Plan]]:
@@ -64,7 +61,7 @@ def targets(rec: DeploymentRecord) -> list[dict[str, Any]]:
     for p, plan in _running(rec):
         host, address = _address(rec, p)
         if p.role == "router":
-            port = _flag(p.argv, "--prometheus-port")
+            port = flag_value(p.argv, "--prometheus-port")
             job = JOB_ROUTERS
         else:
             port = str(p.http_port) if p.http_port else None

@@ -133,27 +133,33 @@ def get_text(url: str, timeout: float = 2.0) -> str | None:
         return None
 
 
-def _work(base: str, timeout: float) -> tuple[float, float] | None:
-    """(requests running or waiting, tokens generated so far) from an engine's ``/metrics``,
-    summed over its DP ranks; None when it cannot be read."""
+def metric_sums(base: str, names: tuple[str, ...], timeout: float) -> dict[str, float] | None:
+    """Each of ``names`` in an engine's ``/metrics``, summed over its label sets (DP ranks); a
+    name the page lacks is left out. None when the page cannot be read. A line scan: a look reads
+    every engine's page, and vLLM's is about 100 KB."""
     text = get_text(base.rstrip("/") + "/metrics", timeout)
     if text is None:
         return None
-    held = tokens = 0.0
-    seen = False
+    out: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total") and " " in line:
+        if name in names and " " in line:
             try:
-                value = float(line.rsplit(" ", 1)[1])
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
             except ValueError:
                 continue
-            seen = seen or name == "vllm:generation_tokens_total"
-            if name == "vllm:generation_tokens_total":
-                tokens += value
-            else:
-                held += value
-    return (held, tokens) if seen else None
+    return out
+
+
+_WORK = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:generation_tokens_total")
+
+
+def _work(base: str, timeout: float) -> tuple[float, float] | None:
+    """(requests running or waiting, tokens generated so far); None when it cannot be read."""
+    got = metric_sums(base, _WORK, timeout)
+    if got is None or _WORK[2] not in got:
+        return None
+    return got.get(_WORK[0], 0.0) + got.get(_WORK[1], 0.0), got[_WORK[2]]
 
 
 def work_all(urls: dict[str, str], timeout: float = PROBE_TIMEOUT_S) -> dict[str, tuple[float, float]]:

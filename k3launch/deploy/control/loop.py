@@ -39,7 +39,7 @@ from k3launch.errors import K3Error
 from k3launch.models.control.actions import Gate, StopAll
 from k3launch.models.control.converge import url
 from k3launch.models.control.decisions import Supervision
-from k3launch.models.control.memory import UnitState
+from k3launch.models.control.memory import ControlMemory, UnitState
 from k3launch.models.control.observation import Observation
 from k3launch.models.plan import Plan
 from k3launch.models.record import DeploymentRecord, Supervisor
@@ -68,6 +68,7 @@ class _Run:
                  gate_for: GateFor | None = None, until_converged: bool = False, exporter: Exporter | None = None) -> None:
         self.rec = rec
         self.exporter = exporter
+        self.memory: ControlMemory | None = None  # the memory as the last persist() dumped it
         self.canary_seen: tuple[bool, float] | None = None  # the last replay's outcome, for the metrics
         self.places = places
         self.store = store
@@ -172,7 +173,7 @@ class _Run:
 
     def persist(self) -> None:
         """The memory and the rollout's progress into the record, when they changed."""
-        mem = self.sup.dump(self.revision)
+        mem = self.memory = self.sup.dump(self.revision)
         mem.finished = self.finished
         ro = self.sup.rollout
         blob = json.dumps([mem.model_dump(mode="json"), ro.model_dump(mode="json") if ro is not None else None], sort_keys=True)
@@ -247,7 +248,7 @@ class _Run:
             if acted and obs.routers:
                 self.listed(obs)
             seen = Seen(time=obs.now, out_of_router=self.sup.unlisted(obs), canary=self.canary_seen)
-            self.exporter.update(families(self.rec, self.sup.dump(self.revision), self.sup.rollout, seen))
+            self.exporter.update(families(self.rec, self.memory, self.sup.rollout, seen))
 
     def _canary(self, busy: bool) -> None:
         """Collect a finished replay (its mismatches are events), and start the next one every
